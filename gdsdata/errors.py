@@ -1,0 +1,29 @@
+"""The exceptions gdsdata raises. Each message names the file or sample and the reason."""
+
+
+class GdsDataError(Exception):
+    """Base class of every error gdsdata raises on purpose."""
+
+
+class SourceError(GdsDataError):
+    """The folder to pack is missing, empty or not an ImageFolder tree."""
+
+
+class OutputExistsError(GdsDataError):
+    """The output folder exists and is not empty, and overwriting was not asked for."""
+
+
+class FormatError(GdsDataError):
+    """An index or shard file is truncated, foreign, of an unknown version or inconsistent."""
+
+
+class CorruptSampleError(GdsDataError):
+    """A stored sample fails its checksum or cannot be decoded."""
+
+
+class BadImageError(GdsDataError):
+    """A source image cannot be packed (empty, truncated, not an image); packing skips it."""
+
+
+class GpuUnavailableError(GdsDataError):
+    """The GPU path was asked for but CUDA, kvikio, cupy or nvJPEG is missing."""

@@ -1,0 +1,106 @@
+"""The on-disk format of a gdsdata dataset, and nothing else.
+
+A dataset is a folder holding ``index.gdsi`` and shard files ``shard-NNNNN.gds``. Every integer is
+little-endian; every structure is a numpy dtype with explicit ``<`` so that the files read the same on
+any machine. ``docs/format.md`` gives the byte tables and ``tests/test_format.py`` checks these
+dtypes against it.
+
+Shard file: a ``SHARD_HEADER`` at offset 0, zero padding up to ``alignment``, then sample payloads,
+each starting at a multiple of ``alignment`` and followed by zero padding up to the next multiple.
+
+Index file: an ``INDEX_HEADER``, then the shard table (``SHARD_RECORD`` x num_shards), the sample
+table (``SAMPLE_RECORD`` x num_samples), the strings blob (UTF-8 relative source paths, addressed by
+``path_offset``/``path_length``) and the metadata blob (UTF-8 JSON: class names, creation info).
+"""
+
+import numpy as np
+
+FORMAT_VERSION = 1
+INDEX_MAGIC = b"GDSINDEX"
+SHARD_MAGIC = b"GDSSHARD"
+INDEX_NAME = "index.gdsi"
+REPORT_NAME = "pack_report.json"
+TMP_SUFFIX = ".tmp"
+DEFAULT_ALIGNMENT = 4096
+
+
+def shard_name(shard_index: int) -> str:
+    return f"shard-{shard_index:05d}.gds"
+
+
+# Codecs (SAMPLE_RECORD.codec).
+CODEC_JPEG = 1
+CODEC_RAW = 2  # decoded uint8 pixels, height x width x components, row-major
+CODEC_NAMES = {CODEC_JPEG: "jpeg", CODEC_RAW: "raw"}
+
+# Chroma subsampling (SAMPLE_RECORD.subsampling); the values are nvjpegChromaSubsampling_t's.
+SUBSAMPLING_444 = 0
+SUBSAMPLING_422 = 1
+SUBSAMPLING_420 = 2
+SUBSAMPLING_440 = 3
+SUBSAMPLING_411 = 4
+SUBSAMPLING_410 = 5
+SUBSAMPLING_GRAY = 6
+SUBSAMPLING_NONE = 255  # raw samples
+SUBSAMPLING_NAMES = {
+    SUBSAMPLING_444: "4:4:4", SUBSAMPLING_422: "4:2:2", SUBSAMPLING_420: "4:2:0",
+    SUBSAMPLING_440: "4:4:0", SUBSAMPLING_411: "4:1:1", SUBSAMPLING_410: "4:1:0",
+    SUBSAMPLING_GRAY: "gray", SUBSAMPLING_NONE: "none",
+}
+
+# Sample flags (SAMPLE_RECORD.flags, a bit set).
+FLAG_CONVERTED = 1  # re-encoded at pack time (the source was not stored byte for byte)
+FLAG_RESIZED = 2  # downscaled at pack time (max side, or the raw codec's target size)
+
+INDEX_HEADER = np.dtype([
+    ("magic", "S8"),
+    ("version", "<u2"),
+    ("flags", "<u2"),
+    ("alignment", "<u4"),
+    ("num_samples", "<u8"),
+    ("num_shards", "<u4"),
+    ("num_classes", "<u4"),
+    ("dataset_id", "S16"),
+    ("shards_offset", "<u8"),
+    ("samples_offset", "<u8"),
+    ("strings_offset", "<u8"),
+    ("strings_size", "<u8"),
+    ("meta_offset", "<u8"),
+    ("meta_size", "<u8"),
+    ("body_crc32", "<u4"),
+    ("reserved", "V28"),
+])
+
+SHARD_RECORD = np.dtype([
+    ("size", "<u8"),
+    ("first_sample", "<u8"),
+    ("num_samples", "<u4"),
+    ("crc32", "<u4"),
+])
+
+SAMPLE_RECORD = np.dtype([
+    ("offset", "<u8"),
+    ("path_offset", "<u8"),
+    ("length", "<u4"),
+    ("shard", "<u4"),
+    ("label", "<u4"),
+    ("width", "<u4"),
+    ("height", "<u4"),
+    ("crc32", "<u4"),
+    ("path_length", "<u4"),
+    ("codec", "u1"),
+    ("components", "u1"),
+    ("subsampling", "u1"),
+    ("flags", "u1"),
+])
+
+SHARD_HEADER = np.dtype([
+    ("magic", "S8"),
+    ("version", "<u2"),
+    ("reserved0", "<u2"),
+    ("alignment", "<u4"),
+    ("shard_index", "<u4"),
+    ("num_samples", "<u4"),
+    ("dataset_id", "S16"),
+    ("reserved", "V24"),
+])

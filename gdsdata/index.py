@@ -1,0 +1,162 @@
+"""Reading, validating and writing ``index.gdsi`` (layout in ``format.py``)."""
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import format as fmt
+from .errors import FormatError
+from .shards import read_header
+
+
+@dataclass
+class Index:
+    root: str
+    alignment: int
+    dataset_id: bytes
+    shards: np.ndarray  # SHARD_RECORD
+    samples: np.ndarray  # SAMPLE_RECORD
+    strings: bytes
+    meta: dict
+
+    @property
+    def classes(self):
+        return list(self.meta["classes"])
+
+    def __len__(self):
+        return len(self.samples)
+
+    def path(self, i: int) -> str:
+        record = self.samples[i]
+        start = int(record["path_offset"])
+        return self.strings[start:start + int(record["path_length"])].decode("utf-8")
+
+    def shard_path(self, shard: int) -> str:
+        return os.path.join(self.root, fmt.shard_name(shard))
+
+    def describe(self, i: int) -> str:
+        """How an error names sample i: index, source path, shard and offset."""
+        record = self.samples[i]
+        return (f"sample {i} ({self.path(i)}, {fmt.shard_name(int(record['shard']))} "
+                f"offset {int(record['offset'])})")
+
+
+def write(out_dir, alignment, dataset_id, shards, samples, strings: bytes, meta: dict) -> str:
+    """Write the index under a temporary name, then rename it: the dataset is complete from here."""
+    shards = np.ascontiguousarray(shards, fmt.SHARD_RECORD)
+    samples = np.ascontiguousarray(samples, fmt.SAMPLE_RECORD)
+    meta_bytes = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
+    header = np.zeros((), fmt.INDEX_HEADER)
+    header["magic"] = fmt.INDEX_MAGIC
+    header["version"] = fmt.FORMAT_VERSION
+    header["alignment"] = alignment
+    header["num_samples"] = len(samples)
+    header["num_shards"] = len(shards)
+    header["num_classes"] = len(meta["classes"])
+    header["dataset_id"] = dataset_id
+    offset = fmt.INDEX_HEADER.itemsize
+    header["shards_offset"] = offset
+    offset += shards.nbytes
+    header["samples_offset"] = offset
+    offset += samples.nbytes
+    header["strings_offset"] = offset
+    header["strings_size"] = len(strings)
+    offset += len(strings)
+    header["meta_offset"] = offset
+    header["meta_size"] = len(meta_bytes)
+    body = shards.tobytes() + samples.tobytes() + strings + meta_bytes
+    header["body_crc32"] = zlib.crc32(body)
+    path = os.path.join(str(out_dir), fmt.INDEX_NAME)
+    with open(path + fmt.TMP_SUFFIX, "wb") as f:
+        f.write(header.tobytes())
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + fmt.TMP_SUFFIX, path)
+    return path
+
+
+def _section(raw, path, name, offset, size):
+    if offset < fmt.INDEX_HEADER.itemsize or offset + size > len(raw):
+        raise FormatError(f"{path}: {name} section (offset {offset}, {size} bytes) lies outside the "
+                          f"file ({len(raw)} bytes): truncated or corrupt index")
+    return raw[offset:offset + size]
+
+
+def load(root) -> Index:
+    """Read and check a dataset's index and shard headers; raises ``FormatError`` naming the file."""
+    root = os.fspath(root)
+    path = os.path.join(root, fmt.INDEX_NAME)
+    if not os.path.isdir(root):
+        raise FormatError(f"{root}: no such dataset folder")
+    if not os.path.exists(path):
+        hint = (" (an unfinished pack: pack again with --overwrite)"
+                if any(n.endswith(fmt.TMP_SUFFIX) or n.endswith(".gds") for n in os.listdir(root)) else "")
+        raise FormatError(f"{path}: no index, so {root} is not a finished gdsdata dataset{hint}")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < fmt.INDEX_HEADER.itemsize:
+        raise FormatError(f"{path}: truncated index ({len(raw)} bytes, shorter than its header)")
+    header = np.frombuffer(raw, fmt.INDEX_HEADER, count=1)[0]
+    if header["magic"] != fmt.INDEX_MAGIC:
+        raise FormatError(f"{path}: not a gdsdata index (bad magic)")
+    if header["version"] != fmt.FORMAT_VERSION:
+        raise FormatError(f"{path}: format version {header['version']}; this gdsdata reads version "
+                          f"{fmt.FORMAT_VERSION} (upgrade gdsdata, or pack again)")
+    num_shards, num_samples = int(header["num_shards"]), int(header["num_samples"])
+    shards_raw = _section(raw, path, "shard table", int(header["shards_offset"]),
+                          num_shards * fmt.SHARD_RECORD.itemsize)
+    samples_raw = _section(raw, path, "sample table", int(header["samples_offset"]),
+                           num_samples * fmt.SAMPLE_RECORD.itemsize)
+    strings = _section(raw, path, "strings", int(header["strings_offset"]), int(header["strings_size"]))
+    meta_raw = _section(raw, path, "metadata", int(header["meta_offset"]), int(header["meta_size"]))
+    body_start = fmt.INDEX_HEADER.itemsize
+    if zlib.crc32(raw[body_start:]) != int(header["body_crc32"]):
+        raise FormatError(f"{path}: index checksum mismatch (corrupt or truncated index)")
+    try:
+        meta = json.loads(meta_raw.decode("utf-8"))
+        classes = meta["classes"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise FormatError(f"{path}: unreadable metadata ({e})") from e
+    if len(classes) != int(header["num_classes"]):
+        raise FormatError(f"{path}: {len(classes)} class names, header says {header['num_classes']}")
+    index = Index(root, int(header["alignment"]), bytes(header["dataset_id"]),
+                  np.frombuffer(shards_raw, fmt.SHARD_RECORD).copy(),
+                  np.frombuffer(samples_raw, fmt.SAMPLE_RECORD).copy(), strings, meta)
+    _check(index, path)
+    return index
+
+
+def _check(index: Index, path: str):
+    """Cross-check the tables against each other and against the shard files on disk."""
+    samples, shards = index.samples, index.shards
+    if len(samples) and int(samples["shard"].max()) >= len(shards):
+        bad = int(np.argmax(samples["shard"] >= len(shards)))
+        raise FormatError(f"{path}: sample {bad} points to shard {samples['shard'][bad]}, "
+                          f"but the dataset has {len(shards)} shards")
+    if len(samples) and int(samples["label"].max()) >= len(index.meta["classes"]):
+        bad = int(np.argmax(samples["label"] >= len(index.meta["classes"])))
+        raise FormatError(f"{path}: sample {bad} has label {samples['label'][bad]} beyond the class list")
+    ends = samples["offset"] + samples["length"]
+    path_ends = samples["path_offset"] + samples["path_length"]
+    if len(samples) and int(path_ends.max()) > len(index.strings):
+        raise FormatError(f"{path}: a source path lies outside the strings section")
+    for shard, record in enumerate(shards):
+        shard_path = index.shard_path(shard)
+        read_header(shard_path, shard, index.dataset_id, index.alignment)
+        size = os.path.getsize(shard_path)
+        if size != int(record["size"]):
+            raise FormatError(f"{shard_path}: {size} bytes on disk, the index records {record['size']} "
+                              f"(truncated or replaced shard)")
+        mine = samples["shard"] == shard
+        if mine.any() and int(ends[mine].max()) > size:
+            bad = int(np.flatnonzero(mine)[np.argmax(ends[mine])])
+            raise FormatError(f"{path}: {index.describe(bad)} ends at byte {int(ends[bad])}, past the end "
+                              f"of its shard ({size} bytes)")
+    unaligned = samples["offset"] % index.alignment != 0
+    if unaligned.any():
+        raise FormatError(f"{path}: {index.describe(int(np.argmax(unaligned)))} is not aligned to "
+                          f"{index.alignment} bytes")

@@ -1,0 +1,123 @@
+"""Pack-time validation and normalisation of one source image.
+
+Every stored sample must decode on the GPU fast path. A JPEG that nvJPEG's hardware engines can
+decode (see ``jpeg.probe``) and that decodes cleanly is stored byte for byte. Anything else PIL can
+open is converted once, exactly as ``PIL.Image.open(path).convert("RGB")`` sees it (EXIF orientation
+is not applied, alpha is dropped, 16-bit and palette images go through PIL's own conversion), and
+re-encoded as a baseline JPEG: single-channel sources as a gray JPEG, the rest as YCbCr. A file that
+cannot be decoded raises ``BadImageError`` with the reason.
+"""
+
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image
+
+from . import format as fmt
+from .errors import BadImageError
+from .jpeg import NotJpeg, is_jpeg, probe
+
+_GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    codec: str = "jpeg"  # "jpeg" or "raw"
+    quality: int = 90  # JPEG quality of re-encoded images
+    max_side: int = 0  # downscale so the longer side is at most this (0: keep)
+    raw_size: int = 0  # raw codec: downscale so the shorter side is this (0: keep)
+
+    def __post_init__(self):
+        if self.codec not in ("jpeg", "raw"):
+            raise ValueError(f"codec must be 'jpeg' or 'raw', got {self.codec!r}")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"JPEG quality must be between 1 and 100, got {self.quality}")
+        if self.max_side < 0 or self.raw_size < 0:
+            raise ValueError("max side and raw size must be positive (or 0 to keep the size)")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    payload: bytes
+    codec: int
+    width: int
+    height: int
+    components: int
+    subsampling: int
+    flags: int
+
+
+def _open(data: bytes) -> Image.Image:
+    """Decode fully with PIL, turning every failure into a one-line reason."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            image.load()
+    except Image.UnidentifiedImageError as e:
+        raise BadImageError("not an image PIL can identify") from e
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise BadImageError(f"too many pixels ({e})") from e
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise BadImageError(f"truncated or corrupt: {e}") from e
+    if image.width == 0 or image.height == 0:
+        raise BadImageError("image has no pixels")
+    return image
+
+
+def _target_size(width, height, options):
+    """The stored size for a source of this size, or None to keep it."""
+    if options.codec == "raw" and options.raw_size and min(width, height) > options.raw_size:
+        scale = options.raw_size / min(width, height)
+    elif options.max_side and max(width, height) > options.max_side:
+        scale = options.max_side / max(width, height)
+    else:
+        return None
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise BadImageError(f"cannot convert {image.mode} to RGB: {e}") from e
+
+
+def _encode_jpeg(image: Image.Image, quality: int) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=quality, subsampling="4:2:0", progressive=False, optimize=False)
+    return buffer.getvalue()
+
+
+def prepare(data: bytes, options: PackOptions) -> Prepared:
+    """Validate one image file's bytes and return what to store; raises ``BadImageError``."""
+    if len(data) == 0:
+        raise BadImageError("empty file")
+    info = None
+    if options.codec == "jpeg" and is_jpeg(data):
+        try:
+            info = probe(data)
+        except NotJpeg:
+            info = None  # PIL decides below whether it is still readable
+    image = _open(data)
+    size = _target_size(image.width, image.height, options)
+    if info is not None and info.gpu_ready and size is None:
+        if (info.width, info.height) != image.size:
+            raise BadImageError(f"JPEG header says {info.width}x{info.height}, PIL decodes {image.size}")
+        return Prepared(data, fmt.CODEC_JPEG, info.width, info.height, info.components,
+                        info.subsampling, 0)
+    gray = image.mode in _GRAY_MODES
+    rgb = _to_rgb(image)
+    flags = fmt.FLAG_CONVERTED
+    if size is not None:
+        rgb = rgb.resize(size, Image.Resampling.BICUBIC)
+        flags |= fmt.FLAG_RESIZED
+    stored = rgb.getchannel("R") if gray else rgb
+    if options.codec == "raw":
+        return Prepared(stored.tobytes(), fmt.CODEC_RAW, stored.width, stored.height,
+                        1 if gray else 3, fmt.SUBSAMPLING_NONE, flags)
+    payload = _encode_jpeg(stored, options.quality)
+    check = probe(payload)
+    return Prepared(payload, fmt.CODEC_JPEG, check.width, check.height, check.components,
+                    check.subsampling, flags)

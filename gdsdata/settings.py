@@ -1,0 +1,102 @@
+"""Runtime knobs: one settings object, read from ``GDSDATA_*`` environment variables, scoped overrides.
+
+    import gdsdata
+    gdsdata.settings.get("cpu_threads")
+    with gdsdata.settings.set(cpu_threads=4, max_gap=0):
+        ...
+
+| name | variable | default | meaning |
+| --- | --- | --- | --- |
+| cpu_threads | GDSDATA_CPU_THREADS | cores | threads decoding JPEGs on the CPU path |
+| io_threads | GDSDATA_IO_THREADS | 16 | kvikio threads issuing reads on the GPU path |
+| max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
+| max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
+| staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
+| decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, gpu_hybrid, gpu_hybrid_device |
+| verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
+"""
+
+import contextlib
+import os
+import threading
+
+_DEFAULTS = {
+    "cpu_threads": os.cpu_count() or 1,
+    "io_threads": 16,
+    "max_gap": 256 * 1024,
+    "max_read": 64 * 1024 * 1024,
+    "staging": "auto",
+    "decode_backend": "auto",
+    "verify_checksums": False,
+}
+_CHOICES = {
+    "staging": ("auto", "device", "host"),
+    "decode_backend": ("auto", "hardware", "hardware_device", "gpu_hybrid", "gpu_hybrid_device"),
+}
+_lock = threading.Lock()
+
+
+def _parse(name, value):
+    default = _DEFAULTS[name]
+    if isinstance(default, bool):
+        if isinstance(value, str):
+            lowered = value.strip().lower()
+            if lowered not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
+                raise ValueError(f"setting {name}: expected a boolean, got {value!r}")
+            return lowered in ("1", "true", "on", "yes")
+        return bool(value)
+    if isinstance(default, int):
+        try:
+            number = int(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"setting {name}: expected an integer, got {value!r}") from e
+        if number < 0 or (number == 0 and name.endswith("threads")):
+            raise ValueError(f"setting {name}: must be positive, got {number}")
+        return number
+    value = str(value).strip().lower()
+    if value not in _CHOICES[name]:
+        raise ValueError(f"setting {name}: expected one of {', '.join(_CHOICES[name])}, got {value!r}")
+    return value
+
+
+def _from_environment():
+    values = dict(_DEFAULTS)
+    for name in _DEFAULTS:
+        raw = os.environ.get(f"GDSDATA_{name.upper()}")
+        if raw is not None and raw != "":
+            values[name] = _parse(name, raw)
+    return values
+
+
+_values = _from_environment()
+
+
+def get(name):
+    if name not in _values:
+        raise KeyError(f"unknown gdsdata setting {name!r}; known: {', '.join(sorted(_values))}")
+    return _values[name]
+
+
+def as_dict():
+    return dict(_values)
+
+
+@contextlib.contextmanager
+def _restore(previous):
+    try:
+        yield
+    finally:
+        with _lock:
+            _values.update(previous)
+
+
+def set(**changes):  # noqa: A001 - mirrors kvikio.defaults.set
+    """Change settings now; used as a context manager, restores them on exit."""
+    unknown = sorted(k for k in changes if k not in _values)
+    if unknown:
+        raise KeyError(f"unknown gdsdata setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_values))}")
+    parsed = {k: _parse(k, v) for k, v in changes.items()}
+    with _lock:
+        previous = {k: _values[k] for k in parsed}
+        _values.update(parsed)
+    return _restore(previous)

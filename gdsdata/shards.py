@@ -1,0 +1,134 @@
+"""Writing shard files (aligned payloads, written under a temporary name) and checking their headers."""
+
+import logging
+import os
+import zlib
+
+import numpy as np
+
+from . import format as fmt
+from .errors import FormatError
+
+log = logging.getLogger(__name__)
+_ZEROS = bytes(1 << 16)
+
+
+def _pad(size: int, alignment: int) -> int:
+    return (-size) % alignment
+
+
+class ShardWriter:
+    """Appends payloads to ``shard-NNNNN.gds``, each at an aligned offset; rolls to a new shard
+    past ``shard_size`` bytes. A shard is renamed to its final name only once it is complete."""
+
+    def __init__(self, out_dir, alignment, shard_size, dataset_id: bytes, first_shard: int = 0):
+        if alignment < 64 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
+        self.out_dir = str(out_dir)
+        self.alignment = alignment
+        self.shard_size = shard_size
+        self.dataset_id = dataset_id
+        self.next_shard = first_shard
+        self.records = []  # one (size, first_sample, num_samples, crc32) per finished shard
+        self.samples_written = 0
+        self._file = None
+
+    def _write(self, data):
+        self._file.write(data)
+        self._crc = zlib.crc32(data, self._crc)  # the shard's CRC covers everything after the header block
+        self._size += len(data)
+
+    def _write_zeros(self, count):
+        while count:
+            chunk = _ZEROS[:min(count, len(_ZEROS))]
+            self._write(chunk)
+            count -= len(chunk)
+
+    def _open(self):
+        self._index = self.next_shard
+        self.next_shard += 1
+        self._path = os.path.join(self.out_dir, fmt.shard_name(self._index))
+        self._file = open(self._path + fmt.TMP_SUFFIX, "wb")
+        self._file.write(bytes(self.alignment))  # header block, rewritten at close
+        self._crc = 0
+        self._size = self.alignment
+        self._count = 0
+        self._first = self.samples_written
+
+    def add(self, payload) -> tuple:
+        """Store one payload; returns (shard index, offset)."""
+        if self._file is not None and self._count and self._size + len(payload) > self.shard_size:
+            self.close_shard()
+        if self._file is None:
+            self._open()
+        offset = self._size
+        self._write(payload)
+        self._write_zeros(_pad(self._size, self.alignment))
+        self._count += 1
+        self.samples_written += 1
+        return self._index, offset
+
+    def close_shard(self):
+        if self._file is None:
+            return
+        header = np.zeros((), fmt.SHARD_HEADER)
+        header["magic"] = fmt.SHARD_MAGIC
+        header["version"] = fmt.FORMAT_VERSION
+        header["alignment"] = self.alignment
+        header["shard_index"] = self._index
+        header["num_samples"] = self._count
+        header["dataset_id"] = self.dataset_id
+        head = header.tobytes() + bytes(self.alignment - fmt.SHARD_HEADER.itemsize)
+        self._file.seek(0)
+        self._file.write(head)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(self._path + fmt.TMP_SUFFIX, self._path)
+        self.records.append((self._size, self._first, self._count, self._crc))
+        log.debug("wrote %s: %d samples, %d bytes", self._path, self._count, self._size)
+
+    def abort(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            try:
+                os.unlink(self._path + fmt.TMP_SUFFIX)
+            except FileNotFoundError:
+                pass
+
+
+def data_crc32(path, alignment: int, chunk=1 << 22) -> int:
+    """CRC-32 of a shard's bytes after its header block (what SHARD_RECORD.crc32 stores)."""
+    crc = 0
+    with open(path, "rb") as f:
+        f.seek(alignment)
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return crc
+            crc = zlib.crc32(block, crc)
+
+
+def read_header(path, expected_index: int, dataset_id: bytes, alignment: int):
+    """Check one shard's header against the index; raises ``FormatError`` naming the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(fmt.SHARD_HEADER.itemsize)
+    except FileNotFoundError as e:
+        raise FormatError(f"{path}: shard file missing (the dataset is incomplete)") from e
+    if len(raw) < fmt.SHARD_HEADER.itemsize:
+        raise FormatError(f"{path}: truncated shard ({len(raw)} bytes, shorter than its header)")
+    header = np.frombuffer(raw, fmt.SHARD_HEADER)[0]
+    if header["magic"] != fmt.SHARD_MAGIC:
+        raise FormatError(f"{path}: not a gdsdata shard (bad magic)")
+    if header["version"] != fmt.FORMAT_VERSION:
+        raise FormatError(f"{path}: shard format version {header['version']}, this gdsdata reads "
+                          f"version {fmt.FORMAT_VERSION}")
+    if header["dataset_id"] != dataset_id:
+        raise FormatError(f"{path}: shard belongs to another dataset (dataset id differs from the index)")
+    if header["shard_index"] != expected_index or header["alignment"] != alignment:
+        raise FormatError(f"{path}: shard header says index {header['shard_index']}, alignment "
+                          f"{header['alignment']}; the index expects {expected_index}, {alignment}")
+    return header
