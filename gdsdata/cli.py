@@ -1,0 +1,178 @@
+"""The ``gdsdata`` command: pack, inspect, verify, doctor. The only module that prints.
+
+Every error gdsdata raises on purpose becomes one line on stderr and exit status 1; usage errors exit 2.
+"""
+
+import argparse
+import json
+import logging
+import sys
+
+from . import __version__
+
+_SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """Parse '512M', '1G', '4096' into bytes."""
+    raw = text.strip().lower().rstrip("ib")
+    try:
+        if raw and raw[-1] in _SIZE_UNITS:
+            return int(float(raw[:-1]) * _SIZE_UNITS[raw[-1]])
+        return int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 512M, 1G)") from None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def _cmd_pack(args):
+    from .normalize import PackOptions
+    from .pack import pack
+
+    options = PackOptions(codec=args.codec, quality=args.quality, max_side=args.max_side,
+                          raw_size=args.size)
+    result = pack(args.src, args.out, options=options, shard_size=args.shard_size,
+                  alignment=args.alignment, workers=args.workers, strict=args.strict,
+                  overwrite=args.overwrite, progress=not args.quiet)
+    rate = result.packed / result.seconds if result.seconds else 0.0
+    print(f"packed {result.packed} images into {result.shards} shard(s), {_human(result.bytes)}, "
+          f"in {result.seconds:.1f} s ({rate:.0f} images/s)")
+    print(f"  stored as is: {result.packed - result.converted}, converted: {result.converted}, "
+          f"resized: {result.resized}")
+    if result.skipped:
+        print(f"  skipped {len(result.skipped)} file(s) that cannot be decoded:")
+        for item in result.skipped[:10]:
+            print(f"    {item['path']}: {item['reason']}")
+        if len(result.skipped) > 10:
+            print(f"    ... {len(result.skipped) - 10} more")
+    if result.ignored:
+        print(f"  ignored {len(result.ignored)} non-image file(s)")
+    print(f"  report: {result.report_path}")
+    return 0
+
+
+def _cmd_inspect(args):
+    from .inspect import inspect
+
+    info = inspect(args.dataset)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['path']}: {info['samples']} samples, {info['classes']} classes, {info['shards']} shard(s)")
+    print(f"  format version {info['format_version']}, created {info['created']} by gdsdata "
+          f"{info['gdsdata_version']}")
+    print(f"  payload {_human(info['payload_bytes'])} in {_human(info['shard_bytes'])} of shards; "
+          f"alignment {info['alignment']} B, overhead {info['alignment_overhead'] * 100:.2f} %")
+    sizes, w, h = info["sample_bytes"], info["width"], info["height"]
+    print(f"  sample size min/mean/max: {_human(sizes['min'])} / {_human(sizes['mean'])} / {_human(sizes['max'])}")
+    print(f"  width {w['min']}-{w['max']} (mean {w['mean']}), height {h['min']}-{h['max']} (mean {h['mean']})")
+    print(f"  codecs: {', '.join(f'{k} {v}' for k, v in info['codecs'].items())}; "
+          f"subsampling: {', '.join(f'{k} {v}' for k, v in info['subsampling'].items())}")
+    print(f"  stored as is: {info['stored_as_is']}, converted at pack time: {info['converted']}, "
+          f"resized: {info['resized']}")
+    counts = list(info["per_class"].items())
+    shown = counts if len(counts) <= 12 else counts[:6] + [("...", "")] + counts[-5:]
+    print("  per class: " + ", ".join(f"{name} {n}".strip() for name, n in shown))
+    return 0
+
+
+def _cmd_verify(args):
+    from .verify import verify
+
+    problems = verify(args.dataset, decode_samples=not args.checksums_only, progress=not args.quiet)
+    for line in problems:
+        print(f"bad: {line}", file=sys.stderr)
+    if problems:
+        print(f"gdsdata: verify found {len(problems)} problem(s) in {args.dataset}", file=sys.stderr)
+        return 1
+    print(f"{args.dataset}: all checksums match" + ("" if args.checksums_only else " and every sample decodes"))
+    return 0
+
+
+def _cmd_doctor(args):
+    from .doctor import report
+
+    info = report()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            print(f"{key:>22}: {value}")
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="gdsdata", description="Pack image folders into GPU-ready shards "
+                                     "and check them.")
+    parser.add_argument("--version", action="version", version=f"gdsdata {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("pack", help="pack an ImageFolder tree into a dataset",
+                       description="Validate, normalise and pack SRC (one subfolder per class) into OUT.")
+    p.add_argument("src", help="ImageFolder tree: SRC/CLASS/IMAGE")
+    p.add_argument("out", help="dataset folder to create")
+    p.add_argument("--shard-size", type=_size, default=1 << 30, metavar="SIZE",
+                   help="target shard size (default 1G)")
+    p.add_argument("--alignment", type=_size, default=4096, metavar="BYTES",
+                   help="payload alignment, a power of two (default 4096)")
+    p.add_argument("--workers", type=int, default=0, help="processes (default: all cores)")
+    p.add_argument("--codec", choices=("jpeg", "raw"), default="jpeg",
+                   help="jpeg (default) or raw decoded pixels")
+    p.add_argument("--quality", type=int, default=95,
+                   help="JPEG quality for re-encoded images, 4:4:4 chroma (default 95)")
+    p.add_argument("--max-side", type=int, default=0, metavar="PX",
+                   help="downscale images whose longer side exceeds PX (default: keep)")
+    p.add_argument("--size", type=int, default=0, metavar="PX",
+                   help="raw codec: downscale so the shorter side is PX (default: keep)")
+    p.add_argument("--strict", action="store_true", help="stop at the first bad file instead of skipping it")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_cmd_pack)
+
+    p = sub.add_parser("inspect", help="show what a dataset holds")
+    p.add_argument("dataset")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_cmd_inspect)
+
+    p = sub.add_parser("verify", help="check checksums and decodability of every sample")
+    p.add_argument("dataset")
+    p.add_argument("--checksums-only", action="store_true", help="skip decoding")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_cmd_verify)
+
+    p = sub.add_parser("doctor", help="show GPU, driver, kvikio/GDS and nvJPEG status")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_cmd_doctor)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from .errors import GdsDataError
+
+    try:
+        return args.run(args)
+    except GdsDataError as e:
+        print(f"gdsdata: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        message = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"gdsdata: error: {where}{message}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("gdsdata: interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""``gdsdata inspect``: what a packed dataset holds (counts, sizes, codecs, conversions, overhead)."""
+
+import os
+
+import numpy as np
+
+from . import format as fmt
+from . import index as index_io
+
+
+def _stats(values):
+    values = np.asarray(values, dtype=np.float64)
+    if not len(values):
+        return {"min": 0, "mean": 0, "max": 0}
+    return {"min": int(values.min()), "mean": round(float(values.mean()), 1), "max": int(values.max())}
+
+
+def _tally(values, names):
+    kinds, counts = np.unique(values, return_counts=True)
+    return {names.get(int(k), f"unknown({int(k)})"): int(c) for k, c in zip(kinds, counts)}
+
+
+def inspect(root) -> dict:
+    index = index_io.load(root)
+    samples, shards = index.samples, index.shards
+    payload = int(samples["length"].sum())
+    stored = int(shards["size"].sum())
+    per_class = np.bincount(samples["label"], minlength=len(index.classes))
+    meta = index.meta
+    return {
+        "path": os.path.abspath(index.root),
+        "format_version": fmt.FORMAT_VERSION,
+        "created": meta.get("created"),
+        "gdsdata_version": meta.get("gdsdata_version"),
+        "samples": len(samples),
+        "classes": len(index.classes),
+        "per_class": {name: int(n) for name, n in zip(index.classes, per_class)},
+        "shards": len(shards),
+        "alignment": index.alignment,
+        "payload_bytes": payload,
+        "shard_bytes": stored,
+        "alignment_overhead": round((stored - payload) / stored, 5) if stored else 0.0,
+        "sample_bytes": _stats(samples["length"]),
+        "width": _stats(samples["width"]),
+        "height": _stats(samples["height"]),
+        "codecs": _tally(samples["codec"], fmt.CODEC_NAMES),
+        "subsampling": _tally(samples["subsampling"], fmt.SUBSAMPLING_NAMES),
+        "stored_as_is": int(((samples["flags"] & fmt.FLAG_CONVERTED) == 0).sum()),
+        "converted": int(((samples["flags"] & fmt.FLAG_CONVERTED) != 0).sum()),
+        "resized": int(((samples["flags"] & fmt.FLAG_RESIZED) != 0).sum()),
+        "pack_options": meta.get("options", {}),
+        "pack_counts": meta.get("counts", {}),
+    }

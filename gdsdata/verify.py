@@ -1,0 +1,51 @@
+"""``gdsdata verify``: check every shard's and every sample's checksum, and that every sample decodes."""
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from tqdm import tqdm
+
+from . import index as index_io
+from . import settings
+from .decode_cpu import check_crc, decode
+from .errors import GdsDataError
+from .reader_cpu import CpuReader
+from .shards import data_crc32
+
+
+def verify(root, *, decode_samples=True, batch=256, progress=False) -> list:
+    """Returns one line per problem found (empty when the dataset is sound)."""
+    index = index_io.load(root)
+    problems = []
+    with ThreadPoolExecutor(settings.get("cpu_threads")) as pool:
+        shard_crcs = pool.map(lambda s: data_crc32(index.shard_path(s), index.alignment), range(len(index.shards)))
+        for shard, (record, crc) in enumerate(zip(index.shards, shard_crcs)):
+            if crc != int(record["crc32"]):
+                problems.append(f"{index.shard_path(shard)}: shard checksum mismatch")
+        reader = CpuReader(index)
+
+        def check(job):
+            buffer, start, length, sample = job
+            payload = buffer[start:start + length]
+            name = index.describe(sample)
+            try:
+                check_crc(payload, index.samples[sample], name)
+                if decode_samples:
+                    decode(payload, index.samples[sample], name)
+            except GdsDataError as e:
+                return str(e)
+            return None
+
+        bar = tqdm(total=len(index), unit="img", desc="verify", disable=not progress, file=sys.stderr)
+        with bar:
+            for first in range(0, len(index), batch):
+                indices = list(range(first, min(first + batch, len(index))))
+                buffer, plan = reader.read(indices)
+                jobs = [(buffer, int(o), int(n), i)
+                        for o, n, i in zip(plan.sample_offsets, plan.sample_lengths, indices)]
+                problems.extend(p for p in pool.map(check, jobs) if p)
+                bar.update(len(indices))
+        reader.close()
+    return problems
+
+

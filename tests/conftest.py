@@ -1,0 +1,147 @@
+"""Shared fixtures: small real image sets made on the fly, and the GPU skip hook."""
+
+import io
+import os
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+from make_images import make_image  # noqa: E402
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device: GPU tests run on a machine with one (pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def photo(seed, label=0, noise=2.0, scale=0.5) -> Image.Image:
+    """A photographic-looking RGB image; noise 2 is a camera's after its own denoising."""
+    return make_image(seed, label, noise, scale)
+
+
+def jpeg_bytes(image, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", **kwargs)
+    return buffer.getvalue()
+
+
+def png_bytes(image, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG", **kwargs)
+    return buffer.getvalue()
+
+
+def _exif_rotated(image):
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 CW to display
+    return jpeg_bytes(image, quality=90, exif=exif.tobytes())
+
+
+def _sixteen_bit(image):
+    gray = np.asarray(image.convert("L"), dtype=np.uint16) * 257
+    return png_bytes(Image.fromarray(gray))
+
+
+# name -> (class folder, bytes maker, expected outcome): "as_is", "converted" or "skipped"
+KINDS = {
+    "baseline420.jpg": ("animals", lambda im: jpeg_bytes(im, quality=90), "as_is"),
+    "baseline444.jpg": ("animals", lambda im: jpeg_bytes(im, quality=90, subsampling=0), "as_is"),
+    "baseline422.jpeg": ("animals", lambda im: jpeg_bytes(im, quality=90, subsampling=1), "as_is"),
+    "gray.jpg": ("animals", lambda im: jpeg_bytes(im.convert("L"), quality=90), "as_is"),
+    "exif_rotated.JPG": ("animals", _exif_rotated, "as_is"),
+    "progressive.jpg": ("plants", lambda im: jpeg_bytes(im, quality=90, progressive=True), "converted"),
+    "cmyk.jpg": ("plants", lambda im: jpeg_bytes(im.convert("CMYK"), quality=90), "converted"),
+    "rgba.png": ("plants", lambda im: png_bytes(im.convert("RGBA")), "converted"),
+    "palette.png": ("plants", lambda im: png_bytes(im.convert("P", palette=Image.Palette.ADAPTIVE)), "converted"),
+    "sixteen_bit.png": ("plants", _sixteen_bit, "converted"),
+    "gray.png": ("plants", lambda im: png_bytes(im.convert("L")), "converted"),
+    "image.bmp": ("rocks", lambda im: _save(im, "BMP"), "converted"),
+    "image.webp": ("rocks", lambda im: _save(im, "WEBP", quality=95), "converted"),
+    "truncated.jpg": ("rocks", lambda im: jpeg_bytes(im, quality=90)[:3000], "skipped"),
+    "empty.jpg": ("rocks", lambda im: b"", "skipped"),
+    "text.jpg": ("rocks", lambda im: b"this is not an image\n" * 20, "skipped"),
+    "notes.txt": ("rocks", lambda im: b"ignored: not an image extension\n", "ignored"),
+}
+
+
+def _save(image, fmt, **kwargs):
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def write_kinds(root):
+    """Write one file of every kind under root/CLASS/; returns {relative path: expected outcome}."""
+    expected = {}
+    for seed, (name, (folder, maker, outcome)) in enumerate(sorted(KINDS.items())):
+        os.makedirs(os.path.join(root, folder), exist_ok=True)
+        with open(os.path.join(root, folder, name), "wb") as f:
+            f.write(maker(photo(seed, label=seed % 3)))
+        expected[os.path.join(folder, name)] = outcome
+    return expected
+
+
+def write_photos(root, count, classes=3, start_seed=100, **kwargs):
+    """Baseline JPEGs, spread over class folders; returns their relative paths in ImageFolder order."""
+    paths = []
+    for i in range(count):
+        folder = f"class{i % classes}"
+        os.makedirs(os.path.join(root, folder), exist_ok=True)
+        rel = os.path.join(folder, f"{i:05d}.jpg")
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(jpeg_bytes(photo(start_seed + i, label=i % classes, **kwargs), quality=90))
+        paths.append(rel)
+    return sorted(paths)
+
+
+@pytest.fixture(scope="session")
+def kinds_source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kinds_src")
+    return str(root), write_kinds(str(root))
+
+
+@pytest.fixture(scope="session")
+def kinds_dataset(kinds_source, tmp_path_factory):
+    from gdsdata.pack import pack
+
+    src, expected = kinds_source
+    out = str(tmp_path_factory.mktemp("kinds") / "ds")
+    result = pack(src, out, workers=2)
+    return src, expected, out, result
+
+
+@pytest.fixture(scope="session")
+def photos_dataset(tmp_path_factory):
+    """60 baseline JPEGs in 3 classes, packed into small shards so reads cross shard boundaries."""
+    from gdsdata.pack import pack
+
+    src = str(tmp_path_factory.mktemp("photos_src"))
+    paths = write_photos(src, 60)
+    out = str(tmp_path_factory.mktemp("photos") / "ds")
+    pack(src, out, workers=2, shard_size=600_000)
+    return src, paths, out
+
+
+def pil_reference(path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def mean_abs_diff(tensor_chw, reference_hwc) -> float:
+    pixels = tensor_chw.permute(1, 2, 0).numpy().astype(np.int16)
+    assert pixels.shape == reference_hwc.shape, (pixels.shape, reference_hwc.shape)
+    return float(np.abs(pixels - reference_hwc.astype(np.int16)).mean())

@@ -1,0 +1,208 @@
+"""Packing real images of every kind, and loading them back through the CPU Dataset."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import mean_abs_diff, pil_reference, write_photos
+
+from gdsdata import format as fmt
+from gdsdata.dataset import GDSDataset
+from gdsdata.errors import BadImageError, OutputExistsError, SourceError
+from gdsdata.normalize import PackOptions
+from gdsdata.pack import pack
+
+
+def test_every_kind_loads_like_pil(kinds_dataset):
+    src, expected, out, _ = kinds_dataset
+    ds = GDSDataset(out)
+    stored = {ds.source(i): i for i in range(len(ds))}
+    assert set(stored) == {p for p, outcome in expected.items() if outcome in ("as_is", "converted")}
+    for rel, i in stored.items():
+        image, label = ds[i]
+        assert image.dtype == torch.uint8 and image.shape[0] == 3
+        assert ds.classes[label] == rel.split(os.sep)[0]
+        mad = mean_abs_diff(image, pil_reference(os.path.join(src, rel)))
+        converted = bool(ds.index.samples[i]["flags"] & fmt.FLAG_CONVERTED)
+        assert converted == (expected[rel] == "converted"), rel
+        assert mad <= (4 if converted else 1), (rel, mad)
+
+
+def test_jpegs_that_qualify_are_stored_byte_for_byte(kinds_dataset):
+    src, expected, out, _ = kinds_dataset
+    ds = GDSDataset(out)
+    for i in range(len(ds)):
+        rel = ds.source(i)
+        if expected[rel] != "as_is":
+            continue
+        record = ds.index.samples[i]
+        with open(ds.index.shard_path(int(record["shard"])), "rb") as f:
+            f.seek(int(record["offset"]))
+            stored = f.read(int(record["length"]))
+        with open(os.path.join(src, rel), "rb") as f:
+            assert stored == f.read(), rel
+
+
+def test_report_lists_skipped_and_ignored(kinds_dataset):
+    _, expected, out, result = kinds_dataset
+    with open(os.path.join(out, fmt.REPORT_NAME)) as f:
+        report = json.load(f)
+    skipped = {item["path"]: item["reason"] for item in report["skipped"]}
+    assert set(skipped) == {p for p, o in expected.items() if o == "skipped"}
+    assert "empty file" in skipped[os.path.join("rocks", "empty.jpg")]
+    assert "not an image" in skipped[os.path.join("rocks", "text.jpg")]
+    assert "truncated" in skipped[os.path.join("rocks", "truncated.jpg")]
+    assert report["ignored"] == [os.path.join("rocks", "notes.txt")]
+    assert report["status"] == "complete"
+    assert report["packed"] == result.packed == sum(o in ("as_is", "converted") for o in expected.values())
+    assert result.report_path == os.path.join(out, fmt.REPORT_NAME)
+
+
+def test_labels_follow_imagefolder(kinds_dataset):
+    _, _, out, _ = kinds_dataset
+    ds = GDSDataset(out)
+    assert ds.classes == ["animals", "plants", "rocks"]
+    assert ds.class_to_idx == {"animals": 0, "plants": 1, "rocks": 2}
+    for i in range(len(ds)):
+        assert ds.targets[i] == ds.classes.index(ds.source(i).split(os.sep)[0])
+
+
+def test_index_records_gpu_properties(kinds_dataset):
+    src, _, out, _ = kinds_dataset
+    ds = GDSDataset(out)
+    samples = ds.index.samples
+    for i in range(len(ds)):
+        rel = ds.source(i)
+        image = ds[i][0]
+        assert (int(samples[i]["height"]), int(samples[i]["width"])) == tuple(image.shape[1:])
+        assert samples[i]["offset"] % 4096 == 0
+        assert samples[i]["codec"] == fmt.CODEC_JPEG
+        gray = rel.endswith(("gray.jpg", "gray.png", "sixteen_bit.png"))
+        assert samples[i]["components"] == (1 if gray else 3), rel
+        allowed = ((fmt.SUBSAMPLING_GRAY,) if gray
+                   else (fmt.SUBSAMPLING_420, fmt.SUBSAMPLING_422, fmt.SUBSAMPLING_444))
+        assert samples[i]["subsampling"] in allowed, rel
+    by_name = {os.path.basename(ds.source(i)): samples[i] for i in range(len(ds))}
+    assert by_name["baseline444.jpg"]["subsampling"] == fmt.SUBSAMPLING_444
+    assert by_name["baseline422.jpeg"]["subsampling"] == fmt.SUBSAMPLING_422
+
+
+def test_strict_stops_at_first_bad_file_and_leaves_no_dataset(kinds_source, tmp_path):
+    src, _ = kinds_source
+    out = str(tmp_path / "strict")
+    with pytest.raises(BadImageError, match=r"(empty|truncated|not an image)"):
+        pack(src, out, strict=True, workers=1)
+    assert not os.path.exists(os.path.join(out, fmt.INDEX_NAME))
+    assert not [n for n in os.listdir(out) if n.endswith((".gds", fmt.TMP_SUFFIX))]
+    with open(os.path.join(out, fmt.REPORT_NAME)) as f:
+        assert json.load(f)["status"] == "failed"
+
+
+def test_max_side_resizes(tmp_path):
+    src = str(tmp_path / "src")
+    paths = write_photos(src, 4, classes=1, scale=1.0)
+    out = str(tmp_path / "ds")
+    pack(src, out, options=PackOptions(max_side=200), workers=1)
+    ds = GDSDataset(out)
+    for i, rel in enumerate(paths):
+        image = ds[i][0]
+        assert max(image.shape[1:]) == 200
+        assert ds.index.samples[i]["flags"] & fmt.FLAG_RESIZED
+        ref = pil_reference(os.path.join(src, rel))
+        scale = 200 / max(ref.shape[:2])
+        assert abs(image.shape[1] - ref.shape[0] * scale) <= 1
+
+
+def test_shards_roll_over_and_payloads_are_aligned(photos_dataset):
+    src, paths, out = photos_dataset
+    ds = GDSDataset(out)
+    assert len(ds.index.shards) > 1
+    assert [ds.source(i) for i in range(len(ds))] == paths
+    sizes = ds.index.shards["size"]
+    assert all(os.path.getsize(os.path.join(out, fmt.shard_name(s))) == sizes[s] for s in range(len(sizes)))
+    assert np.all(ds.index.samples["offset"] % ds.index.alignment == 0)
+
+
+def test_existing_output_is_left_untouched(photos_dataset, tmp_path):
+    src, _, out = photos_dataset
+    before = {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)}
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        pack(src, out)
+    assert before == {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)}
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me")
+    with pytest.raises(OutputExistsError, match="did not write"):
+        pack(src, str(foreign), overwrite=True)
+    assert (foreign / "precious.txt").read_text() == "keep me"
+
+
+def test_overwrite_replaces_a_dataset(tmp_path):
+    src = str(tmp_path / "src")
+    write_photos(src, 6, classes=2)
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    first = GDSDataset(out).index.dataset_id
+    pack(src, out, workers=1, overwrite=True)
+    again = GDSDataset(out)
+    assert again.index.dataset_id != first and len(again) == 6
+
+
+@pytest.mark.parametrize("layout", ["missing", "file", "empty", "no_images"])
+def test_bad_sources_are_named(tmp_path, layout):
+    src = tmp_path / "src"
+    if layout == "file":
+        src.write_text("x")
+    elif layout == "empty":
+        src.mkdir()
+    elif layout == "no_images":
+        (src / "cls").mkdir(parents=True)
+        (src / "cls" / "readme.md").write_text("x")
+    with pytest.raises(SourceError, match=str(src)):
+        pack(str(src), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_nothing_packable_leaves_no_dataset(tmp_path):
+    src = tmp_path / "src" / "cls"
+    src.mkdir(parents=True)
+    (src / "a.jpg").write_bytes(b"")
+    out = tmp_path / "out"
+    with pytest.raises(SourceError, match="none of its 1 image files"):
+        pack(str(tmp_path / "src"), str(out))
+    assert not (out / fmt.INDEX_NAME).exists()
+
+
+def test_interrupted_pack_never_looks_finished(tmp_path, monkeypatch):
+    """A crash after some shards were written leaves no index, so loading fails clearly."""
+    from gdsdata import index as index_io
+    from gdsdata.errors import FormatError
+
+    src = str(tmp_path / "src")
+    write_photos(src, 12, classes=2)
+    out = str(tmp_path / "ds")
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(index_io, "write", crash)
+    with pytest.raises(KeyboardInterrupt):
+        pack(src, out, workers=1, shard_size=300_000)
+    assert not os.path.exists(os.path.join(out, fmt.INDEX_NAME))
+    with pytest.raises(FormatError, match="not a finished gdsdata dataset"):
+        GDSDataset(out)
+
+
+def test_raw_codec_stores_pixels(tmp_path):
+    src = str(tmp_path / "src")
+    paths = write_photos(src, 4, classes=2)
+    out = str(tmp_path / "raw")
+    pack(src, out, options=PackOptions(codec="raw", raw_size=64), workers=1)
+    ds = GDSDataset(out)
+    for i, rel in enumerate(paths):
+        image = ds[i][0]
+        assert min(image.shape[1:]) == 64
+        assert ds.index.samples[i]["codec"] == fmt.CODEC_RAW
+        assert ds.index.samples[i]["length"] == image.numel()
