@@ -60,7 +60,7 @@ def plan_reads(samples: np.ndarray, indices, alignment: int, max_gap: int, max_r
     for position in order:
         s, o, n = int(shard[position]), int(offset[position]), int(length[position])
         end = o + n
-        if current is not None and current[0] == s and o - current[2] <= max_gap and \
+        if current is not None and current[0] == s and o - _round_up(current[2], alignment) <= max_gap and \
                 _round_up(max(end, current[2]), alignment) - current[1] <= max_read:
             current[2] = max(current[2], end)
             members.append((position, o))

@@ -28,13 +28,14 @@ def verify(root, *, decode_samples=True, batch=256, progress=False) -> list:
             buffer, start, length, sample = job
             payload = buffer[start:start + length]
             name = index.describe(sample)
-            try:
-                check_crc(payload, index.samples[sample], name)
-                if decode_samples:
-                    decode(payload, index.samples[sample], name)
-            except GdsDataError as e:
-                return str(e)
-            return None
+            found = []
+            steps = (check_crc, decode) if decode_samples else (check_crc,)
+            for step in steps:  # report both a checksum mismatch and whether the sample still decodes
+                try:
+                    step(payload, index.samples[sample], name)
+                except GdsDataError as e:
+                    found.append(str(e))
+            return found
 
         bar = tqdm(total=len(index), unit="img", desc="verify", disable=not progress, file=sys.stderr)
         with bar:
@@ -43,7 +44,7 @@ def verify(root, *, decode_samples=True, batch=256, progress=False) -> list:
                 buffer, plan = reader.read(indices)
                 jobs = [(buffer, int(o), int(n), i)
                         for o, n, i in zip(plan.sample_offsets, plan.sample_lengths, indices)]
-                problems.extend(p for p in pool.map(check, jobs) if p)
+                problems.extend(p for found in pool.map(check, jobs) for p in found)
                 bar.update(len(indices))
         reader.close()
     return problems

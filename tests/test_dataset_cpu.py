@@ -1,0 +1,146 @@
+"""The CPU Dataset: batched reads, DataLoader integration, bad samples, verify."""
+
+import os
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import mean_abs_diff, pil_reference
+
+from gdsdata import format as fmt
+from gdsdata import settings
+from gdsdata.dataset import GDSDataset
+from gdsdata.errors import CorruptSampleError
+from gdsdata.verify import verify
+
+
+def test_getitems_equals_getitem_in_any_order(photos_dataset):
+    _, _, out = photos_dataset
+    ds = GDSDataset(out)
+    order = [17, 3, 3, 59, 0, 41, 20, 21, 22, -1]
+    batch = ds.__getitems__(order)
+    for i, (image, label) in zip(order, batch):
+        single, single_label = ds[i]
+        assert torch.equal(image, single) and label == single_label
+
+
+def test_pixels_match_pil_across_shards(photos_dataset):
+    src, paths, out = photos_dataset
+    ds = GDSDataset(out)
+    for i, (image, _) in enumerate(ds.__getitems__(range(len(ds)))):
+        assert mean_abs_diff(image, pil_reference(os.path.join(src, paths[i]))) <= 1
+
+
+@pytest.mark.parametrize("max_gap", [0, 4096, 1 << 20])
+def test_coalescing_settings_do_not_change_results(photos_dataset, max_gap):
+    _, _, out = photos_dataset
+    ds = GDSDataset(out)
+    reference = [img for img, _ in ds.__getitems__(range(0, 60, 2))]
+    with settings.set(max_gap=max_gap, max_read=64 * 1024):
+        again = [img for img, _ in ds.__getitems__(range(0, 60, 2))]
+    assert all(torch.equal(a, b) for a, b in zip(reference, again))
+
+
+def _collate(batch):
+    return [img for img, _ in batch], torch.tensor([label for _, label in batch])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_fetches_whole_batches(photos_dataset, workers):
+    _, _, out = photos_dataset
+    ds = GDSDataset(out)
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=workers, collate_fn=_collate)
+    seen = []
+    for images, labels in loader:
+        assert len(images) == len(labels) <= 16
+        seen.extend(labels.tolist())
+    assert seen == ds.targets
+
+
+def test_dataset_pickles_for_spawned_workers(photos_dataset):
+    _, _, out = photos_dataset
+    ds = GDSDataset(out)
+    ds[0]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert torch.equal(clone[5][0], ds[5][0])
+
+
+def test_out_of_range_index(photos_dataset):
+    ds = GDSDataset(photos_dataset[2])
+    with pytest.raises(IndexError, match="out of range"):
+        ds[len(ds)]
+
+
+@pytest.fixture()
+def corrupted(photos_dataset, tmp_path):
+    """A copy of the photos dataset whose sample 7 has garbage in the middle of its JPEG."""
+    out = str(tmp_path / "ds")
+    shutil.copytree(photos_dataset[2], out)
+    ds = GDSDataset(out)
+    record = ds.index.samples[7]
+    with open(ds.index.shard_path(int(record["shard"])), "r+b") as f:
+        f.seek(int(record["offset"]) + 2)
+        f.write(b"\x00" * 600)  # destroys the headers: undecodable
+    return out
+
+
+def test_bad_sample_raises_naming_it(corrupted):
+    ds = GDSDataset(corrupted)
+    with pytest.raises(CorruptSampleError, match=r"sample 7 \(class\d/.*\.jpg, shard-\d+\.gds offset \d+\)"):
+        ds.__getitems__([6, 7, 8])
+
+
+def test_checksum_catches_silent_corruption(photos_dataset, tmp_path):
+    out = str(tmp_path / "ds")
+    shutil.copytree(photos_dataset[2], out)
+    ds = GDSDataset(out)
+    record = ds.index.samples[4]
+    with open(ds.index.shard_path(int(record["shard"])), "r+b") as f:
+        f.seek(int(record["offset"]) + int(record["length"]) - 200)  # inside the entropy-coded data
+        f.write(b"\x13\x37")
+    GDSDataset(out)[4]  # without checksums the image still decodes (to slightly wrong pixels)
+    with pytest.raises(CorruptSampleError, match="sample 4 .*checksum mismatch"):
+        GDSDataset(out, verify_checksums=True)[4]
+    problems = verify(out)
+    assert len(problems) == 2 and "shard checksum mismatch" in problems[0]
+    assert "sample 4" in problems[1] and "checksum mismatch" in problems[1]
+
+
+def test_skip_replaces_bad_sample_deterministically(corrupted):
+    ds = GDSDataset(corrupted, on_error="skip")
+    batch = ds.__getitems__([6, 7, 8])
+    assert ds.skipped == 1
+    assert torch.equal(batch[1][0], ds[8][0]) and batch[1][1] == ds.targets[8]
+    again = GDSDataset(corrupted, on_error="skip").__getitems__([6, 7, 8])
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batch, again))
+
+
+def test_verify_reports_every_bad_sample(corrupted):
+    problems = verify(corrupted)
+    assert any("sample 7" in p and "checksum mismatch" in p for p in problems)
+    assert any("sample 7" in p and "JPEG decoding failed" in p for p in problems)
+    assert any("shard checksum mismatch" in p for p in problems)
+
+
+def test_verify_passes_a_sound_dataset(photos_dataset):
+    assert verify(photos_dataset[2]) == []
+
+
+def test_raw_gray_samples_expand_to_rgb(tmp_path):
+    from PIL import Image
+
+    from gdsdata.normalize import PackOptions
+    from gdsdata.pack import pack
+
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    gray = (np.arange(48 * 40) % 251).astype(np.uint8).reshape(40, 48)
+    Image.fromarray(gray).save(src / "g.png")
+    out = str(tmp_path / "raw")
+    pack(str(tmp_path / "src"), out, options=PackOptions(codec="raw"), workers=1)
+    image = GDSDataset(out)[0][0]
+    assert image.shape == (3, 40, 48)
+    assert all(torch.equal(image[c], torch.from_numpy(gray)) for c in range(3))
+    assert GDSDataset(out).index.samples[0]["codec"] == fmt.CODEC_RAW

@@ -1,0 +1,178 @@
+"""The format module against docs/format.md, and the golden dataset against both."""
+
+import json
+import os
+import re
+import shutil
+import zlib
+
+import numpy as np
+import pytest
+
+from gdsdata import format as fmt
+from gdsdata import index as index_io
+from gdsdata.dataset import GDSDataset
+from gdsdata.errors import FormatError
+from gdsdata.pack import pack
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DOC = os.path.join(HERE, "..", "docs", "format.md")
+GOLDEN = os.path.join(HERE, "data", "golden")
+_TYPES = {"u8": "|u1", "u16": "<u2", "u32": "<u4", "u64": "<u8"}  # numpy's dtype.str
+
+
+def _doc_tables():
+    """{dtype name: (declared size, [(offset, size, type, field)])} from the '### NAME (N bytes)' sections."""
+    tables, current = {}, None
+    with open(DOC, encoding="utf-8") as f:
+        for line in f:
+            heading = re.match(r"### (\w+) \((\d+) bytes\)", line)
+            if heading:
+                current = heading.group(1)
+                tables[current] = (int(heading.group(2)), [])
+            elif line.startswith("#"):
+                current = None
+            elif current and re.match(r"\| \d+ \|", line):
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                tables[current][1].append((int(cells[0]), int(cells[1]), cells[2], cells[3]))
+    return tables
+
+
+@pytest.mark.parametrize("name", ["INDEX_HEADER", "SHARD_RECORD", "SAMPLE_RECORD", "SHARD_HEADER"])
+def test_dtype_matches_the_documented_byte_table(name):
+    dtype = getattr(fmt, name)
+    size, rows = _doc_tables()[name]
+    assert dtype.itemsize == size
+    assert [row[3] for row in rows] == list(dtype.names)
+    for offset, width, kind, field in rows:
+        field_dtype, field_offset = dtype.fields[field][:2]
+        assert field_offset == offset, field
+        assert field_dtype.itemsize == width, field
+        if kind in _TYPES:
+            assert field_dtype.str == _TYPES[kind], field
+        else:
+            assert kind == "bytes" and field_dtype.kind in "SV", field
+    assert offset + width == size  # the table covers the whole structure
+
+
+def test_every_multibyte_field_is_little_endian():
+    for dtype in (fmt.INDEX_HEADER, fmt.SHARD_RECORD, fmt.SAMPLE_RECORD, fmt.SHARD_HEADER):
+        for name in dtype.names:
+            field = dtype.fields[name][0]
+            if field.kind in "iu" and field.itemsize > 1:
+                assert field.str.startswith("<"), name
+
+
+def test_golden_dataset_reads_as_recorded():
+    with open(os.path.join(GOLDEN, "expected.json")) as f:
+        expected = json.load(f)
+    index = index_io.load(os.path.join(GOLDEN, "ds"))
+    assert index.classes == expected["classes"]
+    assert [index.path(i) for i in range(len(index))] == expected["paths"]
+    for i, want in enumerate(expected["samples"]):
+        assert {name: int(index.samples[i][name]) for name in index.samples.dtype.names} == want
+    for s, want in enumerate(expected["shards"]):
+        assert {name: int(index.shards[s][name]) for name in index.shards.dtype.names} == want
+    ds = GDSDataset(os.path.join(GOLDEN, "ds"))
+    for i in range(len(ds)):
+        image, label = ds[i]
+        assert tuple(image.shape) == (3, expected["samples"][i]["height"], expected["samples"][i]["width"])
+        assert label == expected["samples"][i]["label"]
+
+
+def test_packing_the_golden_sources_reproduces_the_golden_bytes(tmp_path):
+    out = str(tmp_path / "ds")
+    pack(os.path.join(GOLDEN, "src"), out, workers=1, alignment=4096, shard_size=12288)
+    fresh = index_io.load(out)
+    golden = index_io.load(os.path.join(GOLDEN, "ds"))
+    assert np.array_equal(fresh.samples, golden.samples)
+    assert np.array_equal(fresh.shards, golden.shards)
+    assert fresh.strings == golden.strings
+    for s in range(len(golden.shards)):
+        with open(fresh.shard_path(s), "rb") as a, open(golden.shard_path(s), "rb") as b:
+            fa, fb = a.read(), b.read()
+        assert fa[fmt.SHARD_HEADER.itemsize:] == fb[fmt.SHARD_HEADER.itemsize:]
+        assert fa[:24] == fb[:24]  # header up to the dataset id
+
+
+def _copy_golden(tmp_path):
+    target = tmp_path / "ds"
+    shutil.copytree(os.path.join(GOLDEN, "ds"), target)
+    return target
+
+
+def _patch(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _rewrite_crc(index_path):
+    raw = open(index_path, "rb").read()
+    _patch(index_path, fmt.INDEX_HEADER.fields["body_crc32"][1],
+           np.uint32(zlib.crc32(raw[fmt.INDEX_HEADER.itemsize:])).astype("<u4").tobytes())
+
+
+def test_truncated_index_is_refused(tmp_path):
+    target = _copy_golden(tmp_path)
+    path = target / fmt.INDEX_NAME
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(FormatError, match=r"index\.gdsi.*(truncated|outside)"):
+        index_io.load(target)
+    path.write_bytes(b"")
+    with pytest.raises(FormatError, match="truncated index"):
+        index_io.load(target)
+
+
+def test_foreign_index_is_refused(tmp_path):
+    target = _copy_golden(tmp_path)
+    (target / fmt.INDEX_NAME).write_bytes(b"PK\x03\x04" + bytes(400))
+    with pytest.raises(FormatError, match="not a gdsdata index"):
+        index_io.load(target)
+
+
+def test_unknown_version_is_refused(tmp_path):
+    target = _copy_golden(tmp_path)
+    _patch(target / fmt.INDEX_NAME, 8, np.uint16(99).astype("<u2").tobytes())
+    with pytest.raises(FormatError, match="format version 99"):
+        index_io.load(target)
+
+
+def test_corrupt_index_body_is_refused(tmp_path):
+    target = _copy_golden(tmp_path)
+    _patch(target / fmt.INDEX_NAME, fmt.INDEX_HEADER.itemsize + 3, b"\xff")
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        index_io.load(target)
+
+
+def test_index_pointing_past_a_shard_end_is_refused(tmp_path):
+    target = _copy_golden(tmp_path)
+    path = target / fmt.INDEX_NAME
+    golden = index_io.load(target)
+    record = golden.samples.dtype.fields["length"][1]
+    _patch(path, int(golden.samples.dtype.itemsize) + fmt.INDEX_HEADER.itemsize
+           + len(golden.shards) * fmt.SHARD_RECORD.itemsize + record, np.uint32(1 << 20).astype("<u4").tobytes())
+    _rewrite_crc(path)
+    with pytest.raises(FormatError, match=r"sample 1 .*past the end of its shard"):
+        index_io.load(target)
+
+
+def test_truncated_foreign_and_missing_shards_are_refused(tmp_path):
+    target = _copy_golden(tmp_path)
+    shard = target / fmt.shard_name(1)
+    shard.write_bytes(shard.read_bytes()[:5000])
+    with pytest.raises(FormatError, match=r"shard-00001\.gds: 5000 bytes on disk"):
+        index_io.load(target)
+    shard.write_bytes(b"\0" * 10)
+    with pytest.raises(FormatError, match=r"shard-00001\.gds: truncated shard"):
+        index_io.load(target)
+    shard.write_bytes(b"RIFF" + bytes(12284))
+    with pytest.raises(FormatError, match="not a gdsdata shard"):
+        index_io.load(target)
+    shutil.copy(os.path.join(GOLDEN, "ds", fmt.shard_name(1)), shard)
+    _patch(shard, 24, b"x" * 16)
+    with pytest.raises(FormatError, match="belongs to another dataset"):
+        index_io.load(target)
+    shard.unlink()
+    with pytest.raises(FormatError, match="shard file missing"):
+        index_io.load(target)
