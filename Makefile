@@ -1,0 +1,35 @@
+# gdsdata: make demo | make test | make bench | make bench-gpu
+PYTHON ?= python3
+VENV ?= .venv
+# torch and torchvision for the CPU machine; override for another CUDA or platform, e.g.
+#   make TORCH="torch==2.11.0 torchvision==0.26.0" test
+TORCH ?= torch==2.14.1 torchvision==0.29.1
+EXTRAS ?= test,bench
+PY := $(VENV)/bin/python
+
+.PHONY: demo test test-gpu bench bench-gpu lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) bench/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu
+
+bench: $(VENV)/.installed
+	$(PY) bench/run.py --size small --out bench-results
+
+bench-gpu: $(VENV)/.installed
+	$(PY) bench/run.py --size full --out bench-results
+
+clean:
+	rm -rf demo-data bench-data bench-results .pytest_cache

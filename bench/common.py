@@ -1,0 +1,106 @@
+"""Helpers every benchmark shares: the system block, timing with warm-up and medians, CPU cost."""
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def system_block() -> dict:
+    from gdsdata.doctor import report
+
+    info = report()
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+    except OSError:
+        info["commit"] = "unknown"
+    info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
+    return info
+
+
+def print_system_block(info: dict):
+    print("== system ==")
+    for key, value in info.items():
+        print(f"{key:>22}: {value}")
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children (DataLoader workers included)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@dataclass
+class Result:
+    name: str
+    images: int
+    seconds: list = field(default_factory=list)  # one per timed run
+    cpu_seconds: list = field(default_factory=list)
+    bytes: int = 0
+    first_batch_s: float = 0.0
+    note: str = ""
+
+    @property
+    def median_s(self):
+        return statistics.median(self.seconds)
+
+    @property
+    def images_per_s(self):
+        return self.images / self.median_s
+
+    @property
+    def spread(self):
+        """(min, max) images/s over the timed runs."""
+        return self.images / max(self.seconds), self.images / min(self.seconds)
+
+    @property
+    def cpu_per_1k(self):
+        return statistics.median(self.cpu_seconds) / self.images * 1000
+
+    def row(self, reference=None):
+        low, high = self.spread
+        ratio = f"{self.images_per_s / reference.images_per_s:6.2f}x" if reference else "      "
+        return (f"{self.name:<44} {self.images_per_s:>10.0f} {low:>8.0f}-{high:<8.0f} {ratio} "
+                f"{self.cpu_per_1k:>9.2f} {self.bytes / self.median_s / 1e9 if self.bytes else 0:>7.2f}")
+
+    def to_dict(self):
+        d = asdict(self)
+        d.update(images_per_s=self.images_per_s, cpu_s_per_1k=self.cpu_per_1k, spread=self.spread)
+        return d
+
+
+HEADER = f"{'pipeline':<44} {'images/s':>10} {'(min-max)':^17} {'ratio':>7} {'CPU-s/1k':>9} {'GB/s':>7}"
+
+
+def measure(name, epoch_fn, images, *, runs=3, warmup=1, nbytes=0, note="") -> Result:
+    """Run ``epoch_fn`` (which loads ``images`` images) warmup+runs times; time the last ``runs``."""
+    result = Result(name, images, bytes=nbytes, note=note)
+    for i in range(warmup + runs):
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
+        first = epoch_fn()
+        elapsed = time.perf_counter() - t0
+        if i == 0:
+            result.first_batch_s = first if isinstance(first, float) else 0.0
+        if i >= warmup:
+            result.seconds.append(elapsed)
+            result.cpu_seconds.append(cpu_seconds() - cpu0)
+    return result
+
+
+def print_table(results, reference=None):
+    print(HEADER)
+    for r in results:
+        print(r.row(reference))
+
+
+def write_json(path, system, results):
+    with open(path, "w") as f:
+        json.dump({"system": system, "results": [r.to_dict() for r in results]}, f, indent=2, default=str)

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""The demo: generate a small photographic image set, pack it, load it through gdsdata (on the GPU if
+one is present, else the CPU) and through torchvision's ImageFolder + DataLoader, and compare.
+
+Both sides produce the same thing: every image decoded to a uint8 CHW RGB tensor, in batches of 64,
+using all cores. Numbers from this demo are indicative; bench/ has the controlled benchmarks.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+from common import measure, print_system_block, print_table, system_block  # noqa: E402
+from make_images import generate  # noqa: E402
+
+import gdsdata  # noqa: E402
+
+
+def imagefolder_epoch(src, batch, workers):
+    """torchvision's ImageFolder (PIL loader) + DataLoader: the standard recipe."""
+    try:
+        from torchvision.datasets import ImageFolder
+        from torchvision.transforms import PILToTensor
+    except ImportError:
+        return None, "torchvision not installed"
+    dataset = ImageFolder(src, transform=PILToTensor())
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, num_workers=workers,
+                                         collate_fn=lambda b: b, persistent_workers=workers > 0)
+
+    def epoch():
+        for _ in loader:
+            pass
+
+    return epoch, "torchvision ImageFolder + DataLoader"
+
+
+def gdsdata_epoch(ds, batch, device):
+    order = list(range(len(ds)))
+
+    def epoch():
+        for start in range(0, len(order), batch):
+            items = ds.__getitems__(order[start:start + batch])
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return items
+
+    return epoch
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="demo-data", help="working folder (default ./demo-data)")
+    parser.add_argument("--count", type=int, default=2000, help="images to generate (default 2000)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers (default: cores)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    src, out = os.path.join(args.dir, "images"), os.path.join(args.dir, "packed")
+    print_system_block(system_block())
+    marker = os.path.join(src, f".complete-{args.count}")
+    if not os.path.exists(marker):
+        shutil.rmtree(src, ignore_errors=True)
+        print(f"\n== generating {args.count} photographic test images in {src} ==")
+        total = generate(src, args.count, classes=10, progress=True)
+        print(f"{args.count} images, mean {total / args.count / 1e3:.0f} KB")
+        open(marker, "w").close()
+    print(f"\n== packing into {out} ==")
+    result = gdsdata.pack(src, out, overwrite=True, progress=True)
+    print(f"packed {result.packed} images into {result.shards} shard(s) in {result.seconds:.1f} s")
+
+    print(f"\n== loading every image as a uint8 tensor, batch {args.batch}, {args.runs} timed runs "
+          f"after a warm-up (page cache warm) ==")
+    ds = gdsdata.GDSDataset(out, device=args.device)
+    results = [measure(f"gdsdata GDSDataset ({args.device})", gdsdata_epoch(ds, args.batch, args.device),
+                       len(ds), runs=args.runs)]
+    epoch, name = imagefolder_epoch(src, args.batch, args.workers)
+    baseline = None
+    if epoch is not None:
+        baseline = measure(f"{name} ({args.workers} workers)", epoch, len(ds), runs=args.runs)
+        results.append(baseline)
+    else:
+        print(f"(baseline skipped: {name})")
+    print()
+    print_table(results, reference=baseline)
+    if baseline:
+        print(f"\ngdsdata on {args.device}: {results[0].images_per_s / baseline.images_per_s:.2f}x the "
+              f"images/s of the standard DataLoader on this machine")
+    ds.close()
+
+
+if __name__ == "__main__":
+    main()

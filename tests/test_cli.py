@@ -1,0 +1,86 @@
+"""The command line: one clear line and a non-zero exit for every error, never a traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import write_photos
+
+from gdsdata import format as fmt
+
+
+def run(*args):
+    proc = subprocess.run([sys.executable, "-m", "gdsdata.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def assert_one_line_error(rc, err, *needles):
+    assert rc == 1
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("gdsdata: error:")]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@pytest.fixture(scope="module")
+def small_src(tmp_path_factory):
+    src = tmp_path_factory.mktemp("cli_src")
+    write_photos(str(src), 9, classes=3)
+    (src / "class0" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 nope")
+    return str(src)
+
+
+def test_pack_inspect_verify(small_src, tmp_path):
+    out = str(tmp_path / "ds")
+    rc, stdout, err = run("pack", small_src, out, "--workers", "2", "--shard-size", "256K")
+    assert rc == 0, err
+    assert "packed 9 images" in stdout and "skipped 1 file" in stdout and "broken.jpg" in stdout
+    assert os.path.join(out, fmt.REPORT_NAME) in stdout
+    rc, stdout, _ = run("inspect", out)
+    assert rc == 0 and "9 samples, 3 classes" in stdout and "overhead" in stdout
+    rc, stdout, _ = run("inspect", out, "--json")
+    info = json.loads(stdout)
+    assert info["samples"] == 9 and info["codecs"] == {"jpeg": 9} and info["alignment"] == 4096
+    rc, stdout, _ = run("verify", out, "-q")
+    assert rc == 0 and "every sample decodes" in stdout
+
+
+def test_errors_are_one_line(small_src, tmp_path):
+    assert_one_line_error(*run("pack", str(tmp_path / "missing"), str(tmp_path / "o"))[::2], "no such folder")
+    out = str(tmp_path / "ds")
+    assert run("pack", small_src, out, "-q")[0] == 0
+    assert_one_line_error(*run("pack", small_src, out, "-q")[::2], "--overwrite")
+    assert_one_line_error(*run("pack", small_src, str(tmp_path / "s"), "--strict", "-q")[::2], "broken.jpg")
+    assert_one_line_error(*run("inspect", small_src)[::2], "not a finished gdsdata dataset")
+    assert_one_line_error(*run("pack", small_src, str(tmp_path / "q"), "--quality", "0")[::2], "quality")
+    with open(os.path.join(out, fmt.INDEX_NAME), "r+b") as f:
+        f.truncate(100)
+    assert_one_line_error(*run("verify", out)[::2], "truncated index")
+
+
+def test_verify_names_bad_samples(small_src, tmp_path):
+    out = str(tmp_path / "ds")
+    assert run("pack", small_src, out, "-q")[0] == 0
+    with open(os.path.join(out, fmt.shard_name(0)), "r+b") as f:
+        f.seek(4096 + 3)
+        f.write(b"\0" * 400)
+    rc, _, err = run("verify", out, "-q")
+    assert rc == 1 and "Traceback" not in err
+    assert "bad: " in err and "sample 0 (class0/" in err and "problem(s)" in err
+
+
+def test_usage_errors_exit_2():
+    rc, _, err = run("pack")
+    assert rc == 2 and "usage" in err
+    rc, _, err = run("pack", "a", "b", "--shard-size", "lots")
+    assert rc == 2 and "not a size" in err
+
+
+def test_doctor_reports_the_cpu_path():
+    rc, stdout, _ = run("doctor", "--json")
+    info = json.loads(stdout)
+    assert rc == 0 and info["cpu cores"] == os.cpu_count() and "torch" in info
