@@ -18,7 +18,8 @@ import torch
 from . import index as index_io
 from . import settings
 from .decode_cpu import check_crc, decode
-from .errors import CorruptSampleError, GdsDataError
+from .batch import PixelBatch
+from .errors import CorruptSampleError
 from .reader_cpu import CpuReader
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ ON_ERROR = ("raise", "skip")
 
 
 class _CpuBackend:
+    """Storage -> host buffer (``reader_cpu``) -> libjpeg-turbo in a thread pool -> one flat arena."""
+
     def __init__(self, index, verify):
         self.index = index
         self.reader = CpuReader(index)
@@ -39,24 +42,38 @@ class _CpuBackend:
             self._pool_pid = os.getpid()
         return self._pool
 
-    def _decode_one(self, buffer, start, length, sample):
-        record = self.index.samples[sample]
-        payload = buffer[start:start + length]
-        name = self.index.describe(sample)
-        try:
-            if self.verify:
-                check_crc(payload, record, name)
-            return torch.from_numpy(decode(payload, record, name)).permute(2, 0, 1)
-        except CorruptSampleError as e:
-            return e
-
-    def load(self, indices):
-        """Decoded CHW uint8 tensors for ``indices``; a failed sample comes back as its exception."""
+    def load_batch(self, indices, stream=None) -> PixelBatch:
         buffer, plan = self.reader.read(indices)
-        jobs = zip(plan.sample_offsets.tolist(), plan.sample_lengths.tolist(), indices)
+        records = self.index.samples[np.asarray(indices, dtype=np.int64)]
+        heights = records["height"].astype(np.int64)
+        widths = records["width"].astype(np.int64)
+        sizes = heights * widths * 3
+        offsets = np.zeros(len(indices), np.int64)
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        arena = np.empty(int(sizes.sum()), np.uint8)
+        errors = {}
+
+        def decode_one(k):
+            sample = indices[k]
+            start, length = int(plan.sample_offsets[k]), int(plan.sample_lengths[k])
+            payload = buffer[start:start + length]
+            name = self.index.describe(sample)
+            try:
+                if self.verify:
+                    check_crc(payload, records[k], name)
+                decode(payload, records[k], name, out=arena[offsets[k]:offsets[k] + sizes[k]])
+            except CorruptSampleError as e:
+                errors[k] = e
+
         if len(indices) == 1:
-            return [self._decode_one(buffer, *next(jobs))]
-        return list(self._executor().map(lambda job: self._decode_one(buffer, *job), jobs))
+            decode_one(0)
+        else:
+            list(self._executor().map(decode_one, range(len(indices))))
+        return PixelBatch(torch.from_numpy(arena), offsets, heights, widths, np.full(len(indices), 3),
+                          errors, owned=True)
+
+    def describe(self) -> str:
+        return f"cpu threads={settings.get('cpu_threads')}"
 
     def close(self):
         self.reader.close()
@@ -133,25 +150,42 @@ class GDSDataset(torch.utils.data.Dataset):
         return self.__getitems__([i])[0]
 
     def __getitems__(self, indices):
+        """[(image, label)] for ``indices``: uint8 CHW RGB tensors on the dataset's device."""
         indices = [self._check(i) for i in indices]
-        images = self._backend.load(indices)
-        for k, image in enumerate(images):
-            if isinstance(image, GdsDataError):
-                images[k] = self._replace(indices, k, image)
+        batch, indices = self.load_batch(indices)
+        images = [batch.image(k) for k in range(len(batch))]
+        batch.release(self._stream())
         return [(image, int(self._labels[i])) for image, i in zip(images, indices)]
 
-    def _replace(self, indices, k, error):
-        if self.on_error == "raise":
-            raise error
+    def load_batch(self, indices, stream=None):
+        """(PixelBatch, indices): decoded pixels of a batch, bad samples raised or replaced per
+        ``on_error`` (the returned indices say which sample each position finally holds)."""
+        indices = list(indices)
+        batch = self._backend.load_batch(indices, stream)
+        for k in sorted(batch.errors):
+            error = batch.errors[k]
+            if self.on_error == "raise":
+                batch.release(stream or self._stream())
+                raise error
+            indices[k] = self._replacement(indices[k], error)
+        if batch.errors:
+            batch.release(stream or self._stream())
+            return self._backend.load_batch(indices, stream), indices
+        return batch, indices
+
+    def _replacement(self, index, error):
         self.skipped += 1
         log.warning("%s; replaced by the next good sample", error)
         for step in range(1, len(self)):
-            candidate = (indices[k] + step) % len(self)
-            image = self._backend.load([candidate])[0]
-            if not isinstance(image, GdsDataError):
-                indices[k] = candidate
-                return image
+            candidate = (index + step) % len(self)
+            probe = self._backend.load_batch([candidate])
+            probe.release(self._stream())
+            if not probe.errors:
+                return candidate
         raise CorruptSampleError(f"{self.root}: no sample of the dataset decodes") from error
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def close(self):
         """Release file descriptors, threads and (on the GPU) staging memory."""

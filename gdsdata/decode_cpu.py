@@ -18,13 +18,14 @@ def check_crc(payload, record, name):
         raise CorruptSampleError(f"{name}: checksum mismatch (the stored bytes changed since packing)")
 
 
-def decode(payload, record, name) -> np.ndarray:
-    """Decode one stored sample to an HxWx3 uint8 array; ``name`` is how errors name the sample."""
+def decode(payload, record, name, out=None) -> np.ndarray:
+    """Decode one stored sample to an HxWx3 uint8 array (into ``out`` when given, a writable buffer of
+    height*width*3 bytes); ``name`` is how errors name the sample."""
     codec = int(record["codec"])
     height, width = int(record["height"]), int(record["width"])
     if codec == fmt.CODEC_JPEG:
         try:
-            pixels = simplejpeg.decode_jpeg(payload, colorspace="RGB")
+            pixels = simplejpeg.decode_jpeg(payload, colorspace="RGB", buffer=out)
         except (ValueError, RuntimeError) as e:
             raise CorruptSampleError(f"{name}: JPEG decoding failed ({e})") from e
     elif codec == fmt.CODEC_RAW:
@@ -35,6 +36,10 @@ def decode(payload, record, name) -> np.ndarray:
         pixels = np.frombuffer(payload, np.uint8).reshape(height, width, components)
         if components == 1:
             pixels = np.repeat(pixels, 3, axis=2)
+        if out is not None:
+            target = np.frombuffer(out, np.uint8).reshape(height, width, 3)
+            target[...] = pixels
+            pixels = target
     else:
         raise CorruptSampleError(f"{name}: unknown codec {codec}")
     if pixels.shape != (height, width, 3):

@@ -1,7 +1,7 @@
 """Pack-time validation and normalisation of one source image.
 
 Every stored sample must decode on the GPU fast path. A JPEG that nvJPEG's hardware engines can
-decode (see ``jpeg.probe``) and that decodes cleanly is stored byte for byte. Anything else PIL can
+decode (see ``jpeg.probe``) and that libjpeg-turbo decodes without a warning is stored byte for byte. Anything else PIL can
 open is converted once, exactly as ``PIL.Image.open(path).convert("RGB")`` sees it (EXIF orientation
 is not applied, alpha is dropped, 16-bit and palette images go through PIL's own conversion), and
 re-encoded as a baseline JPEG: quality 95 by default with 4:4:4 chroma, so that colour edges survive
@@ -14,6 +14,7 @@ import io
 import warnings
 from dataclasses import dataclass
 
+import simplejpeg
 from PIL import Image
 
 from . import format as fmt
@@ -92,23 +93,34 @@ def _encode_jpeg(image: Image.Image, quality: int) -> bytes:
     return buffer.getvalue()
 
 
+def _as_is(data: bytes, options: PackOptions):
+    """The JPEG itself, if the GPU engines take it and libjpeg-turbo decodes it without a single
+    warning (the CPU path's decoder, in strict mode); None sends it through conversion."""
+    try:
+        info = probe(data)
+    except NotJpeg:
+        return None
+    if not info.gpu_ready or _target_size(info.width, info.height, options) is not None:
+        return None
+    try:
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
+    except (ValueError, RuntimeError):
+        return None  # PIL decides whether it is readable at all, and conversion cleans it
+    if pixels.shape[:2] != (info.height, info.width):
+        return None
+    return Prepared(data, fmt.CODEC_JPEG, info.width, info.height, info.components, info.subsampling, 0)
+
+
 def prepare(data: bytes, options: PackOptions) -> Prepared:
     """Validate one image file's bytes and return what to store; raises ``BadImageError``."""
     if len(data) == 0:
         raise BadImageError("empty file")
-    info = None
     if options.codec == "jpeg" and is_jpeg(data):
-        try:
-            info = probe(data)
-        except NotJpeg:
-            info = None  # PIL decides below whether it is still readable
+        stored = _as_is(data, options)
+        if stored is not None:
+            return stored
     image = _open(data)
     size = _target_size(image.width, image.height, options)
-    if info is not None and info.gpu_ready and size is None:
-        if (info.width, info.height) != image.size:
-            raise BadImageError(f"JPEG header says {info.width}x{info.height}, PIL decodes {image.size}")
-        return Prepared(data, fmt.CODEC_JPEG, info.width, info.height, info.components,
-                        info.subsampling, 0)
     gray = image.mode in _GRAY_MODES
     rgb = _to_rgb(image)
     flags = fmt.FLAG_CONVERTED

@@ -52,6 +52,12 @@ def _exif_rotated(image):
     return jpeg_bytes(image, quality=90, exif=exif.tobytes())
 
 
+def _extraneous_bytes(image):
+    """Junk before the end-of-image marker: PIL decodes it, libjpeg-turbo warns."""
+    data = jpeg_bytes(image, quality=90)
+    return data[:-2] + b"\x00" * 7 + data[-2:]
+
+
 def _sixteen_bit(image):
     gray = np.asarray(image.convert("L"), dtype=np.uint16) * 257
     return png_bytes(Image.fromarray(gray))
@@ -64,6 +70,7 @@ KINDS = {
     "baseline422.jpeg": ("animals", lambda im: jpeg_bytes(im, quality=90, subsampling=1), "as_is"),
     "gray.jpg": ("animals", lambda im: jpeg_bytes(im.convert("L"), quality=90), "as_is"),
     "exif_rotated.JPG": ("animals", _exif_rotated, "as_is"),
+    "extraneous.jpg": ("animals", _extraneous_bytes, "converted"),
     "progressive.jpg": ("plants", lambda im: jpeg_bytes(im, quality=90, progressive=True), "converted"),
     "cmyk.jpg": ("plants", lambda im: jpeg_bytes(im.convert("CMYK"), quality=90), "converted"),
     "rgba.png": ("plants", lambda im: png_bytes(im.convert("RGBA")), "converted"),

@@ -1,0 +1,55 @@
+"""A decoded batch as both paths hand it on: one flat uint8 buffer of interleaved pixels plus, per
+sample, where its pixels start and their height, width and channel count. The transforms read it
+directly, whatever the image sizes, on the CPU (``dataset._CpuBackend``) or the GPU (``decode_gpu``)."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PixelBatch:
+    buffer: torch.Tensor  # uint8, on the CPU or the GPU
+    offsets: np.ndarray  # int64 per sample: start of its pixels in buffer
+    heights: np.ndarray
+    widths: np.ndarray
+    channels: np.ndarray  # 1 or 3 per sample
+    errors: dict  # position -> CorruptSampleError for samples that failed to decode
+    owned: bool  # False when buffer is a staging buffer that a later batch will reuse
+    release_fn: object = None  # called with the stream once consumers have read buffer
+
+    def __len__(self):
+        return len(self.offsets)
+
+    def image(self, k: int) -> torch.Tensor:
+        """Sample k as a uint8 CHW RGB tensor: a view of the batch's own buffer, or a copy when the
+        buffer is a staging buffer that will be reused."""
+        h, w, c, o = int(self.heights[k]), int(self.widths[k]), int(self.channels[k]), int(self.offsets[k])
+        pixels = self.buffer[o:o + h * w * c].view(h, w, c)
+        if c == 1:
+            pixels = pixels.expand(h, w, 3)
+        pixels = pixels.permute(2, 0, 1)
+        return pixels if self.owned else pixels.contiguous()
+
+    def release(self, stream):
+        """Say that the GPU work queued on ``stream`` so far is the last to read the buffer."""
+        if self.release_fn is not None:
+            self.release_fn(stream)
+            self.release_fn = None
+
+    def uniform_view(self):
+        """The whole batch as one N x H x W x 3 strided view of the buffer, when the samples are
+        equal-sized, 3-channel and evenly spaced (raw samples read in file order); else None."""
+        n = len(self)
+        if n == 0 or not (np.all(self.heights == self.heights[0]) and np.all(self.widths == self.widths[0])
+                          and np.all(self.channels == 3)):
+            return None
+        steps = np.diff(self.offsets)
+        if n > 1 and not np.all(steps == steps[0]):
+            return None
+        h, w = int(self.heights[0]), int(self.widths[0])
+        step = int(steps[0]) if n > 1 else h * w * 3
+        if step < h * w * 3:
+            return None
+        return self.buffer.as_strided((n, h, w, 3), (step, w * 3, 3, 1), int(self.offsets[0]))

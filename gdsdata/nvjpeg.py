@@ -1,0 +1,211 @@
+"""A small typed ctypes binding to nvJPEG's batched decoder.
+
+No Python library exposes nvJPEG's device-bitstream backends (HARDWARE_DEVICE, GPU_HYBRID_DEVICE),
+so gdsdata binds the library from NVIDIA's wheels itself: ``nvidia-nvjpeg`` (CUDA 13,
+``nvidia/cu13/lib/libnvjpeg.so.13``) or ``nvidia-nvjpeg-cu12`` (``nvidia/nvjpeg/lib/libnvjpeg.so.12``).
+Only what the batched flow needs is bound:
+
+    nvjpegCreateEx -> nvjpegJpegStateCreate -> nvjpegDecodeBatchedInitialize (per batch size)
+    -> nvjpegDecodeBatched(handle, state, data[], lengths[], images[], stream)
+
+Every status is checked and turned into ``NvjpegError`` with nvJPEG's name for it.
+"""
+
+import ctypes
+import glob
+import logging
+import os
+import threading
+
+from .errors import GpuUnavailableError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = {"default": 0, "gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
+DEVICE_BITSTREAM_BACKENDS = {"gpu_hybrid_device", "hardware_device"}
+OUTPUT_RGBI = 5
+_MAX_COMPONENT = 4
+_STATUS = {
+    0: "SUCCESS", 1: "NOT_INITIALIZED", 2: "INVALID_PARAMETER", 3: "BAD_JPEG", 4: "JPEG_NOT_SUPPORTED",
+    5: "ALLOCATOR_FAILURE", 6: "EXECUTION_FAILED", 7: "ARCH_MISMATCH", 8: "INTERNAL_ERROR",
+    9: "IMPLEMENTATION_NOT_SUPPORTED", 10: "INCOMPLETE_BITSTREAM",
+}
+_MAJOR, _MINOR, _PATCH = 0, 1, 2  # libraryPropertyType
+_INSTALL_HINT = ("install nvJPEG: pip install nvidia-nvjpeg (CUDA 13) or nvidia-nvjpeg-cu12 (CUDA 12), "
+                 "or gdsdata[cu13] / gdsdata[cu12]; GDSDATA_NVJPEG_LIBRARY may name the library file")
+
+
+class NvjpegError(RuntimeError):
+    def __init__(self, call, status):
+        self.status = status
+        super().__init__(f"{call} failed: NVJPEG_STATUS_{_STATUS.get(status, status)}")
+
+
+def _candidates():
+    explicit = os.environ.get("GDSDATA_NVJPEG_LIBRARY")
+    if explicit:
+        yield explicit
+        return
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        yield load_nvidia_dynamic_lib("nvjpeg").abs_path
+    except Exception:  # noqa: BLE001 - pathfinder is optional; fall back to the wheels' layout
+        pass
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for pattern in ("cu13/lib/libnvjpeg.so.13*", "nvjpeg/lib/libnvjpeg.so.12*", "cu12/lib/libnvjpeg.so.12*"):
+                yield from sorted(glob.glob(os.path.join(root, pattern)))
+    except ImportError:
+        pass
+    yield from ("libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so")
+
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def _bind(lib):
+    c = ctypes
+    handle_p = c.POINTER(c.c_void_p)
+    signatures = {
+        "nvjpegGetProperty": (c.c_int, c.POINTER(c.c_int)),
+        "nvjpegCreateEx": (c.c_int, c.c_void_p, c.c_void_p, c.c_uint, handle_p),
+        "nvjpegDestroy": (c.c_void_p,),
+        "nvjpegJpegStateCreate": (c.c_void_p, handle_p),
+        "nvjpegJpegStateDestroy": (c.c_void_p,),
+        "nvjpegGetHardwareDecoderInfo": (c.c_void_p, c.POINTER(c.c_uint), c.POINTER(c.c_uint)),
+        "nvjpegDecodeBatchedInitialize": (c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int),
+        "nvjpegDecodeBatched": (c.c_void_p, c.c_void_p, c.POINTER(c.c_void_p), c.POINTER(c.c_size_t),
+                                c.c_void_p, c.c_void_p),
+        "nvjpegSetDeviceMemoryPadding": (c.c_size_t, c.c_void_p),
+        "nvjpegSetPinnedMemoryPadding": (c.c_size_t, c.c_void_p),
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = list(argtypes)
+        fn.restype = c.c_int
+
+
+def library():
+    """Load libnvjpeg once; raises ``GpuUnavailableError`` saying what to install."""
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        tried = []
+        for candidate in _candidates():
+            try:
+                lib = ctypes.CDLL(candidate)
+            except OSError as e:
+                tried.append(f"{candidate} ({e})")
+                continue
+            _bind(lib)
+            _lib = lib
+            _lib.path = candidate
+            log.info("nvJPEG loaded from %s", candidate)
+            return lib
+        raise GpuUnavailableError(f"nvJPEG library not found; {_INSTALL_HINT} (tried: {'; '.join(tried[:4])})")
+
+
+def _check(call, status):
+    if status != 0:
+        raise NvjpegError(call, status)
+
+
+def version():
+    lib = library()
+    parts = []
+    for prop in (_MAJOR, _MINOR, _PATCH):
+        value = ctypes.c_int()
+        _check("nvjpegGetProperty", lib.nvjpegGetProperty(prop, ctypes.byref(value)))
+        parts.append(value.value)
+    return tuple(parts)
+
+
+def image_struct():
+    """``nvjpegImage_t``: CUDA 13 headers declare ``size_t pitch[4]``, CUDA 12 ``unsigned int``."""
+    pitch = ctypes.c_size_t if version()[0] >= 13 else ctypes.c_uint
+
+    class NvjpegImage(ctypes.Structure):
+        _fields_ = [("channel", ctypes.c_void_p * _MAX_COMPONENT), ("pitch", pitch * _MAX_COMPONENT)]
+
+    return NvjpegImage
+
+
+class BatchedDecoder:
+    """One nvJPEG handle and decode state for one backend; decodes batches into RGB interleaved."""
+
+    def __init__(self, backend: str):
+        if backend not in BACKENDS:
+            raise ValueError(f"nvJPEG backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.lib = library()
+        self.backend = backend
+        self.device_bitstreams = backend in DEVICE_BITSTREAM_BACKENDS
+        self.handle = ctypes.c_void_p()
+        self.state = ctypes.c_void_p()
+        self._image_t = image_struct()
+        self._batch = 0
+        _check(f"nvjpegCreateEx({backend})", self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0,
+                                                                      ctypes.byref(self.handle)))
+        try:
+            _check("nvjpegJpegStateCreate", self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)))
+        except NvjpegError:
+            self.lib.nvjpegDestroy(self.handle)
+            raise
+
+    def hardware_info(self):
+        """(engines, cores per engine) of the hardware decoder; raises where there is none."""
+        engines, cores = ctypes.c_uint(), ctypes.c_uint()
+        _check("nvjpegGetHardwareDecoderInfo",
+               self.lib.nvjpegGetHardwareDecoderInfo(self.handle, ctypes.byref(engines), ctypes.byref(cores)))
+        return engines.value, cores.value
+
+    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int):
+        """Decode ``len(data_ptrs)`` bitstreams (host or device pointers, per the backend) into the
+        RGB interleaved buffers at ``out_ptrs`` (row pitch ``pitches``), on CUDA ``stream``."""
+        n = len(data_ptrs)
+        if n != self._batch:
+            _check("nvjpegDecodeBatchedInitialize",
+                   self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, n, 1, OUTPUT_RGBI))
+            self._batch = n
+        data = (ctypes.c_void_p * n)(*data_ptrs)
+        sizes = (ctypes.c_size_t * n)(*lengths)
+        images = (self._image_t * n)()
+        for k in range(n):
+            images[k].channel[0] = out_ptrs[k]
+            images[k].pitch[0] = pitches[k]
+        status = self.lib.nvjpegDecodeBatched(self.handle, self.state, data, sizes, images, ctypes.c_void_p(stream))
+        if status != 0:
+            self._batch = 0  # nvJPEG asks for a re-initialisation after a failed batch
+            raise NvjpegError("nvjpegDecodeBatched", status)
+
+    def close(self):
+        if self.state:
+            self.lib.nvjpegJpegStateDestroy(self.state)
+            self.state = ctypes.c_void_p()
+        if self.handle:
+            self.lib.nvjpegDestroy(self.handle)
+            self.handle = ctypes.c_void_p()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def library_info() -> dict:
+    """What ``gdsdata doctor`` shows about nvJPEG."""
+    lib = library()
+    info = {"nvjpeg": f"{'.'.join(map(str, version()))} ({lib.path})"}
+    try:
+        decoder = BatchedDecoder("hardware")
+        engines, cores = decoder.hardware_info()
+        decoder.close()
+        info["nvjpeg hardware decoder"] = f"{engines} engine(s) x {cores} core(s)"
+    except NvjpegError as e:
+        info["nvjpeg hardware decoder"] = f"none ({e}); decoding uses the CUDA backend"
+    return info
