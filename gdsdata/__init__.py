@@ -16,22 +16,18 @@ from .errors import (  # noqa: E402
 
 __all__ = [
     "BadImageError", "CorruptSampleError", "FormatError", "GDSDataset", "GdsDataError",
-    "GpuUnavailableError", "OutputExistsError", "PackOptions", "SourceError", "pack", "settings",
+    "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "pack", "settings",
+    "RandomResizedCrop", "CenterCrop",
 ]
+_LAZY = {  # name -> module; torch is imported only when these are used, so `gdsdata pack` starts fast
+    "GDSDataset": "dataset", "Loader": "loader", "pack": "pack", "PackOptions": "normalize",
+    "RandomResizedCrop": "transforms", "CenterCrop": "transforms",
+}
 
 
 def __getattr__(name):
-    # torch is imported only when the Dataset is used, so `gdsdata pack` starts quickly.
-    if name == "GDSDataset":
-        from .dataset import GDSDataset
+    if name in _LAZY:
+        import importlib
 
-        return GDSDataset
-    if name == "pack":
-        from .pack import pack
-
-        return pack
-    if name == "PackOptions":
-        from .normalize import PackOptions
-
-        return PackOptions
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'gdsdata' has no attribute {name!r}")

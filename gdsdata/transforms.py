@@ -5,7 +5,8 @@ The random parameters follow torchvision's ``RandomResizedCrop`` (scale, ratio, 
 centre crop with the ratio clamped) and are drawn from a counter-based hash of (seed, epoch, sample
 index): the same sample gets the same crop and flip on any device, in any batch, on any rank.
 
-The pixels are resampled bilinearly (half-pixel centres, edge clamp). On the GPU one Triton kernel
+The pixels are resampled bilinearly (half-pixel centres, clamped to the crop box: torchvision's crop
+then ``interpolate(mode="bilinear", align_corners=False, antialias=False)``). On the GPU one Triton kernel
 does the whole batch (``_resample_triton``); on the CPU, and as the reference the GPU is tested
 against, the same arithmetic runs as vectorised torch operations (``_resample_torch``).
 """
@@ -166,25 +167,26 @@ def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, p
     return out
 
 
-def _source_coords(start, extent, limit, size, positions):
-    """Bilinear source coordinates for output positions: (low index, high index, weight), float32."""
+def _source_coords(start, extent, size, positions):
+    """Bilinear source coordinates for output positions, clamped to the crop box as torchvision's
+    crop-then-resize does: (low index, high index, weight)."""
+    last = start + extent - 1.0
     coord = start + (positions + 0.5) * (extent / size) - 0.5
-    coord = torch.minimum(torch.clamp(coord, min=0.0), limit - 1.0)
+    coord = torch.minimum(torch.maximum(coord, start), last)
     low = torch.floor(coord)
     weight = coord - low
-    low = low.to(torch.int64)
-    high = torch.minimum(low + 1, limit.to(torch.int64) - 1)
-    return low, high, weight
+    high = torch.minimum(low + 1.0, last)
+    return low.to(torch.int64), high.to(torch.int64), weight
 
 
 def _resample_torch(buffer, meta, out, size, scale, shift, nchw):
     f32 = torch.float32
-    off, height, width, chans = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
+    off, width, chans = meta[:, 0], meta[:, 2], meta[:, 3]
     top, left, ch, cw, flip = (meta[:, k].to(f32) for k in range(4, 9))
     pos = torch.arange(size, device=buffer.device, dtype=f32)
     flipped = torch.where(flip[:, None] > 0, (size - 1) - pos[None, :], pos[None, :])
-    y0, y1, wy = _source_coords(top[:, None], ch[:, None], height.to(f32)[:, None], size, pos[None, :])
-    x0, x1, wx = _source_coords(left[:, None], cw[:, None], width.to(f32)[:, None], size, flipped)
+    y0, y1, wy = _source_coords(top[:, None], ch[:, None], size, pos[None, :])
+    x0, x1, wx = _source_coords(left[:, None], cw[:, None], size, flipped)
     row = (width * chans)[:, None]
     base = off[:, None, None]
     r0, r1 = (y0 * row)[:, :, None], (y1 * row)[:, :, None]

@@ -13,14 +13,14 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _coords(start, extent, limit, size, pos):
+def _coords(start, extent, size, pos):
+    last = start + extent - 1.0
     coord = start + (pos + 0.5) * (extent / size) - 0.5
-    coord = tl.minimum(tl.maximum(coord, 0.0), limit - 1.0)
-    low_f = tl.floor(coord)
-    weight = coord - low_f
-    low = low_f.to(tl.int64)
-    high = tl.minimum(low + 1, limit.to(tl.int64) - 1)
-    return low, high, weight
+    coord = tl.minimum(tl.maximum(coord, start), last)
+    low = tl.floor(coord)
+    weight = coord - low
+    high = tl.minimum(low + 1.0, last)
+    return low.to(tl.int64), high.to(tl.int64), weight
 
 
 @triton.jit
@@ -30,7 +30,6 @@ def _kernel(src, meta, out, size, s0, s1, s2, b0, b1, b2,
     pid = tl.program_id(1)
     row_meta = meta + n * 9
     off = tl.load(row_meta + 0)
-    height = tl.load(row_meta + 1)
     width = tl.load(row_meta + 2)
     chans = tl.load(row_meta + 3)
     top = tl.load(row_meta + 4).to(tl.float32)
@@ -45,8 +44,8 @@ def _kernel(src, meta, out, size, s0, s1, s2, b0, b1, b2,
     fy = oy.to(tl.float32)
     fx = ox.to(tl.float32)
     fx = tl.where(flip > 0, (size - 1) - fx, fx)
-    y0, y1, wy = _coords(top, crop_h, height.to(tl.float32), size, fy)
-    x0, x1, wx = _coords(left, crop_w, width.to(tl.float32), size, fx)
+    y0, y1, wy = _coords(top, crop_h, size, fy)
+    x0, x1, wx = _coords(left, crop_w, size, fx)
     row = width * chans
     r0 = off + y0 * row
     r1 = off + y1 * row

@@ -1,0 +1,239 @@
+"""``Loader``: batches for a training loop, prefetched, sharded over ranks, resumable mid-epoch.
+
+    loader = gdsdata.Loader(ds, batch_size=256, shuffle="full", seed=0,
+                            transform=gdsdata.RandomResizedCrop(224))
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for images, labels in loader:   # images: N x 3 x 224 x 224 float16 on ds.device
+            ...
+    state = loader.state_dict()         # save with the checkpoint; load_state_dict() resumes
+
+A background thread prepares up to ``prefetch`` batches ahead. On the GPU it works on its own CUDA
+stream: reading batch k+1 and decoding it overlap the training step on batch k; the consumer's
+stream waits on an event before it touches a batch, and the batch's memory is recorded as used by
+that stream. Breaking out of the loop, an exception, or ``close()`` stops the thread and frees its
+buffers.
+"""
+
+import logging
+import queue
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from . import transforms as T
+from .sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches
+
+log = logging.getLogger(__name__)
+_STOP_POLL_S = 0.1
+
+
+def _distributed_rank():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class Loader:
+    """Iterates ``(images, labels)`` over a ``GDSDataset`` on its device.
+
+    ``shuffle``: "full" (a seeded permutation per epoch), "block" (locality-friendly, see
+    ``sampler``) or None. ``rank``/``world_size``: default from ``torch.distributed`` when it is
+    initialised. ``drop_last``: drop the uneven tail (per rank and the last partial batch) instead of
+    padding. ``transform``: a ``RandomResizedCrop`` or ``CenterCrop``; without one, images is a
+    list of uint8 CHW tensors.
+    """
+
+    def __init__(self, dataset, batch_size, *, shuffle="full", seed=0, drop_last=False, transform=None,
+                 prefetch=2, rank=None, world_size=None, block_size=64, window=16):
+        if rank is None or world_size is None:
+            detected_rank, detected_world = _distributed_rank()
+            rank = detected_rank if rank is None else rank
+            world_size = detected_world if world_size is None else world_size
+        self.dataset = dataset
+        self.spec = ShardSpec(len(dataset), world_size, rank, batch_size, drop_last, shuffle, seed,
+                              block_size, window)
+        self.transform = transform
+        self.prefetch = max(1, int(prefetch))
+        self.epoch = 0
+        self._consumed = None  # mask of samples delivered by earlier segments of this epoch
+        self._done = 0  # batches delivered in the current segment
+        self._active = None
+
+    # --- epochs and state -------------------------------------------------------------------
+    def set_epoch(self, epoch: int):
+        """Start ``epoch`` from its beginning (as ``DistributedSampler.set_epoch``)."""
+        self.epoch = int(epoch)
+        self._consumed, self._done = None, 0
+
+    def __len__(self):
+        if self._consumed is None and self._done == 0:
+            return batches_per_epoch(self.spec)
+        return len(rank_batches(self.spec, self.epoch, self._consumed)) - self._done
+
+    def state_dict(self) -> dict:
+        consumed = None if self._consumed is None else np.packbits(self._consumed).tobytes()
+        return {"epoch": self.epoch, "batches_done": self._done, "consumed": consumed,
+                "size": self.spec.size, "seed": self.spec.seed, "shuffle": self.spec.shuffle,
+                "block_size": self.spec.block_size, "window": self.spec.window,
+                "world_size": self.spec.world_size, "batch_size": self.spec.batch_size,
+                "drop_last": self.spec.drop_last}
+
+    def load_state_dict(self, state: dict):
+        for key in ("size", "seed", "shuffle", "block_size", "window"):
+            if state[key] != getattr(self.spec, key):
+                raise ValueError(f"cannot resume: the saved loader had {key}={state[key]!r}, this one has "
+                                 f"{getattr(self.spec, key)!r}")
+        consumed = None
+        if state["consumed"] is not None:
+            consumed = np.unpackbits(np.frombuffer(state["consumed"], np.uint8), count=self.spec.size).astype(bool)
+        self.epoch = state["epoch"]
+        same = all(state[k] == getattr(self.spec, k) for k in ("world_size", "batch_size", "drop_last"))
+        if same:
+            self._consumed, self._done = consumed, state["batches_done"]
+        else:  # another topology: what the old ranks delivered is out, the rest is re-split
+            old = ShardSpec(**{**self.spec.__dict__, "rank": 0, "world_size": state["world_size"],
+                               "batch_size": state["batch_size"], "drop_last": state["drop_last"]})
+            self._consumed = consumed_after(old, self.epoch, consumed, state["batches_done"])
+            self._done = 0
+
+    # --- iteration ----------------------------------------------------------------------------
+    def __iter__(self):
+        self.close()
+        batches = rank_batches(self.spec, self.epoch, self._consumed)[self._done:]
+        active = _Prefetcher(self, batches)
+        self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
+        return active
+
+    def close(self):
+        """Stop the prefetch thread of the current pass, if any."""
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
+        self._active = None
+
+    def _delivered(self, finished_epoch: bool):
+        if finished_epoch:
+            self.epoch += 1
+            self._consumed, self._done = None, 0
+        else:
+            self._done += 1
+
+    def _make_batch(self, indices, stream):
+        """Load, decode and transform one batch (runs in the prefetch thread)."""
+        ds = self.dataset
+        batch, indices = ds.load_batch(indices.tolist(), stream)
+        labels = torch.from_numpy(ds._labels[indices])
+        if self.transform is not None:
+            params = self.transform.params(batch.heights, batch.widths, indices, self.epoch)
+            images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
+                             batch.channels, params)
+        else:
+            images = [batch.image(k) for k in range(len(batch))]
+        batch.release(stream)
+        if ds.device.type == "cuda":
+            labels = labels.to(ds.device, non_blocking=True)
+        return images, labels
+
+
+def _put(q, stop, item) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_STOP_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(loader, batches, q, stop, stream, device):
+    """The prefetch thread: make each batch (on ``stream`` on the GPU) and queue it with an event."""
+    try:
+        if stream is not None:
+            torch.cuda.set_device(device)
+        for indices in batches:
+            if stop.is_set():
+                return
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    images, labels = loader._make_batch(indices, stream)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            else:
+                images, labels = loader._make_batch(indices, None)
+                event = None
+            if not _put(q, stop, ("batch", images, labels, event)):
+                return
+        _put(q, stop, ("end", None, None, None))
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+        _put(q, stop, ("error", e, None, None))
+
+
+class _Prefetcher:
+    """The iterator of one pass: a thread filling a bounded queue, and clean shutdown."""
+
+    def __init__(self, loader: Loader, batches):
+        self.loader = loader
+        self.batches = batches
+        self.cuda = loader.dataset.device.type == "cuda"
+        self.device = loader.dataset.device
+        self.queue = queue.Queue(maxsize=loader.prefetch)
+        self.stop = threading.Event()
+        self.delivered = 0
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # The thread holds no reference to this object, so dropping the iterator stops it.
+        self.thread = threading.Thread(target=_produce, name="gdsdata-prefetch", daemon=True,
+                                       args=(loader, batches, self.queue, self.stop, self.stream, self.device))
+        self.thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.thread is None:
+            raise StopIteration
+        while True:
+            try:
+                kind, images, labels, event = self.queue.get(timeout=_STOP_POLL_S)
+                break
+            except queue.Empty:
+                if not self.thread.is_alive() and self.queue.empty():
+                    self.close()
+                    raise RuntimeError("gdsdata prefetch thread stopped without a result") from None
+        if kind == "end":
+            self.close()
+            self.loader._delivered(finished_epoch=True)
+            raise StopIteration
+        if kind == "error":
+            self.close()
+            raise images
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for tensor in (images if isinstance(images, list) else [images]):
+                tensor.record_stream(current)
+            labels.record_stream(current)
+        self.loader._delivered(finished_epoch=False)
+        return images, labels
+
+    def close(self):
+        if self.thread is None:
+            return
+        self.stop.set()
+        while True:  # unblock a thread waiting to put
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        self.thread.join()
+        self.thread = None
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

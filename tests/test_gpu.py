@@ -1,0 +1,155 @@
+"""GPU path (run on a machine with CUDA: pytest -m gpu). Skipped cleanly elsewhere."""
+
+import gc
+import os
+import resource
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import mean_abs_diff, pil_reference, write_photos
+
+import gdsdata
+from gdsdata import settings
+from gdsdata.errors import CorruptSampleError
+from gdsdata.normalize import PackOptions
+from gdsdata.pack import pack
+
+pytestmark = pytest.mark.gpu
+
+PATHS = [("host", "hardware"), ("device", "hardware_device"), ("host", "gpu_hybrid"),
+         ("device", "gpu_hybrid_device")]
+
+
+@pytest.fixture(scope="module")
+def raw_dataset(tmp_path_factory):
+    src = str(tmp_path_factory.mktemp("raw_src"))
+    write_photos(src, 24, classes=3, start_seed=500)
+    out = str(tmp_path_factory.mktemp("raw") / "ds")
+    pack(src, out, options=PackOptions(codec="raw", raw_size=96), workers=2, alignment=4096)
+    return out
+
+
+@pytest.mark.parametrize("staging, backend", PATHS, ids=[b for _, b in PATHS])
+def test_every_kind_decodes_on_the_gpu_like_pil(kinds_dataset, staging, backend):
+    src, expected, out, _ = kinds_dataset
+    with settings.set(staging=staging, decode_backend=backend):
+        ds = gdsdata.GDSDataset(out, device="cuda")
+        batch = ds.__getitems__(range(len(ds)))
+        for i, (image, label) in enumerate(batch):
+            assert image.is_cuda and image.dtype == torch.uint8
+            mad = mean_abs_diff(image.cpu(), pil_reference(os.path.join(src, ds.source(i))))
+            assert mad <= 2, (ds.source(i), backend, mad)
+        ds.close()
+
+
+@pytest.mark.parametrize("staging, backend", PATHS[:2], ids=[b for _, b in PATHS[:2]])
+def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend):
+    src, paths, out = photos_dataset
+    with settings.set(staging=staging, decode_backend=backend):
+        ds = gdsdata.GDSDataset(out, device="cuda")
+        for i, (image, _) in enumerate(ds.__getitems__(range(len(ds)))):
+            assert mean_abs_diff(image.cpu(), pil_reference(os.path.join(src, paths[i]))) <= 2
+
+
+@pytest.mark.parametrize("staging", ["host", "device"])
+def test_raw_gpu_equals_cpu_exactly(raw_dataset, staging):
+    cpu = gdsdata.GDSDataset(raw_dataset)
+    with settings.set(staging=staging):
+        gpu = gdsdata.GDSDataset(raw_dataset, device="cuda")
+        order = [5, 1, 2, 3, 20, 0]
+        for (a, la), (b, lb) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):
+            assert torch.equal(a, b.cpu()) and la == lb
+
+
+def test_resampled_gpu_batches_match_cpu_within_one(raw_dataset):
+    transform = gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=7)
+    cpu = gdsdata.Loader(gdsdata.GDSDataset(raw_dataset), 8, transform=transform, seed=3)
+    gpu = gdsdata.Loader(gdsdata.GDSDataset(raw_dataset, device="cuda"), 8, transform=transform, seed=3)
+    for (a, la), (b, lb) in zip(cpu, gpu):
+        assert torch.equal(la, lb.cpu())
+        assert (a.int() - b.cpu().int()).abs().max() <= 1
+
+
+def test_float16_gpu_batches_match_cpu(raw_dataset):
+    transform = gdsdata.RandomResizedCrop(48, seed=1)
+    cpu = next(iter(gdsdata.Loader(gdsdata.GDSDataset(raw_dataset), 12, transform=transform)))[0]
+    gpu = next(iter(gdsdata.Loader(gdsdata.GDSDataset(raw_dataset, device="cuda"), 12, transform=transform)))[0]
+    assert gpu.dtype == torch.float16 and gpu.shape == (12, 3, 48, 48)
+    assert (cpu.float() - gpu.cpu().float()).abs().max() < 0.02
+
+
+def test_uniform_raw_batch_is_a_view_of_the_staging_buffer(tmp_path):
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    from PIL import Image
+
+    for k in range(6):
+        Image.fromarray(np.full((32, 48, 3), k * 40, np.uint8)).save(src / f"{k}.png")
+    out = str(tmp_path / "ds")
+    pack(str(tmp_path / "src"), out, options=PackOptions(codec="raw"), workers=1)
+    with settings.set(staging="device"):
+        ds = gdsdata.GDSDataset(out, device="cuda")
+        batch, _ = ds.load_batch(list(range(6)))
+        view = batch.uniform_view()
+        assert view is not None and view.shape == (6, 32, 48, 3)
+        assert view.data_ptr() == batch.buffer.data_ptr() + int(batch.offsets[0])
+        assert [int(view[k, 0, 0, 0]) for k in range(6)] == [k * 40 for k in range(6)]
+        batch.release(torch.cuda.current_stream())
+
+
+@pytest.mark.parametrize("backend, verify", [("hardware", False), ("hardware_device", True)])
+def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, backend, verify):
+    """HARDWARE parses bitstreams on the host and reports a bad one; the device-bitstream backend
+    parses nothing on the host, so there the checksum is what catches a damaged sample."""
+    out = str(tmp_path / "ds")
+    shutil.copytree(photos_dataset[2], out)
+    ds = gdsdata.GDSDataset(out)
+    record = ds.index.samples[7]
+    with open(ds.index.shard_path(int(record["shard"])), "r+b") as f:
+        f.seek(int(record["offset"]) + 2)
+        f.write(b"\x00" * 600)
+    with settings.set(decode_backend=backend):
+        gpu = gdsdata.GDSDataset(out, device="cuda", verify_checksums=verify)
+        with pytest.raises(CorruptSampleError, match=r"sample 7 \("):
+            gpu.__getitems__([6, 7, 8])
+        skipping = gdsdata.GDSDataset(out, device="cuda", on_error="skip", verify_checksums=verify)
+        batch = skipping.__getitems__([6, 7, 8])
+        assert skipping.skipped == 1 and batch[1][1] == ds.targets[8]
+
+
+def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):
+    ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32))
+    for images, labels in loader:
+        assert images.is_cuda and labels.is_cuda
+        break
+    gc.collect()
+    assert not [t for t in threading.enumerate() if t.name == "gdsdata-prefetch"]
+    ds.close()
+
+
+def test_memory_is_flat_over_epochs(photos_dataset):
+    ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    loader = gdsdata.Loader(ds, 16, transform=gdsdata.RandomResizedCrop(64))
+    gpu, rss = [], []
+    for epoch in range(20):
+        loader.set_epoch(epoch)
+        for images, _ in loader:
+            pass
+        torch.cuda.synchronize()
+        gc.collect()
+        gpu.append(torch.cuda.memory_allocated())
+        rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    assert max(gpu[1:]) <= gpu[1] * 1.05 + (1 << 20)
+    assert rss[-1] <= rss[1] * 1.05
+
+
+def test_doctor_names_the_io_mode():
+    from gdsdata.doctor import report
+
+    info = report()
+    assert info["io mode"].split(":")[0] in ("gds", "compat")
+    assert "nvjpeg" in info
