@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""The GPU benchmark: gdsdata's GPU path beside its ceilings and its peers, in one run.
+
+Every pipeline reads the same images (generated here, ImageNet-like sizes and file sizes) and is
+timed after a warm-up as the median of several epochs; CPU cost is process CPU-seconds (workers
+included) per 1,000 images. Sections:
+
+  ceilings   plain kvikio pread of the shards; a minimal nvJPEG batched loop over bytes already
+             staged (pinned host for HARDWARE, GPU memory for HARDWARE_DEVICE)
+  gdsdata    decode only and full training batches (random-resized-crop 224 + flip + normalise
+             fp16), JPEG on each path, raw codec; transform kernel Triton vs torch
+  peers      torch DataLoader + ImageFolder + PIL (workers configurable), DALI 2.x if importable
+  cold       page cache dropped (when permitted): dd iflag=direct, and the raw loader
+
+    python bench/gpu.py --dir /tmp/bench --count 10000 --out results/
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import measure, print_system_block, print_table, system_block, write_json  # noqa: E402
+from make_images import generate  # noqa: E402
+
+import gdsdata  # noqa: E402
+from gdsdata import settings  # noqa: E402
+from gdsdata import transforms as T  # noqa: E402
+from gdsdata.nvjpeg import BatchedDecoder  # noqa: E402
+
+BATCH = 256
+MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+
+
+def drop_caches() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def warm(paths):
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+def shard_paths(ds):
+    return [ds.index.shard_path(s) for s in range(len(ds.index.shards))]
+
+
+# --- ceilings ---------------------------------------------------------------------------------
+def kvikio_pread_epoch(paths, threads):
+    import kvikio
+    import kvikio.defaults
+
+    kvikio.defaults.set({"num_threads": threads})
+    sizes = [os.path.getsize(p) for p in paths]
+    buffer = torch.empty(max(sizes), dtype=torch.uint8, device="cuda")
+    files = [kvikio.CuFile(p, "r") for p in paths]
+
+    def epoch():
+        for f, size in zip(files, sizes):
+            f.pread(buffer[:size], size, 0).get()
+        torch.cuda.synchronize()
+
+    return epoch, sum(sizes)
+
+
+def nvjpeg_ceiling_epoch(ds, backend):
+    """A minimal batched nvJPEG loop over every payload of ``ds`` staged once, in batches of 256."""
+    samples = ds.index.samples
+    reader = gdsdata.GDSDataset(ds.root)  # CPU reader: bytes into host memory once
+    buffer, plan = reader._backend.reader.read(list(range(len(samples))))
+    host = torch.from_numpy(buffer).pin_memory()
+    staged = host.cuda() if backend.endswith("_device") else host
+    base = staged.data_ptr()
+    heights = samples["height"].astype(np.int64)
+    widths = samples["width"].astype(np.int64)
+    sizes = heights * widths * 3
+    decoder = BatchedDecoder(backend)
+    stream = torch.cuda.current_stream()
+    batches = []
+    for start in range(0, len(samples), BATCH):
+        k = slice(start, min(start + BATCH, len(samples)))
+        offsets = np.zeros(k.stop - k.start, np.int64)
+        np.cumsum(sizes[k][:-1], out=offsets[1:])
+        arena = torch.empty(int(sizes[k].sum()), dtype=torch.uint8, device="cuda")
+        batches.append(((base + plan.sample_offsets[k]).tolist(), plan.sample_lengths[k].tolist(),
+                        (arena.data_ptr() + offsets).tolist(), (widths[k] * 3).tolist(), arena))
+
+    def epoch():
+        for data, lengths, outs, pitches, _ in batches:
+            decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
+        torch.cuda.synchronize()
+
+    return epoch, (staged, batches, decoder)
+
+
+# --- gdsdata ----------------------------------------------------------------------------------
+def loader_epoch(ds, transform, shuffle="full"):
+    loader = gdsdata.Loader(ds, BATCH, transform=transform, shuffle=shuffle, prefetch=3)
+    state = {"epoch": 0}
+
+    def epoch():
+        loader.set_epoch(state["epoch"])
+        state["epoch"] += 1
+        t0 = time.perf_counter()
+        first = None
+        for images, labels in loader:
+            if first is None:
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return first
+
+    return epoch
+
+
+def transform_compare(ds):
+    """Triton kernel vs the vectorised torch reference on one decoded batch, same arithmetic."""
+    batch, idx = ds.load_batch(list(range(min(BATCH, len(ds)))))
+    transform = gdsdata.RandomResizedCrop(224)
+    params = transform.params(batch.heights, batch.widths, idx)
+    args = (batch.buffer, batch.offsets, batch.heights, batch.widths, batch.channels, params)
+    out = {}
+    for name, use_triton in (("triton", True), ("torch", False)):
+        T._TRITON = use_triton
+        for _ in range(3):
+            T.apply(transform, *args)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            T.apply(transform, *args)
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t0) / 20 * 1000
+    T._TRITON = None
+    a = T.apply(gdsdata.RandomResizedCrop(224, dtype="uint8"), *args)
+    T._TRITON = False
+    b = T.apply(gdsdata.RandomResizedCrop(224, dtype="uint8"), *args)
+    T._TRITON = None
+    out["max_abs_diff_uint8"] = int((a.int() - b.int()).abs().max())
+    batch.release(torch.cuda.current_stream())
+    return out
+
+
+# --- peers ------------------------------------------------------------------------------------
+def dataloader_epoch(src, workers):
+    from torchvision import datasets, transforms
+
+    tf = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+                             transforms.ToTensor(), transforms.Normalize([m / 255 for m in MEAN], [s / 255 for s in STD])])
+    dataset = datasets.ImageFolder(src, transform=tf)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers,
+                                         pin_memory=True, persistent_workers=True, prefetch_factor=4)
+
+    def epoch():
+        for images, labels in loader:
+            images = images.cuda(non_blocking=True).half()
+            labels = labels.cuda(non_blocking=True)
+        torch.cuda.synchronize()
+
+    return epoch
+
+
+def dali_epochs(src, count, threads):
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=BATCH, num_threads=threads, device_id=0, prefetch_queue_depth=2)
+    def train():
+        jpegs, labels = fn.readers.file(file_root=src, random_shuffle=True, name="r")
+        images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB)
+        images = fn.resize(images, resize_x=224, resize_y=224)
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT16, output_layout="CHW", mean=MEAN, std=STD,
+                                          mirror=fn.random.coin_flip())
+        return images, labels
+
+    @pipeline_def(batch_size=BATCH, num_threads=threads, device_id=0, prefetch_queue_depth=2)
+    def decode_only():
+        jpegs, labels = fn.readers.file(file_root=src, random_shuffle=True, name="r")
+        return fn.decoders.image(jpegs, device="mixed", output_type=types.RGB), labels
+
+    iterations = -(-count // BATCH)
+    out = {}
+    for name, make in (("DALI decode only (mixed)", decode_only),
+                       ("DALI train pipeline (rrc 224, flip, norm fp16)", train)):
+        pipe = make()
+        pipe.build()
+
+        def epoch(pipe=pipe):
+            for _ in range(iterations):
+                pipe.run()
+            torch.cuda.synchronize()
+
+        out[name] = epoch
+    return out
+
+
+# --- main -------------------------------------------------------------------------------------
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="bench-data", help="working folder for images and datasets")
+    parser.add_argument("--count", type=int, default=10000, help="images (default 10000)")
+    parser.add_argument("--runs", type=int, default=3, help="timed epochs per pipeline (median)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers / DALI threads")
+    parser.add_argument("--raw-size", type=int, default=256, help="raw codec: shorter side at pack time")
+    parser.add_argument("--out", default="bench-results", help="folder for gpu.json")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: peers,dali,cold,paths")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    os.makedirs(args.out, exist_ok=True)
+    system = system_block()
+    print_system_block(system)
+    src = os.path.join(args.dir, "images")
+    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
+        t0 = time.perf_counter()
+        total = generate(src, args.count, classes=100)
+        open(os.path.join(src, f".complete-{args.count}"), "w").close()
+        print(f"generated {args.count} images, mean {total / args.count / 1e3:.0f} KB, "
+              f"in {time.perf_counter() - t0:.0f} s")
+    jpeg_dir, raw_dir = os.path.join(args.dir, "jpeg.gds"), os.path.join(args.dir, "raw.gds")
+    packed = gdsdata.pack(src, jpeg_dir, overwrite=True)
+    print(f"packed JPEG: {packed.packed} images, {packed.bytes / 1e9:.2f} GB, {packed.seconds:.1f} s "
+          f"({packed.packed / packed.seconds:.0f} images/s, {os.cpu_count()} workers)")
+    packed_raw = gdsdata.pack(src, raw_dir, overwrite=True, options=gdsdata.PackOptions(codec="raw", raw_size=args.raw_size))
+    print(f"packed raw (shorter side {args.raw_size}): {packed_raw.bytes / 1e9:.2f} GB, {packed_raw.seconds:.1f} s")
+
+    results, notes = [], {"system": system}
+    jpeg = gdsdata.GDSDataset(jpeg_dir, device="cuda")
+    raw = gdsdata.GDSDataset(raw_dir, device="cuda")
+    n, payload = len(jpeg), int(jpeg.index.samples["length"].sum())
+    raw_payload = int(raw.index.samples["length"].sum())
+    notes["gdsdata auto path"] = jpeg._backend.describe()
+    print(f"\ngdsdata auto path: {jpeg._backend.describe()}")
+    warm(shard_paths(jpeg) + shard_paths(raw))
+
+    def run(name, fn, images, nbytes=0, runs=args.runs, warmup=1):
+        try:
+            result = measure(name, fn, images, runs=runs, warmup=warmup, nbytes=nbytes)
+            results.append(result)
+            print(f"  {result.row()}", flush=True)
+            write_json(os.path.join(args.out, "gpu.json"), notes, results)
+            return result
+        except Exception:  # noqa: BLE001 - one failing pipeline must not hide the others
+            print(f"  {name}: FAILED\n{traceback.format_exc()}", flush=True)
+            return None
+
+    print("\n== ceilings (page cache warm) ==")
+    for threads in (16,):
+        fn, nbytes = kvikio_pread_epoch(shard_paths(raw), threads)
+        pread_raw = run(f"kvikio pread raw shards -> GPU ({threads} threads)", fn, len(raw), nbytes)
+        fn, nbytes = kvikio_pread_epoch(shard_paths(jpeg), threads)
+        run(f"kvikio pread JPEG shards -> GPU ({threads} threads)", fn, n, nbytes)
+    keep = []
+    for backend in ("hardware", "hardware_device"):
+        fn, held = nvjpeg_ceiling_epoch(jpeg, backend)
+        keep.append(held)
+        run(f"nvJPEG batched loop, {backend}, staged bytes", fn, n, payload)
+    del keep
+
+    print("\n== gdsdata (page cache warm) ==")
+    rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
+    paths = [("auto", "auto")] if "paths" in skip else [("host", "hardware"), ("device", "hardware_device")]
+    for staging, backend in paths:
+        with settings.set(staging=staging, decode_backend=backend):
+            ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
+            tag = ds._backend.describe()
+            run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
+            run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
+            ds.close()
+    raw_train = run("gdsdata raw codec train batches", loader_epoch(raw, rrc), len(raw), raw_payload)
+    try:
+        notes["transform_ms_per_batch"] = transform_compare(jpeg)
+        print(f"  transform per batch of {BATCH}: {notes['transform_ms_per_batch']}")
+    except Exception:  # noqa: BLE001
+        print(f"  transform comparison FAILED\n{traceback.format_exc()}")
+
+    if "peers" not in skip:
+        print("\n== peers (page cache warm) ==")
+        baseline = run(f"DataLoader + ImageFolder + PIL ({args.workers} workers)",
+                       dataloader_epoch(src, args.workers), n, payload, runs=2)
+        notes["baseline"] = baseline.name if baseline else None
+    if "dali" not in skip:
+        try:
+            for name, fn in dali_epochs(src, n, args.workers).items():
+                run(name, fn, -(-n // BATCH) * BATCH, payload)
+        except ImportError as e:
+            print(f"  DALI not importable ({e}); skipped")
+
+    if "cold" not in skip:
+        print("\n== cold cache ==")
+        if drop_caches():
+            notes["cold"] = {}
+            big = max(shard_paths(raw), key=os.path.getsize)
+            dd = subprocess.run(["dd", f"if={big}", "of=/dev/null", "bs=16M", "iflag=direct"],
+                                capture_output=True, text=True)
+            notes["cold"]["dd_iflag_direct"] = dd.stderr.strip().splitlines()[-1] if dd.stderr else dd.returncode
+            print(f"  dd iflag=direct {big}: {notes['cold']['dd_iflag_direct']}")
+            for shuffle in (None, "block", "full"):
+                drop_caches()
+                run(f"gdsdata raw train batches, cold, shuffle={shuffle}",
+                    loader_epoch(raw, rrc, shuffle=shuffle), len(raw), raw_payload, runs=1, warmup=0)
+            drop_caches()
+            run("gdsdata JPEG train batches, cold", loader_epoch(jpeg, rrc), n, payload, runs=1, warmup=0)
+        else:
+            print("  cannot drop the page cache here (not root): cold numbers not measured")
+
+    print("\n== summary ==")
+    reference = next((r for r in results if r.name.startswith("DataLoader")), None)
+    print_table(results, reference)
+    if pread_raw and raw_train:
+        notes["raw_vs_pread_bytes"] = (raw_payload / raw_train.median_s) / (pread_raw.bytes / pread_raw.median_s)
+        print(f"raw loader bytes/s vs plain kvikio pread: {notes['raw_vs_pread_bytes'] * 100:.0f} %")
+    write_json(os.path.join(args.out, "gpu.json"), notes, results)
+    with open(os.path.join(args.out, "gpu-notes.json"), "w") as f:
+        json.dump(notes, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
