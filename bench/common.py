@@ -17,7 +17,7 @@ def system_block() -> dict:
 
     info = report()
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        info["commit"] = os.environ.get("GDSDATA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True, cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
     except OSError:
         info["commit"] = "unknown"

@@ -20,7 +20,7 @@ __all__ = [
     "RandomResizedCrop", "CenterCrop",
 ]
 _LAZY = {  # name -> module; torch is imported only when these are used, so `gdsdata pack` starts fast
-    "GDSDataset": "dataset", "Loader": "loader", "pack": "pack", "PackOptions": "normalize",
+    "GDSDataset": "dataset", "Loader": "loader", "pack": "packer", "PackOptions": "normalize",
     "RandomResizedCrop": "transforms", "CenterCrop": "transforms",
 }
 

@@ -34,7 +34,7 @@ def _human(n: float) -> str:
 
 def _cmd_pack(args):
     from .normalize import PackOptions
-    from .pack import pack
+    from .packer import pack
 
     options = PackOptions(codec=args.codec, quality=args.quality, max_side=args.max_side,
                           raw_size=args.size)

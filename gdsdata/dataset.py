@@ -103,6 +103,8 @@ class GDSDataset(torch.utils.data.Dataset):
         self.root = os.fspath(root)
         self.index = index_io.load(self.root)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.on_error = on_error
         self.skipped = 0
         verify = settings.get("verify_checksums") if verify_checksums is None else bool(verify_checksums)

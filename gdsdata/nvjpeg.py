@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 BACKENDS = {"default": 0, "gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
 DEVICE_BITSTREAM_BACKENDS = {"gpu_hybrid_device", "hardware_device"}
 OUTPUT_RGBI = 5
+# nvjpegCreateEx flag: upsample chroma with interpolation, as libjpeg's "fancy upsampling" does,
+# rather than by replication; brings GPU pixels closer to the CPU decoders'.
+FLAG_UPSAMPLING_WITH_INTERPOLATION = 1 << 5
 _MAX_COMPONENT = 4
 _STATUS = {
     0: "SUCCESS", 1: "NOT_INITIALIZED", 2: "INVALID_PARAMETER", 3: "BAD_JPEG", 4: "JPEG_NOT_SUPPORTED",
@@ -148,8 +151,13 @@ class BatchedDecoder:
         self.state = ctypes.c_void_p()
         self._image_t = image_struct()
         self._batch = 0
-        _check(f"nvjpegCreateEx({backend})", self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0,
-                                                                      ctypes.byref(self.handle)))
+        self.interpolated = True
+        status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
+                                         ctypes.byref(self.handle))
+        if status != 0:  # a library or backend without the flag: plain upsampling
+            self.interpolated = False
+            status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0, ctypes.byref(self.handle))
+        _check(f"nvjpegCreateEx({backend})", status)
         try:
             _check("nvjpegJpegStateCreate", self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)))
         except NvjpegError:
@@ -204,8 +212,9 @@ def library_info() -> dict:
     try:
         decoder = BatchedDecoder("hardware")
         engines, cores = decoder.hardware_info()
-        decoder.close()
         info["nvjpeg hardware decoder"] = f"{engines} engine(s) x {cores} core(s)"
+        info["nvjpeg chroma upsampling"] = "interpolated" if decoder.interpolated else "replicated"
+        decoder.close()
     except NvjpegError as e:
         info["nvjpeg hardware decoder"] = f"none ({e}); decoding uses the CUDA backend"
     return info

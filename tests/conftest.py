@@ -124,7 +124,7 @@ def kinds_source(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def kinds_dataset(kinds_source, tmp_path_factory):
-    from gdsdata.pack import pack
+    from gdsdata.packer import pack
 
     src, expected = kinds_source
     out = str(tmp_path_factory.mktemp("kinds") / "ds")
@@ -135,7 +135,7 @@ def kinds_dataset(kinds_source, tmp_path_factory):
 @pytest.fixture(scope="session")
 def photos_dataset(tmp_path_factory):
     """60 baseline JPEGs in 3 classes, packed into small shards so reads cross shard boundaries."""
-    from gdsdata.pack import pack
+    from gdsdata.packer import pack
 
     src = str(tmp_path_factory.mktemp("photos_src"))
     paths = write_photos(src, 60)

@@ -132,7 +132,7 @@ def test_raw_gray_samples_expand_to_rgb(tmp_path):
     from PIL import Image
 
     from gdsdata.normalize import PackOptions
-    from gdsdata.pack import pack
+    from gdsdata.packer import pack
 
     src = tmp_path / "src" / "c"
     src.mkdir(parents=True)

@@ -13,7 +13,7 @@ from gdsdata import format as fmt
 from gdsdata import index as index_io
 from gdsdata.dataset import GDSDataset
 from gdsdata.errors import FormatError
-from gdsdata.pack import pack
+from gdsdata.packer import pack
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOC = os.path.join(HERE, "..", "docs", "format.md")

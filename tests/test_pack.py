@@ -12,7 +12,7 @@ from gdsdata import format as fmt
 from gdsdata.dataset import GDSDataset
 from gdsdata.errors import BadImageError, OutputExistsError, SourceError
 from gdsdata.normalize import PackOptions
-from gdsdata.pack import pack
+from gdsdata.packer import pack
 
 
 def test_every_kind_loads_like_pil(kinds_dataset):
@@ -206,3 +206,10 @@ def test_raw_codec_stores_pixels(tmp_path):
         assert min(image.shape[1:]) == 64
         assert ds.index.samples[i]["codec"] == fmt.CODEC_RAW
         assert ds.index.samples[i]["length"] == image.numel()
+
+
+def test_public_pack_is_the_function():
+    import gdsdata
+    import gdsdata.packer  # noqa: F401 - importing the module must not shadow the function
+
+    assert callable(gdsdata.pack) and gdsdata.pack is gdsdata.packer.pack

@@ -30,7 +30,7 @@ SOURCES = {  # relative path -> (seed, mode, subsampling)
 def main():
     sys.path.insert(0, os.path.join(HERE, "..", ".."))
     from gdsdata.index import load
-    from gdsdata.pack import pack
+    from gdsdata.packer import pack
 
     shutil.rmtree(GOLDEN, ignore_errors=True)
     src = os.path.join(GOLDEN, "src")
