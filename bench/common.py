@@ -32,10 +32,22 @@ def print_system_block(info: dict):
 
 
 def cpu_seconds() -> float:
-    """CPU seconds of this process and its reaped children (DataLoader workers included)."""
+    """CPU seconds of this process, its live children (persistent DataLoader workers) and its
+    reaped children."""
     me = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    total = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    try:
+        import psutil
+    except ImportError:
+        return total
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
 
 
 @dataclass

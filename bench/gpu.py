@@ -113,7 +113,8 @@ def nvjpeg_ceiling_epoch(ds, backend):
 
 # --- gdsdata ----------------------------------------------------------------------------------
 def loader_epoch(ds, transform, shuffle="full"):
-    loader = gdsdata.Loader(ds, BATCH, transform=transform, shuffle=shuffle, prefetch=3)
+    loader = gdsdata.Loader(ds, BATCH, transform=transform, shuffle=shuffle, prefetch=3,
+                            pixels=transform is None)
     state = {"epoch": 0}
 
     def epoch():

@@ -10,18 +10,19 @@ Choosing the path (``gdsdata doctor`` shows the choice):
 """
 
 import logging
-import threading
 
 import torch
 
+from . import format as fmt
 from . import settings
-from .decode_gpu import GpuDecoder, PixelBatch
+from .batch import PixelBatch, Staged
+from .decode_gpu import GpuDecoder
 from .errors import GpuUnavailableError
 from .plan import plan_reads
-from .reader_gpu import GpuReader, StagingBuffer
+from .reader_gpu import GpuReader, SlotPool
 
 log = logging.getLogger(__name__)
-_SLOTS = 4  # staging buffers in rotation: enough for the prefetch depth plus the batch in use
+_SLOTS = 5  # staging buffers: batches being read, queued for decode, decoding, and held by the consumer
 
 
 def _has_hardware_decoder() -> bool:
@@ -34,8 +35,10 @@ def _has_hardware_decoder() -> bool:
         return False
 
 
-def choose_path(gds: bool):
-    """(staging, nvJPEG backend) from the settings and what the machine has."""
+def choose_path(gds: bool, raw_only: bool = False):
+    """(staging, nvJPEG backend) from the settings and what the machine has. Raw pixels need no
+    decoder: they are staged on the GPU (kvikio's parallel reads; in compatibility mode through its
+    own bounce buffers, which matched pinned host reads on the H200)."""
     staging, backend = settings.get("staging"), settings.get("decode_backend")
     if backend != "auto":
         wanted = "device" if backend.endswith("_device") else "host"
@@ -44,7 +47,7 @@ def choose_path(gds: bool):
                              f"staging={staging} was asked for")
         return wanted, backend
     if staging == "auto":
-        staging = "device" if gds else "host"
+        staging = "device" if gds or raw_only else "host"
     engines = _has_hardware_decoder()
     family = "hardware" if engines else "gpu_hybrid"
     return staging, family + ("_device" if staging == "device" else "")
@@ -62,40 +65,48 @@ class GpuBackend:
         self.device = device
         self.verify = verify
         self.io_mode, self.io_reason = io_mode()
-        self.staging_kind, self.backend = choose_path(self.io_mode == "gds")
+        raw_only = bool(len(index.samples)) and bool((index.samples["codec"] == fmt.CODEC_RAW).all())
+        self.staging_kind, self.backend = choose_path(self.io_mode == "gds", raw_only)
         self.reader = GpuReader(index, device)
         self.decoder = GpuDecoder(index, device, self.backend)
-        self._slots = [StagingBuffer(self.staging_kind, device) for _ in range(_SLOTS)]
-        self._next_slot = 0
-        self._lock = threading.Lock()
+        self._slots = SlotPool(self.staging_kind, device, _SLOTS)
         log.info("GPU path on %s: I/O %s (%s), staging %s, nvJPEG %s", device, self.io_mode,
                  self.io_reason, self.staging_kind, self.backend)
 
     def describe(self) -> str:
         return f"io={self.io_mode} staging={self.staging_kind} nvjpeg={self.backend}"
 
-    def _slot(self) -> StagingBuffer:
-        with self._lock:
-            slot = self._slots[self._next_slot]
-            self._next_slot = (self._next_slot + 1) % len(self._slots)
-            return slot
-
-    def load_batch(self, indices, stream=None) -> PixelBatch:
-        """Read and decode ``indices``; GPU work is queued on ``stream`` (default: the current one).
-        Call ``batch.release(stream)`` once the pixels have been consumed."""
-        stream = stream or torch.cuda.current_stream(self.device)
+    def read(self, indices) -> Staged:
+        """Storage -> staging: plan and issue the batch's reads (blocks until they are done)."""
         plan = plan_reads(self.index.samples, indices, self.index.alignment,
                           settings.get("max_gap"), settings.get("max_read"))
-        slot = self._slot()
-        staging = self.reader.read(plan, slot)
-        failed = self._verify(staging, plan, indices) if self.verify else {}
-        batch = self.decoder.decode(staging, plan, indices, stream)
-        batch.errors.update(failed)
+        slot = self._slots.acquire()
+        try:
+            staging = self.reader.read(plan, slot)
+            failed = self._verify(staging, plan, indices) if self.verify else {}
+        except BaseException:
+            self._slots.release(slot, None)
+            raise
+        return Staged(list(indices), plan, staging, slot, failed)
+
+    def decode(self, staged: Staged, stream=None) -> PixelBatch:
+        """Staging -> pixels on the GPU, queued on ``stream`` (default: the current one). Call
+        ``batch.release(stream)`` once the pixels have been consumed."""
+        stream = stream or torch.cuda.current_stream(self.device)
+        try:
+            batch = self.decoder.decode(staged.tensor, staged.plan, staged.indices, stream)
+        except BaseException:
+            self._slots.release(staged.slot, stream)
+            raise
+        batch.errors.update(staged.failed)
         if batch.owned:  # staging was read by the decode alone
-            slot.mark_busy(stream)
+            self._slots.release(staged.slot, stream)
         else:
-            batch.release_fn = slot.mark_busy
+            batch.release_fn = lambda s, slot=staged.slot: self._slots.release(slot, s)
         return batch
+
+    def load_batch(self, indices, stream=None) -> PixelBatch:
+        return self.decode(self.read(indices), stream)
 
     def _verify(self, staging, plan, indices) -> dict:
         from .decode_cpu import check_crc
@@ -112,8 +123,7 @@ class GpuBackend:
         return failed
 
     def close(self):
-        for slot in self._slots:
-            slot.release()
+        self._slots.close()
         self.reader.close()
         self.decoder.close()
 

@@ -1,5 +1,6 @@
-"""A decoded batch as both paths hand it on: one flat uint8 buffer of interleaved pixels plus, per
-sample, where its pixels start and their height, width and channel count. The transforms read it
+"""Batches between the stages of both paths: ``Staged`` (payloads in a staging buffer, after storage)
+and ``PixelBatch`` (after decode): one flat uint8 buffer of interleaved pixels plus, per sample, where
+its pixels start and their height, width and channel count. The transforms read a PixelBatch
 directly, whatever the image sizes, on the CPU (``dataset._CpuBackend``) or the GPU (``decode_gpu``)."""
 
 from dataclasses import dataclass
@@ -53,3 +54,14 @@ class PixelBatch:
         if step < h * w * 3:
             return None
         return self.buffer.as_strided((n, h, w, 3), (step, w * 3, 3, 1), int(self.offsets[0]))
+
+
+@dataclass
+class Staged:
+    """A batch whose payloads sit in a staging buffer, waiting for decode."""
+
+    indices: list
+    plan: object
+    tensor: object  # the staging buffer: a torch tensor (GPU path) or numpy array (CPU path)
+    slot: object  # the GPU path's staging slot, None on the CPU
+    failed: dict  # position -> CorruptSampleError found before decoding (checksums)

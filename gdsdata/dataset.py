@@ -18,7 +18,7 @@ import torch
 from . import index as index_io
 from . import settings
 from .decode_cpu import check_crc, decode
-from .batch import PixelBatch
+from .batch import PixelBatch, Staged
 from .errors import CorruptSampleError
 from .reader_cpu import CpuReader
 
@@ -42,8 +42,15 @@ class _CpuBackend:
             self._pool_pid = os.getpid()
         return self._pool
 
-    def load_batch(self, indices, stream=None) -> PixelBatch:
+    def read(self, indices) -> Staged:
         buffer, plan = self.reader.read(indices)
+        return Staged(list(indices), plan, buffer, None, {})
+
+    def load_batch(self, indices, stream=None) -> PixelBatch:
+        return self.decode(self.read(indices), stream)
+
+    def decode(self, staged: Staged, stream=None) -> PixelBatch:
+        indices, buffer, plan = staged.indices, staged.tensor, staged.plan
         records = self.index.samples[np.asarray(indices, dtype=np.int64)]
         heights = records["height"].astype(np.int64)
         widths = records["width"].astype(np.int64)
@@ -162,8 +169,16 @@ class GDSDataset(torch.utils.data.Dataset):
     def load_batch(self, indices, stream=None):
         """(PixelBatch, indices): decoded pixels of a batch, bad samples raised or replaced per
         ``on_error`` (the returned indices say which sample each position finally holds)."""
-        indices = list(indices)
-        batch = self._backend.load_batch(indices, stream)
+        return self.decode_staged(self._backend.read(list(indices)), stream)
+
+    def read_staged(self, indices):
+        """The storage half of ``load_batch``: the batch's payloads in a staging buffer."""
+        return self._backend.read(list(indices))
+
+    def decode_staged(self, staged, stream=None):
+        """The decode half of ``load_batch``."""
+        indices = list(staged.indices)
+        batch = self._backend.decode(staged, stream)
         for k in sorted(batch.errors):
             error = batch.errors[k]
             if self.on_error == "raise":

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import transforms as T
+from .batch import PixelBatch
 from .sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches
 
 log = logging.getLogger(__name__)
@@ -43,11 +44,12 @@ class Loader:
     ``sampler``) or None. ``rank``/``world_size``: default from ``torch.distributed`` when it is
     initialised. ``drop_last``: drop the uneven tail (per rank and the last partial batch) instead of
     padding. ``transform``: a ``RandomResizedCrop`` or ``CenterCrop``; without one, images is a
-    list of uint8 CHW tensors.
+    list of uint8 CHW tensors, or with ``pixels=True`` the ``PixelBatch`` itself (decoded pixels of
+    every size in one buffer, for custom GPU transforms; valid until the next batch is asked for).
     """
 
     def __init__(self, dataset, batch_size, *, shuffle="full", seed=0, drop_last=False, transform=None,
-                 prefetch=2, rank=None, world_size=None, block_size=64, window=16):
+                 prefetch=2, rank=None, world_size=None, block_size=64, window=16, pixels=False):
         if rank is None or world_size is None:
             detected_rank, detected_world = _distributed_rank()
             rank = detected_rank if rank is None else rank
@@ -56,6 +58,9 @@ class Loader:
         self.spec = ShardSpec(len(dataset), world_size, rank, batch_size, drop_last, shuffle, seed,
                               block_size, window)
         self.transform = transform
+        self.pixels = bool(pixels)
+        if self.pixels and transform is not None:
+            raise ValueError("pixels=True hands on decoded pixels; it takes no transform")
         self.prefetch = max(1, int(prefetch))
         self.epoch = 0
         self._consumed = None  # mask of samples delivered by earlier segments of this epoch
@@ -121,11 +126,15 @@ class Loader:
         else:
             self._done += 1
 
-    def _make_batch(self, indices, stream):
-        """Load, decode and transform one batch (runs in the prefetch thread)."""
+    def _finish_batch(self, staged, stream):
+        """Decode and transform one staged batch (runs in the decode thread)."""
         ds = self.dataset
-        batch, indices = ds.load_batch(indices.tolist(), stream)
+        batch, indices = ds.decode_staged(staged, stream)
         labels = torch.from_numpy(ds._labels[indices])
+        if ds.device.type == "cuda":
+            labels = labels.to(ds.device, non_blocking=True)
+        if self.pixels:
+            return batch, labels  # released by the consumer's next step
         if self.transform is not None:
             params = self.transform.params(batch.heights, batch.widths, indices, self.epoch)
             images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
@@ -133,8 +142,6 @@ class Loader:
         else:
             images = [batch.image(k) for k in range(len(batch))]
         batch.release(stream)
-        if ds.device.type == "cuda":
-            labels = labels.to(ds.device, non_blocking=True)
         return images, labels
 
 
@@ -148,25 +155,50 @@ def _put(q, stop, item) -> bool:
     return False
 
 
-def _produce(loader, batches, q, stop, stream, device):
-    """The prefetch thread: make each batch (on ``stream`` on the GPU) and queue it with an event."""
+def _release_staged(loader, staged):
+    if staged.slot is not None:
+        loader.dataset._backend._slots.release(staged.slot, None)
+
+
+def _read_ahead(loader, batches, q, stop):
+    """The I/O thread: storage -> staging buffers, as far ahead as the staging slots allow."""
     try:
-        if stream is not None:
-            torch.cuda.set_device(device)
         for indices in batches:
             if stop.is_set():
                 return
+            staged = loader.dataset.read_staged(indices.tolist())
+            if not _put(q, stop, ("staged", staged)):
+                _release_staged(loader, staged)
+                return
+        _put(q, stop, ("end", None))
+    except BaseException as e:  # noqa: BLE001 - handed on, raised by the consumer
+        _put(q, stop, ("error", e))
+
+
+def _decode_ahead(loader, staged_q, q, stop, stream, device):
+    """The decode thread: staging -> pixels -> transform, on its own CUDA stream on the GPU, each
+    batch queued with an event the consumer waits on."""
+    try:
+        if stream is not None:
+            torch.cuda.set_device(device)
+        while not stop.is_set():
+            try:
+                kind, staged = staged_q.get(timeout=_STOP_POLL_S)
+            except queue.Empty:
+                continue
+            if kind != "staged":
+                _put(q, stop, (kind, staged, None, None))
+                return
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    images, labels = loader._make_batch(indices, stream)
+                    images, labels = loader._finish_batch(staged, stream)
                     event = torch.cuda.Event()
                     event.record(stream)
             else:
-                images, labels = loader._make_batch(indices, None)
+                images, labels = loader._finish_batch(staged, None)
                 event = None
             if not _put(q, stop, ("batch", images, labels, event)):
                 return
-        _put(q, stop, ("end", None, None, None))
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
         _put(q, stop, ("error", e, None, None))
 
@@ -183,23 +215,36 @@ class _Prefetcher:
         self.stop = threading.Event()
         self.delivered = 0
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # The thread holds no reference to this object, so dropping the iterator stops it.
-        self.thread = threading.Thread(target=_produce, name="gdsdata-prefetch", daemon=True,
-                                       args=(loader, batches, self.queue, self.stop, self.stream, self.device))
-        self.thread.start()
+        self.staged = queue.Queue(maxsize=2)
+        self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step
+        # The threads hold no reference to this object, so dropping the iterator stops them.
+        self.threads = [
+            threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
+                             args=(loader, batches, self.staged, self.stop)),
+            threading.Thread(target=_decode_ahead, name="gdsdata-prefetch", daemon=True,
+                             args=(loader, self.staged, self.queue, self.stop, self.stream, self.device)),
+        ]
+        for thread in self.threads:
+            thread.start()
 
     def __iter__(self):
         return self
 
+    def _release_held(self):
+        if self.held is not None:
+            self.held.release(torch.cuda.current_stream(self.device) if self.cuda else None)
+            self.held = None
+
     def __next__(self):
-        if self.thread is None:
+        if self.threads is None:
             raise StopIteration
+        self._release_held()
         while True:
             try:
                 kind, images, labels, event = self.queue.get(timeout=_STOP_POLL_S)
                 break
             except queue.Empty:
-                if not self.thread.is_alive() and self.queue.empty():
+                if not self.threads[1].is_alive() and self.queue.empty():
                     self.close()
                     raise RuntimeError("gdsdata prefetch thread stopped without a result") from None
         if kind == "end":
@@ -212,25 +257,47 @@ class _Prefetcher:
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            for tensor in (images if isinstance(images, list) else [images]):
+            if isinstance(images, PixelBatch):
+                tensors = [images.buffer]
+                self.held = images
+            else:
+                tensors = images if isinstance(images, list) else [images]
+            for tensor in tensors:
                 tensor.record_stream(current)
             labels.record_stream(current)
+        elif isinstance(images, PixelBatch):
+            self.held = images
         self.loader._delivered(finished_epoch=False)
         return images, labels
 
     def close(self):
-        if self.thread is None:
+        if self.threads is None:
             return
         self.stop.set()
-        while True:  # unblock a thread waiting to put
-            try:
-                self.queue.get_nowait()
-            except queue.Empty:
+        self._release_held()
+        while True:  # drain while the threads wind down: a thread may wait for a slot or a place
+            self._drain()
+            alive = [t for t in self.threads if t.is_alive()]
+            if not alive:
                 break
-        self.thread.join()
-        self.thread = None
+            alive[0].join(timeout=_STOP_POLL_S)
+        self._drain()
+        self.threads = None
         if self.stream is not None:
             self.stream.synchronize()
+
+    def _drain(self):
+        """Hand back the staging slots of batches that will never be consumed."""
+        for q in (self.staged, self.queue):
+            while True:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+                if item[0] == "staged":
+                    _release_staged(self.loader, item[1])
+                elif item[0] == "batch" and isinstance(item[1], PixelBatch):
+                    item[1].release(None)
 
     def __del__(self):
         try:

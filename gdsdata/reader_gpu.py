@@ -57,16 +57,41 @@ class StagingBuffer:
             log.debug("staging buffer (%s) grown to %d bytes", self.kind, size)
         return self.tensor[:nbytes]
 
-    def mark_busy(self, stream):
-        event = torch.cuda.Event()
-        event.record(stream)
-        self.busy = event
-
-    def release(self):
+    def free(self):
         if self.busy is not None:
             self.busy.synchronize()
         self.busy = None
         self.tensor = None
+
+
+class SlotPool:
+    """A fixed set of staging buffers. ``acquire`` blocks until one is free; ``release(slot, stream)``
+    hands it back once the GPU work queued on ``stream`` (the last reader of its bytes) is done."""
+
+    def __init__(self, kind: str, device: torch.device, count: int):
+        self.kind = kind
+        self._free = [StagingBuffer(kind, device) for _ in range(count)]
+        self._all = list(self._free)
+        self._cond = threading.Condition()
+
+    def acquire(self) -> StagingBuffer:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            return self._free.pop(0)
+
+    def release(self, slot: StagingBuffer, stream):
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            slot.busy = event
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+    def close(self):
+        for slot in self._all:
+            slot.free()
 
 
 class GpuReader:
