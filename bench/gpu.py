@@ -275,15 +275,25 @@ def main(argv=None):
 
     print("\n== gdsdata (page cache warm) ==")
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
-    paths = [("auto", "auto")] if "paths" in skip else [("host", "hardware"), ("device", "hardware_device")]
-    for staging, backend in paths:
-        with settings.set(staging=staging, decode_backend=backend):
+    paths = [("auto", "auto", 16)] if "paths" in skip else [
+        ("host", "hardware", 16), ("host", "hardware", 4), ("device", "hardware_device", 16)]
+    for staging, backend, io_threads in paths:
+        with settings.set(staging=staging, decode_backend=backend, io_threads=io_threads):
             ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
-            tag = ds._backend.describe()
+            tag = f"{ds._backend.describe()} io_threads={io_threads}"
             run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
             run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
             ds.close()
-    raw_train = run("gdsdata raw codec train batches", loader_epoch(raw, rrc), len(raw), raw_payload)
+    raw_train = None
+    for staging in ("host", "device"):
+        with settings.set(staging=staging):
+            ds = gdsdata.GDSDataset(raw_dir, device="cuda")
+            for shuffle in ("full", None):
+                result = run(f"gdsdata raw train batches [staging={staging} shuffle={shuffle}]",
+                             loader_epoch(ds, rrc, shuffle=shuffle), len(raw), raw_payload)
+                if staging == "host" and shuffle == "full":
+                    raw_train = result
+            ds.close()
     try:
         notes["transform_ms_per_batch"] = transform_compare(jpeg)
         print(f"  transform per batch of {BATCH}: {notes['transform_ms_per_batch']}")

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The H200 run behind docs/benchmarks.md: GPU tests, then bench/gpu.py with DALI when present.
+# Runs on the device machine from the repository root; wheels for what the image lacks in .whl/,
+# DALI's wheel (if any) as split pieces under /tmp/dali-pieces/ (see docs/benchmarks.md).
+set -uo pipefail
+OUT=${OUT:-bench-results}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+if ls /tmp/dali-pieces/dali.part* >/dev/null 2>&1; then
+    cat /tmp/dali-pieces/dali.part* > /tmp/dali.whl
+    if [ "$(sha256sum /tmp/dali.whl | cut -d' ' -f1)" = "$(cat /tmp/dali-pieces/sha256)" ]; then
+        cp /tmp/dali.whl /tmp/nvidia_dali_cuda130-2.4.0-py3-none-manylinux_2_28_x86_64.whl
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dali-site \
+            /tmp/nvidia_dali_cuda130-2.4.0-py3-none-manylinux_2_28_x86_64.whl .dali/nvidia_nvimgcodec*.whl
+        export PYTHONPATH=$PYTHONPATH:/tmp/dali-site
+        export LD_LIBRARY_PATH=$(dirname "$(find /tmp/dali-site -name 'libnvimgcodec.so*' | head -1)"):${LD_LIBRARY_PATH:-}
+        echo "DALI installed (sha256 ok)"
+    else
+        echo "DALI wheel checksum mismatch: DALI skipped"
+    fi
+fi
+python3 -m gdsdata.cli doctor | tee "$OUT/doctor.txt"
+timeout 200 python3 -m pytest -q -m gpu --timeout 60 tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+timeout ${BENCH_TIMEOUT:-400} python3 bench/gpu.py --dir /tmp/bench --count ${COUNT:-10000} --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
