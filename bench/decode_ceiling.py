@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""How fast can nvJPEG's batched decoder go on this GPU? Variants of the minimal loop over bytes
+already staged in pinned host memory: chroma upsampling flag, batch size, and several decoder
+handles driven from several threads at once (each handle and state owns its batches).
+
+    python bench/decode_ceiling.py --dir /tmp/bench --count 10000
+"""
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import print_system_block, system_block  # noqa: E402
+from make_images import generate  # noqa: E402
+
+import gdsdata  # noqa: E402
+from gdsdata import nvjpeg  # noqa: E402
+
+
+def staged_batches(ds, batch, device_bitstreams):
+    samples = ds.index.samples
+    buffer, plan = ds._backend.reader.read(list(range(len(samples))))
+    host = torch.from_numpy(buffer).pin_memory()
+    staged = host.cuda() if device_bitstreams else host
+    sizes = samples["height"].astype(np.int64) * samples["width"].astype(np.int64) * 3
+    out = []
+    for start in range(0, len(samples), batch):
+        k = slice(start, min(start + batch, len(samples)))
+        offsets = np.zeros(k.stop - k.start, np.int64)
+        np.cumsum(sizes[k][:-1], out=offsets[1:])
+        arena = torch.empty(int(sizes[k].sum()), dtype=torch.uint8, device="cuda")
+        out.append(((staged.data_ptr() + plan.sample_offsets[k]).tolist(), plan.sample_lengths[k].tolist(),
+                    (arena.data_ptr() + offsets).tolist(), (samples["width"][k].astype(np.int64) * 3).tolist(),
+                    arena))
+    return staged, out
+
+
+def run(batches, backend, handles, interpolate, repeats=3):
+    flag = nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION
+    if not interpolate:
+        nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = 0
+    decoders = [nvjpeg.BatchedDecoder(backend) for _ in range(handles)]
+    nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = flag
+    streams = [torch.cuda.Stream() for _ in range(handles)]
+
+    def worker(h):
+        with torch.cuda.stream(streams[h]):
+            for data, lengths, outs, pitches, _ in batches[h::handles]:
+                decoders[h].decode(data, lengths, outs, pitches, streams[h].cuda_stream)
+        streams[h].synchronize()
+
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(h,)) for h in range(handles)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        times.append(time.perf_counter() - t0)
+    for d in decoders:
+        d.close()
+    images = sum(len(b[0]) for b in batches)
+    return images / float(np.median(times[1:]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="bench-data")
+    parser.add_argument("--count", type=int, default=10000)
+    args = parser.parse_args()
+    print_system_block(system_block())
+    src = os.path.join(args.dir, "images")
+    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
+        generate(src, args.count, classes=100)
+        open(os.path.join(src, f".complete-{args.count}"), "w").close()
+    out = os.path.join(args.dir, "jpeg.gds")
+    if not os.path.exists(os.path.join(out, "index.gdsi")):
+        gdsdata.pack(src, out, overwrite=True)
+    ds = gdsdata.GDSDataset(out)
+    print(f"{'backend':<16} {'batch':>6} {'handles':>8} {'interp':>7} {'images/s':>10}")
+    for backend in ("hardware", "hardware_device"):
+        for batch in (256, 128):
+            held = staged_batches(ds, batch, backend.endswith("_device"))
+            for handles in (1, 2, 3):
+                for interpolate in (True, False):
+                    if handles > 1 and not interpolate:
+                        continue
+                    rate = run(held[1], backend, handles, interpolate)
+                    print(f"{backend:<16} {batch:>6} {handles:>8} {str(interpolate):>7} {rate:>10.0f}", flush=True)
+            del held
+
+
+if __name__ == "__main__":
+    main()
