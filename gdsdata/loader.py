@@ -104,11 +104,15 @@ class Loader:
             self._consumed = consumed_after(old, self.epoch, consumed, state["batches_done"])
             self._done = 0
 
+    def indices(self):
+        """The sample indices of this rank's remaining batches in the current epoch, one array per
+        batch: what iterating will read (with ``on_error="skip"`` a bad sample is replaced)."""
+        return rank_batches(self.spec, self.epoch, self._consumed)[self._done:]
+
     # --- iteration ----------------------------------------------------------------------------
     def __iter__(self):
         self.close()
-        batches = rank_batches(self.spec, self.epoch, self._consumed)[self._done:]
-        active = _Prefetcher(self, batches)
+        active = _Prefetcher(self, self.indices())
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
         return active
 
