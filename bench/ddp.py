@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""A DDP training loop fed by gdsdata, for scaling runs: one process per GPU under torchrun.
+
+    python bench/ddp.py prepare --dir /tmp/ddp --count 10000            # images + packed dataset
+    torchrun --nproc_per_node 2 bench/ddp.py train --dir /tmp/ddp --epochs 3 --out result.json
+
+Each rank loads its share with ``gdsdata.Loader`` (rank and world size from torch.distributed),
+random-resized-crop 224 + flip + normalise fp16 on its GPU, and takes a step of a small DDP model
+(light enough that the loader, not the model, sets the pace). Rank 0 checks that every sample was
+seen in each epoch (padding aside) and writes images/s per epoch, aggregated over ranks.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, HERE)
+
+
+def prepare(args):
+    from make_images import generate
+
+    import gdsdata
+
+    src = os.path.join(args.dir, "images")
+    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
+        generate(src, args.count, classes=100)
+        open(os.path.join(src, f".complete-{args.count}"), "w").close()
+    result = gdsdata.pack(src, os.path.join(args.dir, "jpeg.gds"), overwrite=True)
+    print(f"packed {result.packed} images into {args.dir}/jpeg.gds")
+
+
+def train(args):
+    import torch
+    import torch.distributed as dist
+    from common import cpu_seconds
+
+    import gdsdata
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    ds = gdsdata.GDSDataset(os.path.join(args.dir, "jpeg.gds"), device=device)
+    loader = gdsdata.Loader(ds, args.batch, shuffle="full", seed=0, transform=gdsdata.RandomResizedCrop(224))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 7, stride=4), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(16, len(ds.classes))).to(device).half()
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    epochs = []
+    for epoch in range(args.epochs):
+        loader.set_epoch(epoch)
+        planned = [b.tolist() for b in loader.indices()]
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        images_seen = 0
+        for images, labels in loader:
+            loss = torch.nn.functional.cross_entropy(model(images).float(), labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            images_seen += len(labels)
+        torch.cuda.synchronize()
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        stats = [None] * world
+        dist.all_gather_object(stats, {"images": images_seen, "seconds": seconds, "cpu": cpu_seconds() - c0,
+                                       "planned": planned, "batches": len(planned)})
+        if rank == 0:
+            seen = [i for s in stats for b in s["planned"] for i in b]
+            missing = len(ds) - len(set(seen))
+            total = sum(s["images"] for s in stats)
+            wall = max(s["seconds"] for s in stats)
+            epochs.append({"epoch": epoch, "images": total, "seconds": wall, "images_per_s": total / wall,
+                           "cpu_s_per_1k": sum(s["cpu"] for s in stats) / total * 1000,
+                           "missing_samples": missing, "duplicates": len(seen) - len(set(seen)),
+                           "batches_per_rank": sorted({s["batches"] for s in stats})})
+            print(json.dumps(epochs[-1]), flush=True)
+    if rank == 0:
+        result = {"world_size": world, "gpu": torch.cuda.get_device_name(device), "epochs": epochs,
+                  "io": ds._backend.describe()}
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    loader.close()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("prepare", "train"))
+    parser.add_argument("--dir", default="bench-data/ddp")
+    parser.add_argument("--count", type=int, default=10000)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--out", default="ddp.json")
+    args = parser.parse_args()
+    (prepare if args.command == "prepare" else train)(args)
+
+
+if __name__ == "__main__":
+    main()
