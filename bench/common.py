@@ -57,7 +57,7 @@ class Result:
     seconds: list = field(default_factory=list)  # one per timed run
     cpu_seconds: list = field(default_factory=list)
     bytes: int = 0
-    first_batch_s: float = 0.0
+    first_batch_s: float = None  # time to the first batch of the first (warm-up) epoch, where measured
     note: str = ""
 
     @property
@@ -99,8 +99,8 @@ def measure(name, epoch_fn, images, *, runs=3, warmup=1, nbytes=0, note="") -> R
         cpu0, t0 = cpu_seconds(), time.perf_counter()
         first = epoch_fn()
         elapsed = time.perf_counter() - t0
-        if i == 0:
-            result.first_batch_s = first if isinstance(first, float) else 0.0
+        if i == 0 and isinstance(first, float):
+            result.first_batch_s = first
         if i >= warmup:
             result.seconds.append(elapsed)
             result.cpu_seconds.append(cpu_seconds() - cpu0)

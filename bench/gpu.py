@@ -29,6 +29,7 @@ sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import peers  # noqa: E402
 from common import measure, print_system_block, print_table, system_block, write_json  # noqa: E402
 from make_images import generate  # noqa: E402
 
@@ -38,8 +39,6 @@ from gdsdata import transforms as T  # noqa: E402
 from gdsdata.nvjpeg import BatchedDecoder  # noqa: E402
 
 BATCH = 256
-MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
-STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
 def drop_caches() -> bool:
@@ -159,58 +158,6 @@ def transform_compare(ds):
     return out
 
 
-# --- peers ------------------------------------------------------------------------------------
-def dataloader_epoch(src, workers):
-    from torchvision import datasets, transforms
-
-    tf = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
-                             transforms.ToTensor(), transforms.Normalize([m / 255 for m in MEAN], [s / 255 for s in STD])])
-    dataset = datasets.ImageFolder(src, transform=tf)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers,
-                                         pin_memory=True, persistent_workers=True, prefetch_factor=4)
-
-    def epoch():
-        for images, labels in loader:
-            images = images.cuda(non_blocking=True).half()
-            labels = labels.cuda(non_blocking=True)
-        torch.cuda.synchronize()
-
-    return epoch
-
-
-def dali_epochs(src, count, threads):
-    from nvidia.dali import fn, pipeline_def, types
-
-    @pipeline_def(batch_size=BATCH, num_threads=threads, device_id=0, prefetch_queue_depth=2)
-    def train():
-        jpegs, labels = fn.readers.file(file_root=src, random_shuffle=True, name="r")
-        images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB)
-        images = fn.resize(images, resize_x=224, resize_y=224)
-        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT16, output_layout="CHW", mean=MEAN, std=STD,
-                                          mirror=fn.random.coin_flip())
-        return images, labels
-
-    @pipeline_def(batch_size=BATCH, num_threads=threads, device_id=0, prefetch_queue_depth=2)
-    def decode_only():
-        jpegs, labels = fn.readers.file(file_root=src, random_shuffle=True, name="r")
-        return fn.decoders.image(jpegs, device="mixed", output_type=types.RGB), labels
-
-    iterations = -(-count // BATCH)
-    out = {}
-    for name, make in (("DALI decode only (mixed)", decode_only),
-                       ("DALI train pipeline (rrc 224, flip, norm fp16)", train)):
-        pipe = make()
-        pipe.build()
-
-        def epoch(pipe=pipe):
-            for _ in range(iterations):
-                pipe.run()
-            torch.cuda.synchronize()
-
-        out[name] = epoch
-    return out
-
-
 # --- main -------------------------------------------------------------------------------------
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -303,12 +250,12 @@ def main(argv=None):
     if "peers" not in skip:
         print("\n== peers (page cache warm) ==")
         baseline = run(f"DataLoader + ImageFolder + PIL ({args.workers} workers)",
-                       dataloader_epoch(src, args.workers), n, payload, runs=2)
+                       peers.imagefolder(src, BATCH, args.workers, torch.device("cuda")), n, payload, runs=2)
         notes["baseline"] = baseline.name if baseline else None
     if "dali" not in skip:
         try:
-            for name, fn in dali_epochs(src, n, args.workers).items():
-                run(name, fn, -(-n // BATCH) * BATCH, payload)
+            for name, pipe in peers.dali(src, BATCH, args.workers).items():
+                run(name, peers.dali_epoch(pipe, n, BATCH), -(-n // BATCH) * BATCH, payload)
         except ImportError as e:
             print(f"  DALI not importable ({e}); skipped")
 

@@ -7,8 +7,8 @@ index): the same sample gets the same crop and flip on any device, in any batch,
 
 The pixels are resampled bilinearly (half-pixel centres, clamped to the crop box: torchvision's crop
 then ``interpolate(mode="bilinear", align_corners=False, antialias=False)``). On the GPU one Triton kernel
-does the whole batch (``_resample_triton``); on the CPU, and as the reference the GPU is tested
-against, the same arithmetic runs as vectorised torch operations (``_resample_torch``).
+does the whole batch (``transforms_triton``); on the CPU, and as the reference the GPU is tested
+against, torch's own crop and interpolate run image by image (``_resample_torch``).
 """
 
 import math
@@ -167,52 +167,26 @@ def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, p
     return out
 
 
-def _source_coords(start, extent, size, positions):
-    """Bilinear source coordinates for output positions, clamped to the crop box as torchvision's
-    crop-then-resize does: (low index, high index, weight)."""
-    last = start + extent - 1.0
-    coord = start + (positions + 0.5) * (extent / size) - 0.5
-    coord = torch.minimum(torch.maximum(coord, start), last)
-    low = torch.floor(coord)
-    weight = coord - low
-    high = torch.minimum(low + 1.0, last)
-    return low.to(torch.int64), high.to(torch.int64), weight
-
-
 def _resample_torch(buffer, meta, out, size, scale, shift, nchw):
-    f32 = torch.float32
-    off, width, chans = meta[:, 0], meta[:, 2], meta[:, 3]
-    top, left, ch, cw, flip = (meta[:, k].to(f32) for k in range(4, 9))
-    pos = torch.arange(size, device=buffer.device, dtype=f32)
-    flipped = torch.where(flip[:, None] > 0, (size - 1) - pos[None, :], pos[None, :])
-    y0, y1, wy = _source_coords(top[:, None], ch[:, None], size, pos[None, :])
-    x0, x1, wx = _source_coords(left[:, None], cw[:, None], size, flipped)
-    row = (width * chans)[:, None]
-    base = off[:, None, None]
-    r0, r1 = (y0 * row)[:, :, None], (y1 * row)[:, :, None]
-    c0, c1 = (x0 * chans[:, None])[:, None, :], (x1 * chans[:, None])[:, None, :]
-    wy, wx = wy[:, :, None], wx[:, None, :]
-    step = (chans == 3).to(torch.int64)[:, None, None]
-    for c in range(3):
-        k = base + step * c
-        v00 = buffer[k + r0 + c0].to(f32)
-        v01 = buffer[k + r0 + c1].to(f32)
-        v10 = buffer[k + r1 + c0].to(f32)
-        v11 = buffer[k + r1 + c1].to(f32)
-        top_row = v00 + (v01 - v00) * wx
-        bottom_row = v10 + (v11 - v10) * wx
-        value = top_row + (bottom_row - top_row) * wy
-        value = _finish(value, scale[c], shift[c], out.dtype)
-        if nchw:
-            out[:, c] = value
-        else:
-            out[..., c] = value
-
-
-def _finish(value, scale, shift, dtype):
-    if dtype == torch.uint8:
-        return torch.clamp(torch.floor(value + 0.5), 0, 255).to(torch.uint8)
-    return (value * scale + shift).to(dtype)
+    """Per image: crop, ``interpolate(bilinear, align_corners=False, antialias=False)``, flip,
+    normalise; torch's own kernels, exactly torchvision's crop-then-resize."""
+    rows = meta.cpu().tolist()
+    scale_t = torch.tensor(scale, dtype=torch.float32, device=buffer.device).view(3, 1, 1)
+    shift_t = torch.tensor(shift, dtype=torch.float32, device=buffer.device).view(3, 1, 1)
+    for k, (off, height, width, chans, top, left, crop_h, crop_w, flip) in enumerate(rows):
+        pixels = buffer[off:off + height * width * chans].view(height, width, chans)
+        crop = pixels[top:top + crop_h, left:left + crop_w].permute(2, 0, 1).to(torch.float32)
+        if chans == 1:
+            crop = crop.expand(3, crop_h, crop_w)
+        value = torch.nn.functional.interpolate(crop[None], size=(size, size), mode="bilinear",
+                                                align_corners=False, antialias=False)[0]
+        if flip:
+            value = value.flip(-1)
+        if out.dtype != torch.uint8:
+            value = value * scale_t + shift_t
+        if out.dtype == torch.uint8:
+            value = torch.clamp(torch.floor(value + 0.5), 0, 255)
+        out[k] = value if nchw else value.permute(1, 2, 0)
 
 
 _TRITON = None
