@@ -65,13 +65,17 @@ class Loader:
         self.epoch = 0
         self._consumed = None  # mask of samples delivered by earlier segments of this epoch
         self._done = 0  # batches delivered in the current segment
-        self._active = None
+        self._active = None  # weak reference to the pass being iterated
+        self._carry = None  # a pass that finished an epoch and already reads the next one
 
     # --- epochs and state -------------------------------------------------------------------
     def set_epoch(self, epoch: int):
-        """Start ``epoch`` from its beginning (as ``DistributedSampler.set_epoch``)."""
-        self.epoch = int(epoch)
-        self._consumed, self._done = None, 0
+        """Start ``epoch`` from its beginning (as ``DistributedSampler.set_epoch``). After a full
+        epoch the loader is already at the next one, whose first batches are being prefetched."""
+        epoch = int(epoch)
+        if epoch != self.epoch or self._done or self._consumed is not None:
+            self.epoch = epoch
+            self._consumed, self._done = None, 0
 
     def __len__(self):
         if self._consumed is None and self._done == 0:
@@ -87,6 +91,7 @@ class Loader:
                 "drop_last": self.spec.drop_last}
 
     def load_state_dict(self, state: dict):
+        self.close()
         for key in ("size", "seed", "shuffle", "block_size", "window"):
             if state[key] != getattr(self.spec, key):
                 raise ValueError(f"cannot resume: the saved loader had {key}={state[key]!r}, this one has "
@@ -111,27 +116,51 @@ class Loader:
 
     # --- iteration ----------------------------------------------------------------------------
     def __iter__(self):
+        carry, self._carry = self._carry, None
+        if carry is not None and carry.epoch == self.epoch and not self._done and self._consumed is None:
+            self._active = weakref.ref(carry)  # the pipeline runs on into this epoch
+            return carry
+        if carry is not None:
+            carry.close()
         self.close()
-        active = _Prefetcher(self, self.indices())
+        active = _Prefetcher(self, self.epoch, self.indices())
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
         return active
 
     def close(self):
-        """Stop the prefetch thread of the current pass, if any."""
-        active = self._active() if self._active is not None else None
-        if active is not None:
-            active.close()
-        self._active = None
+        """Stop the prefetch threads, if any (also those already reading the next epoch)."""
+        for active in (self._active() if self._active is not None else None, self._carry):
+            if active is not None:
+                active.close()
+        self._active = self._carry = None
 
-    def _delivered(self, finished_epoch: bool):
+    def _delivered(self, finished_epoch: bool, prefetcher=None):
         if finished_epoch:
             self.epoch += 1
             self._consumed, self._done = None, 0
+            self._carry = prefetcher  # kept alive: it is reading the next epoch already
         else:
             self._done += 1
 
-    def _finish_batch(self, staged, stream):
-        """Decode and transform one staged batch (runs in the decode thread)."""
+
+
+def _epochs(spec, first_epoch, first_batches):
+    """What the I/O thread reads: the rest of this epoch, then whole epochs after it."""
+    yield first_epoch, first_batches
+    epoch = first_epoch + 1
+    while True:
+        yield epoch, rank_batches(spec, epoch)
+        epoch += 1
+
+
+class _BatchMaker:
+    """What the decode thread needs of a Loader (and nothing that keeps the Loader alive)."""
+
+    def __init__(self, loader):
+        self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
+
+    def finish(self, staged, stream, epoch):
+        """Decode and transform one staged batch."""
         ds = self.dataset
         batch, indices = ds.decode_staged(staged, stream)
         labels = torch.from_numpy(ds._labels[indices])
@@ -140,7 +169,7 @@ class Loader:
         if self.pixels:
             return batch, labels  # released by the consumer's next step
         if self.transform is not None:
-            params = self.transform.params(batch.heights, batch.widths, indices, self.epoch)
+            params = self.transform.params(batch.heights, batch.widths, indices, epoch)
             images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
                              batch.channels, params)
         else:
@@ -159,27 +188,30 @@ def _put(q, stop, item) -> bool:
     return False
 
 
-def _release_staged(loader, staged):
+def _release_staged(dataset, staged):
     if staged.slot is not None:
-        loader.dataset._backend._slots.release(staged.slot, None)
+        dataset._backend._slots.release(staged.slot, None)
 
 
-def _read_ahead(loader, batches, q, stop):
-    """The I/O thread: storage -> staging buffers, as far ahead as the staging slots allow."""
+def _read_ahead(dataset, epochs, q, stop):
+    """The I/O thread: storage -> staging buffers, as far ahead as the staging slots allow, on
+    into the next epochs (an "end" marker between epochs)."""
     try:
-        for indices in batches:
-            if stop.is_set():
+        for epoch, batches in epochs:
+            for indices in batches:
+                if stop.is_set():
+                    return
+                staged = dataset.read_staged(indices.tolist())
+                if not _put(q, stop, ("staged", staged, epoch)):
+                    _release_staged(dataset, staged)
+                    return
+            if not _put(q, stop, ("end", None, epoch)):
                 return
-            staged = loader.dataset.read_staged(indices.tolist())
-            if not _put(q, stop, ("staged", staged)):
-                _release_staged(loader, staged)
-                return
-        _put(q, stop, ("end", None))
     except BaseException as e:  # noqa: BLE001 - handed on, raised by the consumer
-        _put(q, stop, ("error", e))
+        _put(q, stop, ("error", e, None))
 
 
-def _decode_ahead(loader, staged_q, q, stop, stream, device):
+def _decode_ahead(maker, staged_q, q, stop, stream, device):
     """The decode thread: staging -> pixels -> transform, on its own CUDA stream on the GPU, each
     batch queued with an event the consumer waits on."""
     try:
@@ -187,19 +219,20 @@ def _decode_ahead(loader, staged_q, q, stop, stream, device):
             torch.cuda.set_device(device)
         while not stop.is_set():
             try:
-                kind, staged = staged_q.get(timeout=_STOP_POLL_S)
+                kind, staged, epoch = staged_q.get(timeout=_STOP_POLL_S)
             except queue.Empty:
                 continue
             if kind != "staged":
-                _put(q, stop, (kind, staged, None, None))
-                return
+                if not _put(q, stop, (kind, staged, None, None)) or kind == "error":
+                    return
+                continue
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    images, labels = loader._finish_batch(staged, stream)
+                    images, labels = maker.finish(staged, stream, epoch)
                     event = torch.cuda.Event()
                     event.record(stream)
             else:
-                images, labels = loader._finish_batch(staged, None)
+                images, labels = maker.finish(staged, None, epoch)
                 event = None
             if not _put(q, stop, ("batch", images, labels, event)):
                 return
@@ -208,25 +241,28 @@ def _decode_ahead(loader, staged_q, q, stop, stream, device):
 
 
 class _Prefetcher:
-    """The iterator of one pass: a thread filling a bounded queue, and clean shutdown."""
+    """The iterator of a pass: an I/O thread and a decode thread filling bounded queues, and clean
+    shutdown. At the end of an epoch it stops iterating but its threads read on into the next
+    epoch; the Loader keeps it and hands it out again for that epoch."""
 
-    def __init__(self, loader: Loader, batches):
-        self.loader = loader
-        self.batches = batches
+    def __init__(self, loader: Loader, epoch, batches):
+        self.loader = loader  # `for batch in Loader(...)` keeps its Loader alive; the threads hold neither
+        self.epoch = epoch  # the epoch whose batches come next
         self.cuda = loader.dataset.device.type == "cuda"
         self.device = loader.dataset.device
         self.queue = queue.Queue(maxsize=loader.prefetch)
         self.stop = threading.Event()
-        self.delivered = 0
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.staged = queue.Queue(maxsize=2)
         self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step
         # The threads hold no reference to this object, so dropping the iterator stops them.
+        self.dataset = loader.dataset
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
-                             args=(loader, batches, self.staged, self.stop)),
+                             args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop)),
             threading.Thread(target=_decode_ahead, name="gdsdata-prefetch", daemon=True,
-                             args=(loader, self.staged, self.queue, self.stop, self.stream, self.device)),
+                             args=(_BatchMaker(loader), self.staged, self.queue, self.stop, self.stream,
+                                   self.device)),
         ]
         for thread in self.threads:
             thread.start()
@@ -252,8 +288,8 @@ class _Prefetcher:
                     self.close()
                     raise RuntimeError("gdsdata prefetch thread stopped without a result") from None
         if kind == "end":
-            self.close()
-            self.loader._delivered(finished_epoch=True)
+            self.epoch += 1
+            self.loader._delivered(finished_epoch=True, prefetcher=self)
             raise StopIteration
         if kind == "error":
             self.close()
@@ -299,7 +335,7 @@ class _Prefetcher:
                 except queue.Empty:
                     break
                 if item[0] == "staged":
-                    _release_staged(self.loader, item[1])
+                    _release_staged(self.dataset, item[1])
                 elif item[0] == "batch" and isinstance(item[1], PixelBatch):
                     item[1].release(None)
 

@@ -143,3 +143,30 @@ def test_loader_refuses_a_state_from_another_dataset(photos_dataset):
     state = gdsdata.Loader(ds, 4, seed=1).state_dict()
     with pytest.raises(ValueError, match="seed"):
         gdsdata.Loader(ds, 4, seed=2).load_state_dict(state)
+
+
+def test_pipeline_runs_on_across_epochs_like_fresh_loaders(photos_dataset):
+    import gc
+    import threading
+
+    ds = gdsdata.GDSDataset(photos_dataset[2])
+    transform = gdsdata.RandomResizedCrop(24, dtype="uint8", seed=9)
+    loader = gdsdata.Loader(ds, 16, seed=4, transform=transform)
+    carried = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        carried.append([(images.clone(), labels.clone()) for images, labels in loader])
+        assert loader._carry is not None  # already reading the next epoch
+    for epoch, batches in enumerate(carried):
+        fresh = gdsdata.Loader(ds, 16, seed=4, transform=transform)
+        fresh.set_epoch(epoch)
+        for (a, la), (b, lb) in zip(batches, fresh):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+        fresh.close()
+    loader.set_epoch(7)  # another epoch than the one prefetched: restarts cleanly
+    fresh = gdsdata.Loader(ds, 16, seed=4, transform=transform)
+    fresh.set_epoch(7)
+    assert [labels.tolist() for _, labels in loader] == [labels.tolist() for _, labels in fresh]
+    del loader, fresh
+    gc.collect()
+    assert not [t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")]
