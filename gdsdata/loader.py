@@ -315,9 +315,10 @@ class _Prefetcher:
             return
         self.stop.set()
         self._release_held()
+        me = threading.current_thread()  # the garbage collector may run this in a prefetch thread
         while True:  # drain while the threads wind down: a thread may wait for a slot or a place
             self._drain()
-            alive = [t for t in self.threads if t.is_alive()]
+            alive = [t for t in self.threads if t.is_alive() and t is not me]
             if not alive:
                 break
             alive[0].join(timeout=_STOP_POLL_S)

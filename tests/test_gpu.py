@@ -6,6 +6,7 @@ import os
 import resource
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -135,8 +136,12 @@ def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):
     for images, labels in loader:
         assert images.is_cuda and labels.is_cuda
         break
-    gc.collect()
-    assert not [t for t in threading.enumerate() if t.name == "gdsdata-prefetch"]
+    gc.collect()  # also collects finished loaders of earlier tests, whose threads then wind down
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")]:
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)
+    loader.close()
     ds.close()
 
 
