@@ -17,8 +17,9 @@ def system_block() -> dict:
 
     info = report()
     try:
-        info["commit"] = os.environ.get("GDSDATA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+        info["commit"] = os.environ.get("GDSDATA_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
     except OSError:
         info["commit"] = "unknown"
     info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")

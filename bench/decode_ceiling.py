@@ -26,6 +26,8 @@ from gdsdata import nvjpeg  # noqa: E402
 
 
 def staged_batches(ds, batch, device_bitstreams):
+    """Every payload of the CPU dataset ``ds`` read once into pinned memory (and copied to the GPU
+    for the device-bitstream backends), cut into batches with their output arenas allocated."""
     samples = ds.index.samples
     buffer, plan = ds._backend.reader.read(list(range(len(samples))))
     host = torch.from_numpy(buffer).pin_memory()

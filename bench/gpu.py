@@ -27,9 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 sys.path.insert(0, HERE)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import peers  # noqa: E402
+from decode_ceiling import staged_batches  # noqa: E402
 from common import measure, print_system_block, print_table, system_block, write_json  # noqa: E402
 from make_images import generate  # noqa: E402
 
@@ -82,25 +82,9 @@ def kvikio_pread_epoch(paths, threads):
 
 def nvjpeg_ceiling_epoch(ds, backend):
     """A minimal batched nvJPEG loop over every payload of ``ds`` staged once, in batches of 256."""
-    samples = ds.index.samples
-    reader = gdsdata.GDSDataset(ds.root)  # CPU reader: bytes into host memory once
-    buffer, plan = reader._backend.reader.read(list(range(len(samples))))
-    host = torch.from_numpy(buffer).pin_memory()
-    staged = host.cuda() if backend.endswith("_device") else host
-    base = staged.data_ptr()
-    heights = samples["height"].astype(np.int64)
-    widths = samples["width"].astype(np.int64)
-    sizes = heights * widths * 3
+    staged, batches = staged_batches(gdsdata.GDSDataset(ds.root), BATCH, backend.endswith("_device"))
     decoder = BatchedDecoder(backend)
     stream = torch.cuda.current_stream()
-    batches = []
-    for start in range(0, len(samples), BATCH):
-        k = slice(start, min(start + BATCH, len(samples)))
-        offsets = np.zeros(k.stop - k.start, np.int64)
-        np.cumsum(sizes[k][:-1], out=offsets[1:])
-        arena = torch.empty(int(sizes[k].sum()), dtype=torch.uint8, device="cuda")
-        batches.append(((base + plan.sample_offsets[k]).tolist(), plan.sample_lengths[k].tolist(),
-                        (arena.data_ptr() + offsets).tolist(), (widths[k] * 3).tolist(), arena))
 
     def epoch():
         for data, lengths, outs, pitches, _ in batches:
@@ -184,7 +168,8 @@ def main(argv=None):
     packed = gdsdata.pack(src, jpeg_dir, overwrite=True)
     print(f"packed JPEG: {packed.packed} images, {packed.bytes / 1e9:.2f} GB, {packed.seconds:.1f} s "
           f"({packed.packed / packed.seconds:.0f} images/s, {os.cpu_count()} workers)")
-    packed_raw = gdsdata.pack(src, raw_dir, overwrite=True, options=gdsdata.PackOptions(codec="raw", raw_size=args.raw_size))
+    packed_raw = gdsdata.pack(src, raw_dir, overwrite=True,
+                              options=gdsdata.PackOptions(codec="raw", raw_size=args.raw_size))
     print(f"packed raw (shorter side {args.raw_size}): {packed_raw.bytes / 1e9:.2f} GB, {packed_raw.seconds:.1f} s")
 
     results, notes = [], {"system": system}

@@ -149,11 +149,12 @@ def main(argv=None):
         for staging, backend in (("auto", "auto"), ("device", "hardware_device")):
             with settings.set(staging=staging, decode_backend=backend):
                 ds = gdsdata.GDSDataset(os.path.join(work, "jpeg.gds"), device="cuda")
-                run(f"gdsdata GPU [{ds._backend.describe()}]", lambda: gdsdata_epoch(ds, batch, gpu_rrc, cold))
+                run(f"gdsdata GPU [{ds._backend.describe()}]", lambda ds=ds: gdsdata_epoch(ds, batch, gpu_rrc, cold))
                 ds.close()
     if wanted("gdsdata-cpu"):
         ds = gdsdata.GDSDataset(os.path.join(work, "jpeg.gds"))
-        run(f"gdsdata CPU ({settings.get('cpu_threads')} threads)", lambda: gdsdata_epoch(ds, batch, cpu_rrc, cold))
+        run(f"gdsdata CPU ({settings.get('cpu_threads')} threads)",
+            lambda ds=ds: gdsdata_epoch(ds, batch, cpu_rrc, cold))
         ds.close()
     if wanted("imagefolder"):
         run(f"ImageFolder + PIL + DataLoader ({args.workers} workers)",
@@ -185,7 +186,8 @@ def main(argv=None):
     write_json(os.path.join(args.out, "suite.json"), system, results)
     try:
         chart(results, os.path.join(args.out, "suite.png"),
-              f"{'CPU only' if str(system.get('gpu', 'none')).startswith('none') else system['gpu']}, {n} images, batch {batch}, {system['cache']} cache, "
+              f"{'CPU only' if str(system.get('gpu', 'none')).startswith('none') else system['gpu']}, "
+              f"{n} images, batch {batch}, {system['cache']} cache, "
               f"{system.get('io mode', 'no GPU').split(':')[0]}, commit {system['commit']}")
         print(f"chart: {os.path.join(args.out, 'suite.png')}")
     except ImportError:

@@ -1,7 +1,8 @@
 """Pack-time validation and normalisation of one source image.
 
 Every stored sample must decode on the GPU fast path. A JPEG that nvJPEG's hardware engines can
-decode (see ``jpeg.probe``) and that libjpeg-turbo decodes without a warning is stored byte for byte. Anything else PIL can
+decode (see ``jpeg.probe``) and that libjpeg-turbo decodes without a warning is stored byte for
+byte. Anything else PIL can
 open is converted once, exactly as ``PIL.Image.open(path).convert("RGB")`` sees it (EXIF orientation
 is not applied, alpha is dropped, 16-bit and palette images go through PIL's own conversion), and
 re-encoded as a baseline JPEG: quality 95 by default with 4:4:4 chroma, so that colour edges survive

@@ -133,10 +133,11 @@ def _remove_shards(out, writer):
             pass
 
 
-def pack(src, out, *, options: PackOptions = PackOptions(), shard_size: int = 1 << 30,
+def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
          alignment: int = fmt.DEFAULT_ALIGNMENT, workers: int = 0, strict: bool = False,
          overwrite: bool = False, progress: bool = False) -> PackResult:
     """Pack the ImageFolder tree ``src`` into the dataset folder ``out``."""
+    options = options or PackOptions()
     src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
     if shard_size < alignment * 2:
         raise ValueError(f"shard size must be at least twice the alignment ({alignment * 2} bytes)")

@@ -12,7 +12,8 @@
 | max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
-| decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, gpu_hybrid, gpu_hybrid_device |
+| decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
+| | | | gpu_hybrid, gpu_hybrid_device |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path

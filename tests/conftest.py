@@ -144,6 +144,23 @@ def photos_dataset(tmp_path_factory):
     return src, paths, out
 
 
+def damaged_copy(dataset, out, sample, at, data) -> str:
+    """Copy a packed dataset to ``out`` and overwrite bytes of one sample's payload with ``data``,
+    starting ``at`` bytes into it (negative: from its end). Returns ``out``."""
+    import shutil
+
+    from gdsdata.index import load
+
+    shutil.copytree(dataset, out)
+    index = load(out)
+    record = index.samples[sample]
+    start = int(record["offset"]) + (at if at >= 0 else int(record["length"]) + at)
+    with open(index.shard_path(int(record["shard"])), "r+b") as f:
+        f.seek(start)
+        f.write(data)
+    return out
+
+
 def pil_reference(path) -> np.ndarray:
     return np.asarray(Image.open(path).convert("RGB"))
 

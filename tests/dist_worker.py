@@ -5,7 +5,6 @@ import json
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 import gdsdata

@@ -2,12 +2,11 @@
 
 import os
 import pickle
-import shutil
 
 import numpy as np
 import pytest
 import torch
-from conftest import mean_abs_diff, pil_reference
+from conftest import damaged_copy, mean_abs_diff, pil_reference
 
 from gdsdata import format as fmt
 from gdsdata import settings
@@ -75,15 +74,8 @@ def test_out_of_range_index(photos_dataset):
 
 @pytest.fixture()
 def corrupted(photos_dataset, tmp_path):
-    """A copy of the photos dataset whose sample 7 has garbage in the middle of its JPEG."""
-    out = str(tmp_path / "ds")
-    shutil.copytree(photos_dataset[2], out)
-    ds = GDSDataset(out)
-    record = ds.index.samples[7]
-    with open(ds.index.shard_path(int(record["shard"])), "r+b") as f:
-        f.seek(int(record["offset"]) + 2)
-        f.write(b"\x00" * 600)  # destroys the headers: undecodable
-    return out
+    """A copy of the photos dataset whose sample 7 has its JPEG headers destroyed: undecodable."""
+    return damaged_copy(photos_dataset[2], str(tmp_path / "ds"), 7, 2, b"\x00" * 600)
 
 
 def test_bad_sample_raises_naming_it(corrupted):
@@ -93,13 +85,7 @@ def test_bad_sample_raises_naming_it(corrupted):
 
 
 def test_checksum_catches_silent_corruption(photos_dataset, tmp_path):
-    out = str(tmp_path / "ds")
-    shutil.copytree(photos_dataset[2], out)
-    ds = GDSDataset(out)
-    record = ds.index.samples[4]
-    with open(ds.index.shard_path(int(record["shard"])), "r+b") as f:
-        f.seek(int(record["offset"]) + int(record["length"]) - 200)  # inside the entropy-coded data
-        f.write(b"\x13\x37")
+    out = damaged_copy(photos_dataset[2], str(tmp_path / "ds"), 4, -200, b"\x13\x37")  # entropy-coded data
     GDSDataset(out)[4]  # without checksums the image still decodes (to slightly wrong pixels)
     with pytest.raises(CorruptSampleError, match="sample 4 .*checksum mismatch"):
         GDSDataset(out, verify_checksums=True)[4]

@@ -4,14 +4,13 @@ import gc
 import io
 import os
 import resource
-import shutil
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import mean_abs_diff, pil_reference, write_photos
+from conftest import damaged_copy, mean_abs_diff, pil_reference, write_photos
 
 import gdsdata
 from gdsdata import settings
@@ -114,13 +113,8 @@ def test_uniform_raw_batch_is_a_view_of_the_staging_buffer(tmp_path):
 def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, backend, verify):
     """HARDWARE parses bitstreams on the host and reports a bad one; the device-bitstream backend
     parses nothing on the host, so there the checksum is what catches a damaged sample."""
-    out = str(tmp_path / "ds")
-    shutil.copytree(photos_dataset[2], out)
+    out = damaged_copy(photos_dataset[2], str(tmp_path / "ds"), 7, 2, b"\x00" * 600)
     ds = gdsdata.GDSDataset(out)
-    record = ds.index.samples[7]
-    with open(ds.index.shard_path(int(record["shard"])), "r+b") as f:
-        f.seek(int(record["offset"]) + 2)
-        f.write(b"\x00" * 600)
     with settings.set(decode_backend=backend):
         gpu = gdsdata.GDSDataset(out, device="cuda", verify_checksums=verify)
         with pytest.raises(CorruptSampleError, match=r"sample 7 \("):

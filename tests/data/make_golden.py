@@ -12,7 +12,6 @@ import os
 import shutil
 import sys
 
-from PIL import Image
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
