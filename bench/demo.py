@@ -80,11 +80,12 @@ def main(argv=None):
           f"after a warm-up (page cache warm) ==")
     ds = gdsdata.GDSDataset(out, device=args.device)
     results = [measure(f"gdsdata GDSDataset ({args.device})", gdsdata_epoch(ds, args.batch, args.device),
-                       len(ds), runs=args.runs)]
+                       len(ds), runs=args.runs, nbytes=int(ds.index.samples["length"].sum()))]
     epoch, name = imagefolder_epoch(src, args.batch, args.workers)
     baseline = None
     if epoch is not None:
-        baseline = measure(f"{name} ({args.workers} workers)", epoch, len(ds), runs=args.runs)
+        sources = sum(os.path.getsize(os.path.join(src, ds.source(i))) for i in range(len(ds)))
+        baseline = measure(f"{name} ({args.workers} workers)", epoch, len(ds), runs=args.runs, nbytes=sources)
         results.append(baseline)
     else:
         print(f"(baseline skipped: {name})")
