@@ -1,6 +1,7 @@
 """The on-disk format of a gdsdata dataset, and nothing else.
 
-A dataset is a folder holding ``index.gdsi`` and shard files ``shard-NNNNN.gds``. Every integer is
+A dataset is a folder holding ``index.gdsi`` and shard files ``shard-NNNNN.gds`` (NNNNN: the
+shard's position in the index; ``merge`` may link in shards whose headers name another pack). Every integer is
 little-endian; every structure is a numpy dtype with explicit ``<`` so that the files read the same on
 any machine. ``docs/format.md`` gives the byte tables and ``tests/test_format.py`` checks these
 dtypes against it.
@@ -15,7 +16,7 @@ table (``SAMPLE_RECORD`` x num_samples), the strings blob (UTF-8 relative source
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 INDEX_MAGIC = b"GDSINDEX"
 SHARD_MAGIC = b"GDSSHARD"
 INDEX_NAME = "index.gdsi"
@@ -76,6 +77,9 @@ SHARD_RECORD = np.dtype([
     ("first_sample", "<u8"),
     ("num_samples", "<u4"),
     ("crc32", "<u4"),
+    ("origin_id", "S16"),  # dataset id in the shard's own header (the packer's; kept by merge)
+    ("origin_index", "<u4"),  # shard index in the shard's own header
+    ("reserved", "<u4"),
 ])
 
 SAMPLE_RECORD = np.dtype([

@@ -146,7 +146,7 @@ def _check(index: Index, path: str):
         raise FormatError(f"{path}: a source path lies outside the strings section")
     for shard, record in enumerate(shards):
         shard_path = index.shard_path(shard)
-        read_header(shard_path, shard, index.dataset_id, index.alignment)
+        read_header(shard_path, int(record["origin_index"]), bytes(record["origin_id"]), index.alignment)
         size = os.path.getsize(shard_path)
         if size != int(record["size"]):
             raise FormatError(f"{shard_path}: {size} bytes on disk, the index records {record['size']} "

@@ -29,7 +29,7 @@ class ShardWriter:
         self.shard_size = shard_size
         self.dataset_id = dataset_id
         self.next_shard = first_shard
-        self.records = []  # one (size, first_sample, num_samples, crc32) per finished shard
+        self.records = []  # one SHARD_RECORD row per finished shard
         self.samples_written = 0
         self._file = None
 
@@ -86,7 +86,7 @@ class ShardWriter:
         self._file.close()
         self._file = None
         os.replace(self._path + fmt.TMP_SUFFIX, self._path)
-        self.records.append((self._size, self._first, self._count, self._crc))
+        self.records.append((self._size, self._first, self._count, self._crc, self.dataset_id, self._index, 0))
         log.debug("wrote %s: %d samples, %d bytes", self._path, self._count, self._size)
 
     def abort(self):
@@ -127,7 +127,8 @@ def read_header(path, expected_index: int, dataset_id: bytes, alignment: int):
         raise FormatError(f"{path}: shard format version {header['version']}, this gdsdata reads "
                           f"version {fmt.FORMAT_VERSION}")
     if header["dataset_id"] != dataset_id:
-        raise FormatError(f"{path}: shard belongs to another dataset (dataset id differs from the index)")
+        raise FormatError(f"{path}: shard belongs to another dataset (its id differs from the one the index "
+                          f"records for it)")
     if header["shard_index"] != expected_index or header["alignment"] != alignment:
         raise FormatError(f"{path}: shard header says index {header['shard_index']}, alignment "
                           f"{header['alignment']}; the index expects {expected_index}, {alignment}")

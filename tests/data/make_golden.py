@@ -48,7 +48,8 @@ def main():
                     for i in range(len(index))],
         "paths": [index.path(i) for i in range(len(index))],
         "classes": index.classes,
-        "shards": [{name: int(r[name]) for name in index.shards.dtype.names} for r in index.shards],
+        "shards": [{name: int(r[name]) for name in index.shards.dtype.names if name != "origin_id"}
+                   for r in index.shards],
         "payload_sha256": [hashlib.sha256(open(os.path.join(src, index.path(i)), "rb").read()).hexdigest()
                            for i in range(len(index))],
     }
