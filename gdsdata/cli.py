@@ -40,12 +40,15 @@ def _cmd_pack(args):
                           raw_size=args.size)
     result = pack(args.src, args.out, options=options, shard_size=args.shard_size,
                   alignment=args.alignment, workers=args.workers, strict=args.strict,
-                  overwrite=args.overwrite, progress=not args.quiet)
+                  overwrite=args.overwrite, progress=not args.quiet, num_parts=args.num_parts,
+                  part=args.part, resume=args.resume)
     rate = result.packed / result.seconds if result.seconds else 0.0
     print(f"packed {result.packed} images into {result.shards} shard(s), {_human(result.bytes)}, "
           f"in {result.seconds:.1f} s ({rate:.0f} images/s)")
     print(f"  stored as is: {result.packed - result.converted}, converted: {result.converted}, "
           f"resized: {result.resized}")
+    if result.resumed_shards:
+        print(f"  resumed: kept {result.resumed_shards} shard(s) of the interrupted pack")
     if result.skipped:
         print(f"  skipped {len(result.skipped)} file(s) that cannot be decoded:")
         for item in result.skipped[:10]:
@@ -55,6 +58,15 @@ def _cmd_pack(args):
     if result.ignored:
         print(f"  ignored {len(result.ignored)} non-image file(s)")
     print(f"  report: {result.report_path}")
+    return 0
+
+
+def _cmd_merge(args):
+    from .merge import merge
+
+    summary = merge(args.parts, args.out, copy=args.copy, overwrite=args.overwrite)
+    print(f"merged {summary['parts']} part(s) into {summary['out']}: {summary['samples']} samples, "
+          f"{summary['shards']} shard(s) {'/'.join(summary['shards_placed'])}")
     return 0
 
 
@@ -109,15 +121,17 @@ def _cmd_doctor(args):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="gdsdata", description="Pack image folders into GPU-ready shards "
-                                     "and check them.")
+    parser = argparse.ArgumentParser(prog="gdsdata", description="Pack images into GPU-ready shards, "
+                                     "merge and check them.")
     parser.add_argument("--version", action="version", version=f"gdsdata {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("pack", help="pack an ImageFolder tree into a dataset",
-                       description="Validate, normalise and pack SRC (one subfolder per class) into OUT.")
-    p.add_argument("src", help="ImageFolder tree: SRC/CLASS/IMAGE")
+    p = sub.add_parser("pack", help="pack an image folder, LMDB or tar shards into a dataset",
+                       description="Validate, normalise and pack SRC into OUT. SRC: an ImageFolder tree "
+                       "(one subfolder per class), an LMDB of (image bytes, label) pickles, or WebDataset-style "
+                       "tar shards (image + .cls per sample).")
+    p.add_argument("src", help="ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards")
     p.add_argument("out", help="dataset folder to create")
     p.add_argument("--shard-size", type=_size, default=1 << 30, metavar="SIZE",
                    help="target shard size (default 1G)")
@@ -134,8 +148,22 @@ def build_parser():
                    help="raw codec: downscale so the shorter side is PX (default: keep)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad file instead of skipping it")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
+    p.add_argument("--resume", action="store_true",
+                   help="finish an interrupted pack into OUT, keeping its finished shards (same options)")
+    p.add_argument("--num-parts", type=int, default=1, metavar="N",
+                   help="split the source into N contiguous parts (for packing on many machines) ...")
+    p.add_argument("--part", type=int, default=0, metavar="K", help="... and pack part K (0-based); join with merge")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_cmd_pack)
+
+    p = sub.add_parser("merge", help="join datasets packed as parts into one",
+                       description="Join PARTS (in this order) into OUT without copying shard data "
+                       "(hard links, or symbolic links across filesystems).")
+    p.add_argument("parts", nargs="+", help="part datasets")
+    p.add_argument("out", help="merged dataset folder to create")
+    p.add_argument("--copy", action="store_true", help="copy shard data instead of linking it")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
+    p.set_defaults(run=_cmd_merge)
 
     p = sub.add_parser("inspect", help="show what a dataset holds")
     p.add_argument("dataset")

@@ -22,6 +22,7 @@ SHARD_MAGIC = b"GDSSHARD"
 INDEX_NAME = "index.gdsi"
 REPORT_NAME = "pack_report.json"
 TMP_SUFFIX = ".tmp"
+JOURNAL_SUFFIX = ".journal"  # beside each finished shard while a pack runs, for --resume; removed at the end
 DEFAULT_ALIGNMENT = 4096
 
 

@@ -93,7 +93,7 @@ def load(root) -> Index:
     if not os.path.isdir(root):
         raise FormatError(f"{root}: no such dataset folder")
     if not os.path.exists(path):
-        hint = (" (an unfinished pack: pack again with --overwrite)"
+        hint = (" (an unfinished pack: finish it with --resume, or pack again with --overwrite)"
                 if any(n.endswith(fmt.TMP_SUFFIX) or n.endswith(".gds") for n in os.listdir(root)) else "")
         raise FormatError(f"{path}: no index, so {root} is not a finished gdsdata dataset{hint}")
     with open(path, "rb") as f:

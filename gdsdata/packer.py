@@ -1,9 +1,14 @@
-"""``gdsdata pack``: turn an ImageFolder tree into aligned shards plus an index.
+"""``gdsdata pack``: turn a source (``sources.py``) into aligned shards plus an index.
 
-Flow: scan the source (labels as torchvision's ImageFolder assigns them), validate and normalise
+Flow: list the source (labels as torchvision's ImageFolder assigns them), validate and normalise
 every image in a process pool (``normalize.prepare``), append the results in source order to shards
 (``shards.ShardWriter``), write ``pack_report.json``, and write the index last. Until the index is
-renamed into place the folder is not a dataset; on failure the shards written so far are removed.
+renamed into place the folder is not a dataset.
+
+Beside each finished shard a journal records its samples, so ``resume=True`` finishes an
+interrupted pack (even one killed with SIGKILL) without redoing finished shards, and produces the
+same samples and shard bytes as an uninterrupted pack. ``num_parts``/``part`` pack one contiguous
+part of the source, with labels from the full class list, for ``merge.merge`` to join.
 """
 
 import datetime
@@ -14,6 +19,7 @@ import os
 import sys
 import time
 import zlib
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -23,14 +29,13 @@ from tqdm import tqdm
 from . import __version__
 from . import format as fmt
 from . import index as index_io
-from .errors import BadImageError, GdsDataError, OutputExistsError, SourceError
+from .errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
 from .normalize import PackOptions, prepare
-from .shards import ShardWriter
+from .shards import ShardWriter, data_crc32
+from .sources import open_source
 
 log = logging.getLogger(__name__)
-
-# The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+_WINDOW_PER_WORKER = 16  # images in flight per worker: bounds memory for sources read here
 
 
 @dataclass
@@ -45,35 +50,22 @@ class PackResult:
     skipped: list = field(default_factory=list)  # [{"path", "reason"}]
     ignored: list = field(default_factory=list)  # relative paths of non-image files
     report_path: str = ""
+    resumed_shards: int = 0  # shards kept from an interrupted pack (resume=True)
 
 
 def scan(src):
-    """List an ImageFolder tree: (class names, [(relative path, label)]), in ImageFolder's order."""
-    src = os.fspath(src)
-    if not os.path.exists(src):
-        raise SourceError(f"{src}: no such folder")
-    if not os.path.isdir(src):
-        raise SourceError(f"{src}: not a folder (expected one subfolder per class)")
-    classes = sorted(entry.name for entry in os.scandir(src) if entry.is_dir())
-    if not classes:
-        raise SourceError(f"{src}: no class subfolders (expected the ImageFolder layout SRC/CLASS/IMAGE)")
-    items, ignored = [], []
-    for label, name in enumerate(classes):
-        for root, _, names in sorted(os.walk(os.path.join(src, name), followlinks=True)):
-            for fname in sorted(names):
-                rel = os.path.relpath(os.path.join(root, fname), src)
-                (items if fname.lower().endswith(IMAGE_EXTENSIONS) else ignored).append((rel, label))
-    if not items:
-        raise SourceError(f"{src}: no image files in its {len(classes)} class folders "
-                          f"(extensions: {' '.join(IMAGE_EXTENSIONS)})")
-    return classes, items, [rel for rel, _ in ignored]
+    """List a source: (class names, [(relative path, label)], ignored), in packing order."""
+    source = open_source(src)
+    source.close()
+    return source.classes, [(item.rel, item.label) for item in source.items], source.ignored
 
 
-def _prepare_file(job):
-    src, rel, options = job
+def _prepare_item(job):
+    rel, path, data, options = job
     try:
-        with open(os.path.join(src, rel), "rb") as f:
-            data = f.read()
+        if data is None:
+            with open(path, "rb") as f:
+                data = f.read()
         return rel, prepare(data, options), None
     except BadImageError as e:
         return rel, None, str(e)
@@ -81,19 +73,23 @@ def _prepare_file(job):
         return rel, None, f"cannot read: {e.strerror or e}"
 
 
-def _gdsdata_owned(name):
-    return (name in (fmt.INDEX_NAME, fmt.REPORT_NAME) or name.endswith(fmt.TMP_SUFFIX)
+def gdsdata_owned(name):
+    """Files a pack or merge writes into its output folder."""
+    return (name in (fmt.INDEX_NAME, fmt.REPORT_NAME) or name.endswith((fmt.TMP_SUFFIX, fmt.JOURNAL_SUFFIX))
             or (name.startswith("shard-") and name.endswith(".gds")))
 
 
-def _prepare_output(out, overwrite):
+def prepare_output(out, overwrite):
+    """Make ``out`` an empty folder, or refuse: never touch a dataset without ``overwrite``, never
+    delete files gdsdata did not write."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputExistsError(f"{out}: exists and is not a folder")
     existing = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if existing and not overwrite:
         what = "holds a gdsdata dataset" if fmt.INDEX_NAME in existing else "is not empty"
-        raise OutputExistsError(f"{out}: {what}; pass --overwrite to replace it (left untouched)")
-    foreign = [n for n in existing if not _gdsdata_owned(n)]
+        hint = "" if fmt.INDEX_NAME in existing else " (or --resume to finish an interrupted pack)"
+        raise OutputExistsError(f"{out}: {what}; pass --overwrite to replace it{hint} (left untouched)")
+    foreign = [n for n in existing if not gdsdata_owned(n)]
     if foreign:
         raise OutputExistsError(f"{out}: refusing to overwrite, it holds files gdsdata did not write "
                                 f"(e.g. {foreign[0]})")
@@ -105,56 +101,139 @@ def _prepare_output(out, overwrite):
     os.makedirs(out, exist_ok=True)
 
 
+def _ordered(pool, jobs, window):
+    """``pool.map`` in order, with at most ``window`` jobs submitted ahead."""
+    pending = deque()
+    for job in jobs:
+        pending.append(pool.submit(_prepare_item, job))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
 def _results(jobs, workers):
     if workers <= 1:
-        yield from map(_prepare_file, jobs)
+        yield from map(_prepare_item, jobs)
         return
     # fork: workers start at once and need not re-import __main__; a worker that dies raises
     # BrokenProcessPool here instead of hanging the pack.
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
-        yield from pool.map(_prepare_file, jobs, chunksize=8)
+        yield from _ordered(pool, jobs, workers * _WINDOW_PER_WORKER)
 
 
-def _write_report(out, report):
-    path = os.path.join(out, fmt.REPORT_NAME)
+def _write_json(path, payload):
     with open(path + fmt.TMP_SUFFIX, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, ensure_ascii=False)
+        json.dump(payload, f, indent=1, ensure_ascii=False)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(path + fmt.TMP_SUFFIX, path)
     return path
 
 
-def _remove_shards(out, writer):
-    writer.abort()
-    for shard in range(writer.next_shard):
+def _journal_path(out, shard):
+    return os.path.join(out, fmt.shard_name(shard) + fmt.JOURNAL_SUFFIX)
+
+
+def _resume_state(out, signature):
+    """What an interrupted pack finished: the longest run of shards 0..k-1 whose journal matches
+    this pack and whose bytes match the journal. Everything after them is removed."""
+    if not os.path.isdir(out):
+        raise FormatError(f"{out}: nothing to resume (no such folder)")
+    if os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
+        raise OutputExistsError(f"{out}: already a finished dataset; nothing to resume")
+    journals = []
+    while True:
+        shard_path = os.path.join(out, fmt.shard_name(len(journals)))
         try:
-            os.unlink(os.path.join(out, fmt.shard_name(shard)))
-        except FileNotFoundError:
-            pass
+            with open(_journal_path(out, len(journals)), encoding="utf-8") as f:
+                journal = json.load(f)
+        except (OSError, ValueError):
+            break
+        if journal.get("signature") != signature:
+            raise SourceError(f"{out}: the interrupted pack used other sources or options; resume it with "
+                              f"the same command, or pack again with --overwrite")
+        size, _, _, crc = journal["shard"][:4]
+        if not os.path.exists(shard_path) or os.path.getsize(shard_path) != size or \
+                data_crc32(shard_path, signature["alignment"]) != crc:
+            break
+        journals.append(journal)
+    kept = {fmt.shard_name(k) for k in range(len(journals))} | {
+        fmt.shard_name(k) + fmt.JOURNAL_SUFFIX for k in range(len(journals))}
+    for name in os.listdir(out):
+        if gdsdata_owned(name) and name not in kept:
+            os.unlink(os.path.join(out, name))
+    return journals
 
 
 def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
          alignment: int = fmt.DEFAULT_ALIGNMENT, workers: int = 0, strict: bool = False,
-         overwrite: bool = False, progress: bool = False) -> PackResult:
-    """Pack the ImageFolder tree ``src`` into the dataset folder ``out``."""
+         overwrite: bool = False, progress: bool = False, num_parts: int = 1, part: int = 0,
+         resume: bool = False) -> PackResult:
+    """Pack the source ``src`` (ImageFolder tree, LMDB or tar shards) into the dataset folder ``out``."""
     options = options or PackOptions()
     src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
     if shard_size < alignment * 2:
         raise ValueError(f"shard size must be at least twice the alignment ({alignment * 2} bytes)")
+    if not 0 <= part < num_parts:
+        raise ValueError(f"part must be between 0 and num_parts - 1 ({num_parts - 1}), got {part}")
     workers = workers or os.cpu_count() or 1
     started = time.perf_counter()
-    classes, items, ignored = scan(src)
-    _prepare_output(out, overwrite)
-    dataset_id = os.urandom(16)
-    writer = ShardWriter(out, alignment, shard_size, dataset_id)
+    source = open_source(src)
+    try:
+        return _pack(source, src, out, options, shard_size, alignment, workers, strict, overwrite,
+                     progress, num_parts, part, resume, started)
+    finally:
+        source.close()
+
+
+def _pack(source, src, out, options, shard_size, alignment, workers, strict, overwrite, progress,
+          num_parts, part, resume, started):
+    classes, everything = source.classes, source.items
+    first, last = part * len(everything) // num_parts, (part + 1) * len(everything) // num_parts
+    items = everything[first:last]
+    ignored = source.ignored if part == 0 else []
+    signature = {"source": src, "options": asdict(options), "shard_size": shard_size, "alignment": alignment,
+                 "part": [part, num_parts], "items": len(items),
+                 "ends": [items[0].rel, items[-1].rel] if items else []}
+    journals = _resume_state(out, signature) if resume else []
+    if not resume:
+        prepare_output(out, overwrite)
+    dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped = [], bytearray(), []
-    converted = resized = 0
-    jobs = [(src, rel, options) for rel, _ in items]
-    labels = dict(items)
+    shard_rows = []
+    converted = resized = done = 0
+    for journal in journals:
+        for row, rel in zip(journal["samples"], journal["paths"]):
+            path_bytes = rel.encode("utf-8")
+            records.append(tuple(row[:1]) + (len(strings),) + tuple(row[2:]))
+            strings += path_bytes
+        shard_rows.append(tuple(journal["shard"][:4]) + (dataset_id, journal["shard"][5], 0))
+        skipped[:] = journal["skipped"]
+        converted, resized, done = journal["converted"], journal["resized"], journal["items_done"]
+    position = {"item": done, "shard_start": len(records)}  # source items consumed; this shard's first record
+
+    def write_journal(shard, record):
+        mine = range(position["shard_start"], len(records))
+        position["shard_start"] = len(records)
+        _write_json(_journal_path(out, shard), {
+            "signature": signature, "dataset_id": dataset_id.hex(),
+            "shard": [int(v) if not isinstance(v, bytes) else v.hex() for v in record],
+            "samples": [list(records[k]) for k in mine],
+            "paths": [strings[records[k][1]:records[k][1] + records[k][8]].decode("utf-8") for k in mine],
+            "skipped": skipped, "converted": converted, "resized": resized, "items_done": position["item"]})
+
+    writer = ShardWriter(out, alignment, shard_size, dataset_id, first_shard=len(journals),
+                         first_sample=len(records), on_close=write_journal)
     report = {"source": src, "out": out, "status": "failed", "classes": len(classes),
               "ignored": ignored, "skipped": skipped}
+    if num_parts > 1:
+        report["part"] = {"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
+    jobs = ((item.rel, item.path, source.read(item), options) for item in items[done:])
+    labels = {item.rel: item.label for item in items}
     try:
-        bar = tqdm(total=len(jobs), unit="img", desc="pack", disable=not progress, file=sys.stderr)
+        bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
             for rel, prepared, reason in _results(jobs, workers):
                 bar.update()
@@ -163,8 +242,9 @@ def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
                         raise BadImageError(f"{os.path.join(src, rel)}: {reason}")
                     skipped.append({"path": rel, "reason": reason})
                     log.warning("skipped %s: %s", rel, reason)
+                    position["item"] += 1
                     continue
-                shard, offset = writer.add(prepared.payload)
+                shard, offset = writer.add(prepared.payload)  # may close a shard: its journal ends here
                 path_bytes = rel.encode("utf-8")
                 records.append((offset, len(strings), len(prepared.payload), shard, labels[rel],
                                 prepared.width, prepared.height, zlib.crc32(prepared.payload), len(path_bytes),
@@ -172,17 +252,22 @@ def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
                 strings += path_bytes
                 converted += bool(prepared.flags & fmt.FLAG_CONVERTED)
                 resized += bool(prepared.flags & fmt.FLAG_RESIZED)
+                position["item"] += 1
         if not records:
             raise SourceError(f"{src}: none of its {len(items)} image files could be packed "
                               f"(reasons in {os.path.join(out, fmt.REPORT_NAME)})")
         writer.close_shard()
     except BaseException as e:
-        _remove_shards(out, writer)
+        writer.abort()
+        if not isinstance(e, KeyboardInterrupt):  # a clean failure leaves no shards behind
+            for name in os.listdir(out):
+                if gdsdata_owned(name) and name != fmt.REPORT_NAME:
+                    os.unlink(os.path.join(out, name))
         report["error"] = str(e) if isinstance(e, GdsDataError) else repr(e)
-        _write_report(out, report)
+        _write_json(os.path.join(out, fmt.REPORT_NAME), report)
         raise
     samples = np.array(records, dtype=fmt.SAMPLE_RECORD)
-    shard_table = np.array(writer.records, dtype=fmt.SHARD_RECORD)
+    shard_table = np.array(shard_rows + writer.records, dtype=fmt.SHARD_RECORD)
     seconds = time.perf_counter() - started
     per_class = np.bincount(samples["label"], minlength=len(classes)).tolist()
     meta = {
@@ -194,12 +279,19 @@ def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
         "counts": {"packed": len(samples), "skipped": len(skipped), "converted": converted,
                    "resized": resized, "ignored": len(ignored), "per_class": per_class},
     }
+    if num_parts > 1:
+        meta["part"] = report["part"]
     total = int(shard_table["size"].sum())
     report.update(status="complete", packed=len(samples), converted=converted, resized=resized,
-                  shards=len(shard_table), bytes=total, seconds=round(seconds, 3),
+                  shards=len(shard_table), bytes=total, seconds=round(seconds, 3), resumed_shards=len(journals),
                   empty_classes=[c for c, n in zip(classes, per_class) if n == 0])
-    report_path = _write_report(out, report)
+    report_path = _write_json(os.path.join(out, fmt.REPORT_NAME), report)
     index_io.write(out, alignment, dataset_id, shard_table, samples, bytes(strings), meta)
+    for shard in range(len(shard_table)):  # the index is authoritative now
+        try:
+            os.unlink(_journal_path(out, shard))
+        except FileNotFoundError:
+            pass
     log.info("packed %d images into %d shards in %.1f s", len(samples), len(shard_table), seconds)
     return PackResult(out, len(samples), converted, resized, len(shard_table), total, seconds,
-                      skipped, ignored, report_path)
+                      skipped, ignored, report_path, len(journals))

@@ -21,7 +21,8 @@ class ShardWriter:
     """Appends payloads to ``shard-NNNNN.gds``, each at an aligned offset; rolls to a new shard
     past ``shard_size`` bytes. A shard is renamed to its final name only once it is complete."""
 
-    def __init__(self, out_dir, alignment, shard_size, dataset_id: bytes, first_shard: int = 0):
+    def __init__(self, out_dir, alignment, shard_size, dataset_id: bytes, first_shard: int = 0,
+                 first_sample: int = 0, on_close=None):
         if alignment < 64 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
         self.out_dir = str(out_dir)
@@ -29,8 +30,9 @@ class ShardWriter:
         self.shard_size = shard_size
         self.dataset_id = dataset_id
         self.next_shard = first_shard
-        self.records = []  # one SHARD_RECORD row per finished shard
-        self.samples_written = 0
+        self.records = []  # one SHARD_RECORD row per shard finished by this writer
+        self.samples_written = first_sample
+        self.on_close = on_close  # called with each finished shard's index and record
         self._file = None
 
     def _write(self, data):
@@ -86,7 +88,10 @@ class ShardWriter:
         self._file.close()
         self._file = None
         os.replace(self._path + fmt.TMP_SUFFIX, self._path)
-        self.records.append((self._size, self._first, self._count, self._crc, self.dataset_id, self._index, 0))
+        record = (self._size, self._first, self._count, self._crc, self.dataset_id, self._index, 0)
+        self.records.append(record)
+        if self.on_close is not None:
+            self.on_close(self._index, record)
         log.debug("wrote %s: %d samples, %d bytes", self._path, self._count, self._size)
 
     def abort(self):
