@@ -7,7 +7,7 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= test,bench
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-gpu bench bench-gpu lint clean
+.PHONY: demo test test-gpu bench bench-gpu fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ test: $(VENV)/.installed
 
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu
+
+fuzz: $(VENV)/.installed
+	GDSDATA_FUZZ_EXAMPLES=25000 $(PY) -m pytest -q tests/test_fuzz.py
 
 bench: $(VENV)/.installed
 	$(PY) bench/run.py --size small --out bench-results

@@ -119,8 +119,11 @@ def load(root) -> Index:
     try:
         meta = json.loads(meta_raw.decode("utf-8"))
         classes = meta["classes"]
+        strings.decode("utf-8")
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise FormatError(f"{path}: unreadable metadata ({e})") from e
+        raise FormatError(f"{path}: unreadable metadata or source paths ({e})") from e
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise FormatError(f"{path}: the metadata's class list is not a list of names")
     if len(classes) != int(header["num_classes"]):
         raise FormatError(f"{path}: {len(classes)} class names, header says {header['num_classes']}")
     index = Index(root, int(header["alignment"]), bytes(header["dataset_id"]),

@@ -65,6 +65,8 @@ def _open(data: bytes) -> Image.Image:
         raise BadImageError(f"too many pixels ({e})") from e
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise BadImageError(f"truncated or corrupt: {e}") from e
+    except Exception as e:  # noqa: BLE001 - any failure of a decoder on untrusted bytes is a bad file
+        raise BadImageError(f"corrupt: {type(e).__name__}: {e}") from e
     if image.width == 0 or image.height == 0:
         raise BadImageError("image has no pixels")
     return image
@@ -84,7 +86,7 @@ def _target_size(width, height, options):
 def _to_rgb(image: Image.Image) -> Image.Image:
     try:
         return image.convert("RGB")
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - as in _open: the file is bad, whatever PIL raised
         raise BadImageError(f"cannot convert {image.mode} to RGB: {e}") from e
 
 
