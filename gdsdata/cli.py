@@ -41,7 +41,7 @@ def _cmd_pack(args):
     result = pack(args.src, args.out, options=options, shard_size=args.shard_size,
                   alignment=args.alignment, workers=args.workers, strict=args.strict,
                   overwrite=args.overwrite, progress=not args.quiet, num_parts=args.num_parts,
-                  part=args.part, resume=args.resume)
+                  part=args.part, resume=args.resume, append=args.append)
     rate = result.packed / result.seconds if result.seconds else 0.0
     print(f"packed {result.packed} images into {result.shards} shard(s), {_human(result.bytes)}, "
           f"in {result.seconds:.1f} s ({rate:.0f} images/s)")
@@ -150,6 +150,8 @@ def build_parser():
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("--resume", action="store_true",
                    help="finish an interrupted pack into OUT, keeping its finished shards (same options)")
+    p.add_argument("--append", action="store_true",
+                   help="add the images (and classes) of SRC that OUT does not hold yet, as new shards")
     p.add_argument("--num-parts", type=int, default=1, metavar="N",
                    help="split the source into N contiguous parts (for packing on many machines) ...")
     p.add_argument("--part", type=int, default=0, metavar="K", help="... and pack part K (0-based); join with merge")

@@ -21,7 +21,7 @@ import time
 import zlib
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 from tqdm import tqdm
@@ -170,27 +170,47 @@ def _resume_state(out, signature):
 def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
          alignment: int = fmt.DEFAULT_ALIGNMENT, workers: int = 0, strict: bool = False,
          overwrite: bool = False, progress: bool = False, num_parts: int = 1, part: int = 0,
-         resume: bool = False) -> PackResult:
-    """Pack the source ``src`` (ImageFolder tree, LMDB or tar shards) into the dataset folder ``out``."""
+         resume: bool = False, append: bool = False) -> PackResult:
+    """Pack the source ``src`` (ImageFolder tree, LMDB or tar shards) into the dataset folder ``out``.
+    ``append=True`` adds the source's images that ``out`` does not hold yet (new classes get the
+    next labels) as new shards of the existing dataset."""
     options = options or PackOptions()
     src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
     if shard_size < alignment * 2:
         raise ValueError(f"shard size must be at least twice the alignment ({alignment * 2} bytes)")
     if not 0 <= part < num_parts:
         raise ValueError(f"part must be between 0 and num_parts - 1 ({num_parts - 1}), got {part}")
+    if append and (resume or overwrite or num_parts > 1):
+        raise ValueError("append goes with none of resume, overwrite or parts")
     workers = workers or os.cpu_count() or 1
     started = time.perf_counter()
     source = open_source(src)
     try:
         return _pack(source, src, out, options, shard_size, alignment, workers, strict, overwrite,
-                     progress, num_parts, part, resume, started)
+                     progress, num_parts, part, resume, append, started)
     finally:
         source.close()
 
 
+def _appendable(out, source, alignment):
+    """(dataset, items to add with their labels in the dataset's class list, the extended list)."""
+    base = index_io.load(out)
+    if base.alignment != alignment:
+        raise SourceError(f"{out}: alignment {base.alignment}; append with --alignment {base.alignment}")
+    known = {base.path(i) for i in range(len(base))}
+    classes = base.classes + sorted(set(source.classes) - set(base.classes))
+    label = {name: k for k, name in enumerate(classes)}
+    items = [replace(item, label=label[source.classes[item.label]]) for item in source.items if item.rel not in known]
+    if not items:
+        raise SourceError(f"{source.root}: nothing to append, {out} holds every image of it already")
+    return base, items, classes
+
+
 def _pack(source, src, out, options, shard_size, alignment, workers, strict, overwrite, progress,
-          num_parts, part, resume, started):
+          num_parts, part, resume, append, started):
     classes, everything = source.classes, source.items
+    if append:
+        base, everything, classes = _appendable(out, source, alignment)
     first, last = part * len(everything) // num_parts, (part + 1) * len(everything) // num_parts
     items = everything[first:last]
     ignored = source.ignored if part == 0 else []
@@ -198,12 +218,17 @@ def _pack(source, src, out, options, shard_size, alignment, workers, strict, ove
                  "part": [part, num_parts], "items": len(items),
                  "ends": [items[0].rel, items[-1].rel] if items else []}
     journals = _resume_state(out, signature) if resume else []
-    if not resume:
+    if not resume and not append:
         prepare_output(out, overwrite)
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped = [], bytearray(), []
     shard_rows = []
     converted = resized = done = 0
+    if append:  # the dataset so far, unchanged; new samples go to new shards
+        dataset_id, records, strings, shard_rows = base.dataset_id, base.samples.tolist(), bytearray(base.strings), \
+            base.shards.tolist()
+        converted = int(((base.samples["flags"] & fmt.FLAG_CONVERTED) != 0).sum())
+        resized = int(((base.samples["flags"] & fmt.FLAG_RESIZED) != 0).sum())
     for journal in journals:
         for row, rel in zip(journal["samples"], journal["paths"]):
             path_bytes = rel.encode("utf-8")
@@ -224,7 +249,7 @@ def _pack(source, src, out, options, shard_size, alignment, workers, strict, ove
             "paths": [strings[records[k][1]:records[k][1] + records[k][8]].decode("utf-8") for k in mine],
             "skipped": skipped, "converted": converted, "resized": resized, "items_done": position["item"]})
 
-    writer = ShardWriter(out, alignment, shard_size, dataset_id, first_shard=len(journals),
+    writer = ShardWriter(out, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
                          first_sample=len(records), on_close=write_journal)
     report = {"source": src, "out": out, "status": "failed", "classes": len(classes),
               "ignored": ignored, "skipped": skipped}
@@ -259,10 +284,11 @@ def _pack(source, src, out, options, shard_size, alignment, workers, strict, ove
         writer.close_shard()
     except BaseException as e:
         writer.abort()
-        if not isinstance(e, KeyboardInterrupt):  # a clean failure leaves no shards behind
-            for name in os.listdir(out):
-                if gdsdata_owned(name) and name != fmt.REPORT_NAME:
-                    os.unlink(os.path.join(out, name))
+        if not isinstance(e, KeyboardInterrupt):  # a clean failure removes what this run wrote
+            for shard in range(len(shard_rows), writer.next_shard):
+                for name in (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.JOURNAL_SUFFIX):
+                    if os.path.exists(os.path.join(out, name)):
+                        os.unlink(os.path.join(out, name))
         report["error"] = str(e) if isinstance(e, GdsDataError) else repr(e)
         _write_json(os.path.join(out, fmt.REPORT_NAME), report)
         raise
@@ -282,6 +308,9 @@ def _pack(source, src, out, options, shard_size, alignment, workers, strict, ove
     if num_parts > 1:
         meta["part"] = report["part"]
     total = int(shard_table["size"].sum())
+    if append:
+        report["appended"] = len(samples) - len(base)
+        meta["appended"] = base.meta.get("appended", []) + [{"source": src, "samples": report["appended"]}]
     report.update(status="complete", packed=len(samples), converted=converted, resized=resized,
                   shards=len(shard_table), bytes=total, seconds=round(seconds, 3), resumed_shards=len(journals),
                   empty_classes=[c for c, n in zip(classes, per_class) if n == 0])

@@ -193,3 +193,25 @@ def test_readers_never_write(whole):
     assert before == {n: (os.stat(os.path.join(whole, n)).st_mtime_ns, os.stat(os.path.join(whole, n)).st_size)
                       for n in os.listdir(whole)}
     assert np.all([len(ds) == len(datasets[0]) for ds in datasets])
+
+
+def test_append_adds_new_images_and_classes(tmp_path):
+    src = tmp_path / "src"
+    write_photos(str(src), 9, classes=3, start_seed=700)
+    out = str(tmp_path / "ds")
+    pack(str(src), out, workers=1, shard_size=SHARD)
+    before = samples_of(out)
+    for k in range(3):  # new images in an old class and a new class "aardvark" that sorts first
+        for folder in ("class1", "aardvark"):
+            (src / folder).mkdir(exist_ok=True)
+            (src / folder / f"new{k}.jpg").write_bytes(jpeg_bytes(photo(800 + k), quality=85))
+    result = pack(str(src), out, workers=1, shard_size=SHARD, append=True)
+    classes, after = samples_of(out)
+    assert classes == ["class0", "class1", "class2", "aardvark"]  # old labels unchanged, new appended
+    assert after[:len(before[1])] == before[1] and len(after) == len(before[1]) + 6
+    assert {s[0]: s[1] for s in after[len(before[1]):]} == {
+        **{f"aardvark/new{k}.jpg": 3 for k in range(3)}, **{f"class1/new{k}.jpg": 1 for k in range(3)}}
+    assert result.packed == len(after)
+    with pytest.raises(SourceError, match="nothing to append"):
+        pack(str(src), out, workers=1, shard_size=SHARD, append=True)
+    GDSDataset(out).__getitems__(range(len(after)))
