@@ -117,3 +117,28 @@ def print_table(results, reference=None):
 def write_json(path, system, results):
     with open(path, "w") as f:
         json.dump({"system": system, "results": [r.to_dict() for r in results]}, f, indent=2, default=str)
+
+
+def chart(results, path, title):
+    """A horizontal bar chart of images/s (log scale, min-max error bars) from result dicts
+    (``Result.to_dict()`` or a results JSON); gdsdata's rows in green."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in results][::-1]
+    rates = [r["images_per_s"] for r in results][::-1]
+    low = [r["images_per_s"] - r["spread"][0] for r in results][::-1]
+    high = [r["spread"][1] - r["images_per_s"] for r in results][::-1]
+    fig, ax = plt.subplots(figsize=(13, 0.45 * len(results) + 1.5))
+    bars = ax.barh(names, rates, xerr=[low, high], color=["#76b900" if n.startswith("gdsdata") else "#888888"
+                                                          for n in names])
+    for bar, rate in zip(bars, rates):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {rate:,.0f}", va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("images/s, log scale (median; bars: min-max)")
+    ax.set_title(title, fontsize=9, loc="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from common import measure, print_system_block, print_table, system_block, write_json  # noqa: E402
+from common import chart, measure, print_system_block, print_table, system_block, write_json  # noqa: E402
 from make_images import generate  # noqa: E402
 
 import gdsdata  # noqa: E402
@@ -66,29 +66,6 @@ def gdsdata_epoch(ds, batch, transform, cold):
         return first
 
     return epoch
-
-
-def chart(results, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r.name for r in results][::-1]
-    rates = [r.images_per_s for r in results][::-1]
-    low = [r.images_per_s - r.spread[0] for r in results][::-1]
-    high = [r.spread[1] - r.images_per_s for r in results][::-1]
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(results) + 1.5))
-    bars = ax.barh(names, rates, xerr=[low, high], color=["#76b900" if n.startswith("gdsdata") else "#888888"
-                                                          for n in names])
-    for bar, rate in zip(bars, rates):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {rate:,.0f}", va="center", fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel("images/s, log scale (median; bars: min-max)")
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None):
@@ -185,7 +162,7 @@ def main(argv=None):
     print_table(results, reference)
     write_json(os.path.join(args.out, "suite.json"), system, results)
     try:
-        chart(results, os.path.join(args.out, "suite.png"),
+        chart([r.to_dict() for r in results], os.path.join(args.out, "suite.png"),
               f"{'CPU only' if str(system.get('gpu', 'none')).startswith('none') else system['gpu']}, "
               f"{n} images, batch {batch}, {system['cache']} cache, "
               f"{system.get('io mode', 'no GPU').split(':')[0]}, commit {system['commit']}")
