@@ -40,9 +40,10 @@ class GpuDecoder:
         codecs = records["codec"]
         if np.all(codecs == fmt.CODEC_RAW):
             return self._raw(staging, plan, records, heights, widths, stream)
-        if not np.all(codecs == fmt.CODEC_JPEG):
-            bad = int(np.flatnonzero((codecs != fmt.CODEC_JPEG) & (codecs != fmt.CODEC_RAW))[:1].sum())
-            raise CorruptSampleError(f"{self.index.describe(indices[bad])}: unknown codec {codecs[bad]}")
+        if not np.all(codecs == fmt.CODEC_JPEG):  # a batch is all JPEG or all raw (one codec a pack)
+            bad = int(np.flatnonzero(codecs != fmt.CODEC_JPEG)[0])
+            raise CorruptSampleError(f"{self.index.describe(indices[bad])}: codec {codecs[bad]} in a batch of "
+                                     f"JPEGs (a dataset holds one codec)")
         sizes = heights * widths * 3
         offsets = np.zeros(len(indices), np.int64)
         np.cumsum(sizes[:-1], out=offsets[1:])

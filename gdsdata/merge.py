@@ -48,6 +48,9 @@ def merge(parts, out, *, copy=False, overwrite=False) -> dict:
         if index.classes != first.classes:
             raise SourceError(f"{part}: its class list differs from {parts[0]}'s; parts must be packed from "
                               f"the same source (pack --num-parts N --part K)")
+        codec, first_codec = index.meta.get("options", {}).get("codec"), first.meta.get("options", {}).get("codec")
+        if codec != first_codec:
+            raise SourceError(f"{part}: packed with codec {codec}, {parts[0]} with {first_codec}")
         if index.alignment != first.alignment:
             raise SourceError(f"{part}: alignment {index.alignment}, {parts[0]} has {first.alignment}")
         if os.path.abspath(index.root) == out:
