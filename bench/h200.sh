@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 run behind docs/benchmarks.md: GPU tests, then bench/gpu.py with DALI when present.
-# Runs on the device machine from the repository root; wheels for what the image lacks in .whl/,
+# Writes OUT/gpu.json, OUT/gpu.png (the chart), logs. Runs on the device machine from the repository root; wheels for what the image lacks in .whl/,
 # DALI's wheel (if any) as split pieces under /tmp/dali-pieces/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-bench-results}
@@ -23,3 +23,4 @@ fi
 python3 -m gdsdata.cli doctor | tee "$OUT/doctor.txt"
 timeout 200 python3 -m pytest -q -m gpu --timeout 60 tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
 timeout ${BENCH_TIMEOUT:-400} python3 bench/gpu.py --dir /tmp/bench --count ${COUNT:-10000} --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+python3 bench/chart.py "$OUT/gpu.json" "$OUT/gpu.png" || echo "chart skipped (matplotlib missing)"
