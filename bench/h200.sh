@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 run behind docs/benchmarks.md: GPU tests, then bench/gpu.py with DALI when present.
-# Writes OUT/gpu.json, OUT/gpu.png (the chart), logs. Runs on the device machine from the repository root; wheels for what the image lacks in .whl/,
-# DALI's wheel (if any) as split pieces under /tmp/dali-pieces/ (see docs/benchmarks.md).
+# Writes OUT/gpu.json, OUT/gpu.png (the chart) and logs. Runs from the repository root, with wheels
+# for what the machine lacks in .whl/ and DALI's wheel, if any, as split pieces under
+# /tmp/dali-pieces/ (docs/benchmarks.md, "Reproducing").
 set -uo pipefail
 OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
