@@ -278,8 +278,9 @@ def _pack(source, src, out, options, shard_size, alignment, workers, strict, ove
                 converted += bool(prepared.flags & fmt.FLAG_CONVERTED)
                 resized += bool(prepared.flags & fmt.FLAG_RESIZED)
                 position["item"] += 1
-        if not records:
-            raise SourceError(f"{src}: none of its {len(items)} image files could be packed "
+        if not records or (append and len(records) == len(base)):
+            what = "new image files" if append else "image files"
+            raise SourceError(f"{src}: none of its {len(items)} {what} could be packed "
                               f"(reasons in {os.path.join(out, fmt.REPORT_NAME)})")
         writer.close_shard()
     except BaseException as e:

@@ -84,3 +84,20 @@ def test_doctor_reports_the_cpu_path():
     rc, stdout, _ = run("doctor", "--json")
     info = json.loads(stdout)
     assert rc == 0 and info["cpu cores"] == os.cpu_count() and "torch" in info
+
+
+def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path):
+    parts = [str(tmp_path / f"p{k}") for k in range(2)]
+    for k, part in enumerate(parts):
+        rc, stdout, err = run("pack", small_src, part, "--num-parts", "2", "--part", str(k), "-q")
+        assert rc == 0, err
+    merged = str(tmp_path / "merged")
+    rc, stdout, err = run("merge", *parts, merged)
+    assert rc == 0 and "merged 2 part(s)" in stdout and "9 samples" in stdout, err
+    assert_one_line_error(*run("merge", *parts, merged)[::2], "--overwrite")
+    # the one file left to add is the broken one: nothing appended, the dataset untouched
+    assert_one_line_error(*run("pack", small_src, merged, "--append", "-q")[::2], "none of its 1 new image files")
+    assert run("verify", merged, "-q")[0] == 0
+    assert_one_line_error(*run("pack", small_src, merged, "--resume", "-q")[::2], "already a finished dataset")
+    assert_one_line_error(*run("pack", small_src, str(tmp_path / "x"), "--num-parts", "2", "--part", "2")[::2],
+                          "part must be between")
