@@ -89,6 +89,13 @@ def _cmd_inspect(args):
           f"subsampling: {', '.join(f'{k} {v}' for k, v in info['subsampling'].items())}")
     print(f"  stored as is: {info['stored_as_is']}, converted at pack time: {info['converted']}, "
           f"resized: {info['resized']}")
+    if info["part"]:
+        print(f"  part {info['part']['part']} of {info['part']['num_parts']} of its source "
+              f"(items {info['part']['first_item']}..{info['part']['first_item'] + info['part']['items'] - 1})")
+    if info["merged_from"]:
+        print(f"  merged from {len(info['merged_from'])} part(s): {', '.join(info['merged_from'])}")
+    for added in info["appended"]:
+        print(f"  appended {added['samples']} sample(s) from {added['source']}")
     counts = list(info["per_class"].items())
     shown = counts if len(counts) <= 12 else counts[:6] + [("...", "")] + counts[-5:]
     print("  per class: " + ", ".join(f"{name} {n}".strip() for name, n in shown))

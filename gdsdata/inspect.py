@@ -50,4 +50,7 @@ def inspect(root) -> dict:
         "resized": int(((samples["flags"] & fmt.FLAG_RESIZED) != 0).sum()),
         "pack_options": meta.get("options", {}),
         "pack_counts": meta.get("counts", {}),
+        "part": meta.get("part"),
+        "merged_from": [m["path"] for m in meta.get("merged_from", [])],
+        "appended": meta.get("appended", []),
     }
