@@ -12,6 +12,7 @@ part of the source, with labels from the full class list, for ``merge.merge`` to
 """
 
 import datetime
+import itertools
 import json
 import logging
 import multiprocessing
@@ -101,15 +102,23 @@ def prepare_output(out, overwrite):
     os.makedirs(out, exist_ok=True)
 
 
-def _ordered(pool, jobs, window):
-    """``pool.map`` in order, with at most ``window`` jobs submitted ahead."""
+def _prepare_chunk(jobs):
+    return [_prepare_item(job) for job in jobs]
+
+
+def _ordered(pool, jobs, window, chunk=8):
+    """``pool.map`` in order, in chunks of ``chunk`` jobs (fewer round trips to the workers), with
+    at most ``window`` jobs submitted ahead (bounded memory for sources read in this process)."""
     pending = deque()
-    for job in jobs:
-        pending.append(pool.submit(_prepare_item, job))
-        if len(pending) >= window:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
+    jobs = iter(jobs)
+    while True:
+        batch = list(itertools.islice(jobs, chunk))
+        if batch:
+            pending.append(pool.submit(_prepare_chunk, batch))
+        if pending and (not batch or len(pending) * chunk >= window):
+            yield from pending.popleft().result()
+        if not batch and not pending:
+            return
 
 
 def _results(jobs, workers):
