@@ -79,9 +79,6 @@ class _CpuBackend:
         return PixelBatch(torch.from_numpy(arena), offsets, heights, widths, np.full(len(indices), 3),
                           errors, owned=True)
 
-    def describe(self) -> str:
-        return f"cpu threads={settings.get('cpu_threads')}"
-
     def close(self):
         self.reader.close()
         if self._pool is not None and self._pool_pid == os.getpid():
@@ -169,7 +166,7 @@ class GDSDataset(torch.utils.data.Dataset):
     def load_batch(self, indices, stream=None):
         """(PixelBatch, indices): decoded pixels of a batch, bad samples raised or replaced per
         ``on_error`` (the returned indices say which sample each position finally holds)."""
-        return self.decode_staged(self._backend.read(list(indices)), stream)
+        return self.decode_staged(self.read_staged(indices), stream)
 
     def read_staged(self, indices):
         """The storage half of ``load_batch``: the batch's payloads in a staging buffer."""

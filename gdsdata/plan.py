@@ -27,10 +27,6 @@ class Plan:
     sample_lengths: np.ndarray  # int64, per requested sample: payload bytes
     total: int  # staging bytes needed
 
-    @property
-    def payload_bytes(self) -> int:
-        return int(self.sample_lengths.sum())
-
 
 def _round_up(x, alignment):
     return -(-x // alignment) * alignment

@@ -69,7 +69,6 @@ class SlotPool:
     hands it back once the GPU work queued on ``stream`` (the last reader of its bytes) is done."""
 
     def __init__(self, kind: str, device: torch.device, count: int):
-        self.kind = kind
         self._free = [StagingBuffer(kind, device) for _ in range(count)]
         self._all = list(self._free)
         self._cond = threading.Condition()
