@@ -18,7 +18,7 @@ from .batch import PixelBatch, Staged
 from .decode_gpu import GpuDecoder
 from .errors import GpuUnavailableError
 from .plan import plan_reads
-from .reader_gpu import GpuReader, SlotPool
+from .reader_gpu import GpuReader, SlotPool, choose_engine
 
 log = logging.getLogger(__name__)
 _SLOTS = 5  # staging buffers: batches being read, queued for decode, decoding, and held by the consumer
@@ -65,14 +65,15 @@ class GpuBackend:
         self.verify = verify
         self.io_mode, self.io_reason = io_mode()
         self.staging_kind, self.backend = choose_path(self.io_mode == "gds")
-        self.reader = GpuReader(index, device)
+        self.engine = choose_engine(self.staging_kind, self.io_mode == "gds")
+        self.reader = GpuReader(index, device, self.engine)
         self.decoder = GpuDecoder(index, device, self.backend)
         self._slots = SlotPool(self.staging_kind, device, _SLOTS)
-        log.info("GPU path on %s: I/O %s (%s), staging %s, nvJPEG %s", device, self.io_mode,
-                 self.io_reason, self.staging_kind, self.backend)
+        log.info("GPU path on %s: I/O %s (%s), reads %s, staging %s, nvJPEG %s", device, self.io_mode,
+                 self.io_reason, self.engine, self.staging_kind, self.backend)
 
     def describe(self) -> str:
-        return f"io={self.io_mode} staging={self.staging_kind} nvjpeg={self.backend}"
+        return f"io={self.io_mode} reads={self.engine} staging={self.staging_kind} nvjpeg={self.backend}"
 
     def read(self, indices) -> Staged:
         """Storage -> staging: plan and issue the batch's reads (blocks until they are done)."""

@@ -87,7 +87,8 @@ def report() -> dict:
         info.update(_kvikio_block())
         info.update(_nvjpeg_block())
     info["cpu decode threads"] = settings.get("cpu_threads")
-    info["kvikio io threads"] = settings.get("io_threads")
+    info["io threads"] = settings.get("io_threads")
+    info["io engine"] = settings.get("io_engine")
     info["staging"] = settings.get("staging")
     info["decode backend"] = settings.get("decode_backend")
     return info

@@ -1,12 +1,19 @@
-"""Storage -> staging buffer on the GPU path: coalesced cuFile reads through kvikio.
+"""Storage -> staging buffer on the GPU path: a batch's coalesced reads, issued in parallel.
 
 Two staging modes:
-- ``device``: ``CuFile.pread`` straight into a GPU buffer. With GPUDirect Storage this is a DMA from
-  the drive to GPU memory; in kvikio's compatibility mode kvikio reads through its own pinned bounce
-  buffers and copies.
-- ``host``: ``CuFile.pread`` into a pinned host buffer (kvikio's thread pool does the POSIX reads);
-  nvJPEG's HARDWARE backend takes bitstreams from pinned memory directly, raw pixels go up in one
-  asynchronous copy.
+- ``device``: kvikio ``CuFile.pread`` straight into a GPU buffer. With GPUDirect Storage this is a
+  DMA from the drive to GPU memory; in kvikio's compatibility mode kvikio reads through its own
+  pinned bounce buffers and copies.
+- ``host``: reads into a pinned host buffer; nvJPEG's HARDWARE backend takes bitstreams from pinned
+  memory directly, raw pixels go up in one asynchronous copy.
+
+Two I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
+- ``kvikio``: one ``CuFile.pread`` per planned read, run by kvikio's thread pool. Needed for device
+  staging and GPUDirect Storage.
+- ``posix``: the batch's reads cut into 4 MiB pieces and dealt to a pool of threads, one call per
+  thread, each thread a loop of ``os.preadv`` into the pinned buffer. In compatibility mode kvikio
+  does the same POSIX reads, but pays a Python call and a future per read; a shuffled batch is
+  hundreds of reads. ``auto`` picks posix for host staging without GDS (see docs/benchmarks.md).
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
@@ -14,14 +21,18 @@ slots so that reading batch k+1 never overwrites what the GPU still reads of bat
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from . import settings
 from .errors import FormatError, GpuUnavailableError
+from .plan import split_reads
+from .reader_cpu import ShardFiles
 
 log = logging.getLogger(__name__)
 _GROWTH = 1.25
+_PIECE = 4 << 20  # posix engine: bytes per read call (kvikio's default task size)
 
 
 def import_kvikio():
@@ -93,18 +104,33 @@ class SlotPool:
             slot.free()
 
 
-class GpuReader:
-    """Reads planned batches into staging buffers with kvikio."""
+def choose_engine(staging: str, gds: bool) -> str:
+    """The I/O engine from the setting, the staging kind and whether cuFile has GDS."""
+    engine = settings.get("io_engine")
+    if engine == "auto":
+        engine = "posix" if staging == "host" and not gds else "kvikio"
+    if engine == "posix" and staging != "host":
+        raise ValueError("io_engine=posix reads into host memory only; device staging needs kvikio")
+    return engine
 
-    def __init__(self, index, device: torch.device):
-        self.kvikio = import_kvikio()
-        threads = settings.get("io_threads")
-        if self.kvikio.defaults.get("num_threads") != threads:
-            self.kvikio.defaults.set({"num_threads": threads})
+
+class GpuReader:
+    """Reads planned batches into staging buffers, with kvikio or a pool of POSIX reads."""
+
+    def __init__(self, index, device: torch.device, engine: str = "kvikio"):
         self.index = index
         self.device = device
+        self.engine = engine
+        self.threads = settings.get("io_threads")
         self._files = {}
         self._lock = threading.Lock()
+        if engine == "kvikio":
+            self.kvikio = import_kvikio()
+            if self.kvikio.defaults.get("num_threads") != self.threads:
+                self.kvikio.defaults.set({"num_threads": self.threads})
+        else:
+            self.posix_files = ShardFiles(index)
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gdsdata-io")
 
     def _file(self, shard):
         with self._lock:
@@ -116,6 +142,15 @@ class GpuReader:
     def read(self, plan, staging: StagingBuffer) -> torch.Tensor:
         """Issue every read of ``plan`` in parallel into ``staging``; returns the filled tensor."""
         target = staging.ensure(plan.total)
+        if self.engine == "posix":
+            host = target.numpy()
+            groups = split_reads(plan.reads, self.threads, _PIECE, self.index.alignment)
+            futures = [self._pool.submit(self._read_group, host, group) for group in groups[1:]]
+            if groups:
+                self._read_group(host, groups[0])  # this thread takes a share too
+            for future in futures:
+                future.result()
+            return target
         host = None if staging.kind == "device" else target.numpy()
         futures = []
         for read in plan.reads:
@@ -131,8 +166,15 @@ class GpuReader:
                                   f"({got} of {read.size} bytes): truncated shard")
         return target
 
+    def _read_group(self, host, group):
+        for piece in group:
+            self.posix_files.read_into(host, piece)
+
     def close(self):
         with self._lock:
             for handle in self._files.values():
                 handle.close()
             self._files = {}
+        if self.engine == "posix":
+            self._pool.shutdown(wait=True)
+            self.posix_files.close()

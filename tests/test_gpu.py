@@ -54,19 +54,20 @@ def test_every_kind_decodes_on_the_gpu_like_pil(kinds_dataset, staging, backend)
         ds.close()
 
 
-@pytest.mark.parametrize("staging, backend", PATHS[:2], ids=[b for _, b in PATHS[:2]])
-def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend):
+@pytest.mark.parametrize("staging, backend, engine", [(s, b, e) for s, b in PATHS[:2]
+                                                      for e in (["posix", "kvikio"] if s == "host" else ["kvikio"])])
+def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend, engine):
     src, paths, out = photos_dataset
-    with settings.set(staging=staging, decode_backend=backend):
+    with settings.set(staging=staging, decode_backend=backend, io_engine=engine):
         ds = gdsdata.GDSDataset(out, device="cuda")
         for i, (image, _) in enumerate(ds.__getitems__(range(len(ds)))):
             assert mean_abs_diff(image.cpu(), pil_reference(os.path.join(src, paths[i]))) <= 2
 
 
-@pytest.mark.parametrize("staging", ["host", "device"])
-def test_raw_gpu_equals_cpu_exactly(raw_dataset, staging):
+@pytest.mark.parametrize("staging, engine", [("host", "posix"), ("host", "kvikio"), ("device", "kvikio")])
+def test_raw_gpu_equals_cpu_exactly(raw_dataset, staging, engine):
     cpu = gdsdata.GDSDataset(raw_dataset)
-    with settings.set(staging=staging):
+    with settings.set(staging=staging, io_engine=engine, max_gap=0):
         gpu = gdsdata.GDSDataset(raw_dataset, device="cuda")
         order = [5, 1, 2, 3, 20, 0]
         for (a, la), (b, lb) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):

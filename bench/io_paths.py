@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Where the time of a raw batch goes on the GPU path, stage by stage (page cache warm).
+
+For a raw-codec dataset (packed by bench/gpu.py, or here): storage -> staging alone for each staging
+kind, I/O engine and thread count, in shuffled and in file order; the pinned -> GPU copy of one
+batch alone; and the whole Loader (random-resized-crop 224, flip, normalise fp16) per engine. The
+reference is one plain kvikio pread of each whole shard into GPU memory. Medians of several passes.
+
+    python bench/io_paths.py --dir /tmp/bench
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import print_system_block, system_block  # noqa: E402
+
+import gdsdata  # noqa: E402
+from gdsdata import settings  # noqa: E402
+
+BATCH = 256
+
+
+def median_rate(fn, nbytes, runs=5):
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def batches(n, shuffle, count):
+    order = np.random.default_rng(0).permutation(n) if shuffle else np.arange(n)
+    return [order[k * BATCH:(k + 1) * BATCH].tolist() for k in range(min(count, n // BATCH))]
+
+
+def read_stage(root, staging, engine, threads, shuffle, count=40):
+    with settings.set(staging=staging, io_engine=engine, io_threads=threads):
+        ds = gdsdata.GDSDataset(root, device="cuda")
+        work = batches(len(ds), shuffle, count)
+        nbytes = sum(int(ds.index.samples["length"][b].sum()) for b in work)
+        backend = ds._backend
+
+        def epoch():
+            for indices in work:
+                staged = backend.read(indices)
+                backend._slots.release(staged.slot, None)
+
+        rate = median_rate(epoch, nbytes)
+        ds.close()
+    return rate
+
+
+def loader_rate(root, engine, shuffle, transform):
+    with settings.set(io_engine=engine):
+        ds = gdsdata.GDSDataset(root, device="cuda")
+        loader = gdsdata.Loader(ds, BATCH, transform=transform, shuffle=shuffle, prefetch=3)
+        nbytes = int(ds.index.samples["length"].sum())
+
+        def epoch():
+            for _ in loader:
+                pass
+            torch.cuda.synchronize()
+
+        rate = median_rate(epoch, nbytes, runs=3)
+        loader.close()
+        ds.close()
+    return rate
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="bench-data", help="folder holding raw.gds (bench/gpu.py makes it)")
+    parser.add_argument("--dataset", default=None, help="a raw-codec dataset (default DIR/raw.gds)")
+    args = parser.parse_args(argv)
+    print_system_block(system_block())
+    root = args.dataset or os.path.join(args.dir, "raw.gds")
+    ds = gdsdata.GDSDataset(root)
+    shards = [ds.index.shard_path(s) for s in range(len(ds.index.shards))]
+    sample_bytes = float(ds.index.samples["length"].mean())
+    ds.close()
+    for p in shards:
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+    import kvikio
+    import kvikio.defaults
+
+    kvikio.defaults.set({"num_threads": 16})
+    sizes = [os.path.getsize(p) for p in shards]
+    target = torch.empty(max(sizes), dtype=torch.uint8, device="cuda")
+    files = [kvikio.CuFile(p, "r") for p in shards]
+
+    def pread_all():
+        for f, size in zip(files, sizes):
+            f.pread(target[:size], size, 0).get()
+        torch.cuda.synchronize()
+
+    reference = median_rate(pread_all, sum(sizes))
+    for f in files:
+        f.close()
+    del target
+    print(f"\nmean sample {sample_bytes / 1e3:.0f} KB; plain kvikio pread of whole shards -> GPU (16 threads): "
+          f"{reference / 1e9:.1f} GB/s\n")
+
+    def row(name, rate):
+        print(f"{name:<58} {rate / 1e9:6.1f} GB/s {rate / sample_bytes:9.0f} images/s "
+              f"{rate / reference * 100:5.0f} %", flush=True)
+
+    print("storage -> staging only (batches of 256, no decode, no copy)")
+    for shuffle in (True, False):
+        for staging, engine, threads in (("host", "posix", 4), ("host", "posix", 8), ("host", "posix", 16),
+                                         ("host", "posix", 32), ("host", "kvikio", 16),
+                                         ("device", "kvikio", 16)):
+            row(f"  {'shuffled' if shuffle else 'file order'} staging={staging} {engine} x{threads}",
+                read_stage(root, staging, engine, threads, shuffle))
+
+    pinned = torch.empty(int(sample_bytes * BATCH), dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream()
+
+    def upload():
+        with torch.cuda.stream(stream):
+            for _ in range(20):
+                pinned.to("cuda", non_blocking=True)
+        stream.synchronize()
+
+    row("pinned -> GPU copy of one batch, alone", median_rate(upload, pinned.numel() * 20))
+
+    rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
+    print("\nwhole Loader, random-resized-crop 224 + flip + normalise fp16, pinned staging")
+    for engine in ("posix", "kvikio"):
+        for shuffle in ("full", None):
+            row(f"  Loader reads={engine} shuffle={shuffle}", loader_rate(root, engine, shuffle, rrc))
+
+
+if __name__ == "__main__":
+    main()
