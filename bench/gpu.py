@@ -215,7 +215,7 @@ def main(argv=None):
     print("\n== gdsdata (page cache warm) ==")
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
     paths = [("auto", "auto", "auto", 16)] if "paths" in skip else [
-        ("host", "hardware", "posix", 16), ("host", "hardware", "kvikio", 16), ("device", "hardware_device", "kvikio", 16)]
+        ("host", "hardware", "mmap", 16), ("host", "hardware", "kvikio", 16), ("device", "hardware_device", "kvikio", 16)]
     for staging, backend, engine, io_threads in paths:
         with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads):
             ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
@@ -224,7 +224,7 @@ def main(argv=None):
             run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
             ds.close()
     raw_train = None
-    for staging, engine in (("host", "posix"), ("host", "kvikio"), ("device", "kvikio")):
+    for staging, engine in (("host", "mmap"), ("host", "kvikio"), ("device", "kvikio")):
         with settings.set(staging=staging, io_engine=engine):
             ds = gdsdata.GDSDataset(raw_dir, device="cuda")
             for shuffle in ("full", None):

@@ -9,6 +9,15 @@ import numpy as np
 import torch
 
 
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (labels, per-sample parameters) onto ``device``, queued on the current
+    stream. A copy from pageable memory would first wait for all work on that stream (a decode still
+    running); through pinned memory from torch's caching host allocator it does not."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class PixelBatch:
     buffer: torch.Tensor  # uint8, on the CPU or the GPU

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import transforms as T
-from .batch import PixelBatch
+from .batch import PixelBatch, upload
 from .sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches
 
 log = logging.getLogger(__name__)
@@ -163,9 +163,7 @@ class _BatchMaker:
         """Decode and transform one staged batch."""
         ds = self.dataset
         batch, indices = ds.decode_staged(staged, stream)
-        labels = torch.from_numpy(ds._labels[indices])
-        if ds.device.type == "cuda":
-            labels = labels.to(ds.device, non_blocking=True)
+        labels = upload(torch.from_numpy(ds._labels[indices]), ds.device)
         if self.pixels:
             return batch, labels  # released by the consumer's next step
         if self.transform is not None:

@@ -70,26 +70,3 @@ def plan_reads(samples: np.ndarray, indices, alignment: int, max_gap: int, max_r
         flush()
     return Plan(reads, sample_offsets, length, cursor)
 
-
-def split_reads(reads, parts: int, chunk: int, alignment: int):
-    """Cut ``reads`` into pieces of at most ``chunk`` bytes (aligned) and deal them out to ``parts``
-    workers as contiguous runs of about equal bytes, so that a pool of threads can issue a whole batch
-    with one call per thread. Returns a list of lists of ``Read``; empty lists are left out."""
-    chunk = max(alignment, chunk - chunk % alignment)
-    pieces = []
-    for read in reads:
-        for start in range(0, read.size, chunk):
-            size = min(chunk, read.size - start)
-            pieces.append(Read(read.shard, read.offset + start, size, read.buffer_offset + start))
-    total = sum(p.size for p in pieces)
-    share = max(1, -(-total // max(1, parts)))
-    groups, current, filled = [], [], 0
-    for piece in pieces:
-        current.append(piece)
-        filled += piece.size
-        if filled >= share * (len(groups) + 1) and len(groups) < parts - 1:
-            groups.append(current)
-            current = []
-    if current:
-        groups.append(current)
-    return groups

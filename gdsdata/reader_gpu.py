@@ -10,29 +10,30 @@ Two staging modes:
 Two I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
 - ``kvikio``: one ``CuFile.pread`` per planned read, run by kvikio's thread pool. Needed for device
   staging and GPUDirect Storage.
-- ``posix``: the batch's reads cut into 4 MiB pieces and dealt to a pool of threads, one call per
-  thread, each thread a loop of ``os.preadv`` into the pinned buffer. In compatibility mode kvikio
-  does the same POSIX reads, but pays a Python call and a future per read; a shuffled batch is
-  hundreds of reads. ``auto`` picks posix for host staging without GDS (see docs/benchmarks.md).
+- ``mmap``: every shard mapped read-only once; a batch is one gather of alignment-sized pages per
+  shard (``torch.index_select`` into the pinned buffer: torch's threads, no GIL held). In
+  compatibility mode kvikio does POSIX reads through the page cache too, but each read costs a
+  Python call and a future on the thread that also feeds the decoder; a shuffled batch is hundreds
+  of reads. ``auto`` picks mmap for host staging without GDS (measured: docs/benchmarks.md).
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
 """
 
 import logging
+import mmap
+import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import warnings
 
+import numpy as np
 import torch
 
 from . import settings
 from .errors import FormatError, GpuUnavailableError
-from .plan import split_reads
-from .reader_cpu import ShardFiles
 
 log = logging.getLogger(__name__)
 _GROWTH = 1.25
-_PIECE = 4 << 20  # posix engine: bytes per read call (kvikio's default task size)
 
 
 def import_kvikio():
@@ -108,29 +109,90 @@ def choose_engine(staging: str, gds: bool) -> str:
     """The I/O engine from the setting, the staging kind and whether cuFile has GDS."""
     engine = settings.get("io_engine")
     if engine == "auto":
-        engine = "posix" if staging == "host" and not gds else "kvikio"
-    if engine == "posix" and staging != "host":
-        raise ValueError("io_engine=posix reads into host memory only; device staging needs kvikio")
+        engine = "mmap" if staging == "host" and not gds else "kvikio"
+    if engine == "mmap" and staging != "host":
+        raise ValueError("io_engine=mmap reads into host memory only; device staging needs kvikio")
     return engine
 
 
+class ShardMaps:
+    """Read-only memory maps of a dataset's shards, each seen as a 2-D uint8 tensor of
+    alignment-sized pages, mapped on first use."""
+
+    def __init__(self, index):
+        self.index = index
+        self._pages = {}
+        self._maps = []
+        self._lock = threading.Lock()
+
+    def pages(self, shard) -> torch.Tensor:
+        with self._lock:
+            pages = self._pages.get(shard)
+            if pages is None:
+                fd = os.open(self.index.shard_path(shard), os.O_RDONLY)
+                try:
+                    mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+                with warnings.catch_warnings():  # read-only memory: nothing here ever writes to it
+                    warnings.simplefilter("ignore", UserWarning)
+                    whole = torch.frombuffer(mapped, dtype=torch.uint8)
+                alignment = self.index.alignment
+                count = whole.numel() // alignment
+                pages = self._pages[shard] = whole[:count * alignment].view(count, alignment)
+                self._maps.append(mapped)
+            return pages
+
+    def gather(self, plan, target: torch.Tensor):
+        """Copy the pages of every read of ``plan`` to their places in ``target`` (a host tensor)."""
+        alignment = self.index.alignment
+        reads = plan.reads
+        if not reads:
+            return
+        shards = np.fromiter((r.shard for r in reads), np.int64, len(reads))
+        starts = np.fromiter((r.offset for r in reads), np.int64, len(reads)) // alignment
+        counts = np.fromiter((r.size for r in reads), np.int64, len(reads)) // alignment
+        first = np.cumsum(counts) - counts
+        source = torch.from_numpy(np.arange(int(counts.sum())) + np.repeat(starts - first, counts))
+        dest = target.view(-1, alignment)
+        edges = np.flatnonzero(np.diff(shards)) + 1  # plans list reads by shard, then offset
+        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(reads)]):
+            shard, p0 = int(shards[lo]), int(first[lo])
+            p1 = int(first[hi - 1] + counts[hi - 1])
+            pages = self.pages(shard)
+            if int(starts[hi - 1] + counts[hi - 1]) > pages.shape[0]:
+                raise FormatError(f"{self.index.shard_path(shard)}: a read ends at byte "
+                                  f"{int(starts[hi - 1] + counts[hi - 1]) * alignment}, past the end of the "
+                                  f"file ({pages.shape[0] * alignment} bytes): truncated shard")
+            torch.index_select(pages, 0, source[p0:p1], out=dest[p0:p1])
+
+    def close(self):
+        with self._lock:
+            self._pages = {}
+            maps, self._maps = self._maps, []
+        for mapped in maps:
+            try:
+                mapped.close()
+            except BufferError:  # a tensor still views it; it is unmapped when that goes
+                pass
+
+
 class GpuReader:
-    """Reads planned batches into staging buffers, with kvikio or a pool of POSIX reads."""
+    """Reads planned batches into staging buffers, with kvikio or from memory maps."""
 
     def __init__(self, index, device: torch.device, engine: str = "kvikio"):
         self.index = index
         self.device = device
         self.engine = engine
-        self.threads = settings.get("io_threads")
         self._files = {}
         self._lock = threading.Lock()
         if engine == "kvikio":
             self.kvikio = import_kvikio()
-            if self.kvikio.defaults.get("num_threads") != self.threads:
-                self.kvikio.defaults.set({"num_threads": self.threads})
+            threads = settings.get("io_threads")
+            if self.kvikio.defaults.get("num_threads") != threads:
+                self.kvikio.defaults.set({"num_threads": threads})
         else:
-            self.posix_files = ShardFiles(index)
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gdsdata-io")
+            self.maps = ShardMaps(index)
 
     def _file(self, shard):
         with self._lock:
@@ -142,14 +204,8 @@ class GpuReader:
     def read(self, plan, staging: StagingBuffer) -> torch.Tensor:
         """Issue every read of ``plan`` in parallel into ``staging``; returns the filled tensor."""
         target = staging.ensure(plan.total)
-        if self.engine == "posix":
-            host = target.numpy()
-            groups = split_reads(plan.reads, self.threads, _PIECE, self.index.alignment)
-            futures = [self._pool.submit(self._read_group, host, group) for group in groups[1:]]
-            if groups:
-                self._read_group(host, groups[0])  # this thread takes a share too
-            for future in futures:
-                future.result()
+        if self.engine == "mmap":
+            self.maps.gather(plan, target)
             return target
         host = None if staging.kind == "device" else target.numpy()
         futures = []
@@ -166,15 +222,10 @@ class GpuReader:
                                   f"({got} of {read.size} bytes): truncated shard")
         return target
 
-    def _read_group(self, host, group):
-        for piece in group:
-            self.posix_files.read_into(host, piece)
-
     def close(self):
         with self._lock:
             for handle in self._files.values():
                 handle.close()
             self._files = {}
-        if self.engine == "posix":
-            self._pool.shutdown(wait=True)
-            self.posix_files.close()
+        if self.engine == "mmap":
+            self.maps.close()

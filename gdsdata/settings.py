@@ -8,8 +8,8 @@
 | name | variable | default | meaning |
 | --- | --- | --- | --- |
 | cpu_threads | GDSDATA_CPU_THREADS | cores | threads decoding JPEGs on the CPU path |
-| io_threads | GDSDATA_IO_THREADS | 16 | threads issuing reads on the GPU path (kvikio's or gdsdata's) |
-| io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: auto, kvikio (CuFile.pread) or posix (pinned staging only) |
+| io_threads | GDSDATA_IO_THREADS | 16 | kvikio threads issuing reads on the GPU path |
+| io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: auto, kvikio (CuFile.pread) or mmap (pinned staging only) |
 | max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
@@ -37,7 +37,7 @@ _DEFAULTS = {
 }
 _CHOICES = {
     "staging": ("auto", "device", "host"),
-    "io_engine": ("auto", "kvikio", "posix"),
+    "io_engine": ("auto", "kvikio", "mmap"),
     "decode_backend": ("auto", "hardware", "hardware_device", "gpu_hybrid", "gpu_hybrid_device"),
 }
 _lock = threading.Lock()

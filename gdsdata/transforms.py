@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .batch import upload
+
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 _DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
@@ -150,10 +152,10 @@ def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, p
     ``buffer``) into one output tensor, on the buffer's device."""
     n, size = len(offsets), transform.size
     device = buffer.device
-    meta = torch.from_numpy(np.stack([np.asarray(offsets, np.int64), np.asarray(heights, np.int64),
-                                      np.asarray(widths, np.int64), np.asarray(channels, np.int64),
-                                      params.top, params.left, params.height, params.width,
-                                      params.flip.astype(np.int64)], axis=1)).to(device, non_blocking=True)
+    meta = upload(torch.from_numpy(np.stack([np.asarray(offsets, np.int64), np.asarray(heights, np.int64),
+                                             np.asarray(widths, np.int64), np.asarray(channels, np.int64),
+                                             params.top, params.left, params.height, params.width,
+                                             params.flip.astype(np.int64)], axis=1)), device)
     dtype = _DTYPES[transform.dtype]
     shape = (n, 3, size, size) if transform.layout == "NCHW" else (n, size, size, 3)
     out = torch.empty(shape, dtype=dtype, device=device)

@@ -55,7 +55,7 @@ def test_every_kind_decodes_on_the_gpu_like_pil(kinds_dataset, staging, backend)
 
 
 @pytest.mark.parametrize("staging, backend, engine", [(s, b, e) for s, b in PATHS[:2]
-                                                      for e in (["posix", "kvikio"] if s == "host" else ["kvikio"])])
+                                                      for e in (["mmap", "kvikio"] if s == "host" else ["kvikio"])])
 def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend, engine):
     src, paths, out = photos_dataset
     with settings.set(staging=staging, decode_backend=backend, io_engine=engine):
@@ -64,7 +64,7 @@ def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend, eng
             assert mean_abs_diff(image.cpu(), pil_reference(os.path.join(src, paths[i]))) <= 2
 
 
-@pytest.mark.parametrize("staging, engine", [("host", "posix"), ("host", "kvikio"), ("device", "kvikio")])
+@pytest.mark.parametrize("staging, engine", [("host", "mmap"), ("host", "kvikio"), ("device", "kvikio")])
 def test_raw_gpu_equals_cpu_exactly(raw_dataset, staging, engine):
     cpu = gdsdata.GDSDataset(raw_dataset)
     with settings.set(staging=staging, io_engine=engine, max_gap=0):

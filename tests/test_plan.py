@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdsdata import format as fmt
-from gdsdata.plan import plan_reads, split_reads
+from gdsdata.plan import plan_reads
 
 ALIGN = 4096
 
@@ -59,26 +59,3 @@ def test_neighbours_coalesce_into_one_read():
     bridged = plan_reads(samples, [0, 2, 4], ALIGN, max_gap=8192, max_read=1 << 30)
     assert len(bridged.reads) == 1
 
-
-@settings(max_examples=200, deadline=None)
-@given(lengths=st.lists(st.integers(1, 300_000), min_size=1, max_size=40), data=st.data(),
-       parts=st.integers(1, 20), chunk=st.sampled_from([4096, 65536, 1 << 20]))
-def test_split_reads_covers_every_byte_once(lengths, data, parts, chunk):
-    """The posix engine's work split: every planned byte in exactly one aligned piece of at most
-    ``chunk`` bytes, at most ``parts`` groups, pieces keep their file-to-buffer mapping."""
-    samples = _layout(lengths, per_shard=7)
-    indices = data.draw(st.lists(st.integers(0, len(lengths) - 1), min_size=1, max_size=60))
-    plan = plan_reads(samples, indices, ALIGN, 0, 1 << 30)
-    groups = split_reads(plan.reads, parts, chunk, ALIGN)
-    assert 1 <= len(groups) <= parts and all(groups)
-    covered = np.zeros(plan.total, np.int32)
-    by_position = {r.buffer_offset: r for r in plan.reads}
-    starts = sorted(by_position)
-    for piece in (p for g in groups for p in g):
-        assert 0 < piece.size <= chunk and piece.offset % ALIGN == 0 and piece.buffer_offset % ALIGN == 0
-        covered[piece.buffer_offset:piece.buffer_offset + piece.size] += 1
-        owner = by_position[starts[np.searchsorted(starts, piece.buffer_offset, "right") - 1]]
-        assert piece.shard == owner.shard
-        assert piece.offset - owner.offset == piece.buffer_offset - owner.buffer_offset
-        assert piece.buffer_offset + piece.size <= owner.buffer_offset + owner.size
-    assert np.all(covered == 1)

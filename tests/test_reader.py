@@ -1,0 +1,59 @@
+"""Storage -> staging: the GPU path's memory-map gather (pure host code, so it runs on the CPU)
+reads exactly what the CPU reader's preads read, for any batch, and names a truncated shard."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+import gdsdata
+from gdsdata.errors import FormatError
+from gdsdata.index import load as load_index
+from gdsdata.plan import plan_reads
+from gdsdata.reader_cpu import CpuReader
+from gdsdata.reader_gpu import ShardMaps
+
+
+@pytest.fixture(scope="module")
+def small_shards(photos_dataset, tmp_path_factory):
+    """The photos repacked into shards of a few samples each, so that batches span shards."""
+    src, _, _ = photos_dataset
+    out = str(tmp_path_factory.mktemp("reader") / "ds")
+    gdsdata.pack(src, out, workers=2, shard_size=64 * 1024)
+    return out
+
+
+@hypothesis_settings(max_examples=60, deadline=None)
+@given(data=st.data(), max_gap=st.sampled_from([0, 8192, 1 << 20]))
+def test_mmap_gather_equals_preads(small_shards, data, max_gap):
+    index = load_index(small_shards)
+    assert len(index.shards) > 2
+    indices = data.draw(st.lists(st.integers(0, len(index.samples) - 1), min_size=1, max_size=40))
+    plan = plan_reads(index.samples, indices, index.alignment, max_gap, 1 << 30)
+    with gdsdata.settings.set(max_gap=max_gap, max_read=1 << 30):
+        expected, _ = CpuReader(index).read(indices)
+    maps = ShardMaps(index)
+    target = torch.full((plan.total,), 7, dtype=torch.uint8)
+    maps.gather(plan, target)
+    assert np.array_equal(target.numpy(), expected)
+    maps.close()
+
+
+def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path):
+    copy = str(tmp_path / "ds")
+    shutil.copytree(small_shards, copy)
+    index = load_index(copy)
+    last = len(index.samples) - 1
+    path = index.shard_path(int(index.samples[last]["shard"]))
+    with open(path, "r+b") as f:
+        f.truncate(int(index.samples[last]["offset"]) + 10)
+    plan = plan_reads(index.samples, [last], index.alignment, 0, 1 << 30)
+    maps = ShardMaps(index)
+    with pytest.raises(FormatError, match=rf"{os.path.basename(path)}: a read ends .* truncated shard"):
+        maps.gather(plan, torch.empty(plan.total, dtype=torch.uint8))
+    maps.close()
