@@ -61,10 +61,36 @@ def read_stage(root, staging, engine, threads, shuffle, count=40):
     return rate
 
 
+def stage_times(root, transform, count=40):
+    """One thread, no overlap: milliseconds per shuffled batch for reading, queuing the copy and the
+    transform (host time), and waiting for the GPU to finish them."""
+    ds = gdsdata.GDSDataset(root, device="cuda")
+    backend, stream = ds._backend, torch.cuda.current_stream()
+    work = batches(len(ds), True, count)
+    spent = np.zeros(3)
+    for n, indices in enumerate(work):
+        t0 = time.perf_counter()
+        staged = backend.read(indices)
+        t1 = time.perf_counter()
+        batch = backend.decode(staged, stream)
+        params = transform.params(batch.heights, batch.widths, indices)
+        gdsdata.transforms.apply(transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
+                                 batch.channels, params)
+        batch.release(stream)
+        t2 = time.perf_counter()
+        stream.synchronize()
+        t3 = time.perf_counter()
+        if n >= 5:
+            spent += (t1 - t0, t2 - t1, t3 - t2)
+    ds.close()
+    return spent / (len(work) - 5) * 1000
+
+
 def loader_rate(root, engine, shuffle, transform):
     with settings.set(io_engine=engine):
         ds = gdsdata.GDSDataset(root, device="cuda")
-        loader = gdsdata.Loader(ds, BATCH, transform=transform, shuffle=shuffle, prefetch=3)
+        loader = gdsdata.Loader(ds, BATCH, transform=transform, shuffle=shuffle, prefetch=3,
+                                pixels=transform is None)
         nbytes = int(ds.index.samples["length"].sum())
 
         def epoch():
@@ -138,10 +164,14 @@ def main(argv=None):
     row("pinned -> GPU copy of one batch, alone", median_rate(upload, pinned.numel() * 20))
 
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
+    read_ms, queue_ms, gpu_ms = stage_times(root, rrc)
+    print(f"serial, per shuffled batch: read {read_ms:.2f} ms, queue copy + transform {queue_ms:.2f} ms, "
+          f"GPU wait {gpu_ms:.2f} ms")
     print("\nwhole Loader, random-resized-crop 224 + flip + normalise fp16, pinned staging")
     for engine in ("mmap", "kvikio"):
         for shuffle in ("full", None):
             row(f"  Loader reads={engine} shuffle={shuffle}", loader_rate(root, engine, shuffle, rrc))
+    row("  Loader reads=mmap shuffle=full, no transform (pixels=True)", loader_rate(root, "mmap", "full", None))
 
 
 if __name__ == "__main__":
