@@ -224,7 +224,7 @@ def main(argv=None):
             run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
             ds.close()
     raw_train = None
-    for staging, engine in (("device", "mmap"), ("host", "mmap"), ("host", "kvikio"), ("device", "kvikio")):
+    for staging, engine in (("host", "mmap"), ("host", "kvikio"), ("device", "kvikio")):
         with settings.set(staging=staging, io_engine=engine):
             ds = gdsdata.GDSDataset(raw_dir, device="cuda")
             for shuffle in ("full", None):

@@ -11,11 +11,10 @@ Two I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
 - ``kvikio``: one ``CuFile.pread`` per planned read, run by kvikio's thread pool. Needed for device
   staging and GPUDirect Storage.
 - ``mmap``: every shard mapped read-only once; a batch is one gather of alignment-sized pages per
-  shard (``torch.index_select``: torch's threads, no GIL held), into the pinned staging buffer, or
-  for device staging through a small ring of pinned bounce buffers and asynchronous copies. In
+  shard (``torch.index_select`` into the pinned buffer: torch's threads, no GIL held). In
   compatibility mode kvikio does POSIX reads through the page cache too, but each read costs a
   Python call and a future on the thread that also feeds the decoder; a shuffled batch is hundreds
-  of reads. ``auto`` picks mmap without GDS (measured: docs/benchmarks.md).
+  of reads. ``auto`` picks mmap for host staging without GDS (measured: docs/benchmarks.md).
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
@@ -35,8 +34,6 @@ from .errors import FormatError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
 _GROWTH = 1.25
-_BOUNCE_BYTES = 4 << 20  # mmap engine into GPU memory: pinned buffer size and count
-_BOUNCE_COUNT = 4
 
 
 def import_kvikio():
@@ -112,7 +109,9 @@ def choose_engine(staging: str, gds: bool) -> str:
     """The I/O engine from the setting, the staging kind and whether cuFile has GDS."""
     engine = settings.get("io_engine")
     if engine == "auto":
-        engine = "kvikio" if gds else "mmap"
+        engine = "mmap" if staging == "host" and not gds else "kvikio"
+    if engine == "mmap" and staging != "host":
+        raise ValueError("io_engine=mmap reads into host memory only; device staging needs kvikio")
     return engine
 
 
@@ -144,9 +143,8 @@ class ShardMaps:
                 self._maps.append(mapped)
             return pages
 
-    def gather(self, plan, target: torch.Tensor, bounce=None):
-        """Copy the pages of every read of ``plan`` to their places in ``target``: straight into a
-        host tensor, or through ``bounce`` (a ``Bounce``) into a GPU tensor."""
+    def gather(self, plan, target: torch.Tensor):
+        """Copy the pages of every read of ``plan`` to their places in ``target`` (a host tensor)."""
         alignment = self.index.alignment
         reads = plan.reads
         if not reads:
@@ -155,30 +153,18 @@ class ShardMaps:
         starts = np.fromiter((r.offset for r in reads), np.int64, len(reads)) // alignment
         counts = np.fromiter((r.size for r in reads), np.int64, len(reads)) // alignment
         first = np.cumsum(counts) - counts
-        for shard in np.unique(shards):
-            end = int((starts + counts)[shards == shard].max())
-            have = self.pages(int(shard)).shape[0]
-            if end > have:
-                raise FormatError(f"{self.index.shard_path(int(shard))}: a read ends at byte {end * alignment}, "
-                                  f"past the end of the file ({have * alignment} bytes): truncated shard")
         source = torch.from_numpy(np.arange(int(counts.sum())) + np.repeat(starts - first, counts))
-        page_shard = np.repeat(shards, counts)  # per destination page
         dest = target.view(-1, alignment)
-        if bounce is None:
-            self._copy_runs(page_shard, source, 0, len(source), dest)
-            return
-        for w0 in range(0, len(source), bounce.pages):
-            w1 = min(len(source), w0 + bounce.pages)
-            k = bounce.take()
-            self._copy_runs(page_shard, source, w0, w1, bounce.buffers[k])
-            bounce.send(k, w1 - w0, dest[w0:w1])
-        bounce.finish()
-
-    def _copy_runs(self, page_shard, source, w0, w1, out):
-        """Pages w0..w1 of the plan into ``out`` (row 0 = page w0), one gather per shard run."""
-        edges = np.flatnonzero(np.diff(page_shard[w0:w1])) + 1 + w0
-        for lo, hi in zip(np.r_[w0, edges], np.r_[edges, w1]):
-            torch.index_select(self.pages(int(page_shard[lo])), 0, source[lo:hi], out=out[lo - w0:hi - w0])
+        edges = np.flatnonzero(np.diff(shards)) + 1  # plans list reads by shard, then offset
+        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(reads)]):
+            shard, p0 = int(shards[lo]), int(first[lo])
+            p1 = int(first[hi - 1] + counts[hi - 1])
+            pages = self.pages(shard)
+            if int(starts[hi - 1] + counts[hi - 1]) > pages.shape[0]:
+                raise FormatError(f"{self.index.shard_path(shard)}: a read ends at byte "
+                                  f"{int(starts[hi - 1] + counts[hi - 1]) * alignment}, past the end of the "
+                                  f"file ({pages.shape[0] * alignment} bytes): truncated shard")
+            torch.index_select(pages, 0, source[p0:p1], out=dest[p0:p1])
 
     def close(self):
         with self._lock:
@@ -189,43 +175,6 @@ class ShardMaps:
                 mapped.close()
             except BufferError:  # a tensor still views it; it is unmapped when that goes
                 pass
-
-
-class Bounce:
-    """A ring of small pinned buffers through which mapped pages go up to GPU memory: one is copied
-    on the ring's own CUDA stream while the next is filled. Kept small so that what the CPU just
-    wrote is still in its caches when the copy engine reads it (a whole batch written to pinned
-    memory and then copied crosses main memory three times)."""
-
-    def __init__(self, device, alignment):
-        self.pages = max(1, _BOUNCE_BYTES // alignment)
-        self.buffers = [torch.empty((self.pages, alignment), dtype=torch.uint8, pin_memory=True)
-                        for _ in range(_BOUNCE_COUNT)]
-        self.events = [None] * _BOUNCE_COUNT
-        self.stream = torch.cuda.Stream(device)
-        self.next = 0
-
-    def take(self) -> int:
-        """The next buffer of the ring (its number), once its previous copy is done."""
-        k, self.next = self.next, (self.next + 1) % len(self.buffers)
-        if self.events[k] is not None:
-            self.events[k].synchronize()
-            self.events[k] = None
-        return k
-
-    def send(self, k, pages, dest):
-        """Copy the first ``pages`` rows of buffer ``k`` to ``dest`` (GPU memory), asynchronously."""
-        with torch.cuda.stream(self.stream):
-            dest.copy_(self.buffers[k][:pages], non_blocking=True)
-            self.events[k] = torch.cuda.Event()
-            self.events[k].record(self.stream)
-
-    def finish(self):
-        self.stream.synchronize()  # the batch is in GPU memory before anyone reads it
-
-    def close(self):
-        self.stream.synchronize()
-        self.buffers = []
 
 
 class GpuReader:
@@ -244,7 +193,6 @@ class GpuReader:
                 self.kvikio.defaults.set({"num_threads": threads})
         else:
             self.maps = ShardMaps(index)
-            self._bounce = None
 
     def _file(self, shard):
         with self._lock:
@@ -257,13 +205,7 @@ class GpuReader:
         """Issue every read of ``plan`` in parallel into ``staging``; returns the filled tensor."""
         target = staging.ensure(plan.total)
         if self.engine == "mmap":
-            if staging.kind == "device":
-                with self._lock:  # one ring: one batch at a time goes through it
-                    if self._bounce is None:
-                        self._bounce = Bounce(self.device, self.index.alignment)
-                    self.maps.gather(plan, target, self._bounce)
-            else:
-                self.maps.gather(plan, target)
+            self.maps.gather(plan, target)
             return target
         host = None if staging.kind == "device" else target.numpy()
         futures = []
@@ -287,6 +229,3 @@ class GpuReader:
             self._files = {}
         if self.engine == "mmap":
             self.maps.close()
-            if self._bounce is not None:
-                self._bounce.close()
-                self._bounce = None
