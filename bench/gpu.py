@@ -156,7 +156,7 @@ def main(argv=None):
     parser.add_argument("--quality", type=int, default=92, help="image set: JPEG quality")
     parser.add_argument("--scale", type=float, default=1.0, help="image set: scale of the ImageNet-like sizes")
     parser.add_argument("--out", default="bench-results", help="folder for gpu.json")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: peers,dali,cold,paths")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: peers,dali,cold,paths,raw")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
@@ -174,19 +174,23 @@ def main(argv=None):
     packed = gdsdata.pack(src, jpeg_dir, overwrite=True)
     print(f"packed JPEG: {packed.packed} images, {packed.bytes / 1e9:.2f} GB, {packed.seconds:.1f} s "
           f"({packed.packed / packed.seconds:.0f} images/s, {os.cpu_count()} workers)")
-    packed_raw = gdsdata.pack(src, raw_dir, overwrite=True,
-                              options=gdsdata.PackOptions(codec="raw", raw_size=args.raw_size))
-    print(f"packed raw (shorter side {args.raw_size}): {packed_raw.bytes / 1e9:.2f} GB, {packed_raw.seconds:.1f} s")
+    if "raw" not in skip:
+        packed_raw = gdsdata.pack(src, raw_dir, overwrite=True,
+                                  options=gdsdata.PackOptions(codec="raw", raw_size=args.raw_size))
+        print(f"packed raw (shorter side {args.raw_size}): {packed_raw.bytes / 1e9:.2f} GB, "
+              f"{packed_raw.seconds:.1f} s")
+    else:
+        skip.add("cold")
 
     results, notes = [], {"system": system, "image set": {"noise": args.noise, "quality": args.quality,
                                                           "scale": args.scale, "count": args.count}}
     jpeg = gdsdata.GDSDataset(jpeg_dir, device="cuda")
-    raw = gdsdata.GDSDataset(raw_dir, device="cuda")
+    raw = None if "raw" in skip else gdsdata.GDSDataset(raw_dir, device="cuda")
     n, payload = len(jpeg), int(jpeg.index.samples["length"].sum())
-    raw_payload = int(raw.index.samples["length"].sum())
+    raw_payload = 0 if raw is None else int(raw.index.samples["length"].sum())
     notes["gdsdata auto path"] = jpeg._backend.describe()
     print(f"\ngdsdata auto path: {jpeg._backend.describe()}")
-    warm(shard_paths(jpeg) + shard_paths(raw))
+    warm(shard_paths(jpeg) + ([] if raw is None else shard_paths(raw)))
 
     def run(name, fn, images, nbytes=0, runs=args.runs, warmup=1):
         try:
@@ -201,8 +205,10 @@ def main(argv=None):
 
     print("\n== ceilings (page cache warm) ==")
     for threads in (16,):
-        fn, nbytes = kvikio_pread_epoch(shard_paths(raw), threads)
-        pread_raw = run(f"kvikio pread raw shards -> GPU ({threads} threads)", fn, len(raw), nbytes)
+        pread_raw = None
+        if raw is not None:
+            fn, nbytes = kvikio_pread_epoch(shard_paths(raw), threads)
+            pread_raw = run(f"kvikio pread raw shards -> GPU ({threads} threads)", fn, len(raw), nbytes)
         fn, nbytes = kvikio_pread_epoch(shard_paths(jpeg), threads)
         run(f"kvikio pread JPEG shards -> GPU ({threads} threads)", fn, n, nbytes)
     keep = []
@@ -224,7 +230,7 @@ def main(argv=None):
             run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
             ds.close()
     raw_train = None
-    for staging, engine in (("host", "mmap"), ("host", "kvikio"), ("device", "kvikio")):
+    for staging, engine in () if raw is None else (("host", "mmap"), ("host", "kvikio"), ("device", "kvikio")):
         with settings.set(staging=staging, io_engine=engine):
             ds = gdsdata.GDSDataset(raw_dir, device="cuda")
             for shuffle in ("full", None):

@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
 # The H200 run behind docs/benchmarks.md: GPU tests, then bench/gpu.py with DALI when present.
-# Writes OUT/gpu.json, OUT/gpu.png (the chart) and logs. Runs from the repository root, with wheels
-# for what the machine lacks in .whl/ and DALI's wheel, if any, as split pieces under
-# /tmp/dali-pieces/ (docs/benchmarks.md, "Reproducing").
+#   bash bench/h200.sh            the ImageNet-like set (~100 KB JPEGs), every section
+#   SET=light bash bench/h200.sh  the field notes' lighter set (~53 KB JPEGs), JPEG pipelines and peers
+# Writes OUT/gpu.json, OUT/gpu.png (the chart) and logs (OUT/light/ for SET=light). Runs from the
+# repository root, with wheels for what the machine lacks in .whl/ and DALI's wheel, if any, as split
+# pieces under /tmp/dali-pieces/ (docs/benchmarks.md, "Reproducing").
 set -uo pipefail
 OUT=${OUT:-bench-results}
+SET=${SET:-imagenet}
+if [ "$SET" = light ]; then
+    OUT=$OUT/light
+    BENCH_ARGS="--noise 8 --quality 90 --scale 0.93 --skip cold,paths,raw ${BENCH_ARGS:-}"
+    SKIP_TESTS=1
+fi
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-if ls /tmp/dali-pieces/dali.part* >/dev/null 2>&1; then
+if [ -d /tmp/dali-site/nvidia/dali ]; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/dali-site
+    export LD_LIBRARY_PATH=$(dirname "$(find /tmp/dali-site -name 'libnvimgcodec.so*' | head -1)"):${LD_LIBRARY_PATH:-}
+    echo "DALI already installed"
+elif ls /tmp/dali-pieces/dali.part* >/dev/null 2>&1; then
     cat /tmp/dali-pieces/dali.part* > /tmp/dali.whl
     if [ "$(sha256sum /tmp/dali.whl | cut -d' ' -f1)" = "$(cat /tmp/dali-pieces/sha256)" ]; then
         cp /tmp/dali.whl /tmp/nvidia_dali_cuda130-2.4.0-py3-none-manylinux_2_28_x86_64.whl
@@ -22,6 +34,8 @@ if ls /tmp/dali-pieces/dali.part* >/dev/null 2>&1; then
     fi
 fi
 python3 -m gdsdata.cli doctor | tee "$OUT/doctor.txt"
-timeout 200 python3 -m pytest -q -m gpu --timeout 60 tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+if [ -z "${SKIP_TESTS:-}" ]; then
+    timeout 200 python3 -m pytest -q -m gpu --timeout 60 tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+fi
 timeout ${BENCH_TIMEOUT:-400} python3 bench/gpu.py --dir /tmp/bench --count ${COUNT:-10000} --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 python3 bench/chart.py "$OUT/gpu.json" "$OUT/gpu.png" || echo "chart skipped (matplotlib missing)"
