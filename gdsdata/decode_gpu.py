@@ -7,6 +7,8 @@ staging buffer.
 """
 
 import logging
+import threading
+
 import numpy as np
 import torch
 
@@ -24,6 +26,11 @@ class GpuDecoder:
         self.device = device
         self.backend = backend
         self._nvjpeg = None
+        # One nvJPEG handle and state per dataset, and any thread may decode (two Loaders over one
+        # dataset, __getitems__ beside a Loader): calls take turns, and a call on another stream
+        # waits on the GPU for the previous one, whose work still uses the state's buffers.
+        self._lock = threading.Lock()
+        self._last = None  # (stream, event) of the previous decode
 
     @property
     def nvjpeg(self):
@@ -48,25 +55,31 @@ class GpuDecoder:
         offsets = np.zeros(len(indices), np.int64)
         np.cumsum(sizes[:-1], out=offsets[1:])
         arena = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=self.device)
-        if staging.is_cuda != self.nvjpeg.device_bitstreams:
-            raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
-                             f"{'GPU' if staging.is_cuda else 'host'} memory")
         base, out = staging.data_ptr(), arena.data_ptr()
         data = (base + plan.sample_offsets).tolist()
         lengths = plan.sample_lengths.tolist()
         outs = (out + offsets).tolist()
         pitches = (widths * 3).tolist()
         errors = {}
-        try:
-            self.nvjpeg.decode(data, lengths, outs, pitches, stream.cuda_stream)
-        except NvjpegError as batch_error:
-            log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
-            for k in range(len(indices)):
-                try:
-                    self.nvjpeg.decode([data[k]], [lengths[k]], [outs[k]], [pitches[k]], stream.cuda_stream)
-                except NvjpegError as e:
-                    errors[k] = CorruptSampleError(f"{self.index.describe(indices[k])}: GPU JPEG decoding "
-                                                   f"failed ({e})")
+        with self._lock:
+            if staging.is_cuda != self.nvjpeg.device_bitstreams:
+                raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
+                                 f"{'GPU' if staging.is_cuda else 'host'} memory")
+            if self._last is not None and self._last[0] != stream:
+                stream.wait_event(self._last[1])
+            try:
+                self.nvjpeg.decode(data, lengths, outs, pitches, stream.cuda_stream)
+            except NvjpegError as batch_error:
+                log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
+                for k in range(len(indices)):
+                    try:
+                        self.nvjpeg.decode([data[k]], [lengths[k]], [outs[k]], [pitches[k]], stream.cuda_stream)
+                    except NvjpegError as e:
+                        errors[k] = CorruptSampleError(f"{self.index.describe(indices[k])}: GPU JPEG decoding "
+                                                       f"failed ({e})")
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._last = (stream, event)
         return PixelBatch(arena, offsets, heights, widths, np.full(len(indices), 3), errors, owned=True)
 
     def _raw(self, staging, plan, records, heights, widths, stream):
@@ -85,6 +98,10 @@ class GpuDecoder:
         return PixelBatch(buffer, plan.sample_offsets.copy(), heights, widths, channels, {}, owned)
 
     def close(self):
-        if self._nvjpeg is not None:
-            self._nvjpeg.close()
-            self._nvjpeg = None
+        with self._lock:
+            if self._last is not None:
+                self._last[1].synchronize()
+                self._last = None
+            if self._nvjpeg is not None:
+                self._nvjpeg.close()
+                self._nvjpeg = None

@@ -244,7 +244,10 @@ class _Prefetcher:
     epoch; the Loader keeps it and hands it out again for that epoch."""
 
     def __init__(self, loader: Loader, epoch, batches):
-        self.loader = loader  # `for batch in Loader(...)` keeps its Loader alive; the threads hold neither
+        # A weak reference: a Loader holds the pass it carries into the next epoch, and a cycle would
+        # keep a dropped Loader's threads reading (and holding staging buffers) until the garbage
+        # collector happened to run. The threads hold neither.
+        self._loader = weakref.ref(loader)
         self.epoch = epoch  # the epoch whose batches come next
         self.cuda = loader.dataset.device.type == "cuda"
         self.device = loader.dataset.device
@@ -268,6 +271,11 @@ class _Prefetcher:
     def __iter__(self):
         return self
 
+    def _tell_loader(self, **progress):
+        loader = self._loader()
+        if loader is not None:
+            loader._delivered(**progress)
+
     def _release_held(self):
         if self.held is not None:
             self.held.release(torch.cuda.current_stream(self.device) if self.cuda else None)
@@ -287,7 +295,7 @@ class _Prefetcher:
                     raise RuntimeError("gdsdata prefetch thread stopped without a result") from None
         if kind == "end":
             self.epoch += 1
-            self.loader._delivered(finished_epoch=True, prefetcher=self)
+            self._tell_loader(finished_epoch=True, prefetcher=self)
             raise StopIteration
         if kind == "error":
             self.close()
@@ -305,7 +313,7 @@ class _Prefetcher:
             labels.record_stream(current)
         elif isinstance(images, PixelBatch):
             self.held = images
-        self.loader._delivered(finished_epoch=False)
+        self._tell_loader(finished_epoch=False)
         return images, labels
 
     def close(self):

@@ -77,28 +77,34 @@ class StagingBuffer:
 
 
 class SlotPool:
-    """A fixed set of staging buffers. ``acquire`` blocks until one is free; ``release(slot, stream)``
-    hands it back once the GPU work queued on ``stream`` (the last reader of its bytes) is done."""
+    """Reusable staging buffers. ``acquire`` hands out a free one, or makes one more when all are in
+    use (several Loaders over one dataset each hold a few; waiting for one to come back could wait
+    forever). How far ahead a Loader reads is bounded by its queues, not here. ``release(slot,
+    stream)`` hands it back once the GPU work queued on ``stream`` (the last reader of its bytes) is
+    done."""
 
     def __init__(self, kind: str, device: torch.device, count: int):
+        self.kind, self.device = kind, device
         self._free = [StagingBuffer(kind, device) for _ in range(count)]
         self._all = list(self._free)
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
 
     def acquire(self) -> StagingBuffer:
-        with self._cond:
-            while not self._free:
-                self._cond.wait()
-            return self._free.pop(0)
+        with self._lock:
+            if self._free:
+                return self._free.pop(0)
+            slot = StagingBuffer(self.kind, self.device)
+            self._all.append(slot)
+            log.debug("all %d staging buffers in use: one more", len(self._all) - 1)
+            return slot
 
     def release(self, slot: StagingBuffer, stream):
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
             slot.busy = event
-        with self._cond:
+        with self._lock:
             self._free.append(slot)
-            self._cond.notify()
 
     def close(self):
         for slot in self._all:

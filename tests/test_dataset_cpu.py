@@ -154,3 +154,31 @@ def test_host_memory_is_flat_over_20_epochs(photos_dataset):
         rss.append(_rss_bytes())
     assert max(rss[1:]) <= rss[1] * 1.05, [r // 2**20 for r in rss]
     loader.close()
+
+
+def test_a_dropped_loader_stops_reading_ahead_at_once(photos_dataset):
+    """After a full epoch a Loader's threads read the next one ahead; dropping the Loader stops
+    them without waiting for the garbage collector (nothing holds the Loader in a cycle)."""
+    import gc
+    import threading
+    import time
+
+    import gdsdata
+
+    ds = GDSDataset(photos_dataset[2])
+    before = {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")}
+    gc.disable()
+    try:
+        loader = gdsdata.Loader(ds, 8, shuffle="full")
+        for _ in loader:
+            pass
+        mine = {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")} - before
+        assert mine, "the finished pass should be reading the next epoch"
+        del loader
+        deadline = time.monotonic() + 5
+        while any(t.is_alive() for t in mine):
+            assert time.monotonic() < deadline, "threads of a dropped Loader still running"
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+    ds.close()

@@ -140,6 +140,25 @@ def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):
     ds.close()
 
 
+def test_loaders_sharing_a_dataset_decode_side_by_side(photos_dataset):
+    """Three Loaders over one dataset, each left alive after its epoch (so each reads and decodes
+    its next epoch ahead) while the next one runs: same pixels as one Loader alone, no hang (the
+    nvJPEG state and the staging buffers are shared by the dataset)."""
+    ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    reference = [[image.cpu() for image in images] for images, _ in gdsdata.Loader(ds, 8, shuffle=None)]
+    alive = []
+    for _ in range(3):
+        loader = gdsdata.Loader(ds, 8, shuffle=None, prefetch=3)
+        got = [[image.cpu() for image in images] for images, _ in loader]
+        alive.append(loader)
+        assert len(got) == len(reference)
+        for a, b in zip(got, reference):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for loader in alive:
+        loader.close()
+    ds.close()
+
+
 def test_memory_is_flat_over_epochs(photos_dataset):
     ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
     loader = gdsdata.Loader(ds, 16, transform=gdsdata.RandomResizedCrop(64))
