@@ -112,6 +112,7 @@ def loader_epoch(ds, transform, shuffle="full"):
         torch.cuda.synchronize()
         return first
 
+    epoch.close = loader.close  # run() stops the read-ahead once the pipeline is measured
     return epoch
 
 
@@ -194,7 +195,10 @@ def main(argv=None):
 
     def run(name, fn, images, nbytes=0, runs=args.runs, warmup=1):
         try:
-            result = measure(name, fn, images, runs=runs, warmup=warmup, nbytes=nbytes)
+            try:
+                result = measure(name, fn, images, runs=runs, warmup=warmup, nbytes=nbytes)
+            finally:
+                getattr(fn, "close", lambda: None)()
             results.append(result)
             print(f"  {result.row()}", flush=True)
             write_json(os.path.join(args.out, "gpu.json"), notes, results)

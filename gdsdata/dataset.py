@@ -10,6 +10,7 @@ staging buffer lives and who decodes (``reader_cpu``/``decode_cpu`` here, the GP
 
 import logging
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -111,6 +112,7 @@ class GDSDataset(torch.utils.data.Dataset):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.on_error = on_error
         self.skipped = 0
+        self._passes = weakref.WeakSet()  # Loader passes reading from this dataset (close() stops them)
         verify = settings.get("verify_checksums") if verify_checksums is None else bool(verify_checksums)
         if self.device.type == "cpu":
             self._backend = _CpuBackend(self.index, verify)
@@ -202,8 +204,18 @@ class GDSDataset(torch.utils.data.Dataset):
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def close(self):
-        """Release file descriptors, threads and (on the GPU) staging memory."""
+        """Stop any Loader still reading from this dataset, then release file descriptors, threads
+        and (on the GPU) staging memory and the decoder."""
+        for active in list(self._passes):
+            active.close()
         self._backend.close()
+
+    def __getstate__(self):  # DataLoader workers get the dataset, not the Loaders over it
+        return {k: v for k, v in self.__dict__.items() if k != "_passes"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._passes = weakref.WeakSet()
 
     def __enter__(self):
         return self

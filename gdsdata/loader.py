@@ -265,6 +265,9 @@ class _Prefetcher:
                              args=(_BatchMaker(loader), self.staged, self.queue, self.stop, self.stream,
                                    self.device)),
         ]
+        passes = getattr(loader.dataset, "_passes", None)  # GDSDataset.close() stops its passes
+        if passes is not None:
+            passes.add(self)
         for thread in self.threads:
             thread.start()
 

@@ -182,3 +182,21 @@ def test_a_dropped_loader_stops_reading_ahead_at_once(photos_dataset):
     finally:
         gc.enable()
     ds.close()
+
+
+def test_closing_the_dataset_stops_its_loaders(photos_dataset):
+    """A Loader left reading ahead is stopped by closing its dataset, before the dataset lets go of
+    its files (on the GPU: its staging memory and decoder)."""
+    import threading
+
+    import gdsdata
+
+    ds = GDSDataset(photos_dataset[2])
+    before = {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")}
+    loader = gdsdata.Loader(ds, 8, shuffle="full")
+    for _ in loader:
+        pass
+    mine = {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")} - before
+    assert mine
+    ds.close()
+    assert not any(t.is_alive() for t in mine)
