@@ -41,6 +41,10 @@ def train(args):
 
     import gdsdata
 
+    # torchrun gives every rank OMP_NUM_THREADS=1; share the cores out instead (gdsdata's page-gather
+    # reads run on torch's threads: docs/usage.md, "Several GPUs and nodes").
+    if "OMP_NUM_THREADS" not in os.environ or os.environ["OMP_NUM_THREADS"] == "1":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", 0))

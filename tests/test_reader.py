@@ -57,3 +57,28 @@ def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path):
     with pytest.raises(FormatError, match=rf"{os.path.basename(path)}: a read ends .* truncated shard"):
         maps.gather(plan, torch.empty(plan.total, dtype=torch.uint8))
     maps.close()
+
+
+@pytest.mark.parametrize("setting, staging, gds, threads, kvikio, expected", [
+    ("auto", "host", False, 16, True, "mmap"),      # compatibility mode, pinned staging: page gather
+    ("auto", "host", False, 1, True, "kvikio"),     # torchrun's OMP_NUM_THREADS=1: the gather would crawl
+    ("auto", "host", False, 1, False, "mmap"),      # no kvikio installed: pinned staging still works
+    ("auto", "host", True, 16, True, "kvikio"),     # GDS
+    ("auto", "device", False, 16, True, "kvikio"),  # GPU staging
+    ("kvikio", "host", False, 16, True, "kvikio"),
+    ("mmap", "host", False, 1, True, "mmap"),
+])
+def test_io_engine_choice(monkeypatch, setting, staging, gds, threads, kvikio, expected):
+    from gdsdata import reader_gpu
+
+    monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(reader_gpu, "_kvikio_installed", lambda: kvikio)
+    with gdsdata.settings.set(io_engine=setting):
+        assert reader_gpu.choose_engine(staging, gds) == expected
+
+
+def test_mmap_engine_cannot_fill_gpu_staging():
+    from gdsdata import reader_gpu
+
+    with gdsdata.settings.set(io_engine="mmap"), pytest.raises(ValueError, match="device staging needs kvikio"):
+        reader_gpu.choose_engine("device", False)
