@@ -14,7 +14,8 @@ Two I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
   shard (``torch.index_select`` into the pinned buffer: torch's threads, no GIL held). In
   compatibility mode kvikio does POSIX reads through the page cache too, but each read costs a
   Python call and a future on the thread that also feeds the decoder; a shuffled batch is hundreds
-  of reads. ``auto`` picks mmap for host staging without GDS (measured: docs/benchmarks.md).
+  of reads. ``auto`` picks mmap for host staging without GDS when torch has at least 8 threads
+  for the gather (measured: docs/benchmarks.md).
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
