@@ -142,3 +142,34 @@ def chart(results, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# --- the GPU benchmarks' shared pieces ---------------------------------------------------------
+def warm(paths):
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+def shard_paths(ds):
+    return [ds.index.shard_path(s) for s in range(len(ds.index.shards))]
+
+
+def kvikio_pread_epoch(paths, threads):
+    """The I/O ceiling: one plain kvikio pread of each whole file into GPU memory, per epoch."""
+    import kvikio
+    import kvikio.defaults
+    import torch
+
+    kvikio.defaults.set({"num_threads": threads})
+    sizes = [os.path.getsize(p) for p in paths]
+    buffer = torch.empty(max(sizes), dtype=torch.uint8, device="cuda")
+    files = [kvikio.CuFile(p, "r") for p in paths]
+
+    def epoch():
+        for f, size in zip(files, sizes):
+            f.pread(buffer[:size], size, 0).get()
+        torch.cuda.synchronize()
+
+    return epoch, sum(sizes)

@@ -30,7 +30,8 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import peers  # noqa: E402
 from decode_ceiling import staged_batches  # noqa: E402
-from common import measure, print_system_block, print_table, system_block, write_json  # noqa: E402
+from common import (kvikio_pread_epoch, measure, print_system_block, print_table, shard_paths,  # noqa: E402
+                    system_block, warm, write_json)
 from make_images import generate  # noqa: E402
 
 import gdsdata  # noqa: E402
@@ -51,35 +52,7 @@ def drop_caches() -> bool:
         return False
 
 
-def warm(paths):
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(1 << 24):
-                pass
-
-
-def shard_paths(ds):
-    return [ds.index.shard_path(s) for s in range(len(ds.index.shards))]
-
-
 # --- ceilings ---------------------------------------------------------------------------------
-def kvikio_pread_epoch(paths, threads):
-    import kvikio
-    import kvikio.defaults
-
-    kvikio.defaults.set({"num_threads": threads})
-    sizes = [os.path.getsize(p) for p in paths]
-    buffer = torch.empty(max(sizes), dtype=torch.uint8, device="cuda")
-    files = [kvikio.CuFile(p, "r") for p in paths]
-
-    def epoch():
-        for f, size in zip(files, sizes):
-            f.pread(buffer[:size], size, 0).get()
-        torch.cuda.synchronize()
-
-    return epoch, sum(sizes)
-
-
 def nvjpeg_ceiling_epoch(ds, backend):
     """A minimal batched nvJPEG loop over every payload of ``ds`` staged once, in batches of 256."""
     staged, batches = staged_batches(gdsdata.GDSDataset(ds.root), BATCH, backend.endswith("_device"))

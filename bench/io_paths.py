@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import print_system_block, system_block  # noqa: E402
+from common import kvikio_pread_epoch, print_system_block, shard_paths, system_block, warm  # noqa: E402
 
 import gdsdata  # noqa: E402
 from gdsdata import settings  # noqa: E402
@@ -112,31 +112,13 @@ def main(argv=None):
     print_system_block(system_block())
     root = args.dataset or os.path.join(args.dir, "raw.gds")
     ds = gdsdata.GDSDataset(root)
-    shards = [ds.index.shard_path(s) for s in range(len(ds.index.shards))]
+    shards = shard_paths(ds)
     sample_bytes = float(ds.index.samples["length"].mean())
     ds.close()
-    for p in shards:
-        with open(p, "rb") as f:
-            while f.read(1 << 24):
-                pass
-
-    import kvikio
-    import kvikio.defaults
-
-    kvikio.defaults.set({"num_threads": 16})
-    sizes = [os.path.getsize(p) for p in shards]
-    target = torch.empty(max(sizes), dtype=torch.uint8, device="cuda")
-    files = [kvikio.CuFile(p, "r") for p in shards]
-
-    def pread_all():
-        for f, size in zip(files, sizes):
-            f.pread(target[:size], size, 0).get()
-        torch.cuda.synchronize()
-
-    reference = median_rate(pread_all, sum(sizes))
-    for f in files:
-        f.close()
-    del target
+    warm(shards)
+    pread_all, total = kvikio_pread_epoch(shards, 16)
+    reference = median_rate(pread_all, total)
+    del pread_all
     print(f"\nmean sample {sample_bytes / 1e3:.0f} KB; plain kvikio pread of whole shards -> GPU (16 threads): "
           f"{reference / 1e9:.1f} GB/s\n")
 
