@@ -99,9 +99,16 @@ def loader_rate(root, engine, shuffle, transform):
             torch.cuda.synchronize()
 
         rate = median_rate(epoch, nbytes, runs=3)
+        stats = loader.stats()
         loader.close()
         ds.close()
-    return rate
+    return rate, stats
+
+
+def print_stats(stats):
+    """The Loader's own account of a batch: milliseconds per batch in each stage (loader.stats())."""
+    per_batch = ", ".join(f"{k[:-2]} {v / stats['batches'] * 1000:.2f}" for k, v in stats.items() if k != "batches")
+    print(f"      ms per batch: {per_batch}", flush=True)
 
 
 def main(argv=None):
@@ -152,8 +159,12 @@ def main(argv=None):
     print("\nwhole Loader, random-resized-crop 224 + flip + normalise fp16, pinned staging")
     for engine in ("mmap", "kvikio"):
         for shuffle in ("full", None):
-            row(f"  Loader reads={engine} shuffle={shuffle}", loader_rate(root, engine, shuffle, rrc))
-    row("  Loader reads=mmap shuffle=full, no transform (pixels=True)", loader_rate(root, "mmap", "full", None))
+            rate, stats = loader_rate(root, engine, shuffle, rrc)
+            row(f"  Loader reads={engine} shuffle={shuffle}", rate)
+            print_stats(stats)
+    rate, stats = loader_rate(root, "mmap", "full", None)
+    row("  Loader reads=mmap shuffle=full, no transform (pixels=True)", rate)
+    print_stats(stats)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ buffers.
 import logging
 import queue
 import threading
+import time
 import weakref
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -127,6 +129,13 @@ class Loader:
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
         return active
 
+    def stats(self) -> dict:
+        """Where the current pass (since the first epoch it served) spent its time: a
+        ``PipelineStats`` as a dict, or None before iterating. The stage that is never blocked
+        or idle is the one that sets the pace."""
+        active = (self._active() if self._active is not None else None) or self._carry
+        return None if active is None else asdict(active.stats)
+
     def close(self):
         """Stop the prefetch threads, if any (also those already reading the next epoch)."""
         for active in (self._active() if self._active is not None else None, self._carry):
@@ -191,16 +200,35 @@ def _release_staged(dataset, staged):
         dataset._backend._slots.release(staged.slot, None)
 
 
-def _read_ahead(dataset, epochs, q, stop):
-    """The I/O thread: storage -> staging buffers, as far ahead as the staging slots allow, on
-    into the next epochs (an "end" marker between epochs)."""
+@dataclass
+class PipelineStats:
+    """Host seconds the stages of a Loader pass spent since it began (``Loader.stats()``). GPU work
+    is queued asynchronously: its time shows only where a host thread waits for it."""
+
+    batches: int = 0  # batches handed to the training loop
+    read_s: float = 0.0  # I/O thread: planning and reading batches into staging buffers
+    read_blocked_s: float = 0.0  # I/O thread: waiting to hand a staged batch on (decode is behind)
+    decode_s: float = 0.0  # decode thread: queuing decode and transform
+    decode_idle_s: float = 0.0  # decode thread: waiting for a staged batch (reads are behind)
+    decode_blocked_s: float = 0.0  # decode thread: waiting to hand a batch on (the loop is behind)
+    consumer_wait_s: float = 0.0  # the training loop waiting for its next batch
+
+
+def _read_ahead(dataset, epochs, q, stop, stats):
+    """The I/O thread: storage -> staging buffers, as far ahead as the queue allows, on into the
+    next epochs (an "end" marker between epochs)."""
     try:
         for epoch, batches in epochs:
             for indices in batches:
                 if stop.is_set():
                     return
+                t0 = time.perf_counter()
                 staged = dataset.read_staged(indices.tolist())
-                if not _put(q, stop, ("staged", staged, epoch)):
+                t1 = time.perf_counter()
+                handed = _put(q, stop, ("staged", staged, epoch))
+                stats.read_s += t1 - t0
+                stats.read_blocked_s += time.perf_counter() - t1
+                if not handed:
                     _release_staged(dataset, staged)
                     return
             if not _put(q, stop, ("end", None, epoch)):
@@ -209,17 +237,20 @@ def _read_ahead(dataset, epochs, q, stop):
         _put(q, stop, ("error", e, None))
 
 
-def _decode_ahead(maker, staged_q, q, stop, stream, device):
+def _decode_ahead(maker, staged_q, q, stop, stream, device, stats):
     """The decode thread: staging -> pixels -> transform, on its own CUDA stream on the GPU, each
     batch queued with an event the consumer waits on."""
     try:
         if stream is not None:
             torch.cuda.set_device(device)
+        idle_since = time.perf_counter()
         while not stop.is_set():
             try:
                 kind, staged, epoch = staged_q.get(timeout=_STOP_POLL_S)
             except queue.Empty:
                 continue
+            t0 = time.perf_counter()
+            stats.decode_idle_s += t0 - idle_since
             if kind != "staged":
                 if not _put(q, stop, (kind, staged, None, None)) or kind == "error":
                     return
@@ -232,7 +263,12 @@ def _decode_ahead(maker, staged_q, q, stop, stream, device):
             else:
                 images, labels = maker.finish(staged, None, epoch)
                 event = None
-            if not _put(q, stop, ("batch", images, labels, event)):
+            t1 = time.perf_counter()
+            handed = _put(q, stop, ("batch", images, labels, event))
+            idle_since = time.perf_counter()
+            stats.decode_s += t1 - t0
+            stats.decode_blocked_s += idle_since - t1
+            if not handed:
                 return
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
         _put(q, stop, ("error", e, None, None))
@@ -256,14 +292,16 @@ class _Prefetcher:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.staged = queue.Queue(maxsize=2)
         self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step
+        self.stats = PipelineStats()
         # The threads hold no reference to this object, so dropping the iterator stops them.
         self.dataset = loader.dataset
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
-                             args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop)),
+                             args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
+                                   self.stats)),
             threading.Thread(target=_decode_ahead, name="gdsdata-prefetch", daemon=True,
                              args=(_BatchMaker(loader), self.staged, self.queue, self.stop, self.stream,
-                                   self.device)),
+                                   self.device, self.stats)),
         ]
         passes = getattr(loader.dataset, "_passes", None)  # GDSDataset.close() stops its passes
         if passes is not None:
@@ -288,9 +326,11 @@ class _Prefetcher:
         if self.threads is None:
             raise StopIteration
         self._release_held()
+        t0 = time.perf_counter()
         while True:
             try:
                 kind, images, labels, event = self.queue.get(timeout=_STOP_POLL_S)
+                self.stats.consumer_wait_s += time.perf_counter() - t0
                 break
             except queue.Empty:
                 if not self.threads[1].is_alive() and self.queue.empty():
@@ -316,6 +356,7 @@ class _Prefetcher:
             labels.record_stream(current)
         elif isinstance(images, PixelBatch):
             self.held = images
+        self.stats.batches += 1
         self._tell_loader(finished_epoch=False)
         return images, labels
 

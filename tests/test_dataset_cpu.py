@@ -200,3 +200,21 @@ def test_closing_the_dataset_stops_its_loaders(photos_dataset):
     assert mine
     ds.close()
     assert not any(t.is_alive() for t in mine)
+
+
+def test_loader_stats_say_where_the_time_goes(photos_dataset):
+    import gdsdata
+
+    ds = GDSDataset(photos_dataset[2])
+    loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32))
+    assert loader.stats() is None
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+    stats = loader.stats()
+    assert stats["batches"] == 2 * len(loader)
+    assert stats["read_s"] > 0 and stats["decode_s"] > 0
+    assert all(value >= 0 for value in stats.values())
+    loader.close()
+    ds.close()
