@@ -13,6 +13,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,8 +45,8 @@ def batches(n, shuffle, count):
     return [order[k * BATCH:(k + 1) * BATCH].tolist() for k in range(min(count, n // BATCH))]
 
 
-def read_stage(root, staging, engine, threads, shuffle, count=40):
-    with settings.set(staging=staging, io_engine=engine, io_threads=threads):
+def read_stage(root, staging, engine, threads, shuffle, count=40, pool=0):
+    with settings.set(staging=staging, io_engine=engine, io_threads=threads, gather_pool=pool):
         ds = gdsdata.GDSDataset(root, device="cuda")
         work = batches(len(ds), shuffle, count)
         nbytes = sum(int(ds.index.samples["length"][b].sum()) for b in work)
@@ -58,6 +59,45 @@ def read_stage(root, staging, engine, threads, shuffle, count=40):
 
         rate = median_rate(epoch, nbytes)
         ds.close()
+    return rate
+
+
+def read_stage_beside(root, side, count=40, pool=0):
+    """Shuffled reads (pinned staging, automatic engine) while another thread keeps doing ``side``:
+    "copy" uploads pinned batches to the GPU back to back (memory bandwidth shared with the copy
+    engine), "python" keeps a core busy with numpy and Python (what the decode thread does)."""
+    with settings.set(gather_pool=pool):
+        ds = gdsdata.GDSDataset(root, device="cuda")
+    work = batches(len(ds), True, count)
+    nbytes = sum(int(ds.index.samples["length"][b].sum()) for b in work)
+    backend = ds._backend
+    stop = threading.Event()
+
+    def copies():
+        pinned = torch.empty(nbytes // len(work), dtype=torch.uint8, pin_memory=True)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                pinned.to("cuda", non_blocking=True)
+                stream.synchronize()
+
+    def python():
+        while not stop.is_set():
+            np.random.default_rng(0).random(20000).sum()
+
+    helper = threading.Thread(target={"copy": copies, "python": python}[side], daemon=True)
+    helper.start()
+
+    def epoch():
+        for indices in work:
+            staged = backend.read(indices)
+            backend._slots.release(staged.slot, None)
+
+    with settings.set(gather_pool=pool):
+        rate = median_rate(epoch, nbytes)
+    stop.set()
+    helper.join()
+    ds.close()
     return rate
 
 
@@ -86,8 +126,8 @@ def stage_times(root, transform, count=40):
     return spent / (len(work) - 5) * 1000
 
 
-def loader_rate(root, engine, shuffle, transform):
-    with settings.set(io_engine=engine):
+def loader_rate(root, engine, shuffle, transform, pool=0):
+    with settings.set(io_engine=engine, gather_pool=pool):
         ds = gdsdata.GDSDataset(root, device="cuda")
         loader = gdsdata.Loader(ds, BATCH, transform=transform, shuffle=shuffle, prefetch=3,
                                 pixels=transform is None)
@@ -140,6 +180,9 @@ def main(argv=None):
                                          ("device", "kvikio", 16)):
             row(f"  {'shuffled' if shuffle else 'file order'} staging={staging} {engine} x{threads}",
                 read_stage(root, staging, engine, threads, shuffle))
+        for pool in (8, 12, 15):
+            row(f"  {'shuffled' if shuffle else 'file order'} staging=host mmap, gather pool of {pool}",
+                read_stage(root, "host", "mmap", 16, shuffle, pool=pool))
 
     pinned = torch.empty(int(sample_bytes * BATCH), dtype=torch.uint8, pin_memory=True)
     stream = torch.cuda.Stream()
@@ -152,6 +195,11 @@ def main(argv=None):
 
     row("pinned -> GPU copy of one batch, alone", median_rate(upload, pinned.numel() * 20))
 
+    for pool in (0, 12):
+        for side in ("copy", "python"):
+            row(f"read only, shuffled, mmap (gather pool {pool}), beside a thread doing {side}",
+                read_stage_beside(root, side, pool=pool))
+
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
     read_ms, queue_ms, gpu_ms = stage_times(root, rrc)
     print(f"serial, per shuffled batch: read {read_ms:.2f} ms, queue copy + transform {queue_ms:.2f} ms, "
@@ -162,6 +210,10 @@ def main(argv=None):
             rate, stats = loader_rate(root, engine, shuffle, rrc)
             row(f"  Loader reads={engine} shuffle={shuffle}", rate)
             print_stats(stats)
+    for pool in (8, 12, 15):
+        rate, stats = loader_rate(root, "mmap", "full", rrc, pool)
+        row(f"  Loader reads=mmap shuffle=full, gather pool of {pool}", rate)
+        print_stats(stats)
     rate, stats = loader_rate(root, "mmap", "full", None)
     row("  Loader reads=mmap shuffle=full, no transform (pixels=True)", rate)
     print_stats(stats)

@@ -21,11 +21,13 @@ Staging buffers are allocated once per slot and grown only when a batch needs mo
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
 """
 
+import itertools
 import logging
 import mmap
 import os
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -35,6 +37,7 @@ from .errors import FormatError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
 _GROWTH = 1.25
+_PIECE = 1 << 20  # gather_pool: bytes per copy a thread takes at a time
 
 
 def import_kvikio():
@@ -129,7 +132,8 @@ def choose_engine(staging: str, gds: bool) -> str:
     told otherwise). Without kvikio installed, pinned staging still works through mmap."""
     engine = settings.get("io_engine")
     if engine == "auto":
-        gather_wins = staging == "host" and not gds and torch.get_num_threads() >= _MMAP_MIN_THREADS
+        enough = settings.get("gather_pool") > 0 or torch.get_num_threads() >= _MMAP_MIN_THREADS
+        gather_wins = staging == "host" and not gds and enough
         engine = "mmap" if gather_wins or (staging == "host" and not _kvikio_installed()) else "kvikio"
     if engine == "mmap" and staging != "host":
         raise ValueError("io_engine=mmap reads into host memory only; device staging needs kvikio")
@@ -137,19 +141,23 @@ def choose_engine(staging: str, gds: bool) -> str:
 
 
 class ShardMaps:
-    """Read-only memory maps of a dataset's shards, each seen as a 2-D uint8 tensor of
-    alignment-sized pages, mapped on first use."""
+    """Read-only memory maps of a dataset's shards, mapped on first use, and the gather of a planned
+    batch from them into a host buffer: with torch's threads (one ``index_select`` of
+    alignment-sized pages per shard; ``gather_pool=0``) or with a pool of gdsdata threads that take
+    the reads one at a time (``gather_pool=N``; a thread the scheduler preempts holds nobody up, and
+    torch's thread count does not matter)."""
 
     def __init__(self, index):
         self.index = index
         self._pages = {}
+        self._arrays = {}
         self._maps = []
         self._lock = threading.Lock()
+        self._pool = None
 
-    def pages(self, shard) -> torch.Tensor:
+    def _map(self, shard):
         with self._lock:
-            pages = self._pages.get(shard)
-            if pages is None:
+            if shard not in self._pages:
                 fd = os.open(self.index.shard_path(shard), os.O_RDONLY)
                 try:
                     mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
@@ -160,41 +168,79 @@ class ShardMaps:
                     whole = torch.frombuffer(mapped, dtype=torch.uint8)
                 alignment = self.index.alignment
                 count = whole.numel() // alignment
-                pages = self._pages[shard] = whole[:count * alignment].view(count, alignment)
+                self._pages[shard] = whole[:count * alignment].view(count, alignment)
+                self._arrays[shard] = np.frombuffer(mapped, np.uint8)
                 self._maps.append(mapped)
-            return pages
+            return self._pages[shard], self._arrays[shard]
+
+    def pages(self, shard) -> torch.Tensor:
+        """The shard as a 2-D uint8 tensor of alignment-sized pages."""
+        return self._map(shard)[0]
 
     def gather(self, plan, target: torch.Tensor):
-        """Copy the pages of every read of ``plan`` to their places in ``target`` (a host tensor)."""
-        alignment = self.index.alignment
+        """Copy every read of ``plan`` to its place in ``target`` (a host tensor)."""
         reads = plan.reads
         if not reads:
             return
         shards = np.fromiter((r.shard for r in reads), np.int64, len(reads))
-        starts = np.fromiter((r.offset for r in reads), np.int64, len(reads)) // alignment
-        counts = np.fromiter((r.size for r in reads), np.int64, len(reads)) // alignment
+        offsets = np.fromiter((r.offset for r in reads), np.int64, len(reads))
+        sizes = np.fromiter((r.size for r in reads), np.int64, len(reads))
+        for shard in np.unique(shards):
+            end, have = int((offsets + sizes)[shards == shard].max()), self.pages(int(shard)).numel()
+            if end > have:
+                raise FormatError(f"{self.index.shard_path(int(shard))}: a read ends at byte {end}, past the "
+                                  f"end of the file ({have} bytes): truncated shard")
+        threads = settings.get("gather_pool")
+        if threads:
+            self._gather_pooled(reads, target.numpy(), threads)
+        else:
+            self._gather_pages(shards, offsets, sizes, target)
+
+    def _gather_pages(self, shards, offsets, sizes, target):
+        alignment = self.index.alignment
+        starts, counts = offsets // alignment, sizes // alignment
         first = np.cumsum(counts) - counts
         source = torch.from_numpy(np.arange(int(counts.sum())) + np.repeat(starts - first, counts))
         dest = target.view(-1, alignment)
         edges = np.flatnonzero(np.diff(shards)) + 1  # plans list reads by shard, then offset
-        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(reads)]):
-            shard, p0 = int(shards[lo]), int(first[lo])
-            p1 = int(first[hi - 1] + counts[hi - 1])
-            pages = self.pages(shard)
-            if int(starts[hi - 1] + counts[hi - 1]) > pages.shape[0]:
-                raise FormatError(f"{self.index.shard_path(shard)}: a read ends at byte "
-                                  f"{int(starts[hi - 1] + counts[hi - 1]) * alignment}, past the end of the "
-                                  f"file ({pages.shape[0] * alignment} bytes): truncated shard")
-            torch.index_select(pages, 0, source[p0:p1], out=dest[p0:p1])
+        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(shards)]):
+            p0, p1 = int(first[lo]), int(first[hi - 1] + counts[hi - 1])
+            torch.index_select(self.pages(int(shards[lo])), 0, source[p0:p1], out=dest[p0:p1])
+
+    def _gather_pooled(self, reads, host, threads):
+        pieces = [(self._map(r.shard)[1], r.offset + start, r.buffer_offset + start, min(_PIECE, r.size - start))
+                  for r in reads for start in range(0, r.size, _PIECE)]
+        taken = itertools.count()  # next() on it is atomic: each piece goes to exactly one thread
+
+        def work():
+            for k in iter(taken.__next__, None):
+                if k >= len(pieces):
+                    return
+                source, offset, at, size = pieces[k]
+                np.copyto(host[at:at + size], source[offset:offset + size])  # no GIL held while copying
+
+        with self._lock:
+            if self._pool is None or self._pool._max_workers != threads - 1:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+                self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="gdsdata-gather") if threads > 1 else None
+            pool = self._pool
+        helpers = [pool.submit(work) for _ in range(threads - 1)] if pool is not None else []
+        work()  # the calling thread takes pieces too
+        for helper in helpers:
+            helper.result()
 
     def close(self):
         with self._lock:
-            self._pages = {}
+            self._pages, self._arrays = {}, {}
             maps, self._maps = self._maps, []
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         for mapped in maps:
             try:
                 mapped.close()
-            except BufferError:  # a tensor still views it; it is unmapped when that goes
+            except BufferError:  # a tensor or array still views it; it is unmapped when that goes
                 pass
 
 

@@ -29,8 +29,9 @@ def small_shards(photos_dataset, tmp_path_factory):
 
 
 @hypothesis_settings(max_examples=60, deadline=None)
-@given(data=st.data(), max_gap=st.sampled_from([0, 8192, 1 << 20]))
-def test_mmap_gather_equals_preads(small_shards, data, max_gap):
+@given(data=st.data(), max_gap=st.sampled_from([0, 8192, 1 << 20]), pool=st.sampled_from([0, 1, 3]))
+def test_mmap_gather_equals_preads(small_shards, data, max_gap, pool):
+    """Both gathers (torch's page gather; a pool of threads taking reads in 1 MiB pieces)."""
     index = load_index(small_shards)
     assert len(index.shards) > 2
     indices = data.draw(st.lists(st.integers(0, len(index.samples) - 1), min_size=1, max_size=40))
@@ -39,12 +40,14 @@ def test_mmap_gather_equals_preads(small_shards, data, max_gap):
         expected, _ = CpuReader(index).read(indices)
     maps = ShardMaps(index)
     target = torch.full((plan.total,), 7, dtype=torch.uint8)
-    maps.gather(plan, target)
+    with gdsdata.settings.set(gather_pool=pool):
+        maps.gather(plan, target)
     assert np.array_equal(target.numpy(), expected)
     maps.close()
 
 
-def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path):
+@pytest.mark.parametrize("pool", [0, 2])
+def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path, pool):
     copy = str(tmp_path / "ds")
     shutil.copytree(small_shards, copy)
     index = load_index(copy)
@@ -54,7 +57,8 @@ def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path):
         f.truncate(int(index.samples[last]["offset"]) + 10)
     plan = plan_reads(index.samples, [last], index.alignment, 0, 1 << 30)
     maps = ShardMaps(index)
-    with pytest.raises(FormatError, match=rf"{os.path.basename(path)}: a read ends .* truncated shard"):
+    with gdsdata.settings.set(gather_pool=pool), \
+            pytest.raises(FormatError, match=rf"{os.path.basename(path)}: a read ends .* truncated shard"):
         maps.gather(plan, torch.empty(plan.total, dtype=torch.uint8))
     maps.close()
 
@@ -82,3 +86,29 @@ def test_mmap_engine_cannot_fill_gpu_staging():
 
     with gdsdata.settings.set(io_engine="mmap"), pytest.raises(ValueError, match="device staging needs kvikio"):
         reader_gpu.choose_engine("device", False)
+
+
+def test_pooled_gather_cuts_reads_into_pieces(small_shards, monkeypatch):
+    """Reads longer than a piece are shared out piece by piece (here 4 KiB pieces, 4 threads)."""
+    from gdsdata import reader_gpu
+
+    monkeypatch.setattr(reader_gpu, "_PIECE", 4096)
+    index = load_index(small_shards)
+    indices = list(range(len(index.samples)))[::-1]
+    with gdsdata.settings.set(max_gap=1 << 20, max_read=1 << 30, gather_pool=4):
+        expected, plan = CpuReader(index).read(indices)
+        assert max(r.size for r in plan.reads) > 4 * 4096
+        maps = ShardMaps(index)
+        target = torch.zeros(plan.total, dtype=torch.uint8)
+        maps.gather(plan, target)
+        maps.close()
+    assert np.array_equal(target.numpy(), expected)
+
+
+def test_a_gather_pool_makes_the_page_gather_independent_of_torch_threads(monkeypatch):
+    from gdsdata import reader_gpu
+
+    monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(reader_gpu, "_kvikio_installed", lambda: True)
+    with gdsdata.settings.set(gather_pool=12):
+        assert reader_gpu.choose_engine("host", False) == "mmap"
