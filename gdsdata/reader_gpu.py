@@ -153,16 +153,20 @@ class ShardMaps:
         self._arrays = {}
         self._maps = []
         self._lock = threading.Lock()
-        self._pool = None
+        self._pool, self._pool_size = None, 0
 
     def _map(self, shard):
         with self._lock:
             if shard not in self._pages:
-                fd = os.open(self.index.shard_path(shard), os.O_RDONLY)
+                path = self.index.shard_path(shard)
                 try:
-                    mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-                finally:
-                    os.close(fd)
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                    finally:
+                        os.close(fd)
+                except (OSError, ValueError) as e:  # ValueError: an empty file
+                    raise FormatError(f"{path}: cannot map the shard ({e})") from e
                 with warnings.catch_warnings():  # read-only memory: nothing here ever writes to it
                     warnings.simplefilter("ignore", UserWarning)
                     whole = torch.frombuffer(mapped, dtype=torch.uint8)
@@ -220,9 +224,10 @@ class ShardMaps:
                 np.copyto(host[at:at + size], source[offset:offset + size])  # no GIL held while copying
 
         with self._lock:
-            if self._pool is None or self._pool._max_workers != threads - 1:
+            if self._pool_size != threads - 1:
                 if self._pool is not None:
                     self._pool.shutdown(wait=True)
+                self._pool_size = threads - 1
                 self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="gdsdata-gather") if threads > 1 else None
             pool = self._pool
         helpers = [pool.submit(work) for _ in range(threads - 1)] if pool is not None else []
@@ -234,7 +239,7 @@ class ShardMaps:
         with self._lock:
             self._pages, self._arrays = {}, {}
             maps, self._maps = self._maps, []
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._pool_size = self._pool, None, 0
         if pool is not None:
             pool.shutdown(wait=True)
         for mapped in maps:

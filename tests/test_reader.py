@@ -112,3 +112,16 @@ def test_a_gather_pool_makes_the_page_gather_independent_of_torch_threads(monkey
     monkeypatch.setattr(reader_gpu, "_kvikio_installed", lambda: True)
     with gdsdata.settings.set(gather_pool=12):
         assert reader_gpu.choose_engine("host", False) == "mmap"
+
+
+def test_an_emptied_shard_gives_a_one_line_error(small_shards, tmp_path):
+    copy = str(tmp_path / "ds")
+    shutil.copytree(small_shards, copy)
+    index = load_index(copy)
+    path = index.shard_path(0)
+    open(path, "wb").close()
+    maps = ShardMaps(index)
+    plan = plan_reads(index.samples, [0], index.alignment, 0, 1 << 30)
+    with pytest.raises(FormatError, match=rf"{os.path.basename(path)}: cannot map the shard"):
+        maps.gather(plan, torch.empty(plan.total, dtype=torch.uint8))
+    maps.close()
