@@ -218,3 +218,24 @@ def test_loader_stats_say_where_the_time_goes(photos_dataset):
     assert all(value >= 0 for value in stats.values())
     loader.close()
     ds.close()
+
+
+def test_a_shard_truncated_under_a_running_loader_raises_naming_it(photos_dataset, tmp_path):
+    """Storage errors in the read-ahead thread reach the training loop as the one-line error."""
+    import shutil
+
+    import gdsdata
+    from gdsdata.errors import FormatError
+
+    copy = str(tmp_path / "ds")
+    shutil.copytree(photos_dataset[2], copy)
+    ds = GDSDataset(copy)
+    last = ds.index.shard_path(len(ds.index.shards) - 1)
+    with open(last, "r+b") as f:
+        f.truncate(4096)
+    loader = gdsdata.Loader(ds, 8, shuffle=None)
+    with pytest.raises(FormatError, match=rf"{os.path.basename(last)}: short read .* truncated shard"):
+        for _ in loader:
+            pass
+    loader.close()
+    ds.close()
