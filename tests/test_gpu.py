@@ -64,10 +64,11 @@ def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend, eng
             assert mean_abs_diff(image.cpu(), pil_reference(os.path.join(src, paths[i]))) <= 2
 
 
-@pytest.mark.parametrize("staging, engine", [("host", "mmap"), ("host", "kvikio"), ("device", "kvikio")])
-def test_raw_gpu_equals_cpu_exactly(raw_dataset, staging, engine):
+@pytest.mark.parametrize("staging, engine, pool", [("host", "mmap", 0), ("host", "mmap", 4), ("host", "kvikio", 0),
+                                                   ("device", "kvikio", 0)])
+def test_raw_gpu_equals_cpu_exactly(raw_dataset, staging, engine, pool):
     cpu = gdsdata.GDSDataset(raw_dataset)
-    with settings.set(staging=staging, io_engine=engine, max_gap=0):
+    with settings.set(staging=staging, io_engine=engine, max_gap=0, gather_pool=pool):
         gpu = gdsdata.GDSDataset(raw_dataset, device="cuda")
         order = [5, 1, 2, 3, 20, 0]
         for (a, la), (b, lb) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):
