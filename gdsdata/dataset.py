@@ -206,7 +206,13 @@ class GDSDataset(torch.utils.data.Dataset):
     def close(self):
         """Stop any Loader still reading from this dataset, then release file descriptors, threads
         and (on the GPU) staging memory and the decoder."""
-        for active in list(self._passes):
+        while True:
+            try:
+                passes = list(self._passes)
+                break
+            except RuntimeError:  # a Loader started a pass on another thread meanwhile: look again
+                continue
+        for active in passes:
             active.close()
         self._backend.close()
 
