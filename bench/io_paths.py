@@ -66,8 +66,7 @@ def read_stage_beside(root, side, count=40, pool=0):
     """Shuffled reads (pinned staging, automatic engine) while another thread keeps doing ``side``:
     "copy" uploads pinned batches to the GPU back to back (memory bandwidth shared with the copy
     engine), "python" keeps a core busy with numpy and Python (what the decode thread does)."""
-    with settings.set(gather_pool=pool):
-        ds = gdsdata.GDSDataset(root, device="cuda")
+    ds = gdsdata.GDSDataset(root, device="cuda")
     work = batches(len(ds), True, count)
     nbytes = sum(int(ds.index.samples["length"][b].sum()) for b in work)
     backend = ds._backend

@@ -65,7 +65,7 @@ class GpuBackend:
         self.verify = verify
         self.io_mode, self.io_reason = io_mode()
         self.staging_kind, self.backend = choose_path(self.io_mode == "gds")
-        self.engine = choose_engine(self.staging_kind, self.io_mode == "gds")
+        self.engine = choose_engine(self.staging_kind, self.io_mode)
         self.reader = GpuReader(index, device, self.engine)
         self.decoder = GpuDecoder(index, device, self.backend)
         self._slots = SlotPool(self.staging_kind, device, _SLOTS)

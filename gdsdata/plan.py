@@ -69,4 +69,3 @@ def plan_reads(samples: np.ndarray, indices, alignment: int, max_gap: int, max_r
     if current is not None:
         flush()
     return Plan(reads, sample_offsets, length, cursor)
-

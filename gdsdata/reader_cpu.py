@@ -10,9 +10,9 @@ from .errors import FormatError
 from .plan import Plan, plan_reads
 
 
-class ShardFiles:
-    """Open file descriptors of a dataset's shards, opened on first use. Safe across ``fork``: a
-    child process opens its own."""
+class CpuReader:
+    """Reads the payloads of a batch of samples into one host buffer. Safe across ``fork``: file
+    descriptors are reopened in a child process."""
 
     def __init__(self, index):
         self.index = index
@@ -20,7 +20,7 @@ class ShardFiles:
         self._pid = os.getpid()
         self._lock = threading.Lock()
 
-    def fd(self, shard):
+    def _fd(self, shard):
         with self._lock:
             if self._pid != os.getpid():
                 self._fds, self._pid = {}, os.getpid()
@@ -28,29 +28,6 @@ class ShardFiles:
             if fd is None:
                 fd = self._fds[shard] = os.open(self.index.shard_path(shard), os.O_RDONLY)
             return fd
-
-    def read_into(self, buffer: np.ndarray, read):
-        """One planned ``read`` into its place in ``buffer`` (a uint8 array)."""
-        view = memoryview(buffer[read.buffer_offset:read.buffer_offset + read.size])
-        got = os.preadv(self.fd(read.shard), [view], read.offset)
-        if got != read.size:
-            raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset "
-                              f"{read.offset} ({got} of {read.size} bytes): truncated shard")
-
-    def close(self):
-        with self._lock:
-            if self._pid == os.getpid():
-                for fd in self._fds.values():
-                    os.close(fd)
-            self._fds = {}
-
-
-class CpuReader:
-    """Reads the payloads of a batch of samples into one host buffer."""
-
-    def __init__(self, index):
-        self.index = index
-        self.files = ShardFiles(index)
 
     def plan(self, indices) -> Plan:
         return plan_reads(self.index.samples, indices, self.index.alignment,
@@ -62,11 +39,19 @@ class CpuReader:
         plan = self.plan(indices)
         buffer = np.empty(plan.total, np.uint8)
         for read in plan.reads:
-            self.files.read_into(buffer, read)
+            view = memoryview(buffer[read.buffer_offset:read.buffer_offset + read.size])
+            got = os.preadv(self._fd(read.shard), [view], read.offset)
+            if got != read.size:
+                raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset "
+                                  f"{read.offset} ({got} of {read.size} bytes): truncated shard")
         return buffer, plan
 
     def close(self):
-        self.files.close()
+        with self._lock:
+            if self._pid == os.getpid():
+                for fd in self._fds.values():
+                    os.close(fd)
+            self._fds = {}
 
     def __getstate__(self):
         return {"index": self.index}

@@ -118,23 +118,16 @@ class SlotPool:
 _MMAP_MIN_THREADS = 8  # below this many torch threads the page gather lost to kvikio (6: 62k vs 67k images/s)
 
 
-def _kvikio_installed() -> bool:
-    try:
-        import_kvikio()
-        return True
-    except GpuUnavailableError:
-        return False
-
-
-def choose_engine(staging: str, gds: bool) -> str:
-    """The I/O engine from the setting, the staging kind, whether cuFile has GDS and how many
-    threads torch gives the page gather (torchrun sets ``OMP_NUM_THREADS=1`` for each rank unless
-    told otherwise). Without kvikio installed, pinned staging still works through mmap."""
+def choose_engine(staging: str, io_mode: str) -> str:
+    """The I/O engine from the setting, the staging kind, ``doctor.io_mode()`` ("gds", "compat", or
+    "unavailable" without kvikio) and how many threads torch gives the page gather (torchrun sets
+    ``OMP_NUM_THREADS=1`` for each rank unless told otherwise). Without kvikio, pinned staging still
+    works through mmap."""
     engine = settings.get("io_engine")
     if engine == "auto":
         enough = settings.get("gather_pool") > 0 or torch.get_num_threads() >= _MMAP_MIN_THREADS
-        gather_wins = staging == "host" and not gds and enough
-        engine = "mmap" if gather_wins or (staging == "host" and not _kvikio_installed()) else "kvikio"
+        gather_wins = io_mode == "unavailable" or (io_mode == "compat" and enough)
+        engine = "mmap" if staging == "host" and gather_wins else "kvikio"
     if engine == "mmap" and staging != "host":
         raise ValueError("io_engine=mmap reads into host memory only; device staging needs kvikio")
     return engine
@@ -150,12 +143,12 @@ class ShardMaps:
     def __init__(self, index):
         self.index = index
         self._pages = {}
-        self._arrays = {}
         self._maps = []
         self._lock = threading.Lock()
         self._pool, self._pool_size = None, 0
 
-    def _map(self, shard):
+    def pages(self, shard) -> torch.Tensor:
+        """The shard as a 2-D uint8 tensor of alignment-sized pages."""
         with self._lock:
             if shard not in self._pages:
                 path = self.index.shard_path(shard)
@@ -173,13 +166,8 @@ class ShardMaps:
                 alignment = self.index.alignment
                 count = whole.numel() // alignment
                 self._pages[shard] = whole[:count * alignment].view(count, alignment)
-                self._arrays[shard] = np.frombuffer(mapped, np.uint8)
                 self._maps.append(mapped)
-            return self._pages[shard], self._arrays[shard]
-
-    def pages(self, shard) -> torch.Tensor:
-        """The shard as a 2-D uint8 tensor of alignment-sized pages."""
-        return self._map(shard)[0]
+            return self._pages[shard]
 
     def gather(self, plan, target: torch.Tensor):
         """Copy every read of ``plan`` to its place in ``target`` (a host tensor)."""
@@ -212,7 +200,8 @@ class ShardMaps:
             torch.index_select(self.pages(int(shards[lo])), 0, source[p0:p1], out=dest[p0:p1])
 
     def _gather_pooled(self, reads, host, threads):
-        pieces = [(self._map(r.shard)[1], r.offset + start, r.buffer_offset + start, min(_PIECE, r.size - start))
+        flat = {shard: self.pages(shard).view(-1).numpy() for shard in {r.shard for r in reads}}
+        pieces = [(flat[r.shard], r.offset + start, r.buffer_offset + start, min(_PIECE, r.size - start))
                   for r in reads for start in range(0, r.size, _PIECE)]
         taken = itertools.count()  # next() on it is atomic: each piece goes to exactly one thread
 
@@ -237,7 +226,7 @@ class ShardMaps:
 
     def close(self):
         with self._lock:
-            self._pages, self._arrays = {}, {}
+            self._pages = {}
             maps, self._maps = self._maps, []
             pool, self._pool, self._pool_size = self._pool, None, 0
         if pool is not None:

@@ -63,29 +63,28 @@ def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path, pool):
     maps.close()
 
 
-@pytest.mark.parametrize("setting, staging, gds, threads, kvikio, expected", [
-    ("auto", "host", False, 16, True, "mmap"),      # compatibility mode, pinned staging: page gather
-    ("auto", "host", False, 1, True, "kvikio"),     # torchrun's OMP_NUM_THREADS=1: the gather would crawl
-    ("auto", "host", False, 1, False, "mmap"),      # no kvikio installed: pinned staging still works
-    ("auto", "host", True, 16, True, "kvikio"),     # GDS
-    ("auto", "device", False, 16, True, "kvikio"),  # GPU staging
-    ("kvikio", "host", False, 16, True, "kvikio"),
-    ("mmap", "host", False, 1, True, "mmap"),
+@pytest.mark.parametrize("setting, staging, io_mode, threads, expected", [
+    ("auto", "host", "compat", 16, "mmap"),         # compatibility mode, pinned staging: page gather
+    ("auto", "host", "compat", 1, "kvikio"),        # torchrun's OMP_NUM_THREADS=1: the gather would crawl
+    ("auto", "host", "unavailable", 1, "mmap"),     # no kvikio installed: pinned staging still works
+    ("auto", "host", "gds", 16, "kvikio"),          # GDS
+    ("auto", "device", "compat", 16, "kvikio"),     # GPU staging
+    ("kvikio", "host", "compat", 16, "kvikio"),
+    ("mmap", "host", "compat", 1, "mmap"),
 ])
-def test_io_engine_choice(monkeypatch, setting, staging, gds, threads, kvikio, expected):
+def test_io_engine_choice(monkeypatch, setting, staging, io_mode, threads, expected):
     from gdsdata import reader_gpu
 
     monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(reader_gpu, "_kvikio_installed", lambda: kvikio)
     with gdsdata.settings.set(io_engine=setting):
-        assert reader_gpu.choose_engine(staging, gds) == expected
+        assert reader_gpu.choose_engine(staging, io_mode) == expected
 
 
 def test_mmap_engine_cannot_fill_gpu_staging():
     from gdsdata import reader_gpu
 
     with gdsdata.settings.set(io_engine="mmap"), pytest.raises(ValueError, match="device staging needs kvikio"):
-        reader_gpu.choose_engine("device", False)
+        reader_gpu.choose_engine("device", "compat")
 
 
 def test_pooled_gather_cuts_reads_into_pieces(small_shards, monkeypatch):
@@ -109,9 +108,8 @@ def test_a_gather_pool_makes_the_page_gather_independent_of_torch_threads(monkey
     from gdsdata import reader_gpu
 
     monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(reader_gpu, "_kvikio_installed", lambda: True)
     with gdsdata.settings.set(gather_pool=12):
-        assert reader_gpu.choose_engine("host", False) == "mmap"
+        assert reader_gpu.choose_engine("host", "compat") == "mmap"
 
 
 def test_an_emptied_shard_gives_a_one_line_error(small_shards, tmp_path):
