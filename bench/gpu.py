@@ -198,7 +198,8 @@ def main(argv=None):
     print("\n== gdsdata (page cache warm) ==")
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
     paths = [("auto", "auto", "auto", 16)] if "paths" in skip else [
-        ("host", "hardware", "mmap", 16), ("host", "hardware", "kvikio", 16), ("device", "hardware_device", "kvikio", 16)]
+        ("host", "hardware", "mmap", 16), ("host", "hardware", "kvikio", 16),
+        ("device", "hardware_device", "kvikio", 16)]
     for staging, backend, engine, io_threads in paths:
         with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads):
             ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")

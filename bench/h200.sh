@@ -17,8 +17,6 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 if [ -d /tmp/dali-site/nvidia/dali ]; then
-    export PYTHONPATH=$PYTHONPATH:/tmp/dali-site
-    export LD_LIBRARY_PATH=$(dirname "$(find /tmp/dali-site -name 'libnvimgcodec.so*' | head -1)"):${LD_LIBRARY_PATH:-}
     echo "DALI already installed"
 elif ls /tmp/dali-pieces/dali.part* >/dev/null 2>&1; then
     cat /tmp/dali-pieces/dali.part* > /tmp/dali.whl
@@ -26,12 +24,14 @@ elif ls /tmp/dali-pieces/dali.part* >/dev/null 2>&1; then
         cp /tmp/dali.whl /tmp/nvidia_dali_cuda130-2.4.0-py3-none-manylinux_2_28_x86_64.whl
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dali-site \
             /tmp/nvidia_dali_cuda130-2.4.0-py3-none-manylinux_2_28_x86_64.whl .dali/nvidia_nvimgcodec*.whl
-        export PYTHONPATH=$PYTHONPATH:/tmp/dali-site
-        export LD_LIBRARY_PATH=$(dirname "$(find /tmp/dali-site -name 'libnvimgcodec.so*' | head -1)"):${LD_LIBRARY_PATH:-}
         echo "DALI installed (sha256 ok)"
     else
         echo "DALI wheel checksum mismatch: DALI skipped"
     fi
+fi
+if [ -d /tmp/dali-site/nvidia/dali ]; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/dali-site
+    export LD_LIBRARY_PATH=$(dirname "$(find /tmp/dali-site -name 'libnvimgcodec.so*' | head -1)"):${LD_LIBRARY_PATH:-}
 fi
 python3 -m gdsdata.cli doctor | tee "$OUT/doctor.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
