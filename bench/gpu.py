@@ -197,22 +197,26 @@ def main(argv=None):
 
     print("\n== gdsdata (page cache warm) ==")
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
-    paths = [("auto", "auto", "auto", 16)] if "paths" in skip else [
-        ("host", "hardware", "mmap", 16), ("host", "hardware", "kvikio", 16),
-        ("device", "hardware_device", "kvikio", 16)]
-    for staging, backend, engine, io_threads in paths:
-        with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads):
+    pool = settings.get("gather_pool")
+    paths = [("auto", "auto", "auto", 16, pool)] if "paths" in skip else [
+        ("host", "hardware", "mmap", 16, 0), ("host", "hardware", "mmap", 16, 8),
+        ("host", "hardware", "kvikio", 16, 0), ("device", "hardware_device", "kvikio", 16, 0)]
+    for staging, backend, engine, io_threads, pool in paths:
+        with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
+                          gather_pool=pool):
             ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
-            tag = f"{ds._backend.describe()} io_threads={io_threads}"
+            tag = f"{ds._backend.describe()} io_threads={io_threads}" + (f" gather_pool={pool}" if pool else "")
             run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
             run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
             ds.close()
     raw_train = None
-    for staging, engine in () if raw is None else (("host", "mmap"), ("host", "kvikio"), ("device", "kvikio")):
-        with settings.set(staging=staging, io_engine=engine):
+    raw_paths = (("host", "mmap", 0), ("host", "mmap", 8), ("host", "kvikio", 0), ("device", "kvikio", 0))
+    for staging, engine, pool in () if raw is None else raw_paths:
+        with settings.set(staging=staging, io_engine=engine, gather_pool=pool):
             ds = gdsdata.GDSDataset(raw_dir, device="cuda")
+            reads = engine + (f" gather_pool={pool}" if pool else "")
             for shuffle in ("full", None):
-                result = run(f"gdsdata raw train batches [staging={staging} reads={engine} shuffle={shuffle}]",
+                result = run(f"gdsdata raw train batches [staging={staging} reads={reads} shuffle={shuffle}]",
                              loader_epoch(ds, rrc, shuffle=shuffle), len(raw), raw_payload)
                 if raw_train is None:
                     raw_train = result  # the automatic choice in compat mode, shuffled

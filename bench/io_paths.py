@@ -179,7 +179,7 @@ def main(argv=None):
                                          ("device", "kvikio", 16)):
             row(f"  {'shuffled' if shuffle else 'file order'} staging={staging} {engine} x{threads}",
                 read_stage(root, staging, engine, threads, shuffle))
-        for pool in (8, 12, 15):
+        for pool in (4, 8, 12):
             row(f"  {'shuffled' if shuffle else 'file order'} staging=host mmap, gather pool of {pool}",
                 read_stage(root, "host", "mmap", 16, shuffle, pool=pool))
 
@@ -194,7 +194,7 @@ def main(argv=None):
 
     row("pinned -> GPU copy of one batch, alone", median_rate(upload, pinned.numel() * 20))
 
-    for pool in (0, 12):
+    for pool in (0, 8):
         for side in ("copy", "python"):
             row(f"read only, shuffled, mmap (gather pool {pool}), beside a thread doing {side}",
                 read_stage_beside(root, side, pool=pool))
@@ -209,7 +209,7 @@ def main(argv=None):
             rate, stats = loader_rate(root, engine, shuffle, rrc)
             row(f"  Loader reads={engine} shuffle={shuffle}", rate)
             print_stats(stats)
-    for pool in (8, 12, 15):
+    for pool in (4, 8, 12):
         rate, stats = loader_rate(root, "mmap", "full", rrc, pool)
         row(f"  Loader reads=mmap shuffle=full, gather pool of {pool}", rate)
         print_stats(stats)

@@ -21,7 +21,6 @@ Staging buffers are allocated once per slot and grown only when a batch needs mo
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
 """
 
-import itertools
 import logging
 import mmap
 import os
@@ -37,7 +36,6 @@ from .errors import FormatError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
 _GROWTH = 1.25
-_PIECE = 1 << 20  # gather_pool: bytes per copy a thread takes at a time
 
 
 def import_kvikio():
@@ -182,35 +180,43 @@ class ShardMaps:
             if end > have:
                 raise FormatError(f"{self.index.shard_path(int(shard))}: a read ends at byte {end}, past the "
                                   f"end of the file ({have} bytes): truncated shard")
-        threads = settings.get("gather_pool")
-        if threads:
-            self._gather_pooled(reads, target.numpy(), threads)
-        else:
-            self._gather_pages(shards, offsets, sizes, target)
+        self._gather_pages(shards, offsets, sizes, target)
 
     def _gather_pages(self, shards, offsets, sizes, target):
+        """Page by page: which pages of which shard land on which pages of ``target``. Reads are
+        alignment-sized multiples at aligned offsets (plan.py), and plans list them by shard, then
+        offset. The pages are numbered in target order, so a shard's reads are one contiguous run of
+        destination pages."""
         alignment = self.index.alignment
         starts, counts = offsets // alignment, sizes // alignment
         first = np.cumsum(counts) - counts
-        source = torch.from_numpy(np.arange(int(counts.sum())) + np.repeat(starts - first, counts))
+        source = np.arange(int(counts.sum())) + np.repeat(starts - first, counts)
+        edges = np.flatnonzero(np.diff(shards)) + 1
+        runs = [(int(shards[lo]), int(first[lo]), int(first[hi - 1] + counts[hi - 1]))
+                for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(shards)])]
         dest = target.view(-1, alignment)
-        edges = np.flatnonzero(np.diff(shards)) + 1  # plans list reads by shard, then offset
-        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(shards)]):
-            p0, p1 = int(first[lo]), int(first[hi - 1] + counts[hi - 1])
-            torch.index_select(self.pages(int(shards[lo])), 0, source[p0:p1], out=dest[p0:p1])
+        threads = settings.get("gather_pool")
+        if threads:
+            self._take_pooled(runs, source, dest.numpy(), threads)
+            return
+        source = torch.from_numpy(source)
+        for shard, p0, p1 in runs:
+            torch.index_select(self.pages(shard), 0, source[p0:p1], out=dest[p0:p1])
 
-    def _gather_pooled(self, reads, host, threads):
-        flat = {shard: self.pages(shard).view(-1).numpy() for shard in {r.shard for r in reads}}
-        pieces = [(flat[r.shard], r.offset + start, r.buffer_offset + start, min(_PIECE, r.size - start))
-                  for r in reads for start in range(0, r.size, _PIECE)]
-        taken = itertools.count()  # next() on it is atomic: each piece goes to exactly one thread
+    def _take_pooled(self, runs, source, dest, threads):
+        """The same gather on ``threads`` threads (the caller and a pool of gdsdata threads): the
+        destination pages are cut into equal spans, one per thread, and each thread copies its span
+        with one ``np.take`` per shard it crosses (no GIL held while copying). One Python call per
+        thread and shard, whatever the number of reads."""
+        pages = {shard: self.pages(shard).numpy() for shard, _, _ in runs}
+        cuts = np.linspace(0, len(source), threads + 1).astype(np.int64)
 
-        def work():
-            for k in iter(taken.__next__, None):
-                if k >= len(pieces):
-                    return
-                source, offset, at, size = pieces[k]
-                np.copyto(host[at:at + size], source[offset:offset + size])  # no GIL held while copying
+        def span(k):
+            lo, hi = int(cuts[k]), int(cuts[k + 1])
+            for shard, p0, p1 in runs:
+                a, b = max(lo, p0), min(hi, p1)
+                if a < b:  # mode="clip": no buffered copy; gather() checked every page is in the file
+                    np.take(pages[shard], source[a:b], axis=0, out=dest[a:b], mode="clip")
 
         with self._lock:
             if self._pool_size != threads - 1:
@@ -219,8 +225,8 @@ class ShardMaps:
                 self._pool_size = threads - 1
                 self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="gdsdata-gather") if threads > 1 else None
             pool = self._pool
-        helpers = [pool.submit(work) for _ in range(threads - 1)] if pool is not None else []
-        work()  # the calling thread takes pieces too
+        helpers = [pool.submit(span, k) for k in range(1, threads)] if pool is not None else []
+        span(0)
         for helper in helpers:
             helper.result()
 

@@ -87,16 +87,15 @@ def test_mmap_engine_cannot_fill_gpu_staging():
         reader_gpu.choose_engine("device", "compat")
 
 
-def test_pooled_gather_cuts_reads_into_pieces(small_shards, monkeypatch):
-    """Reads longer than a piece are shared out piece by piece (here 4 KiB pieces, 4 threads)."""
-    from gdsdata import reader_gpu
-
-    monkeypatch.setattr(reader_gpu, "_PIECE", 4096)
+@pytest.mark.parametrize("threads", [1, 3, 7, 500])
+def test_pooled_gather_spans_cross_reads_and_shards(small_shards, threads):
+    """The destination pages are cut into one span per thread wherever the cut falls: inside a read,
+    across shards, or (more threads than pages) nowhere at all."""
     index = load_index(small_shards)
     indices = list(range(len(index.samples)))[::-1]
-    with gdsdata.settings.set(max_gap=1 << 20, max_read=1 << 30, gather_pool=4):
+    with gdsdata.settings.set(max_gap=1 << 20, max_read=1 << 30, gather_pool=threads):
         expected, plan = CpuReader(index).read(indices)
-        assert max(r.size for r in plan.reads) > 4 * 4096
+        assert len({r.shard for r in plan.reads}) > 1 and max(r.size for r in plan.reads) > 4 * 4096
         maps = ShardMaps(index)
         target = torch.zeros(plan.total, dtype=torch.uint8)
         maps.gather(plan, target)
