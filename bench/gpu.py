@@ -197,10 +197,10 @@ def main(argv=None):
 
     print("\n== gdsdata (page cache warm) ==")
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
-    pool = settings.get("gather_pool")
-    paths = [("auto", "auto", "auto", 16, pool)] if "paths" in skip else [
-        ("host", "hardware", "mmap", 16, 0), ("host", "hardware", "mmap", 16, 8),
-        ("host", "hardware", "kvikio", 16, 0), ("device", "hardware_device", "kvikio", 16, 0)]
+    user_pool = settings.get("gather_pool")  # GDSDATA_GATHER_POOL, for the automatic rows
+    paths = [("auto", "auto", "auto", 16, user_pool)] if "paths" in skip else [
+        ("host", "hardware", "kvikio", 16, 0), ("host", "hardware", "mmap", 16, 0),
+        ("device", "hardware_device", "kvikio", 16, 0)]
     for staging, backend, engine, io_threads, pool in paths:
         with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
                           gather_pool=pool):
@@ -210,11 +210,11 @@ def main(argv=None):
             run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
             ds.close()
     raw_train = None
-    raw_paths = (("host", "mmap", 0), ("host", "mmap", 8), ("host", "kvikio", 0), ("device", "kvikio", 0))
+    raw_paths = (("host", "auto", user_pool), ("host", "mmap", user_pool), ("host", "kvikio", 0), ("device", "kvikio", 0))
     for staging, engine, pool in () if raw is None else raw_paths:
         with settings.set(staging=staging, io_engine=engine, gather_pool=pool):
             ds = gdsdata.GDSDataset(raw_dir, device="cuda")
-            reads = engine + (f" gather_pool={pool}" if pool else "")
+            reads = ds._backend.engine + (f" gather_pool={pool}" if pool and engine != "kvikio" else "")
             for shuffle in ("full", None):
                 result = run(f"gdsdata raw train batches [staging={staging} reads={reads} shuffle={shuffle}]",
                              loader_epoch(ds, rrc, shuffle=shuffle), len(raw), raw_payload)

@@ -11,11 +11,18 @@ Two I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
 - ``kvikio``: one ``CuFile.pread`` per planned read, run by kvikio's thread pool. Needed for device
   staging and GPUDirect Storage.
 - ``mmap``: every shard mapped read-only once; a batch is one gather of alignment-sized pages per
-  shard (``torch.index_select`` into the pinned buffer: torch's threads, no GIL held). In
-  compatibility mode kvikio does POSIX reads through the page cache too, but each read costs a
-  Python call and a future on the thread that also feeds the decoder; a shuffled batch is hundreds
-  of reads. ``auto`` picks mmap for host staging without GDS when torch has at least 8 threads
-  for the gather (measured: docs/benchmarks.md).
+  shard (``torch.index_select`` into the pinned buffer: torch's threads, no GIL held), or with
+  ``gather_pool=N`` one ``np.take`` per thread of N gdsdata threads.
+
+``auto`` (measured on the H200, docs/benchmarks.md) in compatibility mode with pinned staging:
+- JPEG datasets read through kvikio. The decoder sets their pace, and torch's gather threads spin
+  after each gather on the cores that the decode thread needs (decode only, 53 KB JPEGs: 43.7k
+  images/s with kvikio; 24.0k with the gather, bimodal between 23k and 41k).
+- Raw datasets, whose pace is the read itself, take both: batches of many small reads (shuffled)
+  through the page gather, which has no Python call per read (57-66k images/s against kvikio's
+  44-50k), batches of a few large reads (file order) through kvikio, which splits each read over
+  its threads (87-104k against 75-85k). The gather needs torch's threads (>= 8) or a gather pool.
+- Without kvikio installed, everything goes through the page gather.
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
@@ -114,18 +121,23 @@ class SlotPool:
 
 
 _MMAP_MIN_THREADS = 8  # below this many torch threads the page gather lost to kvikio (6: 62k vs 67k images/s)
+_KVIKIO_READ = 4 << 20  # mixed engine: batches whose reads average this much go through kvikio
 
 
-def choose_engine(staging: str, io_mode: str) -> str:
-    """The I/O engine from the setting, the staging kind, ``doctor.io_mode()`` ("gds", "compat", or
-    "unavailable" without kvikio) and how many threads torch gives the page gather (torchrun sets
-    ``OMP_NUM_THREADS=1`` for each rank unless told otherwise). Without kvikio, pinned staging still
-    works through mmap."""
+def choose_engine(staging: str, io_mode: str, raw: bool = False) -> str:
+    """The I/O engine: "kvikio", "mmap", or "mixed" (per batch: many small reads through the page
+    gather, a few large ones through kvikio), from the setting, the staging kind, ``doctor.io_mode()``
+    ("gds", "compat", or "unavailable" without kvikio), whether the dataset holds raw pixels, and
+    how many threads the page gather gets (torchrun sets ``OMP_NUM_THREADS=1`` for each rank unless
+    told otherwise)."""
     engine = settings.get("io_engine")
     if engine == "auto":
-        enough = settings.get("gather_pool") > 0 or torch.get_num_threads() >= _MMAP_MIN_THREADS
-        gather_wins = io_mode == "unavailable" or (io_mode == "compat" and enough)
-        engine = "mmap" if staging == "host" and gather_wins else "kvikio"
+        if staging == "host" and io_mode == "unavailable":
+            engine = "mmap"
+        else:
+            enough = settings.get("gather_pool") > 0 or torch.get_num_threads() >= _MMAP_MIN_THREADS
+            mixed = staging == "host" and io_mode == "compat" and raw and enough
+            engine = "mixed" if mixed else "kvikio"
     if engine == "mmap" and staging != "host":
         raise ValueError("io_engine=mmap reads into host memory only; device staging needs kvikio")
     return engine
@@ -245,7 +257,8 @@ class ShardMaps:
 
 
 class GpuReader:
-    """Reads planned batches into staging buffers, with kvikio or from memory maps."""
+    """Reads planned batches into staging buffers, with kvikio, from memory maps, or (``mixed``)
+    each batch through whichever suits its reads."""
 
     def __init__(self, index, device: torch.device, engine: str = "kvikio"):
         self.index = index
@@ -253,12 +266,12 @@ class GpuReader:
         self.engine = engine
         self._files = {}
         self._lock = threading.Lock()
-        if engine == "kvikio":
+        if engine in ("kvikio", "mixed"):
             self.kvikio = import_kvikio()
             threads = settings.get("io_threads")
             if self.kvikio.defaults.get("num_threads") != threads:
                 self.kvikio.defaults.set({"num_threads": threads})
-        else:
+        if engine in ("mmap", "mixed"):
             self.maps = ShardMaps(index)
 
     def _file(self, shard):
@@ -271,7 +284,8 @@ class GpuReader:
     def read(self, plan, staging: StagingBuffer) -> torch.Tensor:
         """Issue every read of ``plan`` in parallel into ``staging``; returns the filled tensor."""
         target = staging.ensure(plan.total)
-        if self.engine == "mmap":
+        few_large = plan.total >= _KVIKIO_READ * len(plan.reads)
+        if self.engine == "mmap" or (self.engine == "mixed" and not few_large):
             self.maps.gather(plan, target)
             return target
         host = None if staging.kind == "device" else target.numpy()
@@ -294,5 +308,5 @@ class GpuReader:
             for handle in self._files.values():
                 handle.close()
             self._files = {}
-        if self.engine == "mmap":
+        if self.engine in ("mmap", "mixed"):
             self.maps.close()

@@ -75,6 +75,32 @@ def test_raw_gpu_equals_cpu_exactly(raw_dataset, staging, engine, pool):
             assert torch.equal(a, b.cpu()) and la == lb
 
 
+def test_mixed_engine_reads_each_batch_its_way_and_equals_cpu(raw_dataset, monkeypatch):
+    """Compatibility mode, raw pixels: a batch of scattered samples (reads of ~40 KB) goes through the
+    page gather, the whole set in file order (one ~1 MB read) through kvikio; the threshold is
+    lowered to 256 KiB so that the small test set has both kinds."""
+    from gdsdata import reader_gpu
+
+    monkeypatch.setattr(reader_gpu, "_KVIKIO_READ", 256 << 10)
+    cpu = gdsdata.GDSDataset(raw_dataset)
+    with settings.set(staging="host", io_engine="auto", max_gap=0):
+        gpu = gdsdata.GDSDataset(raw_dataset, device="cuda")
+    if gpu._backend.io_mode != "compat" or torch.get_num_threads() < 8:
+        pytest.skip("the mixed engine is the choice in compatibility mode with >= 8 torch threads")
+    reader, used = gpu._backend.reader, []
+    assert reader.engine == "mixed"
+    gather, open_file = reader.maps.gather, reader._file
+    monkeypatch.setattr(reader.maps, "gather", lambda *a: used.append("gather") or gather(*a))
+    monkeypatch.setattr(reader, "_file", lambda *a: used.append("kvikio") or open_file(*a))
+    for order, engine in (([5, 1, 20, 0, 9], "gather"), (list(range(len(cpu))), "kvikio")):
+        used.clear()
+        with settings.set(max_gap=0):
+            for (a, la), (b, lb) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):
+                assert torch.equal(a, b.cpu()) and la == lb
+        assert used and set(used) == {engine}
+    gpu.close()
+
+
 def test_resampled_gpu_batches_match_cpu_within_one(raw_dataset):
     transform = gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=7)
     cpu = gdsdata.Loader(gdsdata.GDSDataset(raw_dataset), 8, transform=transform, seed=3)
