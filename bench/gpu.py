@@ -199,8 +199,8 @@ def main(argv=None):
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
     user_pool = settings.get("gather_pool")  # GDSDATA_GATHER_POOL, for the automatic rows
     paths = [("auto", "auto", "auto", 16, user_pool)] if "paths" in skip else [
-        ("host", "hardware", "kvikio", 16, 0), ("host", "hardware", "mmap", 16, 0),
-        ("device", "hardware_device", "kvikio", 16, 0)]
+        ("host", "hardware", "auto", 16, user_pool), ("host", "hardware", "mmap", 16, 0),
+        ("host", "hardware", "kvikio", 16, 0), ("device", "hardware_device", "kvikio", 16, 0)]
     for staging, backend, engine, io_threads, pool in paths:
         with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
                           gather_pool=pool):

@@ -11,10 +11,8 @@ Choosing the path (``gdsdata doctor`` shows the choice):
 
 import logging
 
-import numpy as np
 import torch
 
-from . import format as fmt
 from . import settings
 from .batch import PixelBatch, Staged
 from .decode_gpu import GpuDecoder
@@ -67,8 +65,7 @@ class GpuBackend:
         self.verify = verify
         self.io_mode, self.io_reason = io_mode()
         self.staging_kind, self.backend = choose_path(self.io_mode == "gds")
-        raw = bool(len(index.samples)) and bool(np.all(index.samples["codec"] == fmt.CODEC_RAW))
-        self.engine = choose_engine(self.staging_kind, self.io_mode, raw)
+        self.engine = choose_engine(self.staging_kind, self.io_mode)
         self.reader = GpuReader(index, device, self.engine)
         self.decoder = GpuDecoder(index, device, self.backend)
         self._slots = SlotPool(self.staging_kind, device, _SLOTS)

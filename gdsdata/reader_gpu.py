@@ -14,15 +14,12 @@ Two I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
   shard (``torch.index_select`` into the pinned buffer: torch's threads, no GIL held), or with
   ``gather_pool=N`` one ``np.take`` per thread of N gdsdata threads.
 
-``auto`` (measured on the H200, docs/benchmarks.md) in compatibility mode with pinned staging:
-- JPEG datasets read through kvikio. The decoder sets their pace, and torch's gather threads spin
-  after each gather on the cores that the decode thread needs (decode only, 53 KB JPEGs: 43.7k
-  images/s with kvikio; 24.0k with the gather, bimodal between 23k and 41k).
-- Raw datasets, whose pace is the read itself, take both: batches of many small reads (shuffled)
-  through the page gather, which has no Python call per read (57-66k images/s against kvikio's
-  44-50k), batches of a few large reads (file order) through kvikio, which splits each read over
-  its threads (87-104k against 75-85k). The gather needs torch's threads (>= 8) or a gather pool.
-- Without kvikio installed, everything goes through the page gather.
+``auto`` in compatibility mode with pinned staging reads each batch its way (``mixed``; measured on
+the H200, docs/benchmarks.md): batches of many small reads (shuffled) through the page gather, which
+costs no Python call per read (raw, 257 KB samples: 59-66k images/s against kvikio's 44-54k),
+batches of a few large reads (file order) through kvikio, which splits each read over its threads
+(82-104k against 66-85k). The gather needs torch's threads (>= 8) or a gather pool; without either
+everything goes through kvikio, and without kvikio installed through the page gather.
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
@@ -124,20 +121,18 @@ _MMAP_MIN_THREADS = 8  # below this many torch threads the page gather lost to k
 _KVIKIO_READ = 4 << 20  # mixed engine: batches whose reads average this much go through kvikio
 
 
-def choose_engine(staging: str, io_mode: str, raw: bool = False) -> str:
+def choose_engine(staging: str, io_mode: str) -> str:
     """The I/O engine: "kvikio", "mmap", or "mixed" (per batch: many small reads through the page
     gather, a few large ones through kvikio), from the setting, the staging kind, ``doctor.io_mode()``
-    ("gds", "compat", or "unavailable" without kvikio), whether the dataset holds raw pixels, and
-    how many threads the page gather gets (torchrun sets ``OMP_NUM_THREADS=1`` for each rank unless
-    told otherwise)."""
+    ("gds", "compat", or "unavailable" without kvikio) and how many threads the page gather gets
+    (torchrun sets ``OMP_NUM_THREADS=1`` for each rank unless told otherwise)."""
     engine = settings.get("io_engine")
     if engine == "auto":
         if staging == "host" and io_mode == "unavailable":
             engine = "mmap"
         else:
             enough = settings.get("gather_pool") > 0 or torch.get_num_threads() >= _MMAP_MIN_THREADS
-            mixed = staging == "host" and io_mode == "compat" and raw and enough
-            engine = "mixed" if mixed else "kvikio"
+            engine = "mixed" if staging == "host" and io_mode == "compat" and enough else "kvikio"
     if engine == "mmap" and staging != "host":
         raise ValueError("io_engine=mmap reads into host memory only; device staging needs kvikio")
     return engine

@@ -63,23 +63,21 @@ def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path, pool):
     maps.close()
 
 
-@pytest.mark.parametrize("setting, staging, io_mode, raw, threads, expected", [
-    ("auto", "host", "compat", True, 16, "mixed"),        # raw pixels: page gather or kvikio per batch
-    ("auto", "host", "compat", False, 16, "kvikio"),      # JPEG: the decoder needs the cores
-    ("auto", "host", "compat", True, 1, "kvikio"),        # torchrun's OMP_NUM_THREADS=1: the gather would crawl
-    ("auto", "host", "unavailable", False, 1, "mmap"),    # no kvikio installed: pinned staging still works
-    ("auto", "host", "unavailable", True, 1, "mmap"),
-    ("auto", "host", "gds", True, 16, "kvikio"),          # GDS
-    ("auto", "device", "compat", True, 16, "kvikio"),     # GPU staging
-    ("kvikio", "host", "compat", True, 16, "kvikio"),
-    ("mmap", "host", "compat", False, 1, "mmap"),
+@pytest.mark.parametrize("setting, staging, io_mode, threads, expected", [
+    ("auto", "host", "compat", 16, "mixed"),        # compatibility mode, pinned staging: per batch
+    ("auto", "host", "compat", 1, "kvikio"),        # torchrun's OMP_NUM_THREADS=1: the gather would crawl
+    ("auto", "host", "unavailable", 1, "mmap"),     # no kvikio installed: pinned staging still works
+    ("auto", "host", "gds", 16, "kvikio"),          # GDS
+    ("auto", "device", "compat", 16, "kvikio"),     # GPU staging
+    ("kvikio", "host", "compat", 16, "kvikio"),
+    ("mmap", "host", "compat", 1, "mmap"),
 ])
-def test_io_engine_choice(monkeypatch, setting, staging, io_mode, raw, threads, expected):
+def test_io_engine_choice(monkeypatch, setting, staging, io_mode, threads, expected):
     from gdsdata import reader_gpu
 
     monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: threads)
     with gdsdata.settings.set(io_engine=setting):
-        assert reader_gpu.choose_engine(staging, io_mode, raw) == expected
+        assert reader_gpu.choose_engine(staging, io_mode) == expected
 
 
 def test_mmap_engine_cannot_fill_gpu_staging():
@@ -110,7 +108,7 @@ def test_a_gather_pool_makes_the_page_gather_independent_of_torch_threads(monkey
 
     monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: 1)
     with gdsdata.settings.set(gather_pool=12):
-        assert reader_gpu.choose_engine("host", "compat", raw=True) == "mixed"
+        assert reader_gpu.choose_engine("host", "compat") == "mixed"
 
 
 def test_an_emptied_shard_gives_a_one_line_error(small_shards, tmp_path):
