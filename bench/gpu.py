@@ -117,6 +117,13 @@ def transform_compare(ds):
 
 
 # --- main -------------------------------------------------------------------------------------
+def gather_tag(ds, pool) -> str:
+    """Who runs the page gather, where a dataset's reads use it."""
+    if ds._backend.engine == "kvikio":
+        return ""
+    return f" gather_pool={pool}" if pool else " gather=torch threads"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="bench-data", help="working folder for images and datasets")
@@ -199,22 +206,24 @@ def main(argv=None):
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
     user_pool = settings.get("gather_pool")  # GDSDATA_GATHER_POOL, for the automatic rows
     paths = [("auto", "auto", "auto", 16, user_pool)] if "paths" in skip else [
-        ("host", "hardware", "auto", 16, user_pool), ("host", "hardware", "mmap", 16, 0),
-        ("host", "hardware", "kvikio", 16, 0), ("device", "hardware_device", "kvikio", 16, 0)]
+        ("host", "hardware", "auto", 16, user_pool), ("host", "hardware", "mmap", 16, user_pool),
+        ("host", "hardware", "mmap", 16, 0), ("host", "hardware", "kvikio", 16, user_pool),
+        ("device", "hardware_device", "kvikio", 16, user_pool)]
     for staging, backend, engine, io_threads, pool in paths:
         with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
                           gather_pool=pool):
             ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
-            tag = f"{ds._backend.describe()} io_threads={io_threads}" + (f" gather_pool={pool}" if pool else "")
+            tag = f"{ds._backend.describe()} io_threads={io_threads}" + gather_tag(ds, pool)
             run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
             run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
             ds.close()
     raw_train = None
-    raw_paths = (("host", "auto", user_pool), ("host", "mmap", user_pool), ("host", "kvikio", 0), ("device", "kvikio", 0))
+    raw_paths = (("host", "auto", user_pool), ("host", "mmap", user_pool), ("host", "mmap", 0),
+                 ("host", "kvikio", user_pool), ("device", "kvikio", user_pool))
     for staging, engine, pool in () if raw is None else raw_paths:
         with settings.set(staging=staging, io_engine=engine, gather_pool=pool):
             ds = gdsdata.GDSDataset(raw_dir, device="cuda")
-            reads = ds._backend.engine + (f" gather_pool={pool}" if pool and engine != "kvikio" else "")
+            reads = ds._backend.engine + gather_tag(ds, pool)
             for shuffle in ("full", None):
                 result = run(f"gdsdata raw train batches [staging={staging} reads={reads} shuffle={shuffle}]",
                              loader_epoch(ds, rrc, shuffle=shuffle), len(raw), raw_payload)

@@ -207,14 +207,14 @@ def main(argv=None):
     for engine in ("mmap", "kvikio"):
         for shuffle in ("full", None):
             rate, stats = loader_rate(root, engine, shuffle, rrc)
-            row(f"  Loader reads={engine} shuffle={shuffle}", rate)
+            row(f"  Loader reads={engine}{' (torch threads)' if engine == 'mmap' else ''} shuffle={shuffle}", rate)
             print_stats(stats)
     for pool in (4, 8, 12):
         rate, stats = loader_rate(root, "mmap", "full", rrc, pool)
         row(f"  Loader reads=mmap shuffle=full, gather pool of {pool}", rate)
         print_stats(stats)
     rate, stats = loader_rate(root, "mmap", "full", None)
-    row("  Loader reads=mmap shuffle=full, no transform (pixels=True)", rate)
+    row("  Loader reads=mmap (torch threads) shuffle=full, no transform (pixels=True)", rate)
     print_stats(stats)
 
 

@@ -10,16 +10,23 @@ Two staging modes:
 Two I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
 - ``kvikio``: one ``CuFile.pread`` per planned read, run by kvikio's thread pool. Needed for device
   staging and GPUDirect Storage.
-- ``mmap``: every shard mapped read-only once; a batch is one gather of alignment-sized pages per
-  shard (``torch.index_select`` into the pinned buffer: torch's threads, no GIL held), or with
-  ``gather_pool=N`` one ``np.take`` per thread of N gdsdata threads.
+- ``mmap``: every shard mapped read-only once; a batch is a gather of alignment-sized pages into
+  the pinned buffer, no Python call per read. By default (``gather_pool=N``, N = min(8, cores)) N
+  gdsdata threads each copy an equal span of the batch with one ``np.take`` (GIL released); with
+  ``gather_pool=0`` one ``torch.index_select`` per shard on torch's OpenMP threads.
 
-``auto`` in compatibility mode with pinned staging reads each batch its way (``mixed``; measured on
-the H200, docs/benchmarks.md): batches of many small reads (shuffled) through the page gather, which
-costs no Python call per read (raw, 257 KB samples: 59-66k images/s against kvikio's 44-54k),
-batches of a few large reads (file order) through kvikio, which splits each read over its threads
-(82-104k against 66-85k). The gather needs torch's threads (>= 8) or a gather pool; without either
-everything goes through kvikio, and without kvikio installed through the page gather.
+The pool is the default because of what torch's threads cost beside everything else (H200,
+docs/benchmarks.md): an OpenMP team waits for its slowest thread and spins between gathers, so
+the gather fell from 29.7 to 5.2-5.8 GB/s beside one busy thread (the pool of 8: 16.8 -> 14.0
+GB/s), and under torchrun two ranks of 16 threads reached 29.8-30.3k JPEG images/s at 0.6
+CPU-s/1k images against 39.9-41.8k at 0.10 with pools of 8. Alone, torch's team gathers faster
+(raw Loader, shuffled: 56.9k images/s against 50.9k).
+
+``auto`` in compatibility mode with pinned staging reads each batch its way (``mixed``): batches of
+many small reads (shuffled) through the page gather (raw, 257 KB samples: 59-66k images/s against
+kvikio's 44-54k), batches of a few large reads (file order) through kvikio, which splits each read
+over its threads (82-104k against 66-85k). With ``gather_pool=0`` and fewer than 8 torch threads
+everything goes through kvikio; without kvikio installed, through the page gather.
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
@@ -140,10 +147,8 @@ def choose_engine(staging: str, io_mode: str) -> str:
 
 class ShardMaps:
     """Read-only memory maps of a dataset's shards, mapped on first use, and the gather of a planned
-    batch from them into a host buffer: with torch's threads (one ``index_select`` of
-    alignment-sized pages per shard; ``gather_pool=0``) or with a pool of gdsdata threads that take
-    the reads one at a time (``gather_pool=N``; a thread the scheduler preempts holds nobody up, and
-    torch's thread count does not matter)."""
+    batch from them into a host buffer: on a pool of gdsdata threads (``gather_pool=N``) or on
+    torch's threads (``gather_pool=0``)."""
 
     def __init__(self, index):
         self.index = index
@@ -230,7 +235,8 @@ class ShardMaps:
                 if self._pool is not None:
                     self._pool.shutdown(wait=True)
                 self._pool_size = threads - 1
-                self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="gdsdata-gather") if threads > 1 else None
+                helpers = threads - 1
+                self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="gdsdata-gather") if helpers else None
             pool = self._pool
         helpers = [pool.submit(span, k) for k in range(1, threads)] if pool is not None else []
         span(0)

@@ -10,7 +10,7 @@
 | cpu_threads | GDSDATA_CPU_THREADS | cores | threads decoding JPEGs on the CPU path |
 | io_threads | GDSDATA_IO_THREADS | 16 | kvikio threads issuing reads on the GPU path |
 | io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: auto, kvikio (CuFile.pread) or mmap (pinned staging only) |
-| gather_pool | GDSDATA_GATHER_POOL | 0 | mmap engine: 0 gathers on torch's threads; N > 0 on N gdsdata threads |
+| gather_pool | GDSDATA_GATHER_POOL | min(8, cores) | page gather (mmap reads): N gdsdata threads; 0: torch's threads |
 | max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
@@ -30,7 +30,7 @@ _DEFAULTS = {
     "cpu_threads": os.cpu_count() or 1,
     "io_threads": 16,
     "io_engine": "auto",
-    "gather_pool": 0,
+    "gather_pool": min(8, os.cpu_count() or 1),
     "max_gap": 256 * 1024,
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",

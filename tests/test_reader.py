@@ -63,20 +63,21 @@ def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path, pool):
     maps.close()
 
 
-@pytest.mark.parametrize("setting, staging, io_mode, threads, expected", [
-    ("auto", "host", "compat", 16, "mixed"),        # compatibility mode, pinned staging: per batch
-    ("auto", "host", "compat", 1, "kvikio"),        # torchrun's OMP_NUM_THREADS=1: the gather would crawl
-    ("auto", "host", "unavailable", 1, "mmap"),     # no kvikio installed: pinned staging still works
-    ("auto", "host", "gds", 16, "kvikio"),          # GDS
-    ("auto", "device", "compat", 16, "kvikio"),     # GPU staging
-    ("kvikio", "host", "compat", 16, "kvikio"),
-    ("mmap", "host", "compat", 1, "mmap"),
+@pytest.mark.parametrize("setting, staging, io_mode, pool, threads, expected", [
+    ("auto", "host", "compat", 8, 1, "mixed"),        # compatibility mode, pinned staging: per batch
+    ("auto", "host", "compat", 0, 16, "mixed"),       # the gather on torch's threads
+    ("auto", "host", "compat", 0, 1, "kvikio"),       # ... of which torchrun leaves one (OMP_NUM_THREADS=1)
+    ("auto", "host", "unavailable", 0, 1, "mmap"),    # no kvikio installed: pinned staging still works
+    ("auto", "host", "gds", 8, 16, "kvikio"),         # GDS
+    ("auto", "device", "compat", 8, 16, "kvikio"),    # GPU staging
+    ("kvikio", "host", "compat", 8, 16, "kvikio"),
+    ("mmap", "host", "compat", 8, 1, "mmap"),
 ])
-def test_io_engine_choice(monkeypatch, setting, staging, io_mode, threads, expected):
+def test_io_engine_choice(monkeypatch, setting, staging, io_mode, pool, threads, expected):
     from gdsdata import reader_gpu
 
     monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: threads)
-    with gdsdata.settings.set(io_engine=setting):
+    with gdsdata.settings.set(io_engine=setting, gather_pool=pool):
         assert reader_gpu.choose_engine(staging, io_mode) == expected
 
 
@@ -101,14 +102,6 @@ def test_pooled_gather_spans_cross_reads_and_shards(small_shards, threads):
         maps.gather(plan, target)
         maps.close()
     assert np.array_equal(target.numpy(), expected)
-
-
-def test_a_gather_pool_makes_the_page_gather_independent_of_torch_threads(monkeypatch):
-    from gdsdata import reader_gpu
-
-    monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: 1)
-    with gdsdata.settings.set(gather_pool=12):
-        assert reader_gpu.choose_engine("host", "compat") == "mixed"
 
 
 def test_an_emptied_shard_gives_a_one_line_error(small_shards, tmp_path):
