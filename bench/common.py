@@ -1,6 +1,7 @@
 """Helpers every benchmark shares: the system block, timing with warm-up and medians, CPU cost."""
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -60,6 +61,7 @@ class Result:
     bytes: int = 0
     first_batch_s: float = None  # time to the first batch of the first (warm-up) epoch, where measured
     note: str = ""
+    epochs_per_run: int = 1
 
     @property
     def median_s(self):
@@ -93,12 +95,20 @@ class Result:
 HEADER = f"{'pipeline':<44} {'images/s':>10} {'(min-max)':^17} {'ratio':>7} {'CPU-s/1k':>9} {'GB/s':>7}"
 
 
-def measure(name, epoch_fn, images, *, runs=3, warmup=1, nbytes=0, note="") -> Result:
-    """Run ``epoch_fn`` (which loads ``images`` images) warmup+runs times; time the last ``runs``."""
+def measure(name, epoch_fn, images, *, runs=3, warmup=1, nbytes=0, note="", min_seconds=0.0) -> Result:
+    """Run ``epoch_fn`` (which loads ``images`` images) warmup+runs times; time the last ``runs``.
+    With ``min_seconds``, a timed run is as many back-to-back epochs as the last warm-up epoch says
+    fill that time (a 0.25 s epoch is too short to time: one stall decides it); ``images`` and
+    ``bytes`` then count all of them and ``epochs_per_run`` says how many."""
     result = Result(name, images, bytes=nbytes, note=note)
+    repeat, elapsed = 1, 0.0
     for i in range(warmup + runs):
+        if i == warmup and min_seconds and elapsed:
+            repeat = max(1, math.ceil(min_seconds / elapsed))
+            result.images, result.bytes, result.epochs_per_run = images * repeat, nbytes * repeat, repeat
         cpu0, t0 = cpu_seconds(), time.perf_counter()
-        first = epoch_fn()
+        for _ in range(repeat):
+            first = epoch_fn()
         elapsed = time.perf_counter() - t0
         if i == 0 and isinstance(first, float):
             result.first_batch_s = first

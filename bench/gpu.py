@@ -2,8 +2,8 @@
 """The GPU benchmark: gdsdata's GPU path beside its ceilings and its peers, in one run.
 
 Every pipeline reads the same images (generated here, ImageNet-like sizes and file sizes) and is
-timed after a warm-up as the median of several epochs; CPU cost is process CPU-seconds (workers
-included) per 1,000 images. Sections:
+timed after a warm-up epoch as the median of several runs, each as many back-to-back epochs as
+fill --min-seconds; CPU cost is process CPU-seconds (workers included) per 1,000 images. Sections:
 
   ceilings   plain kvikio pread of the shards; a minimal nvJPEG batched loop over bytes already
              staged (pinned host for HARDWARE, GPU memory for HARDWARE_DEVICE)
@@ -128,7 +128,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="bench-data", help="working folder for images and datasets")
     parser.add_argument("--count", type=int, default=10000, help="images (default 10000)")
-    parser.add_argument("--runs", type=int, default=3, help="timed epochs per pipeline (median)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per pipeline (median)")
+    parser.add_argument("--min-seconds", type=float, default=2.0,
+                        help="a timed run repeats the epoch until it lasts about this long (0: one epoch)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers / DALI threads")
     parser.add_argument("--raw-size", type=int, default=256, help="raw codec: shorter side at pack time")
     parser.add_argument("--noise", type=float, default=15.0,
@@ -176,7 +178,8 @@ def main(argv=None):
     def run(name, fn, images, nbytes=0, runs=args.runs, warmup=1):
         try:
             try:
-                result = measure(name, fn, images, runs=runs, warmup=warmup, nbytes=nbytes)
+                result = measure(name, fn, images, runs=runs, warmup=warmup, nbytes=nbytes,
+                                 min_seconds=args.min_seconds)
             finally:
                 getattr(fn, "close", lambda: None)()
             results.append(result)

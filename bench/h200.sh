@@ -37,5 +37,5 @@ python3 -m gdsdata.cli doctor | tee "$OUT/doctor.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 200 python3 -m pytest -q -m gpu --timeout 60 tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
 fi
-timeout ${BENCH_TIMEOUT:-400} python3 bench/gpu.py --dir /tmp/bench --count ${COUNT:-10000} --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+timeout ${BENCH_TIMEOUT:-500} python3 bench/gpu.py --dir /tmp/bench --count ${COUNT:-10000} --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 python3 bench/chart.py "$OUT/gpu.json" "$OUT/gpu.png" || echo "chart skipped (matplotlib missing)"
