@@ -62,6 +62,7 @@ class Result:
     first_batch_s: float = None  # time to the first batch of the first (warm-up) epoch, where measured
     note: str = ""
     epochs_per_run: int = 1
+    stages: list = field(default_factory=list)  # Loader rows: per epoch, seconds and stage ms per batch
 
     @property
     def median_s(self):
@@ -116,6 +117,20 @@ def measure(name, epoch_fn, images, *, runs=3, warmup=1, nbytes=0, note="", min_
             result.seconds.append(elapsed)
             result.cpu_seconds.append(cpu_seconds() - cpu0)
     return result
+
+
+def stage_ms(stats, since=None) -> dict:
+    """A Loader's stage times (``Loader.stats()``, optionally minus an earlier snapshot) as
+    milliseconds per batch."""
+    if since is not None and since["batches"] <= stats["batches"]:  # else a new pass began: no delta
+        stats = {k: v - since[k] for k, v in stats.items()}
+    batches = max(1, stats["batches"])
+    return {k[:-2]: round(v / batches * 1000, 2) for k, v in stats.items() if k != "batches"}
+
+
+def print_stages(stats, indent="      "):
+    """The Loader's own account of a batch: milliseconds per batch in each stage."""
+    print(f"{indent}ms per batch: " + ", ".join(f"{k} {v:.2f}" for k, v in stage_ms(stats).items()), flush=True)
 
 
 def print_table(results, reference=None):

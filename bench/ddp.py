@@ -38,7 +38,7 @@ def prepare(args):
 def train(args):
     import torch
     import torch.distributed as dist
-    from common import cpu_seconds
+    from common import cpu_seconds, stage_ms
 
     import gdsdata
 
@@ -64,7 +64,7 @@ def train(args):
         planned = [b.tolist() for b in loader.indices()]
         dist.barrier()
         torch.cuda.synchronize()
-        t0, c0 = time.perf_counter(), cpu_seconds()
+        t0, c0, before = time.perf_counter(), cpu_seconds(), loader.stats()
         images_seen = 0
         for images, labels in loader:
             loss = torch.nn.functional.cross_entropy(model(images).float(), labels)
@@ -77,7 +77,8 @@ def train(args):
         seconds = time.perf_counter() - t0
         stats = [None] * world
         dist.all_gather_object(stats, {"images": images_seen, "seconds": seconds, "cpu": cpu_seconds() - c0,
-                                       "planned": planned, "batches": len(planned)})
+                                       "planned": planned, "batches": len(planned),
+                                       "stages_ms": stage_ms(loader.stats(), before)})
         if rank == 0:
             seen = [i for s in stats for b in s["planned"] for i in b]
             missing = len(ds) - len(set(seen))
@@ -86,7 +87,8 @@ def train(args):
             epochs.append({"epoch": epoch, "images": total, "seconds": wall, "images_per_s": total / wall,
                            "cpu_s_per_1k": sum(s["cpu"] for s in stats) / total * 1000,
                            "missing_samples": missing, "duplicates": len(seen) - len(set(seen)),
-                           "batches_per_rank": sorted({s["batches"] for s in stats})})
+                           "batches_per_rank": sorted({s["batches"] for s in stats}),
+                           "stages_ms_per_rank": [s["stages_ms"] for s in stats]})
             print(json.dumps(epochs[-1]), flush=True)
     if rank == 0:
         timed = epochs[1:] or epochs  # the first epoch warms up (Triton compiles, staging grows)

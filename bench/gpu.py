@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import peers  # noqa: E402
 from decode_ceiling import staged_batches  # noqa: E402
 from common import (kvikio_pread_epoch, measure, print_system_block, print_table, shard_paths,  # noqa: E402
-                    system_block, warm, write_json)
+                    stage_ms, system_block, warm, write_json)
 from make_images import generate  # noqa: E402
 
 import gdsdata  # noqa: E402
@@ -76,6 +76,7 @@ def loader_epoch(ds, transform, shuffle="full"):
     def epoch():
         loader.set_epoch(state["epoch"])
         state["epoch"] += 1
+        before = loader.stats()
         t0 = time.perf_counter()
         first = None
         for images, labels in loader:
@@ -83,9 +84,12 @@ def loader_epoch(ds, transform, shuffle="full"):
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
         torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        epoch.stages.append({"seconds": round(seconds, 4), **stage_ms(loader.stats(), before)})
         return first
 
     epoch.close = loader.close  # run() stops the read-ahead once the pipeline is measured
+    epoch.stages = []  # per epoch: its seconds and the Loader's stage times per batch (ms)
     return epoch
 
 
@@ -182,8 +186,12 @@ def main(argv=None):
                                  min_seconds=args.min_seconds)
             finally:
                 getattr(fn, "close", lambda: None)()
+            result.stages = getattr(fn, "stages", [])
             results.append(result)
             print(f"  {result.row()}", flush=True)
+            if result.stages:  # the slowest epoch's stages: which one held it up
+                slowest = max(result.stages, key=lambda e: e["seconds"])
+                print("      slowest epoch " + ", ".join(f"{k} {v}" for k, v in slowest.items()), flush=True)
             write_json(os.path.join(args.out, "gpu.json"), notes, results)
             return result
         except Exception:  # noqa: BLE001 - one failing pipeline must not hide the others

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import kvikio_pread_epoch, print_system_block, shard_paths, system_block, warm  # noqa: E402
+from common import (kvikio_pread_epoch, print_stages, print_system_block, shard_paths,  # noqa: E402
+                    system_block, warm)
 
 import gdsdata  # noqa: E402
 from gdsdata import settings  # noqa: E402
@@ -144,12 +145,6 @@ def loader_rate(root, engine, shuffle, transform, pool=0):
     return rate, stats
 
 
-def print_stats(stats):
-    """The Loader's own account of a batch: milliseconds per batch in each stage (loader.stats())."""
-    per_batch = ", ".join(f"{k[:-2]} {v / stats['batches'] * 1000:.2f}" for k, v in stats.items() if k != "batches")
-    print(f"      ms per batch: {per_batch}", flush=True)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="bench-data", help="folder holding raw.gds (bench/gpu.py makes it)")
@@ -208,14 +203,14 @@ def main(argv=None):
         for shuffle in ("full", None):
             rate, stats = loader_rate(root, engine, shuffle, rrc)
             row(f"  Loader reads={engine}{' (torch threads)' if engine == 'mmap' else ''} shuffle={shuffle}", rate)
-            print_stats(stats)
+            print_stages(stats)
     for pool in (4, 8, 12):
         rate, stats = loader_rate(root, "mmap", "full", rrc, pool)
         row(f"  Loader reads=mmap shuffle=full, gather pool of {pool}", rate)
-        print_stats(stats)
+        print_stages(stats)
     rate, stats = loader_rate(root, "mmap", "full", None)
     row("  Loader reads=mmap (torch threads) shuffle=full, no transform (pixels=True)", rate)
-    print_stats(stats)
+    print_stages(stats)
 
 
 if __name__ == "__main__":
