@@ -3,6 +3,9 @@
 
     python bench/ddp.py prepare --dir /tmp/ddp --count 10000            # images + packed dataset
     torchrun --nproc_per_node 2 bench/ddp.py train --dir /tmp/ddp --epochs 3 --out result.json
+    python bench/ddp.py summary run1.json run2.json ...                  # scaling over several runs
+
+``bench/h200x2.sh`` runs the whole comparison (one and two GPUs, alternating) in one command.
 
 Each rank loads its share with ``gdsdata.Loader`` (rank and world size from torch.distributed),
 random-resized-crop 224 + flip + normalise fp16 on its GPU, and takes a step of a small DDP model
@@ -103,16 +106,51 @@ def train(args):
     dist.destroy_process_group()
 
 
+def summary(args):
+    """Scaling from result files of several runs: per GPU count, the median images/s of every epoch
+    after the first in every run (min-max), CPU-seconds per 1,000 images, and whether every epoch saw
+    every sample once; then each count's median over the smallest count's."""
+    import statistics
+
+    by_world = {}
+    for path in args.files:
+        with open(path) as f:
+            result = json.load(f)
+        by_world.setdefault(result["world_size"], []).append(result)
+    table = {}
+    for world, results in sorted(by_world.items()):
+        epochs = [e for r in results for e in (r["epochs"][1:] or r["epochs"])]
+        rates = [e["images_per_s"] for e in epochs]
+        table[world] = {"runs": len(results), "epochs": len(epochs), "median_images_per_s": statistics.median(rates),
+                        "min": min(rates), "max": max(rates),
+                        "cpu_s_per_1k": statistics.median(e["cpu_s_per_1k"] for e in epochs),
+                        "every_sample_once": all(e["missing_samples"] == 0 and e["duplicates"] == 0
+                                                 for r in results for e in r["epochs"]),
+                        "io": results[0]["io"]}
+    base = table[min(table)]["median_images_per_s"]
+    print(f"{'GPUs':>4} {'runs':>4} {'images/s (median)':>18} {'min-max':>17} {'CPU-s/1k':>9} {'scaling':>8}  once")
+    for world, row in table.items():
+        row["scaling"] = row["median_images_per_s"] / base
+        print(f"{world:>4} {row['runs']:>4} {row['median_images_per_s']:>18.0f} {row['min']:>8.0f}-{row['max']:<8.0f} "
+              f"{row['cpu_s_per_1k']:>9.2f} {row['scaling']:>7.2f}x  {'yes' if row['every_sample_once'] else 'NO'}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({str(k): v for k, v in table.items()}, f, indent=2)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("prepare", "train"))
+    parser.add_argument("command", choices=("prepare", "train", "summary"))
+    parser.add_argument("files", nargs="*", help="summary: result files of train runs")
     parser.add_argument("--dir", default="bench-data/ddp")
     parser.add_argument("--count", type=int, default=10000)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--out", default="ddp.json")
+    parser.add_argument("--out", default=None, help="train: result file (default ddp.json); summary: table as JSON")
     args = parser.parse_args()
-    (prepare if args.command == "prepare" else train)(args)
+    if args.command == "train":
+        args.out = args.out or "ddp.json"
+    {"prepare": prepare, "train": train, "summary": summary}[args.command](args)
 
 
 if __name__ == "__main__":
