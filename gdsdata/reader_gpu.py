@@ -272,6 +272,11 @@ class GpuReader:
             threads = settings.get("io_threads")
             if self.kvikio.defaults.get("num_threads") != threads:
                 self.kvikio.defaults.set({"num_threads": threads})
+            # kvikio reads into GPU memory below its gds_threshold (1 MiB unless KVIKIO_GDS_THRESHOLD
+            # says otherwise) on the calling thread, through POSIX, one after another: neither GDS nor
+            # the thread pool would ever see a sample-sized read. Reads here are whole aligned pages.
+            if "KVIKIO_GDS_THRESHOLD" not in os.environ and self.kvikio.defaults.get("gds_threshold") > index.alignment:
+                self.kvikio.defaults.set({"gds_threshold": index.alignment})
         if engine in ("mmap", "mixed"):
             self.maps = ShardMaps(index)
 

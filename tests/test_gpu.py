@@ -101,6 +101,19 @@ def test_mixed_engine_reads_each_batch_its_way_and_equals_cpu(raw_dataset, monke
     gpu.close()
 
 
+def test_kvikio_reads_small_samples_through_its_pool(raw_dataset, monkeypatch):
+    """kvikio reads into GPU memory below its gds_threshold on the calling thread, one after
+    another; gdsdata lowers the threshold to the alignment (unless KVIKIO_GDS_THRESHOLD is set)."""
+    import kvikio.defaults
+
+    monkeypatch.delenv("KVIKIO_GDS_THRESHOLD", raising=False)
+    with kvikio.defaults.set({"gds_threshold": 1 << 20}):
+        with settings.set(staging="device", io_engine="kvikio"):
+            ds = gdsdata.GDSDataset(raw_dataset, device="cuda")
+        assert kvikio.defaults.get("gds_threshold") == ds.index.alignment
+        ds.close()
+
+
 def test_resampled_gpu_batches_match_cpu_within_one(raw_dataset):
     transform = gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=7)
     cpu = gdsdata.Loader(gdsdata.GDSDataset(raw_dataset), 8, transform=transform, seed=3)
