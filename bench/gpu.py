@@ -123,7 +123,7 @@ def transform_compare(ds):
 # --- main -------------------------------------------------------------------------------------
 def gather_tag(ds, pool) -> str:
     """Who runs the page gather, where a dataset's reads use it."""
-    if ds._backend.engine == "kvikio":
+    if ds._backend.engine in ("kvikio", "mapped"):
         return ""
     return f" gather_pool={pool}" if pool else " gather=torch threads"
 
@@ -219,7 +219,7 @@ def main(argv=None):
     paths = [("auto", "auto", "auto", 16, user_pool)] if "paths" in skip else [
         ("host", "hardware", "auto", 16, user_pool), ("host", "hardware", "mmap", 16, user_pool),
         ("host", "hardware", "mmap", 16, 0), ("host", "hardware", "kvikio", 16, user_pool),
-        ("device", "hardware_device", "kvikio", 16, user_pool)]
+        ("device", "hardware_device", "kvikio", 16, user_pool), ("device", "hardware_device", "mapped", 16, 0)]
     for staging, backend, engine, io_threads, pool in paths:
         with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
                           gather_pool=pool):
@@ -230,7 +230,7 @@ def main(argv=None):
             ds.close()
     raw_train = None
     raw_paths = (("host", "auto", user_pool), ("host", "mmap", user_pool), ("host", "mmap", 0),
-                 ("host", "kvikio", user_pool), ("device", "kvikio", user_pool))
+                 ("host", "kvikio", user_pool), ("device", "kvikio", user_pool), ("device", "mapped", 0))
     for staging, engine, pool in () if raw is None else raw_paths:
         with settings.set(staging=staging, io_engine=engine, gather_pool=pool):
             ds = gdsdata.GDSDataset(raw_dir, device="cuda")

@@ -45,8 +45,8 @@ def choose_path(gds: bool):
             raise ValueError(f"decode backend {backend} takes bitstreams from {wanted} memory, but "
                              f"staging={staging} was asked for")
         return wanted, backend
-    if staging == "auto":
-        staging = "device" if gds else "host"
+    if staging == "auto":  # io_engine=mapped gathers into GPU memory
+        staging = "device" if gds or settings.get("io_engine") == "mapped" else "host"
     engines = _has_hardware_decoder()
     family = "hardware" if engines else "gpu_hybrid"
     return staging, family + ("_device" if staging == "device" else "")

@@ -142,6 +142,8 @@ def choose_engine(staging: str, io_mode: str) -> str:
             engine = "mixed" if staging == "host" and io_mode == "compat" and enough else "kvikio"
     if engine == "mmap" and staging != "host":
         raise ValueError("io_engine=mmap reads into host memory only; device staging needs kvikio")
+    if engine == "mapped" and staging != "device":
+        raise ValueError("io_engine=mapped gathers into GPU memory only; it needs staging=device")
     return engine
 
 
@@ -181,9 +183,25 @@ class ShardMaps:
 
     def gather(self, plan, target: torch.Tensor):
         """Copy every read of ``plan`` to its place in ``target`` (a host tensor)."""
-        reads = plan.reads
-        if not reads:
+        if not plan.reads:
             return
+        runs, source = self.page_runs(plan)
+        dest = target.view(-1, self.index.alignment)
+        threads = settings.get("gather_pool")
+        if threads:
+            self._take_pooled(runs, source, dest.numpy(), threads)
+            return
+        source = torch.from_numpy(source)
+        for shard, p0, p1 in runs:
+            torch.index_select(self.pages(shard), 0, source[p0:p1], out=dest[p0:p1])
+
+    def page_runs(self, plan):
+        """Page by page: which pages of which shard land on which pages of the staging buffer, as
+        ``(runs, source)``: ``source[k]`` is the shard page that goes to staging page k, and each
+        run ``(shard, p0, p1)`` covers staging pages p0..p1 of one shard. Reads are alignment-sized
+        multiples at aligned offsets (plan.py), listed by shard, then offset, so a shard's reads are
+        one contiguous run of staging pages. A read past a shard's end is a truncated shard."""
+        reads = plan.reads
         shards = np.fromiter((r.shard for r in reads), np.int64, len(reads))
         offsets = np.fromiter((r.offset for r in reads), np.int64, len(reads))
         sizes = np.fromiter((r.size for r in reads), np.int64, len(reads))
@@ -192,13 +210,6 @@ class ShardMaps:
             if end > have:
                 raise FormatError(f"{self.index.shard_path(int(shard))}: a read ends at byte {end}, past the "
                                   f"end of the file ({have} bytes): truncated shard")
-        self._gather_pages(shards, offsets, sizes, target)
-
-    def _gather_pages(self, shards, offsets, sizes, target):
-        """Page by page: which pages of which shard land on which pages of ``target``. Reads are
-        alignment-sized multiples at aligned offsets (plan.py), and plans list them by shard, then
-        offset. The pages are numbered in target order, so a shard's reads are one contiguous run of
-        destination pages."""
         alignment = self.index.alignment
         starts, counts = offsets // alignment, sizes // alignment
         first = np.cumsum(counts) - counts
@@ -206,14 +217,7 @@ class ShardMaps:
         edges = np.flatnonzero(np.diff(shards)) + 1
         runs = [(int(shards[lo]), int(first[lo]), int(first[hi - 1] + counts[hi - 1]))
                 for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(shards)])]
-        dest = target.view(-1, alignment)
-        threads = settings.get("gather_pool")
-        if threads:
-            self._take_pooled(runs, source, dest.numpy(), threads)
-            return
-        source = torch.from_numpy(source)
-        for shard, p0, p1 in runs:
-            torch.index_select(self.pages(shard), 0, source[p0:p1], out=dest[p0:p1])
+        return runs, source
 
     def _take_pooled(self, runs, source, dest, threads):
         """The same gather on ``threads`` threads (the caller and a pool of gdsdata threads): the
@@ -257,6 +261,71 @@ class ShardMaps:
                 pass
 
 
+_HOST_REGISTER_MAPPED, _HOST_REGISTER_READ_ONLY = 0x02, 0x08  # cudaHostRegister flags
+
+
+class MappedShards(ShardMaps):
+    """The ``mapped`` engine (experimental, device staging): the same read-only maps, each
+    registered with CUDA (``cudaHostRegister``, mapped and read-only) on first use, so that the GPU
+    gathers a batch's pages straight out of the page cache into GPU staging: one ``index_select``
+    kernel per shard reading host memory over PCIe, and no CPU copy at all. Registering pins the
+    whole shard (reading it in first), so it suits datasets that fit in host memory."""
+
+    def __init__(self, index, device: torch.device):
+        super().__init__(index)
+        self.device = device
+        self._device_pages = {}
+        self._registered = []
+        self._stream = torch.cuda.Stream(device)
+
+    def device_pages(self, shard) -> torch.Tensor:
+        """The shard's pages as a CUDA tensor over its registered host memory."""
+        host = self.pages(shard)
+        with self._lock:
+            if shard not in self._device_pages:
+                import cupy
+
+                ptr, nbytes = host.data_ptr(), host.numel()
+                with cupy.cuda.Device(self.device.index):
+                    try:
+                        cupy.cuda.runtime.hostRegister(ptr, nbytes, _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY)
+                    except cupy.cuda.runtime.CUDARuntimeError as e:
+                        raise GpuUnavailableError(f"{self.index.shard_path(shard)}: CUDA cannot register the mapped "
+                                                  f"shard ({e}); read with GDSDATA_IO_ENGINE=auto") from e
+                    self._registered.append(ptr)
+                    pointer = cupy.cuda.runtime.pointerGetAttributes(ptr).devicePointer
+                    memory = cupy.cuda.UnownedMemory(pointer, nbytes, host, self.device.index)
+                    array = cupy.ndarray(tuple(host.shape), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+                self._device_pages[shard] = torch.from_dlpack(array)
+            return self._device_pages[shard]
+
+    def gather(self, plan, target: torch.Tensor):
+        """Copy every read of ``plan`` to its place in ``target`` (a GPU tensor); returns when the
+        copy is done."""
+        if not plan.reads:
+            return
+        runs, source = self.page_runs(plan)
+        dest = target.view(-1, self.index.alignment)
+        pages = {shard: self.device_pages(shard) for shard, _, _ in runs}
+        with torch.cuda.stream(self._stream):
+            source = torch.from_numpy(source).pin_memory().to(self.device, non_blocking=True)
+            for shard, p0, p1 in runs:
+                torch.index_select(pages[shard], 0, source[p0:p1], out=dest[p0:p1])
+        self._stream.synchronize()
+
+    def close(self):
+        with self._lock:
+            registered, self._registered, self._device_pages = self._registered, [], {}
+        if registered:
+            import cupy
+
+            self._stream.synchronize()
+            with cupy.cuda.Device(self.device.index):
+                for ptr in registered:
+                    cupy.cuda.runtime.hostUnregister(ptr)
+        super().close()
+
+
 class GpuReader:
     """Reads planned batches into staging buffers, with kvikio, from memory maps, or (``mixed``)
     each batch through whichever suits its reads."""
@@ -279,6 +348,8 @@ class GpuReader:
                 self.kvikio.defaults.set({"gds_threshold": index.alignment})
         if engine in ("mmap", "mixed"):
             self.maps = ShardMaps(index)
+        elif engine == "mapped":
+            self.maps = MappedShards(index, device)
 
     def _file(self, shard):
         with self._lock:
@@ -291,7 +362,7 @@ class GpuReader:
         """Issue every read of ``plan`` in parallel into ``staging``; returns the filled tensor."""
         target = staging.ensure(plan.total)
         few_large = plan.total >= _KVIKIO_READ * len(plan.reads)
-        if self.engine == "mmap" or (self.engine == "mixed" and not few_large):
+        if self.engine in ("mmap", "mapped") or (self.engine == "mixed" and not few_large):
             self.maps.gather(plan, target)
             return target
         host = None if staging.kind == "device" else target.numpy()
@@ -314,5 +385,5 @@ class GpuReader:
             for handle in self._files.values():
                 handle.close()
             self._files = {}
-        if self.engine in ("mmap", "mixed"):
+        if self.engine in ("mmap", "mixed", "mapped"):
             self.maps.close()

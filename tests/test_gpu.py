@@ -54,8 +54,10 @@ def test_every_kind_decodes_on_the_gpu_like_pil(kinds_dataset, staging, backend)
         ds.close()
 
 
-@pytest.mark.parametrize("staging, backend, engine", [(s, b, e) for s, b in PATHS[:2]
-                                                      for e in (["mmap", "kvikio"] if s == "host" else ["kvikio"])])
+ENGINES = {"host": ["mmap", "kvikio"], "device": ["kvikio", "mapped"]}
+
+
+@pytest.mark.parametrize("staging, backend, engine", [(s, b, e) for s, b in PATHS[:2] for e in ENGINES[s]])
 def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend, engine):
     src, paths, out = photos_dataset
     with settings.set(staging=staging, decode_backend=backend, io_engine=engine):
@@ -65,7 +67,7 @@ def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend, eng
 
 
 @pytest.mark.parametrize("staging, engine, pool", [("host", "mmap", 0), ("host", "mmap", 4), ("host", "kvikio", 0),
-                                                   ("device", "kvikio", 0)])
+                                                   ("device", "kvikio", 0), ("device", "mapped", 0)])
 def test_raw_gpu_equals_cpu_exactly(raw_dataset, staging, engine, pool):
     cpu = gdsdata.GDSDataset(raw_dataset)
     with settings.set(staging=staging, io_engine=engine, max_gap=0, gather_pool=pool):

@@ -81,6 +81,15 @@ def test_io_engine_choice(monkeypatch, setting, staging, io_mode, pool, threads,
         assert reader_gpu.choose_engine(staging, io_mode) == expected
 
 
+def test_mapped_engine_needs_gpu_staging():
+    from gdsdata import reader_gpu
+
+    with gdsdata.settings.set(io_engine="mapped"), pytest.raises(ValueError, match="it needs staging=device"):
+        reader_gpu.choose_engine("host", "compat")
+    with gdsdata.settings.set(io_engine="mapped"):
+        assert reader_gpu.choose_engine("device", "compat") == "mapped"
+
+
 def test_mmap_engine_cannot_fill_gpu_staging():
     from gdsdata import reader_gpu
 
