@@ -32,3 +32,60 @@ def test_demo_runs(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "gdsdata GDSDataset (cpu)" in proc.stdout and "the images/s of the standard DataLoader" in proc.stdout
+
+
+def _bench_common():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import common
+
+    return common
+
+
+def test_timed_runs_repeat_short_epochs_to_fill_min_seconds():
+    common = _bench_common()
+    calls = []
+
+    def epoch():
+        calls.append(1)
+        import time
+
+        time.sleep(0.02)
+
+    result = common.measure("x", epoch, 10, runs=2, warmup=1, nbytes=100, min_seconds=0.1)
+    assert result.epochs_per_run >= 5 and len(calls) == 1 + 2 * result.epochs_per_run
+    assert result.images == 10 * result.epochs_per_run and result.bytes == 100 * result.epochs_per_run
+    assert all(s >= 0.1 for s in result.seconds)
+    cold = common.measure("y", epoch, 10, runs=1, warmup=0, min_seconds=0.1)  # no warm-up: one epoch
+    assert cold.epochs_per_run == 1 and cold.images == 10
+
+
+def test_stage_ms_per_batch_and_between_snapshots():
+    common = _bench_common()
+    before = {"batches": 10, "read_s": 1.0, "decode_s": 0.5}
+    after = {"batches": 30, "read_s": 2.0, "decode_s": 1.5}
+    assert common.stage_ms(after, before) == {"read": 50.0, "decode": 50.0}
+    assert common.stage_ms(after) == {"read": round(2.0 / 30 * 1000, 2), "decode": 50.0}
+    assert common.stage_ms(before, after) == {"read": 100.0, "decode": 50.0}  # a new pass: no delta
+
+
+def test_ddp_summary_gives_scaling_and_coverage(tmp_path):
+    def run(world, rates, missing=0):
+        epochs = [{"images_per_s": r, "cpu_s_per_1k": 0.1, "missing_samples": missing, "duplicates": 0}
+                  for r in rates]
+        path = tmp_path / f"w{world}-{rates[1]}.json"
+        path.write_text(json.dumps({"world_size": world, "epochs": epochs, "io": "io=compat"}))
+        return str(path)
+
+    files = [run(1, [5, 20, 22]), run(1, [5, 21, 19]), run(2, [9, 40, 38]), run(2, [9, 41, 42])]
+    out = tmp_path / "summary.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ddp.py"), "summary", *files, "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = json.loads(out.read_text())
+    assert table["1"]["median_images_per_s"] == 20.5 and table["2"]["median_images_per_s"] == 40.5
+    assert abs(table["2"]["scaling"] - 40.5 / 20.5) < 1e-9 and table["2"]["every_sample_once"]
+    assert table["1"]["epochs"] == 4  # the first epoch of each run is left out
+    files.append(run(2, [9, 40, 40], missing=3))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ddp.py"), "summary", *files],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "NO" in proc.stdout
