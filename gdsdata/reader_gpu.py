@@ -231,21 +231,21 @@ class ShardMaps:
             lo, hi = int(cuts[k]), int(cuts[k + 1])
             for shard, p0, p1 in runs:
                 a, b = max(lo, p0), min(hi, p1)
-                if a < b:  # mode="clip": no buffered copy; gather() checked every page is in the file
+                if a < b:  # mode="clip": no buffered copy; page_runs() checked every page is in the file
                     np.take(pages[shard], source[a:b], axis=0, out=dest[a:b], mode="clip")
 
         with self._lock:
-            if self._pool_size != threads - 1:
+            if self._pool_size != threads - 1:  # the caller takes the first span itself
                 if self._pool is not None:
                     self._pool.shutdown(wait=True)
                 self._pool_size = threads - 1
-                helpers = threads - 1
-                self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="gdsdata-gather") if helpers else None
+                self._pool = (ThreadPoolExecutor(self._pool_size, thread_name_prefix="gdsdata-gather")
+                              if self._pool_size else None)
             pool = self._pool
-        helpers = [pool.submit(span, k) for k in range(1, threads)] if pool is not None else []
+        others = [pool.submit(span, k) for k in range(1, threads)] if pool is not None else []
         span(0)
-        for helper in helpers:
-            helper.result()
+        for other in others:
+            other.result()
 
     def close(self):
         with self._lock:
