@@ -11,6 +11,7 @@ fill --min-seconds; CPU cost is process CPU-seconds (workers included) per 1,000
              fp16), JPEG on each path, raw codec; transform kernel Triton vs torch
   peers      torch DataLoader + ImageFolder + PIL (workers configurable), DALI 2.x if importable
   cold       page cache dropped (when permitted): dd iflag=direct, and the raw loader
+  mapped     experimental io_engine=mapped rows (JPEG and raw), last
 
     python bench/gpu.py --dir /tmp/bench --count 10000 --out results/
 """
@@ -143,7 +144,7 @@ def main(argv=None):
     parser.add_argument("--quality", type=int, default=92, help="image set: JPEG quality")
     parser.add_argument("--scale", type=float, default=1.0, help="image set: scale of the ImageNet-like sizes")
     parser.add_argument("--out", default="bench-results", help="folder for gpu.json")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: peers,dali,cold,paths,raw")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: peers,dali,cold,paths,raw,mapped")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
@@ -219,28 +220,35 @@ def main(argv=None):
     paths = [("auto", "auto", "auto", 16, user_pool)] if "paths" in skip else [
         ("host", "hardware", "auto", 16, user_pool), ("host", "hardware", "mmap", 16, user_pool),
         ("host", "hardware", "mmap", 16, 0), ("host", "hardware", "kvikio", 16, user_pool),
-        ("device", "hardware_device", "kvikio", 16, user_pool), ("device", "hardware_device", "mapped", 16, 0)]
-    for staging, backend, engine, io_threads, pool in paths:
-        with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
-                          gather_pool=pool):
-            ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
-            tag = f"{ds._backend.describe()} io_threads={io_threads}" + gather_tag(ds, pool)
-            run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
-            run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
-            ds.close()
-    raw_train = None
-    raw_paths = (("host", "auto", user_pool), ("host", "mmap", user_pool), ("host", "mmap", 0),
-                 ("host", "kvikio", user_pool), ("device", "kvikio", user_pool), ("device", "mapped", 0))
-    for staging, engine, pool in () if raw is None else raw_paths:
-        with settings.set(staging=staging, io_engine=engine, gather_pool=pool):
-            ds = gdsdata.GDSDataset(raw_dir, device="cuda")
-            reads = ds._backend.engine + gather_tag(ds, pool)
-            for shuffle in ("full", None):
-                result = run(f"gdsdata raw train batches [staging={staging} reads={reads} shuffle={shuffle}]",
-                             loader_epoch(ds, rrc, shuffle=shuffle), len(raw), raw_payload)
-                if raw_train is None:
-                    raw_train = result  # the automatic choice in compat mode, shuffled
-            ds.close()
+        ("device", "hardware_device", "kvikio", 16, user_pool)]
+
+    def jpeg_rows(paths):
+        for staging, backend, engine, io_threads, pool in paths:
+            with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
+                              gather_pool=pool):
+                ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
+                tag = f"{ds._backend.describe()} io_threads={io_threads}" + gather_tag(ds, pool)
+                run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
+                run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
+                ds.close()
+
+    def raw_rows(paths):
+        """Shuffled and file-order raw train batches per path; returns the first path's shuffled row."""
+        first = None
+        for staging, engine, pool in () if raw is None else paths:
+            with settings.set(staging=staging, io_engine=engine, gather_pool=pool):
+                ds = gdsdata.GDSDataset(raw_dir, device="cuda")
+                reads = ds._backend.engine + gather_tag(ds, pool)
+                for shuffle in ("full", None):
+                    result = run(f"gdsdata raw train batches [staging={staging} reads={reads} shuffle={shuffle}]",
+                                 loader_epoch(ds, rrc, shuffle=shuffle), len(raw), raw_payload)
+                    first = first or result
+                ds.close()
+        return first
+
+    jpeg_rows(paths)
+    raw_train = raw_rows((("host", "auto", user_pool), ("host", "mmap", user_pool), ("host", "mmap", 0),
+                          ("host", "kvikio", user_pool), ("device", "kvikio", user_pool)))  # first: auto, shuffled
     try:
         notes["transform_ms_per_batch"] = transform_compare(jpeg)
         print(f"  transform per batch of {BATCH}: {notes['transform_ms_per_batch']}")
@@ -276,6 +284,16 @@ def main(argv=None):
             run("gdsdata JPEG train batches, cold", loader_epoch(jpeg, rrc), n, payload, runs=1, warmup=0)
         else:
             print("  cannot drop the page cache here (not root): cold numbers not measured")
+
+    if "mapped" not in skip:
+        # Last, so that a failure of the experimental engine cannot take the main table with it.
+        print("\n== experimental: io_engine=mapped, the GPU gathers from registered page-cache pages ==")
+        try:
+            warm(shard_paths(jpeg) + ([] if raw is None else shard_paths(raw)))
+            jpeg_rows([("device", "hardware_device", "mapped", 16, 0)])
+            raw_rows([("device", "mapped", 0)])
+        except Exception:  # noqa: BLE001 - the summary of everything else still follows
+            print(f"  mapped engine FAILED\n{traceback.format_exc()}")
 
     print("\n== summary ==")
     reference = next((r for r in results if r.name.startswith("DataLoader")), None)
