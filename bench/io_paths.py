@@ -46,6 +46,21 @@ def batches(n, shuffle, count):
     return [order[k * BATCH:(k + 1) * BATCH].tolist() for k in range(min(count, n // BATCH))]
 
 
+def read_epoch(ds, shuffle, count):
+    """An epoch of up to ``count`` batches read into staging buffers and handed straight back
+    (``epoch.batches`` of them), and the bytes it reads."""
+    work, backend = batches(len(ds), shuffle, count), ds._backend
+    nbytes = sum(int(ds.index.samples["length"][b].sum()) for b in work)
+
+    def epoch():
+        for indices in work:
+            staged = backend.read(indices)
+            backend._slots.release(staged.slot, None)
+
+    epoch.batches = len(work)
+    return epoch, nbytes
+
+
 def read_stage(root, staging, engine, threads, shuffle, count=40, pool=0, kvikio_config=None):
     """Batches read into staging buffers and nothing else. ``kvikio_config``: kvikio defaults for the
     run, e.g. ``task_size`` (how a read is split over kvikio's threads; 4 MiB by default, so a 33 MB
@@ -55,15 +70,7 @@ def read_stage(root, staging, engine, threads, shuffle, count=40, pool=0, kvikio
 
     with settings.set(staging=staging, io_engine=engine, io_threads=threads, gather_pool=pool):
         ds = gdsdata.GDSDataset(root, device="cuda")
-        work = batches(len(ds), shuffle, count)
-        nbytes = sum(int(ds.index.samples["length"][b].sum()) for b in work)
-        backend = ds._backend
-
-        def epoch():
-            for indices in work:
-                staged = backend.read(indices)
-                backend._slots.release(staged.slot, None)
-
+        epoch, nbytes = read_epoch(ds, shuffle, count)
         configured = contextlib.nullcontext()
         if kvikio_config:
             import kvikio.defaults
@@ -80,13 +87,11 @@ def read_stage_beside(root, side, count=40, pool=0):
     "copy" uploads pinned batches to the GPU back to back (memory bandwidth shared with the copy
     engine), "python" keeps a core busy with numpy and Python (what the decode thread does)."""
     ds = gdsdata.GDSDataset(root, device="cuda")
-    work = batches(len(ds), True, count)
-    nbytes = sum(int(ds.index.samples["length"][b].sum()) for b in work)
-    backend = ds._backend
+    epoch, nbytes = read_epoch(ds, True, count)
     stop = threading.Event()
 
     def copies():
-        pinned = torch.empty(nbytes // len(work), dtype=torch.uint8, pin_memory=True)
+        pinned = torch.empty(nbytes // epoch.batches, dtype=torch.uint8, pin_memory=True)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
             while not stop.is_set():
@@ -99,12 +104,6 @@ def read_stage_beside(root, side, count=40, pool=0):
 
     helper = threading.Thread(target={"copy": copies, "python": python}[side], daemon=True)
     helper.start()
-
-    def epoch():
-        for indices in work:
-            staged = backend.read(indices)
-            backend._slots.release(staged.slot, None)
-
     with settings.set(gather_pool=pool):
         rate = median_rate(epoch, nbytes)
     stop.set()
