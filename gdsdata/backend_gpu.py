@@ -9,6 +9,7 @@ Choosing the path (``gdsdata doctor`` shows the choice):
 ``GDSDATA_STAGING`` and ``GDSDATA_DECODE_BACKEND`` override either choice.
 """
 
+import functools
 import logging
 
 import torch
@@ -24,7 +25,10 @@ log = logging.getLogger(__name__)
 _SLOTS = 5  # staging buffers: batches being read, queued for decode, decoding, and held by the consumer
 
 
-def _has_hardware_decoder() -> bool:
+@functools.lru_cache(maxsize=None)
+def _has_hardware_decoder(device_index: int) -> bool:
+    """Whether the GPU has nvJPEG's hardware engines: probed once per device and process (the probe
+    creates and destroys a hardware decoder)."""
     from .nvjpeg import BatchedDecoder, NvjpegError
 
     try:
@@ -47,7 +51,7 @@ def choose_path(gds: bool):
         return wanted, backend
     if staging == "auto":  # io_engine=mapped gathers into GPU memory
         staging = "device" if gds or settings.get("io_engine") == "mapped" else "host"
-    engines = _has_hardware_decoder()
+    engines = _has_hardware_decoder(torch.cuda.current_device())
     family = "hardware" if engines else "gpu_hybrid"
     return staging, family + ("_device" if staging == "device" else "")
 
