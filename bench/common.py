@@ -73,6 +73,10 @@ class Result:
         return self.images / self.median_s
 
     @property
+    def bytes_per_s(self):
+        return self.bytes / self.median_s
+
+    @property
     def spread(self):
         """(min, max) images/s over the timed runs."""
         return self.images / max(self.seconds), self.images / min(self.seconds)
@@ -85,7 +89,7 @@ class Result:
         low, high = self.spread
         ratio = f"{self.images_per_s / reference.images_per_s:6.2f}x" if reference else "      "
         return (f"{self.name:<44} {self.images_per_s:>10.0f} {low:>8.0f}-{high:<8.0f} {ratio} "
-                f"{self.cpu_per_1k:>9.2f} {self.bytes / self.median_s / 1e9 if self.bytes else 0:>7.2f}")
+                f"{self.cpu_per_1k:>9.2f} {self.bytes_per_s / 1e9:>7.2f}")
 
     def to_dict(self):
         d = asdict(self)

@@ -27,6 +27,7 @@ from common import (kvikio_pread_epoch, print_stages, print_system_block, shard_
 
 import gdsdata  # noqa: E402
 from gdsdata import settings  # noqa: E402
+from gdsdata.reader_gpu import MappedShards  # noqa: E402
 
 BATCH = 256
 
@@ -83,10 +84,11 @@ def read_stage(root, staging, engine, threads, shuffle, count=40, pool=0, kvikio
 
 
 def read_stage_beside(root, side, count=40, pool=0):
-    """Shuffled reads (pinned staging, automatic engine) while another thread keeps doing ``side``:
+    """Shuffled reads (pinned staging, page gather) while another thread keeps doing ``side``:
     "copy" uploads pinned batches to the GPU back to back (memory bandwidth shared with the copy
     engine), "python" keeps a core busy with numpy and Python (what the decode thread does)."""
-    ds = gdsdata.GDSDataset(root, device="cuda")
+    with settings.set(staging="host", io_engine="mmap"):
+        ds = gdsdata.GDSDataset(root, device="cuda")
     epoch, nbytes = read_epoch(ds, True, count)
     stop = threading.Event()
 
@@ -113,9 +115,11 @@ def read_stage_beside(root, side, count=40, pool=0):
 
 
 def stage_times(root, transform, count=40):
-    """One thread, no overlap: milliseconds per shuffled batch for reading, queuing the copy and the
-    transform (host time), and waiting for the GPU to finish them."""
+    """One thread, no overlap, the automatic path: milliseconds per shuffled batch for reading,
+    queuing the copy and the transform (host time), and waiting for the GPU to finish them; and the
+    path's description."""
     ds = gdsdata.GDSDataset(root, device="cuda")
+    path = ds._backend.describe()
     backend, stream = ds._backend, torch.cuda.current_stream()
     work = batches(len(ds), True, count)
     spent = np.zeros(3)
@@ -134,7 +138,7 @@ def stage_times(root, transform, count=40):
         if n >= 5:
             spent += (t1 - t0, t2 - t1, t3 - t2)
     ds.close()
-    return spent / (len(work) - 5) * 1000
+    return (*(spent / (len(work) - 5) * 1000), path)
 
 
 def loader_rate(root, engine, shuffle, transform, pool=0):
@@ -213,8 +217,8 @@ def main(argv=None):
                 read_stage_beside(root, side, pool=pool))
 
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
-    read_ms, queue_ms, gpu_ms = stage_times(root, rrc)
-    print(f"serial, per shuffled batch: read {read_ms:.2f} ms, queue copy + transform {queue_ms:.2f} ms, "
+    read_ms, queue_ms, gpu_ms, path = stage_times(root, rrc)
+    print(f"serial, per shuffled batch ({path}): read {read_ms:.2f} ms, queue copy + transform {queue_ms:.2f} ms, "
           f"GPU wait {gpu_ms:.2f} ms")
     print("\nwhole Loader, random-resized-crop 224 + flip + normalise fp16, pinned staging")
     for engine in ("mmap", "kvikio"):
@@ -230,11 +234,13 @@ def main(argv=None):
     row("  Loader reads=mmap (torch threads) shuffle=full, no transform (pixels=True)", rate)
     print_stages(stats)
 
-    print("\nexperimental: io_engine=mapped, the GPU gathers from registered page-cache pages (GPU staging)")
+    print("\nio_engine=mapped, the GPU gathers from registered page-cache pages (GPU staging)")
     try:
-        for shuffle in (True, False):
-            row(f"  read only, {'shuffled' if shuffle else 'file order'}, mapped",
-                read_stage(root, "device", "mapped", 16, shuffle))
+        for method in ("index_select", "kernel"):  # the gdsdata kernel (16-byte loads) last: it stays set
+            MappedShards.method = method
+            for shuffle in (True, False):
+                row(f"  read only, {'shuffled' if shuffle else 'file order'}, mapped ({method})",
+                    read_stage(root, "device", "mapped", 16, shuffle))
         for shuffle in ("full", None):
             rate, stats = loader_rate(root, "mapped", shuffle, rrc)
             row(f"  Loader reads=mapped shuffle={shuffle}", rate)

@@ -7,13 +7,15 @@ Two staging modes:
 - ``host``: reads into a pinned host buffer; nvJPEG's HARDWARE backend takes bitstreams from pinned
   memory directly, raw pixels go up in one asynchronous copy.
 
-Two I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
+I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
 - ``kvikio``: one ``CuFile.pread`` per planned read, run by kvikio's thread pool. Needed for device
   staging and GPUDirect Storage.
 - ``mmap``: every shard mapped read-only once; a batch is a gather of alignment-sized pages into
   the pinned buffer, no Python call per read. By default (``gather_pool=N``, N = min(8, cores)) N
   gdsdata threads each copy an equal span of the batch with one ``np.take`` (GIL released); with
   ``gather_pool=0`` one ``torch.index_select`` per shard on torch's OpenMP threads.
+- ``mapped``: the same maps registered with CUDA; the GPU gathers the pages into GPU staging itself
+  (one kernel per batch reading host memory over PCIe), so no CPU core copies a byte.
 
 The pool is the default because of what torch's threads cost beside everything else (H200,
 docs/benchmarks.md): an OpenMP team waits for its slowest thread and spins between gathers, so
@@ -26,12 +28,15 @@ CPU-s/1k images against 39.9-41.8k at 0.10 with pools of 8. Alone, torch's team 
 many small reads (shuffled) through the page gather (raw, 257 KB samples: 59-66k images/s against
 kvikio's 44-54k), batches of a few large reads (file order) through kvikio, which splits each read
 over its threads (82-104k against 66-85k). With ``gather_pool=0`` and fewer than 8 torch threads
-everything goes through kvikio; without kvikio installed, through the page gather.
+everything goes through kvikio; without kvikio installed, through the page gather. Raw datasets
+that fit in half the host's memory go through ``mapped`` instead (shuffled: 91k images/s against
+55k for ``mixed``, file order 103k against 85k; docs/benchmarks.md).
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
 """
 
+import functools
 import logging
 import mmap
 import os
@@ -42,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from . import format as fmt
 from . import settings
 from .errors import FormatError, GpuUnavailableError
 
@@ -128,15 +134,33 @@ _MMAP_MIN_THREADS = 8  # below this many torch threads the page gather lost to k
 _KVIKIO_READ = 4 << 20  # mixed engine: batches whose reads average this much go through kvikio
 
 
-def choose_engine(staging: str, io_mode: str) -> str:
-    """The I/O engine: "kvikio", "mmap", or "mixed" (per batch: many small reads through the page
-    gather, a few large ones through kvikio), from the setting, the staging kind, ``doctor.io_mode()``
-    ("gds", "compat", or "unavailable" without kvikio) and how many threads the page gather gets
-    (torchrun sets ``OMP_NUM_THREADS=1`` for each rank unless told otherwise)."""
+def mapped_suits(index) -> bool:
+    """Whether ``auto`` reads this dataset with the ``mapped`` engine in compatibility mode: raw
+    pixels only (JPEG bitstreams decode faster from pinned host memory, which ``mapped`` cannot
+    feed), shards that fit in half the host's memory (registering pins them) and cupy present."""
+    if not len(index.samples) or not (index.samples["codec"] == fmt.CODEC_RAW).all():
+        return False
+    if int(index.shards["size"].sum()) > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2:
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_engine(staging: str, io_mode: str, prefer_mapped: bool = False) -> str:
+    """The I/O engine: "kvikio", "mmap", "mixed" (per batch: many small reads through the page
+    gather, a few large ones through kvikio) or "mapped", from the setting, the staging kind,
+    ``doctor.io_mode()`` ("gds", "compat", or "unavailable" without kvikio), ``prefer_mapped``
+    (compatibility mode and ``mapped_suits``) and how many threads the page gather gets (torchrun
+    sets ``OMP_NUM_THREADS=1`` for each rank unless told otherwise)."""
     engine = settings.get("io_engine")
     if engine == "auto":
         if staging == "host" and io_mode == "unavailable":
             engine = "mmap"
+        elif staging == "device" and prefer_mapped:
+            engine = "mapped"
         else:
             enough = settings.get("gather_pool") > 0 or torch.get_num_threads() >= _MMAP_MIN_THREADS
             engine = "mixed" if staging == "host" and io_mode == "compat" and enough else "kvikio"
@@ -264,12 +288,43 @@ class ShardMaps:
 _HOST_REGISTER_MAPPED, _HOST_REGISTER_READ_ONLY = 0x02, 0x08  # cudaHostRegister flags
 
 
+_GATHER_PAGES = r"""
+extern "C" __global__ void gather_pages(const unsigned long long* __restrict__ source,
+                                        uint4* __restrict__ dest, unsigned int words) {
+    // one block per destination page; source[k] is the device address of the page that goes to
+    // page k. 16-byte loads: a warp asks for 512 contiguous bytes over PCIe at a time.
+    const uint4* page = reinterpret_cast<const uint4*>(source[blockIdx.x]);
+    uint4* out = dest + (size_t)blockIdx.x * words;
+    for (unsigned int i = threadIdx.x; i < words; i += blockDim.x) out[i] = page[i];
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_kernel(device_index: int):
+    """The compiled ``gather_pages`` kernel, or None where cupy cannot compile it (no NVRTC)."""
+    import cupy
+
+    try:
+        with cupy.cuda.Device(device_index):
+            kernel = cupy.RawKernel(_GATHER_PAGES, "gather_pages")
+            kernel.compile()
+        return kernel
+    except Exception as e:  # noqa: BLE001 - torch.index_select does the same work, a little slower
+        log.warning("cannot compile the page-gather kernel (%s); gathering with torch.index_select", e)
+        return None
+
+
 class MappedShards(ShardMaps):
-    """The ``mapped`` engine (experimental, device staging): the same read-only maps, each
-    registered with CUDA (``cudaHostRegister``, mapped and read-only) on first use, so that the GPU
-    gathers a batch's pages straight out of the page cache into GPU staging: one ``index_select``
-    kernel per shard reading host memory over PCIe, and no CPU copy at all. Registering pins the
-    whole shard (reading it in first), so it suits datasets that fit in host memory."""
+    """The ``mapped`` engine (device staging): the same read-only maps, each registered with CUDA
+    (``cudaHostRegister``, mapped and read-only) on first use, so that the GPU gathers a batch's
+    pages straight out of the page cache into GPU staging over PCIe, and no CPU core copies a byte.
+    The gather is one kernel per batch (``gather_pages``: one block per page, 16-byte loads); with
+    ``method = "index_select"``, one ``torch.index_select`` per shard over 8-byte words (kept for
+    bench/io_paths.py, which measures both). Registering pins the whole shard (reading it in first),
+    so it suits datasets that fit in host memory."""
+
+    method = "kernel"
 
     def __init__(self, index, device: torch.device):
         super().__init__(index)
@@ -291,7 +346,7 @@ class MappedShards(ShardMaps):
                         cupy.cuda.runtime.hostRegister(ptr, nbytes, _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY)
                     except cupy.cuda.runtime.CUDARuntimeError as e:
                         raise GpuUnavailableError(f"{self.index.shard_path(shard)}: CUDA cannot register the mapped "
-                                                  f"shard ({e}); read with GDSDATA_IO_ENGINE=auto") from e
+                                                  f"shard ({e}); read with GDSDATA_IO_ENGINE=mixed") from e
                     self._registered.append(ptr)
                     pointer = cupy.cuda.runtime.pointerGetAttributes(ptr).devicePointer
                     memory = cupy.cuda.UnownedMemory(pointer, nbytes, host, self.device.index)
@@ -305,13 +360,33 @@ class MappedShards(ShardMaps):
         if not plan.reads:
             return
         runs, source = self.page_runs(plan)
-        dest = target.view(-1, self.index.alignment)
+        alignment = self.index.alignment
+        dest = target.view(-1, alignment)
         pages = {shard: self.device_pages(shard) for shard, _, _ in runs}
+        kernel = _gather_kernel(self.device.index) if self.method == "kernel" and alignment % 16 == 0 else None
         with torch.cuda.stream(self._stream):
-            source = torch.from_numpy(source).pin_memory().to(self.device, non_blocking=True)
-            for shard, p0, p1 in runs:
-                torch.index_select(pages[shard], 0, source[p0:p1], out=dest[p0:p1])
+            if kernel is not None:
+                address = np.empty(len(source), np.int64)
+                for shard, p0, p1 in runs:
+                    address[p0:p1] = pages[shard].data_ptr() + source[p0:p1] * alignment
+                address = torch.from_numpy(address).pin_memory().to(self.device, non_blocking=True)
+                self._launch(kernel, address, dest)
+            else:
+                source = torch.from_numpy(source).pin_memory().to(self.device, non_blocking=True)
+                words = dest.view(torch.int64) if alignment % 8 == 0 else dest
+                for shard, p0, p1 in runs:
+                    src = pages[shard].view(torch.int64) if alignment % 8 == 0 else pages[shard]
+                    torch.index_select(src, 0, source[p0:p1], out=words[p0:p1])
         self._stream.synchronize()
+
+    def _launch(self, kernel, address: torch.Tensor, dest: torch.Tensor):
+        import cupy
+
+        words = self.index.alignment // 16
+        with cupy.cuda.Device(self.device.index):
+            kernel((address.numel(),), (min(words, 256),),
+                   (np.uint64(address.data_ptr()), np.uint64(dest.data_ptr()), np.uint32(words)),
+                   stream=cupy.cuda.ExternalStream(self._stream.cuda_stream))
 
     def close(self):
         with self._lock:
@@ -327,15 +402,22 @@ class MappedShards(ShardMaps):
 
 
 class GpuReader:
-    """Reads planned batches into staging buffers, with kvikio, from memory maps, or (``mixed``)
-    each batch through whichever suits its reads."""
+    """Reads planned batches into staging buffers, with kvikio, from memory maps, (``mixed``) each
+    batch through whichever suits its reads, or (``mapped``) by the GPU from registered maps. With
+    ``fallback``, a ``mapped`` reader whose shards CUDA cannot register (a locked-memory limit, say)
+    logs why and reads with the ``fallback`` engine from then on."""
 
-    def __init__(self, index, device: torch.device, engine: str = "kvikio"):
+    def __init__(self, index, device: torch.device, engine: str = "kvikio", fallback: str = None):
         self.index = index
         self.device = device
-        self.engine = engine
+        self.fallback = fallback
         self._files = {}
         self._lock = threading.Lock()
+        self._start(engine)
+
+    def _start(self, engine):
+        self.engine = engine
+        self.maps = None
         if engine in ("kvikio", "mixed"):
             self.kvikio = import_kvikio()
             threads = settings.get("io_threads")
@@ -344,12 +426,22 @@ class GpuReader:
             # kvikio reads into GPU memory below its gds_threshold (1 MiB unless KVIKIO_GDS_THRESHOLD
             # says otherwise) on the calling thread, through POSIX, one after another: neither GDS nor
             # the thread pool would ever see a sample-sized read. Reads here are whole aligned pages.
-            if "KVIKIO_GDS_THRESHOLD" not in os.environ and self.kvikio.defaults.get("gds_threshold") > index.alignment:
-                self.kvikio.defaults.set({"gds_threshold": index.alignment})
+            alignment = self.index.alignment
+            if "KVIKIO_GDS_THRESHOLD" not in os.environ and self.kvikio.defaults.get("gds_threshold") > alignment:
+                self.kvikio.defaults.set({"gds_threshold": alignment})
         if engine in ("mmap", "mixed"):
-            self.maps = ShardMaps(index)
+            self.maps = ShardMaps(self.index)
         elif engine == "mapped":
-            self.maps = MappedShards(index, device)
+            self.maps = MappedShards(self.index, self.device)
+
+    def _fall_back(self, error):
+        with self._lock:
+            if self.engine != "mapped":
+                return
+            log.warning("%s; reading with io_engine=%s from now on", error, self.fallback)
+            maps = self.maps
+            self._start(self.fallback)
+        maps.close()
 
     def _file(self, shard):
         with self._lock:
@@ -361,8 +453,16 @@ class GpuReader:
     def read(self, plan, staging: StagingBuffer) -> torch.Tensor:
         """Issue every read of ``plan`` in parallel into ``staging``; returns the filled tensor."""
         target = staging.ensure(plan.total)
+        if self.engine == "mapped":
+            try:
+                self.maps.gather(plan, target)
+                return target
+            except GpuUnavailableError as e:
+                if self.fallback is None:
+                    raise
+                self._fall_back(e)
         few_large = plan.total >= _KVIKIO_READ * len(plan.reads)
-        if self.engine in ("mmap", "mapped") or (self.engine == "mixed" and not few_large):
+        if self.engine == "mmap" or (self.engine == "mixed" and not few_large):
             self.maps.gather(plan, target)
             return target
         host = None if staging.kind == "device" else target.numpy()
@@ -385,5 +485,5 @@ class GpuReader:
             for handle in self._files.values():
                 handle.close()
             self._files = {}
-        if self.engine in ("mmap", "mixed", "mapped"):
+        if self.maps is not None:
             self.maps.close()

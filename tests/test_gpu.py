@@ -66,15 +66,70 @@ def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend, eng
             assert mean_abs_diff(image.cpu(), pil_reference(os.path.join(src, paths[i]))) <= 2
 
 
+@pytest.fixture(scope="module")
+def raw_shards(tmp_path_factory):
+    """Raw pixels in shards of a few samples each, so that batches span shards."""
+    src = str(tmp_path_factory.mktemp("raw_shards_src"))
+    write_photos(src, 24, classes=3, start_seed=700)
+    out = str(tmp_path_factory.mktemp("raw_shards") / "ds")
+    pack(src, out, options=PackOptions(codec="raw", raw_size=96), workers=2, shard_size=160 << 10)
+    return out
+
+
 @pytest.mark.parametrize("staging, engine, pool", [("host", "mmap", 0), ("host", "mmap", 4), ("host", "kvikio", 0),
-                                                   ("device", "kvikio", 0), ("device", "mapped", 0)])
-def test_raw_gpu_equals_cpu_exactly(raw_dataset, staging, engine, pool):
-    cpu = gdsdata.GDSDataset(raw_dataset)
+                                                   ("device", "kvikio", 0), ("device", "mapped", 0),
+                                                   ("device", "mapped:index_select", 0), ("auto", "auto", 8)])
+def test_raw_gpu_equals_cpu_exactly(raw_shards, staging, engine, pool, monkeypatch):
+    from gdsdata.reader_gpu import MappedShards
+
+    engine, _, method = engine.partition(":")
+    monkeypatch.setattr(MappedShards, "method", method or "kernel")
+    cpu = gdsdata.GDSDataset(raw_shards)
+    assert len(cpu.index.shards) > 2
     with settings.set(staging=staging, io_engine=engine, max_gap=0, gather_pool=pool):
-        gpu = gdsdata.GDSDataset(raw_dataset, device="cuda")
-        order = [5, 1, 2, 3, 20, 0]
-        for (a, la), (b, lb) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):
-            assert torch.equal(a, b.cpu()) and la == lb
+        gpu = gdsdata.GDSDataset(raw_shards, device="cuda")
+        for order in ([5, 1, 2, 3, 20, 0], list(range(len(cpu)))[::-1]):
+            for (a, la), (b, lb) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):
+                assert torch.equal(a, b.cpu()) and la == lb
+        gpu.close()
+
+
+def test_compat_mode_gathers_raw_datasets_on_the_gpu(raw_dataset, photos_dataset):
+    """Automatic choice in compatibility mode: raw pixels through the mapped engine into GPU
+    staging, JPEG bitstreams through pinned host staging."""
+    raw, jpeg = gdsdata.GDSDataset(raw_dataset, device="cuda"), gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    if raw._backend.io_mode != "compat":
+        pytest.skip("the mapped engine is the automatic choice in compatibility mode only")
+    assert (raw._backend.engine, raw._backend.staging_kind) == ("mapped", "device")
+    assert (jpeg._backend.engine, jpeg._backend.staging_kind) == ("mixed", "host")
+    raw.close()
+    jpeg.close()
+
+
+def test_automatic_mapped_engine_falls_back_to_kvikio(raw_dataset, monkeypatch, caplog):
+    """Where CUDA cannot register the shards (a locked-memory limit, say), the automatic choice reads
+    with kvikio into the same GPU staging and says why; an explicit io_engine=mapped raises."""
+    from gdsdata.errors import GpuUnavailableError
+    from gdsdata.reader_gpu import MappedShards
+
+    def refuse(self, shard):
+        raise GpuUnavailableError(f"{self.index.shard_path(shard)}: CUDA cannot register the mapped shard (test)")
+
+    monkeypatch.setattr(MappedShards, "device_pages", refuse)
+    cpu, gpu = gdsdata.GDSDataset(raw_dataset), gdsdata.GDSDataset(raw_dataset, device="cuda")
+    if gpu._backend.engine != "mapped":
+        pytest.skip("the mapped engine is the automatic choice in compatibility mode only")
+    order = [3, 7, 1, 0]
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        for (a, _), (b, _) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):
+            assert torch.equal(a, b.cpu())
+    assert gpu._backend.engine == "kvikio" and "CUDA cannot register" in caplog.text
+    gpu.close()
+    with settings.set(io_engine="mapped"):
+        explicit = gdsdata.GDSDataset(raw_dataset, device="cuda")
+        with pytest.raises(GpuUnavailableError, match="CUDA cannot register"):
+            explicit.__getitems__(order)
+        explicit.close()
 
 
 def test_mixed_engine_reads_each_batch_its_way_and_equals_cpu(raw_dataset, monkeypatch):

@@ -79,6 +79,27 @@ def test_io_engine_choice(monkeypatch, setting, staging, io_mode, pool, threads,
     monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: threads)
     with gdsdata.settings.set(io_engine=setting, gather_pool=pool):
         assert reader_gpu.choose_engine(staging, io_mode) == expected
+        # a raw dataset that suits the mapped engine changes the automatic choice on GPU staging only
+        mapped = "mapped" if (setting, staging) == ("auto", "device") else expected
+        assert reader_gpu.choose_engine(staging, io_mode, prefer_mapped=True) == mapped
+
+
+def test_mapped_suits_raw_datasets_that_fit_in_memory(photos_dataset, tmp_path, monkeypatch):
+    from gdsdata import reader_gpu
+
+    src, _, jpeg = photos_dataset
+    raw = str(tmp_path / "raw")
+    gdsdata.pack(src, raw, options=gdsdata.PackOptions(codec="raw", raw_size=32), workers=1)
+    try:
+        import cupy  # noqa: F401
+        have_cupy = True
+    except ImportError:
+        have_cupy = False
+    assert not reader_gpu.mapped_suits(load_index(jpeg))  # JPEG decodes faster from pinned memory
+    assert reader_gpu.mapped_suits(load_index(raw)) == have_cupy
+    sysconf = os.sysconf
+    monkeypatch.setattr(reader_gpu.os, "sysconf", lambda name: 1024 if name == "SC_PHYS_PAGES" else sysconf(name))
+    assert not reader_gpu.mapped_suits(load_index(raw))  # more than half the host's memory
 
 
 def test_mapped_engine_needs_gpu_staging():
