@@ -27,7 +27,6 @@ from common import (kvikio_pread_epoch, print_stages, print_system_block, shard_
 
 import gdsdata  # noqa: E402
 from gdsdata import settings  # noqa: E402
-from gdsdata.reader_gpu import MappedShards  # noqa: E402
 
 BATCH = 256
 
@@ -236,11 +235,9 @@ def main(argv=None):
 
     print("\nio_engine=mapped, the GPU gathers from registered page-cache pages (GPU staging)")
     try:
-        for method in ("index_select", "kernel"):  # the gdsdata kernel (16-byte loads) last: it stays set
-            MappedShards.method = method
-            for shuffle in (True, False):
-                row(f"  read only, {'shuffled' if shuffle else 'file order'}, mapped ({method})",
-                    read_stage(root, "device", "mapped", 16, shuffle))
+        for shuffle in (True, False):
+            row(f"  read only, {'shuffled' if shuffle else 'file order'}, mapped",
+                read_stage(root, "device", "mapped", 16, shuffle))
         for shuffle in ("full", None):
             rate, stats = loader_rate(root, "mapped", shuffle, rrc)
             row(f"  Loader reads=mapped shuffle={shuffle}", rate)
