@@ -102,14 +102,17 @@ HEADER = f"{'pipeline':<44} {'images/s':>10} {'(min-max)':^17} {'ratio':>7} {'CP
 
 def measure(name, epoch_fn, images, *, runs=3, warmup=1, nbytes=0, note="", min_seconds=0.0) -> Result:
     """Run ``epoch_fn`` (which loads ``images`` images) warmup+runs times; time the last ``runs``.
-    With ``min_seconds``, a timed run is as many back-to-back epochs as the last warm-up epoch says
-    fill that time (a 0.25 s epoch is too short to time: one stall decides it); ``images`` and
-    ``bytes`` then count all of them and ``epochs_per_run`` says how many."""
+    With ``min_seconds``, a timed run is as many back-to-back epochs as one more untimed epoch after
+    the warm-up says fill that time (a 0.25 s epoch is too short to time: one stall decides it; the
+    warm-up itself is no guide, it pays for compiling kernels); ``images`` and ``bytes`` then count
+    all of them and ``epochs_per_run`` says how many."""
     result = Result(name, images, bytes=nbytes, note=note)
-    repeat, elapsed = 1, 0.0
+    repeat = 1
     for i in range(warmup + runs):
-        if i == warmup and min_seconds and elapsed:
-            repeat = max(1, math.ceil(min_seconds / elapsed))
+        if i == warmup and warmup and min_seconds:  # (no warm-up: a cold run, one epoch)
+            t0 = time.perf_counter()
+            epoch_fn()
+            repeat = max(1, math.ceil(min_seconds / (time.perf_counter() - t0)))
             result.images, result.bytes, result.epochs_per_run = images * repeat, nbytes * repeat, repeat
         cpu0, t0 = cpu_seconds(), time.perf_counter()
         for _ in range(repeat):

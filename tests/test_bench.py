@@ -49,10 +49,10 @@ def test_timed_runs_repeat_short_epochs_to_fill_min_seconds():
         calls.append(1)
         import time
 
-        time.sleep(0.02)
+        time.sleep(0.3 if len(calls) == 1 else 0.02)  # the warm-up is slow (compiling): no guide
 
     result = common.measure("x", epoch, 10, runs=2, warmup=1, nbytes=100, min_seconds=0.1)
-    assert result.epochs_per_run >= 5 and len(calls) == 1 + 2 * result.epochs_per_run
+    assert result.epochs_per_run >= 4 and len(calls) == 1 + 1 + 2 * result.epochs_per_run
     assert result.images == 10 * result.epochs_per_run and result.bytes == 100 * result.epochs_per_run
     assert all(s >= 0.1 for s in result.seconds)
     cold = common.measure("y", epoch, 10, runs=1, warmup=0, min_seconds=0.1)  # no warm-up: one epoch
