@@ -164,8 +164,8 @@ def choose_engine(staging: str, io_mode: str, prefer_mapped: bool = False) -> st
         else:
             enough = settings.get("gather_pool") > 0 or torch.get_num_threads() >= _MMAP_MIN_THREADS
             engine = "mixed" if staging == "host" and io_mode == "compat" and enough else "kvikio"
-    if engine == "mmap" and staging != "host":
-        raise ValueError("io_engine=mmap reads into host memory only; device staging needs kvikio")
+    if engine in ("mmap", "mixed") and staging != "host":
+        raise ValueError(f"io_engine={engine} reads into host memory only; device staging needs kvikio or mapped")
     if engine == "mapped" and staging != "device":
         raise ValueError("io_engine=mapped gathers into GPU memory only; it needs staging=device")
     return engine

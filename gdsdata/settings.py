@@ -9,8 +9,8 @@
 | --- | --- | --- | --- |
 | cpu_threads | GDSDATA_CPU_THREADS | cores | threads decoding JPEGs on the CPU path |
 | io_threads | GDSDATA_IO_THREADS | 16 | kvikio threads issuing reads on the GPU path |
-| io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: auto, kvikio (CuFile.pread), mmap (pinned staging only) |
-| | | | or mapped (experimental: the GPU gathers from registered page-cache pages; device staging) |
+| io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: auto, kvikio (CuFile.pread), mmap or mixed (pinned |
+| | | | staging only), mapped (the GPU gathers from registered page-cache pages; device staging) |
 | gather_pool | GDSDATA_GATHER_POOL | min(8, cores) | page gather (mmap reads): N gdsdata threads; 0: torch's threads |
 | max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
@@ -40,7 +40,7 @@ _DEFAULTS = {
 }
 _CHOICES = {
     "staging": ("auto", "device", "host"),
-    "io_engine": ("auto", "kvikio", "mmap", "mapped"),
+    "io_engine": ("auto", "kvikio", "mmap", "mixed", "mapped"),
     "decode_backend": ("auto", "hardware", "hardware_device", "gpu_hybrid", "gpu_hybrid_device"),
 }
 _lock = threading.Lock()

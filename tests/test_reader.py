@@ -72,6 +72,7 @@ def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path, pool):
     ("auto", "device", "compat", 8, 16, "kvikio"),    # GPU staging
     ("kvikio", "host", "compat", 8, 16, "kvikio"),
     ("mmap", "host", "compat", 8, 1, "mmap"),
+    ("mixed", "host", "compat", 0, 1, "mixed"),
 ])
 def test_io_engine_choice(monkeypatch, setting, staging, io_mode, pool, threads, expected):
     from gdsdata import reader_gpu
@@ -114,8 +115,9 @@ def test_mapped_engine_needs_gpu_staging():
 def test_mmap_engine_cannot_fill_gpu_staging():
     from gdsdata import reader_gpu
 
-    with gdsdata.settings.set(io_engine="mmap"), pytest.raises(ValueError, match="device staging needs kvikio"):
-        reader_gpu.choose_engine("device", "compat")
+    for engine in ("mmap", "mixed"):
+        with gdsdata.settings.set(io_engine=engine), pytest.raises(ValueError, match="device staging needs kvikio"):
+            reader_gpu.choose_engine("device", "compat")
 
 
 @pytest.mark.parametrize("threads", [1, 3, 7, 500])
