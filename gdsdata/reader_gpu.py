@@ -313,8 +313,8 @@ class MappedShards(ShardMaps):
     pages straight out of the page cache into GPU staging over PCIe, and no CPU core copies a byte:
     one ``torch.index_select`` per shard over 8-byte words. (A kernel of gdsdata's own with 16-byte
     loads measured the same on the H200: shuffled 27.7 against 27.5 GB/s, file order 33.3 against
-    31.8.) Registering pins the whole shard, so it suits datasets that fit in host memory; a cold
-    shard is faulted in from several threads first, since CUDA would fault it in page by page.
+    31.8.) Registering pins the whole shard, so it suits datasets that fit in host memory; CUDA
+    reads a cold shard in as it registers it (faulting it in from 16 threads first was no faster).
 
     ``method = "dma"`` (experimental, for bench/io_paths.py to measure) moves each planned read with
     one ``cudaMemcpyAsync`` from the registered pages instead: the copy engines (55 GB/s for one
@@ -337,7 +337,6 @@ class MappedShards(ShardMaps):
             if shard not in self._device_pages:
                 import cupy
 
-                _populate(host.numpy())
                 ptr, nbytes = host.data_ptr(), host.numel()
                 with cupy.cuda.Device(self.device.index):
                     try:
@@ -385,15 +384,6 @@ class MappedShards(ShardMaps):
             self._device_pages = {}
         self._release()
         super().close()
-
-
-def _populate(pages: np.ndarray):
-    """Fault a shard's pages in (a no-op when they are cached) from several threads at once: one byte
-    per page, each thread over its own span (numpy releases the GIL while it sums)."""
-    threads = min(16, os.cpu_count() or 1, len(pages)) or 1
-    cuts = np.linspace(0, len(pages), threads + 1).astype(np.int64)
-    with ThreadPoolExecutor(threads, thread_name_prefix="gdsdata-populate") as pool:
-        list(pool.map(lambda k: int(pages[cuts[k]:cuts[k + 1], 0].sum()), range(threads)))
 
 
 class GpuReader:
