@@ -398,6 +398,7 @@ class GpuReader:
         self.fallback = fallback
         self._files = {}
         self._lock = threading.Lock()
+        self._retired = []
         self._start(engine)
 
     def _start(self, engine):
@@ -424,9 +425,8 @@ class GpuReader:
             if self.engine != "mapped":
                 return
             log.warning("%s; reading with io_engine=%s from now on", error, self.fallback)
-            maps = self.maps
+            self._retired.append(self.maps)  # another thread may still be gathering from it: closed with the reader
             self._start(self.fallback)
-        maps.close()
 
     def _file(self, shard):
         with self._lock:
@@ -470,5 +470,7 @@ class GpuReader:
             for handle in self._files.values():
                 handle.close()
             self._files = {}
-        if self.maps is not None:
-            self.maps.close()
+        for maps in [self.maps, *self._retired]:
+            if maps is not None:
+                maps.close()
+        self._retired = []
