@@ -187,7 +187,8 @@ def main(argv=None):
                                  min_seconds=args.min_seconds)
             finally:
                 getattr(fn, "close", lambda: None)()
-            result.stages = getattr(fn, "stages", [])
+            timed = len(result.seconds) * result.epochs_per_run  # the timed epochs: the last ones run
+            result.stages = getattr(fn, "stages", [])[-timed:] if timed else []
             results.append(result)
             print(f"  {result.row()}", flush=True)
             if result.stages:  # the slowest epoch's stages: which one held it up
