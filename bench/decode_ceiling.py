@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """How fast can nvJPEG's batched decoder go on this GPU? Variants of the minimal loop over bytes
-already staged in pinned host memory: chroma upsampling flag, batch size, and several decoder
-handles driven from several threads at once (each handle and state owns its batches).
+already staged in pinned host memory: chroma upsampling flag, batch size, several decoder handles
+driven from several threads at once (each handle and state owns its batches), and decoding only
+each image's random-resized-crop window (``nvjpegDecodeBatchedEx`` with one ROI per image) instead
+of the whole image.
 
     python bench/decode_ceiling.py --dir /tmp/bench --count 10000
 """
@@ -23,6 +25,7 @@ from make_images import generate  # noqa: E402
 
 import gdsdata  # noqa: E402
 from gdsdata import nvjpeg  # noqa: E402
+from gdsdata.errors import GpuUnavailableError  # noqa: E402
 
 
 def staged_batches(ds, batch, device_bitstreams):
@@ -45,6 +48,23 @@ def staged_batches(ds, batch, device_bitstreams):
     return staged, out
 
 
+def window_batches(ds, batches, seed=0):
+    """The same batches with one random-resized-crop window per image (the crop a training batch
+    would take) and output arenas of the windows' sizes."""
+    samples, crop, out, start = ds.index.samples, gdsdata.RandomResizedCrop(224, seed=seed), [], 0
+    for data, lengths, _, _, _ in batches:
+        k = np.arange(start, start + len(data))
+        start += len(data)
+        p = crop.params(samples["height"][k], samples["width"][k], k)
+        sizes = p.height * p.width * 3
+        offsets = np.zeros(len(k), np.int64)
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        arena = torch.empty(int(sizes.sum()), dtype=torch.uint8, device="cuda")
+        rois = list(zip(p.left.tolist(), p.top.tolist(), p.width.tolist(), p.height.tolist()))
+        out.append((data, lengths, (arena.data_ptr() + offsets).tolist(), (p.width * 3).tolist(), arena, rois))
+    return out
+
+
 def run(batches, backend, handles, interpolate, repeats=3):
     flag = nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION
     if not interpolate:
@@ -55,8 +75,9 @@ def run(batches, backend, handles, interpolate, repeats=3):
 
     def worker(h):
         with torch.cuda.stream(streams[h]):
-            for data, lengths, outs, pitches, _ in batches[h::handles]:
-                decoders[h].decode(data, lengths, outs, pitches, streams[h].cuda_stream)
+            for data, lengths, outs, pitches, _, *rois in batches[h::handles]:  # rois: window_batches'
+                decoders[h].decode(data, lengths, outs, pitches, streams[h].cuda_stream,
+                                   rois=rois[0] if rois else None)
         streams[h].synchronize()
 
     times = []
@@ -99,6 +120,15 @@ def main():
                     rate = run(held[1], backend, handles, interpolate)
                     print(f"{backend:<16} {batch:>6} {handles:>8} {str(interpolate):>7} {rate:>10.0f}", flush=True)
             del held
+    held = staged_batches(ds, 256, False)
+    windows = window_batches(ds, held[1])
+    for handles in (1, 2):
+        try:
+            rate = run(windows, "hardware", handles, True)
+            print(f"{'hardware, windows (random-resized-crop, one ROI per image)':<58} {256:>6} {handles:>8} "
+                  f"{rate:>10.0f}", flush=True)
+        except (nvjpeg.NvjpegError, GpuUnavailableError) as e:
+            print(f"hardware, windows: {e}", flush=True)
 
 
 if __name__ == "__main__":

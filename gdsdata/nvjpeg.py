@@ -8,6 +8,9 @@ Only what the batched flow needs is bound:
     nvjpegCreateEx -> nvjpegJpegStateCreate -> nvjpegDecodeBatchedInitialize (per batch size)
     -> nvjpegDecodeBatched(handle, state, data[], lengths[], images[], stream)
 
+and, for decoding a window of each image (``rois``: the hardware backend only, a probe of
+bench/decode_ceiling.py), ``nvjpegDecodeParams*`` and ``nvjpegDecodeBatchedEx``.
+
 Every status is checked and turned into ``NvjpegError`` with nvJPEG's name for it.
 """
 
@@ -86,8 +89,20 @@ def _bind(lib):
         "nvjpegSetDeviceMemoryPadding": (c.c_size_t, c.c_void_p),
         "nvjpegSetPinnedMemoryPadding": (c.c_size_t, c.c_void_p),
     }
-    for name, argtypes in signatures.items():
-        fn = getattr(lib, name)
+    optional = {  # windows (ROI) of a batch; older libraries may lack them
+        "nvjpegDecodeParamsCreate": (c.c_void_p, handle_p),
+        "nvjpegDecodeParamsDestroy": (c.c_void_p,),
+        "nvjpegDecodeParamsSetOutputFormat": (c.c_void_p, c.c_int),
+        "nvjpegDecodeParamsSetROI": (c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int),
+        "nvjpegDecodeBatchedEx": (c.c_void_p, c.c_void_p, c.POINTER(c.c_void_p), c.POINTER(c.c_size_t),
+                                  c.c_void_p, c.POINTER(c.c_void_p), c.c_void_p),
+    }
+    for name, argtypes in [*signatures.items(), *optional.items()]:
+        fn = getattr(lib, name, None)
+        if fn is None and name in optional:
+            continue
+        if fn is None:
+            raise AttributeError(f"{name} missing from nvJPEG")
         fn.argtypes = list(argtypes)
         fn.restype = c.c_int
 
@@ -151,6 +166,7 @@ class BatchedDecoder:
         self.state = ctypes.c_void_p()
         self._image_t = image_struct()
         self._batch = 0
+        self._params = []  # nvjpegDecodeParams_t, one per image of a windowed batch
         self.interpolated = True
         status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
                                          ctypes.byref(self.handle))
@@ -171,9 +187,11 @@ class BatchedDecoder:
                self.lib.nvjpegGetHardwareDecoderInfo(self.handle, ctypes.byref(engines), ctypes.byref(cores)))
         return engines.value, cores.value
 
-    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int):
+    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int, rois=None):
         """Decode ``len(data_ptrs)`` bitstreams (host or device pointers, per the backend) into the
-        RGB interleaved buffers at ``out_ptrs`` (row pitch ``pitches``), on CUDA ``stream``."""
+        RGB interleaved buffers at ``out_ptrs`` (row pitch ``pitches``), on CUDA ``stream``. With
+        ``rois`` (one ``(x, y, width, height)`` per image), only that window of each image, into
+        buffers of the window's size (``nvjpegDecodeBatchedEx``; the hardware backend)."""
         n = len(data_ptrs)
         if n != self._batch:
             _check("nvjpegDecodeBatchedInitialize",
@@ -185,12 +203,35 @@ class BatchedDecoder:
         for k in range(n):
             images[k].channel[0] = out_ptrs[k]
             images[k].pitch[0] = pitches[k]
-        status = self.lib.nvjpegDecodeBatched(self.handle, self.state, data, sizes, images, ctypes.c_void_p(stream))
+        if rois is None:
+            call = "nvjpegDecodeBatched"
+            status = self.lib.nvjpegDecodeBatched(self.handle, self.state, data, sizes, images,
+                                                  ctypes.c_void_p(stream))
+        else:
+            call = "nvjpegDecodeBatchedEx"
+            params = self._decode_params(n)
+            for k, (x, y, w, h) in enumerate(rois):
+                _check("nvjpegDecodeParamsSetROI", self.lib.nvjpegDecodeParamsSetROI(params[k], x, y, w, h))
+            status = self.lib.nvjpegDecodeBatchedEx(self.handle, self.state, data, sizes, images, params,
+                                                    ctypes.c_void_p(stream))
         if status != 0:
             self._batch = 0  # nvJPEG asks for a re-initialisation after a failed batch
-            raise NvjpegError("nvjpegDecodeBatched", status)
+            raise NvjpegError(call, status)
+
+    def _decode_params(self, n):
+        if getattr(self.lib, "nvjpegDecodeBatchedEx", None) is None:
+            raise GpuUnavailableError(f"this nvJPEG ({self.lib.path}) cannot decode windows of a batch")
+        while len(self._params) < n:
+            params = ctypes.c_void_p()
+            _check("nvjpegDecodeParamsCreate", self.lib.nvjpegDecodeParamsCreate(self.handle, ctypes.byref(params)))
+            self._params.append(params)
+            _check("nvjpegDecodeParamsSetOutputFormat", self.lib.nvjpegDecodeParamsSetOutputFormat(params, OUTPUT_RGBI))
+        return (ctypes.c_void_p * n)(*[p.value for p in self._params[:n]])
 
     def close(self):
+        for params in self._params:
+            self.lib.nvjpegDecodeParamsDestroy(params)
+        self._params = []
         if self.state:
             self.lib.nvjpegJpegStateDestroy(self.state)
             self.state = ctypes.c_void_p()

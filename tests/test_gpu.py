@@ -54,6 +54,36 @@ def test_every_kind_decodes_on_the_gpu_like_pil(kinds_dataset, staging, backend)
         ds.close()
 
 
+def test_hardware_decodes_windows_of_a_batch_like_pil(photos_dataset):
+    """nvjpegDecodeBatchedEx with one window (ROI) per image, as bench/decode_ceiling.py probes it:
+    each window matches the same window of PIL's decode."""
+    from gdsdata import nvjpeg
+    from gdsdata.errors import GpuUnavailableError
+
+    src, paths, out = photos_dataset
+    try:
+        decoder = nvjpeg.BatchedDecoder("hardware")
+        decoder.hardware_info()
+    except (nvjpeg.NvjpegError, GpuUnavailableError):
+        pytest.skip("no nvJPEG hardware decoder here")
+    ds = gdsdata.GDSDataset(out)  # the CPU reader stages the bitstreams
+    indices = list(range(9))
+    buffer, plan = ds._backend.reader.read(indices)
+    host = torch.from_numpy(buffer).pin_memory()
+    samples = ds.index.samples[indices]
+    rois = [(w // 5 + k, h // 4 + k, w // 2, h // 3) for k, (h, w) in
+            enumerate(zip(samples["height"].tolist(), samples["width"].tolist()))]
+    outs = [torch.empty((h, w, 3), dtype=torch.uint8, device="cuda") for _, _, w, h in rois]
+    stream = torch.cuda.current_stream()
+    decoder.decode((host.data_ptr() + plan.sample_offsets).tolist(), plan.sample_lengths.tolist(),
+                   [o.data_ptr() for o in outs], [w * 3 for _, _, w, _ in rois], stream.cuda_stream, rois=rois)
+    stream.synchronize()
+    for i, (x, y, w, h), window in zip(indices, rois, outs):
+        reference = pil_reference(os.path.join(src, paths[i]))[y:y + h, x:x + w]
+        assert mean_abs_diff(window.permute(2, 0, 1).cpu(), reference) <= 2, (i, (x, y, w, h))
+    decoder.close()
+
+
 ENGINES = {"host": ["mmap", "kvikio"], "device": ["kvikio", "mapped"]}
 
 
