@@ -169,6 +169,7 @@ def chart(results, path, title):
     for bar, rate in zip(bars, rates):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {rate:,.0f}", va="center", fontsize=8)
     ax.set_xscale("log")
+    ax.set_xlim(right=max(rates) * 3)  # room for the largest bar's label
     ax.set_xlabel("images/s, log scale (median; bars: min-max)")
     ax.set_title(title, fontsize=9, loc="right")
     fig.tight_layout()
