@@ -27,7 +27,6 @@ from common import (kvikio_pread_epoch, print_stages, print_system_block, shard_
 
 import gdsdata  # noqa: E402
 from gdsdata import settings  # noqa: E402
-from gdsdata.reader_gpu import MappedShards  # noqa: E402
 
 BATCH = 256
 
@@ -236,21 +235,20 @@ def main(argv=None):
 
     print("\nio_engine=mapped, registered page-cache pages -> GPU staging: the SMs gather them (gather, the "
           "default) or the copy engines take each read (dma, experimental)")
-    for method in ("gather", "dma"):
-        MappedShards.method = method
+    for copy in ("gather", "dma"):
         try:
-            for shuffle in (True, False):
-                row(f"  read only, {'shuffled' if shuffle else 'file order'}, mapped ({method})",
-                    read_stage(root, "device", "mapped", 16, shuffle))
-            for shuffle in ("full", None):
-                rate, stats = loader_rate(root, "mapped", shuffle, rrc)
-                row(f"  Loader reads=mapped ({method}) shuffle={shuffle}", rate)
-                print_stages(stats)
+            with settings.set(mapped_copy=copy):
+                for shuffle in (True, False):
+                    row(f"  read only, {'shuffled' if shuffle else 'file order'}, mapped ({copy})",
+                        read_stage(root, "device", "mapped", 16, shuffle))
+                for shuffle in ("full", None):
+                    rate, stats = loader_rate(root, "mapped", shuffle, rrc)
+                    row(f"  Loader reads=mapped ({copy}) shuffle={shuffle}", rate)
+                    print_stages(stats)
         except Exception:  # noqa: BLE001 - say how it failed, and go on
             import traceback
 
-            print(f"  mapped engine ({method}) FAILED\n{traceback.format_exc()}")
-    MappedShards.method = "gather"
+            print(f"  mapped engine ({copy}) FAILED\n{traceback.format_exc()}")
 
 
 if __name__ == "__main__":

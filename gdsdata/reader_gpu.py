@@ -316,11 +316,9 @@ class MappedShards(ShardMaps):
     31.8.) Registering pins the whole shard, so it suits datasets that fit in host memory; CUDA
     reads a cold shard in as it registers it (faulting it in from 16 threads first was no faster).
 
-    ``method = "dma"`` (experimental, for bench/io_paths.py to measure) moves each planned read with
-    one ``cudaMemcpyAsync`` from the registered pages instead: the copy engines (55 GB/s for one
-    pinned batch on the H200) rather than the SMs' loads over PCIe (28 GB/s shuffled)."""
-
-    method = "gather"
+    With ``mapped_copy=dma`` (experimental) each planned read is one ``cudaMemcpyAsync`` from the
+    registered pages instead: the copy engines (55 GB/s for one pinned batch on the H200) rather than
+    the SMs' loads over PCIe (28 GB/s shuffled)."""
 
     def __init__(self, index, device: torch.device):
         super().__init__(index)
@@ -359,7 +357,7 @@ class MappedShards(ShardMaps):
             return
         runs, source = self.page_runs(plan)
         pages = {shard: self.device_pages(shard) for shard, _, _ in runs}
-        if self.method == "dma":
+        if settings.get("mapped_copy") == "dma":
             self._copy_reads(plan, target)
             return
         dest = target.view(next(iter(pages.values())).dtype).view(len(target) // self.index.alignment, -1)

@@ -109,14 +109,11 @@ def raw_shards(tmp_path_factory):
 @pytest.mark.parametrize("staging, engine, pool", [("host", "mmap", 0), ("host", "mmap", 4), ("host", "kvikio", 0),
                                                    ("device", "kvikio", 0), ("device", "mapped", 0),
                                                    ("device", "mapped:dma", 0), ("auto", "auto", 8)])
-def test_raw_gpu_equals_cpu_exactly(raw_shards, staging, engine, pool, monkeypatch):
-    from gdsdata.reader_gpu import MappedShards
-
-    engine, _, method = engine.partition(":")
-    monkeypatch.setattr(MappedShards, "method", method or "gather")
+def test_raw_gpu_equals_cpu_exactly(raw_shards, staging, engine, pool):
+    engine, _, copy = engine.partition(":")
     cpu = gdsdata.GDSDataset(raw_shards)
     assert len(cpu.index.shards) > 2
-    with settings.set(staging=staging, io_engine=engine, max_gap=0, gather_pool=pool):
+    with settings.set(staging=staging, io_engine=engine, max_gap=0, gather_pool=pool, mapped_copy=copy or "gather"):
         gpu = gdsdata.GDSDataset(raw_shards, device="cuda")
         for order in ([5, 1, 2, 3, 20, 0], list(range(len(cpu)))[::-1]):
             for (a, la), (b, lb) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):
