@@ -75,6 +75,17 @@ def _nvjpeg_block():
         return {"nvjpeg": f"unavailable ({e})"}
 
 
+def auto_reads(mode: str) -> str:
+    """What ``io_engine=auto`` does in I/O mode ``mode`` (with ``staging=auto``), in words."""
+    if mode == "gds":
+        return "kvikio into GPU memory"
+    if mode == "compat":
+        half = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        return (f"raw datasets up to {half / 1e9:.0f} GB: GPU staging, the GPU gathers from registered page-cache "
+                f"pages; others: pinned staging, page gather or kvikio per batch")
+    return "page gather into pinned staging"
+
+
 def report() -> dict:
     info = {
         "gdsdata": __version__,
@@ -89,6 +100,8 @@ def report() -> dict:
     info["cpu decode threads"] = settings.get("cpu_threads")
     info["io threads"] = settings.get("io_threads")
     info["io engine"] = settings.get("io_engine")
+    if info["io engine"] == "auto" and "io mode" in info:
+        info["io engine"] = f"auto ({auto_reads(info['io mode'].split(':')[0])})"
     info["staging"] = settings.get("staging")
     info["decode backend"] = settings.get("decode_backend")
     return info
