@@ -281,10 +281,10 @@ def main(argv=None):
             notes["cold"]["dd_iflag_direct"] = dd.stderr.strip().splitlines()[-1] if dd.stderr else dd.returncode
             print(f"  dd iflag=direct {big}: {notes['cold']['dd_iflag_direct']}")
             # a fresh dataset per row: the mapped engine pins what it has read until its dataset closes
-            for name, root, count, nbytes, shuffle in [(f"raw train batches, cold, shuffle={shuffle}", raw_dir,
-                                                        len(raw), raw_payload, shuffle)
-                                                       for shuffle in (None, "block", "full")] + [
-                                                      ("JPEG train batches, cold", jpeg_dir, n, payload, "full")]:
+            rows = [(f"raw train batches, cold, shuffle={shuffle}", raw_dir, len(raw), raw_payload, shuffle)
+                    for shuffle in (None, "block", "full")]
+            rows.append(("JPEG train batches, cold", jpeg_dir, n, payload, "full"))
+            for name, root, count, nbytes, shuffle in rows:
                 drop_caches()
                 cold = gdsdata.GDSDataset(root, device="cuda")
                 run(f"gdsdata {name} [reads={cold._backend.engine}]", loader_epoch(cold, rrc, shuffle=shuffle),

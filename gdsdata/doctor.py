@@ -80,9 +80,10 @@ def auto_reads(mode: str) -> str:
     if mode == "gds":
         return "kvikio into GPU memory"
     if mode == "compat":
-        half = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-        return (f"raw datasets up to {half / 1e9:.0f} GB: GPU staging, the GPU gathers from registered page-cache "
-                f"pages; others: pinned staging, page gather or kvikio per batch")
+        from .reader_gpu import mapped_limit
+
+        return (f"raw datasets up to {mapped_limit() / 1e9:.0f} GB: GPU staging, the GPU gathers from registered "
+                f"page-cache pages; others: pinned staging, page gather or kvikio per batch")
     return "page gather into pinned staging"
 
 

@@ -15,7 +15,7 @@ I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
   gdsdata threads each copy an equal span of the batch with one ``np.take`` (GIL released); with
   ``gather_pool=0`` one ``torch.index_select`` per shard on torch's OpenMP threads.
 - ``mapped``: the same maps registered with CUDA; the GPU gathers the pages into GPU staging itself
-  (one kernel per batch reading host memory over PCIe), so no CPU core copies a byte.
+  (one ``index_select`` per shard reading host memory over PCIe), so no CPU core copies a byte.
 
 The pool is the default because of what torch's threads cost beside everything else (H200,
 docs/benchmarks.md): an OpenMP team waits for its slowest thread and spins between gathers, so
@@ -134,13 +134,18 @@ _MMAP_MIN_THREADS = 8  # below this many torch threads the page gather lost to k
 _KVIKIO_READ = 4 << 20  # mixed engine: batches whose reads average this much go through kvikio
 
 
+def mapped_limit() -> int:
+    """The most shard bytes that ``auto`` registers for the ``mapped`` engine: half the host's memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
 def mapped_suits(index) -> bool:
     """Whether ``auto`` reads this dataset with the ``mapped`` engine in compatibility mode: raw
     pixels only (JPEG bitstreams decode faster from pinned host memory, which ``mapped`` cannot
     feed), shards that fit in half the host's memory (registering pins them) and cupy present."""
     if not len(index.samples) or not (index.samples["codec"] == fmt.CODEC_RAW).all():
         return False
-    if int(index.shards["size"].sum()) > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2:
+    if int(index.shards["size"].sum()) > mapped_limit():
         return False
     try:
         import cupy  # noqa: F401
