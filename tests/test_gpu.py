@@ -24,13 +24,18 @@ PATHS = [("host", "hardware"), ("device", "hardware_device"), ("host", "gpu_hybr
          ("device", "gpu_hybrid_device")]
 
 
+def packed_raw(tmp_path_factory, name, seed, **pack_args) -> str:
+    """24 photos in 3 classes packed as raw pixels (shorter side 96)."""
+    src = str(tmp_path_factory.mktemp(f"{name}_src"))
+    write_photos(src, 24, classes=3, start_seed=seed)
+    out = str(tmp_path_factory.mktemp(name) / "ds")
+    pack(src, out, options=PackOptions(codec="raw", raw_size=96), workers=2, **pack_args)
+    return out
+
+
 @pytest.fixture(scope="module")
 def raw_dataset(tmp_path_factory):
-    src = str(tmp_path_factory.mktemp("raw_src"))
-    write_photos(src, 24, classes=3, start_seed=500)
-    out = str(tmp_path_factory.mktemp("raw") / "ds")
-    pack(src, out, options=PackOptions(codec="raw", raw_size=96), workers=2, alignment=4096)
-    return out
+    return packed_raw(tmp_path_factory, "raw", 500, alignment=4096)
 
 
 def stored_payload(ds, i) -> bytes:
@@ -99,11 +104,7 @@ def test_photos_decode_on_the_gpu_like_pil(photos_dataset, staging, backend, eng
 @pytest.fixture(scope="module")
 def raw_shards(tmp_path_factory):
     """Raw pixels in shards of a few samples each, so that batches span shards."""
-    src = str(tmp_path_factory.mktemp("raw_shards_src"))
-    write_photos(src, 24, classes=3, start_seed=700)
-    out = str(tmp_path_factory.mktemp("raw_shards") / "ds")
-    pack(src, out, options=PackOptions(codec="raw", raw_size=96), workers=2, shard_size=160 << 10)
-    return out
+    return packed_raw(tmp_path_factory, "raw_shards", 700, shard_size=160 << 10)
 
 
 @pytest.mark.parametrize("staging, engine, pool", [("host", "mmap", 0), ("host", "mmap", 4), ("host", "kvikio", 0),
