@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """How fast can nvJPEG's batched decoder go on this GPU? Variants of the minimal loop over bytes
 already staged in pinned host memory: chroma upsampling flag, batch size, several decoder handles
-driven from several threads at once (each handle and state owns its batches), and decoding only
-each image's random-resized-crop window (``nvjpegDecodeBatchedEx`` with one ROI per image) instead
-of the whole image.
+driven from several threads at once (each handle and state owns its batches), decoding only each
+image's random-resized-crop window (``nvjpegDecodeBatchedEx`` with one ROI per image) instead of the
+whole image, and the hardware engines beside the SMs (part of each batch through GPU_HYBRID_DEVICE,
+whose Huffman decoding runs on the GPU, at the same time).
 
     python bench/decode_ceiling.py --dir /tmp/bench --count 10000
 """
@@ -66,48 +67,56 @@ def window_batches(ds, batches, seed=0):
 
 
 def run(batches, backend, handles, interpolate, repeats=3):
+    """Images/s of ``handles`` decoders of one backend, each with its share of ``batches``."""
+    return run_jobs([(backend, batches[h::handles]) for h in range(handles)], interpolate, repeats)
+
+
+def run_jobs(jobs, interpolate=True, repeats=3):
+    """Images/s of several decoders at once, one per ``(backend, batches)`` job, each on its own
+    stream: the first job on the calling thread, the others on threads of their own."""
     flag = nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION
     if not interpolate:
         nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = 0
-    decoders = [nvjpeg.BatchedDecoder(backend) for _ in range(handles)]
+    decoders = [nvjpeg.BatchedDecoder(backend) for backend, _ in jobs]
     nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = flag
-    streams = [torch.cuda.Stream() for _ in range(handles)]
-
-    def worker(h):
-        with torch.cuda.stream(streams[h]):
-            for data, lengths, outs, pitches, _, *rois in batches[h::handles]:  # rois: window_batches'
-                decoders[h].decode(data, lengths, outs, pitches, streams[h].cuda_stream,
-                                   rois=rois[0] if rois else None)
-        streams[h].synchronize()
-
+    streams = [torch.cuda.Stream() for _ in jobs]
     errors = []
 
-    def guarded(h):
+    def worker(h):
         try:
-            worker(h)
+            with torch.cuda.stream(streams[h]):
+                for data, lengths, outs, pitches, _, *rois in jobs[h][1]:  # rois: window_batches'
+                    decoders[h].decode(data, lengths, outs, pitches, streams[h].cuda_stream,
+                                       rois=rois[0] if rois else None)
+            streams[h].synchronize()
         except Exception as e:  # noqa: BLE001 - a failed decode must fail the row, not print a rate
             errors.append(e)
 
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        if handles == 1:  # one handle: the calling thread drives it
-            guarded(0)
-        else:
-            threads = [threading.Thread(target=guarded, args=(h,)) for h in range(handles)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        threads = [threading.Thread(target=worker, args=(h,)) for h in range(1, len(jobs))]
+        for t in threads:
+            t.start()
+        worker(0)
+        for t in threads:
+            t.join()
         times.append(time.perf_counter() - t0)
         if errors:
-            for d in decoders:
-                d.close()
-            raise errors[0]
+            break
     for d in decoders:
         d.close()
-    images = sum(len(b[0]) for b in batches)
+    if errors:
+        raise errors[0]
+    images = sum(len(b[0]) for _, batches in jobs for b in batches)
     return images / float(np.median(times[1:]))
+
+
+def split(batches, cut):
+    """Each batch's first ``cut`` images, and the rest, as two lists of batches."""
+    head = [tuple(part[:cut] for part in b[:4]) + (b[4],) for b in batches]
+    tail = [tuple(part[cut:] for part in b[:4]) + (b[4],) for b in batches]
+    return head, tail
 
 
 def main():
@@ -136,11 +145,22 @@ def main():
     held = staged_batches(ds, 256, False)  # whole images against their random-resized-crop windows first
     row("hardware", held[1], "hardware", 1, True)
     row("hardware, windows (random-resized-crop, one ROI per image)", window_batches(ds, held[1]), "hardware", 1, True)
-    del held
-    for backend in ("hardware", "hardware_device"):
+    # the engines beside the SMs: part of each batch through GPU_HYBRID_DEVICE (Huffman on the GPU)
+    on_gpu = staged_batches(ds, 256, True)
+    row("gpu_hybrid_device", on_gpu[1], "gpu_hybrid_device", 1, True)
+    for share in (32, 64):
+        engines, _ = split(held[1], 256 - share)
+        _, sms = split(on_gpu[1], 256 - share)
+        try:
+            rate = f"{run_jobs([('hardware', engines), ('gpu_hybrid_device', sms)]):>10.0f}"
+        except (nvjpeg.NvjpegError, GpuUnavailableError) as e:
+            rate = f"failed: {e}"
+        print(f"hardware {256 - share} + gpu_hybrid_device {share} of each batch, at once {rate}", flush=True)
+    del held, on_gpu
+    for backend in ("hardware_device", "hardware"):  # several HARDWARE handles failed on the H200: last
         for batch in (256, 128):
             held = staged_batches(ds, batch, backend.endswith("_device"))
-            for handles in (1, 2, 3):
+            for handles in (1, 2):
                 for interpolate in (True, False):
                     if handles > 1 and not interpolate:
                         continue

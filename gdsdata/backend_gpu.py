@@ -87,22 +87,28 @@ class GpuBackend:
         return f"io={self.io_mode} reads={self.engine} staging={self.staging_kind} nvjpeg={self.backend}"
 
     def read(self, indices) -> Staged:
-        """Storage -> staging: plan and issue the batch's reads (blocks until they are done)."""
+        """Storage -> staging: plan and issue the batch's reads. Returns once they are done, or, for
+        reads still in flight on a CUDA stream, with ``Staged.ready``: an event that ``decode``
+        makes its stream wait for."""
         plan = plan_reads(self.index.samples, indices, self.index.alignment,
                           settings.get("max_gap"), settings.get("max_read"))
         slot = self._slots.acquire()
         try:
-            staging = self.reader.read(plan, slot)
+            staging, ready = self.reader.read(plan, slot)
+            if self.verify and ready is not None:
+                ready.synchronize()
             failed = self._verify(staging, plan, indices) if self.verify else {}
         except BaseException:
             self._slots.release(slot, None)
             raise
-        return Staged(list(indices), plan, staging, slot, failed)
+        return Staged(list(indices), plan, staging, slot, failed, ready)
 
     def decode(self, staged: Staged, stream=None) -> PixelBatch:
         """Staging -> pixels on the GPU, queued on ``stream`` (default: the current one). Call
         ``batch.release(stream)`` once the pixels have been consumed."""
         stream = stream or torch.cuda.current_stream(self.device)
+        if staged.ready is not None:
+            stream.wait_event(staged.ready)
         try:
             batch = self.decoder.decode(staged.tensor, staged.plan, staged.indices, stream)
         except BaseException:
@@ -114,6 +120,10 @@ class GpuBackend:
         else:
             batch.release_fn = lambda s, slot=staged.slot: self._slots.release(slot, s)
         return batch
+
+    def release(self, staged: Staged):
+        """Hand back the staging slot of a batch that will not be decoded (once its reads are done)."""
+        self._slots.release(staged.slot, None, staged.ready)
 
     def load_batch(self, indices, stream=None) -> PixelBatch:
         return self.decode(self.read(indices), stream)

@@ -74,3 +74,4 @@ class Staged:
     tensor: object  # the staging buffer: a torch tensor (GPU path) or numpy array (CPU path)
     slot: object  # the GPU path's staging slot, None on the CPU
     failed: dict  # position -> CorruptSampleError found before decoding (checksums)
+    ready: object = None  # GPU path: a CUDA event the staged bytes wait on (reads still in flight), or None

@@ -75,6 +75,18 @@ def _nvjpeg_block():
         return {"nvjpeg": f"unavailable ({e})"}
 
 
+def mapped_copy() -> str:
+    """How the ``mapped`` engine moves bytes here (``mapped_copy``), in words."""
+    from .memcpy_batch import entry_point
+
+    copy = settings.get("mapped_copy")
+    if copy == "auto":
+        copy = "dma" if entry_point() else "gather"
+    if copy == "dma":
+        return f"the copy engines ({entry_point() or 'cuMemcpyBatchAsync: missing from this driver'})"
+    return "the SMs gather"
+
+
 def auto_reads(mode: str) -> str:
     """What ``io_engine=auto`` does in I/O mode ``mode`` (with ``staging=auto``), in words."""
     if mode == "gds":
@@ -82,7 +94,7 @@ def auto_reads(mode: str) -> str:
     if mode == "compat":
         from .reader_gpu import mapped_limit
 
-        return (f"raw datasets up to {mapped_limit() / 1e9:.0f} GB: GPU staging, the GPU gathers from registered "
+        return (f"raw datasets up to {mapped_limit() / 1e9:.0f} GB: GPU staging, {mapped_copy()} from registered "
                 f"page-cache pages; others: pinned staging, page gather or kvikio per batch")
     return "page gather into pinned staging"
 

@@ -197,7 +197,7 @@ def _put(q, stop, item) -> bool:
 
 def _release_staged(dataset, staged):
     if staged.slot is not None:
-        dataset._backend._slots.release(staged.slot, None)
+        dataset._backend.release(staged)
 
 
 @dataclass

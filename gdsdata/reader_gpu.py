@@ -14,8 +14,10 @@ I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
   the pinned buffer, no Python call per read. By default (``gather_pool=N``, N = min(8, cores)) N
   gdsdata threads each copy an equal span of the batch with one ``np.take`` (GIL released); with
   ``gather_pool=0`` one ``torch.index_select`` per shard on torch's OpenMP threads.
-- ``mapped``: the same maps registered with CUDA; the GPU gathers the pages into GPU staging itself
-  (one ``index_select`` per shard reading host memory over PCIe), so no CPU core copies a byte.
+- ``mapped``: the same maps registered with CUDA; the GPU's copy engines take every read of a batch
+  from the page cache into GPU staging (one ``cuMemcpyBatchAsync`` per batch, queued without
+  waiting), or, with drivers older than CUDA 12.8, its SMs gather the pages over PCIe; no CPU core
+  copies a byte.
 
 The pool is the default because of what torch's threads cost beside everything else (H200,
 docs/benchmarks.md): an OpenMP team waits for its slowest thread and spins between gathers, so
@@ -117,10 +119,12 @@ class SlotPool:
             log.debug("all %d staging buffers in use: one more", len(self._all) - 1)
             return slot
 
-    def release(self, slot: StagingBuffer, stream):
+    def release(self, slot: StagingBuffer, stream, event=None):
+        """Hand ``slot`` back once the work queued on ``stream`` so far, or ``event``, is done."""
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
+        if event is not None:
             slot.busy = event
         with self._lock:
             self._free.append(slot)
@@ -314,20 +318,32 @@ def _unregister(registered, device_index, stream, maps):
 
 class MappedShards(ShardMaps):
     """The ``mapped`` engine (device staging): the same read-only maps, each registered with CUDA
-    (``cudaHostRegister``, mapped and read-only) on first use, so that the GPU gathers a batch's
-    pages straight out of the page cache into GPU staging over PCIe, and no CPU core copies a byte:
-    one ``torch.index_select`` per shard over 8-byte words. (A kernel of gdsdata's own with 16-byte
-    loads measured the same on the H200: shuffled 27.7 against 27.5 GB/s, file order 33.3 against
-    31.8.) Registering pins the whole shard, so it suits datasets that fit in host memory; CUDA
-    reads a cold shard in as it registers it (faulting it in from 16 threads first was no faster).
+    (``cudaHostRegister``, mapped and read-only) on first use, so that a batch's reads go from the
+    page cache into GPU staging without any CPU core copying a byte. Registering pins the whole
+    shard, so it suits datasets that fit in host memory; CUDA reads a cold shard in as it registers
+    it (faulting it in from 16 threads first was no faster).
 
-    With ``mapped_copy=dma`` (experimental) each planned read is one ``cudaMemcpyAsync`` from the
-    registered pages instead: the copy engines (55 GB/s for one pinned batch on the H200) rather than
-    the SMs' loads over PCIe (28 GB/s shuffled)."""
+    How the bytes move (``mapped_copy``): ``dma`` queues every read of a batch on the copy engines
+    with one ``cuMemcpyBatchAsync`` call (memcpy_batch.py); ``gather`` has the SMs gather the pages
+    over PCIe (one ``torch.index_select`` per shard over 8-byte words); ``auto`` takes ``dma`` where
+    the driver has the batched copy (CUDA 12.8 and later). Either way ``gather()`` only queues the
+    copy on the engine's stream and returns an event that completes with it."""
 
     def __init__(self, index, device: torch.device):
         super().__init__(index)
         self.device = device
+        self.copy = settings.get("mapped_copy")
+        self._batch_copy = None
+        if self.copy in ("auto", "dma"):
+            from .memcpy_batch import BatchCopy
+
+            try:
+                self._batch_copy = BatchCopy(device.index)
+                self.copy = "dma"
+            except GpuUnavailableError:
+                if self.copy == "dma":
+                    raise
+                self.copy = "gather"
         self._device_pages = {}
         self._registered = []
         self._stream = torch.cuda.Stream(device)
@@ -356,31 +372,32 @@ class MappedShards(ShardMaps):
             return self._device_pages[shard]
 
     def gather(self, plan, target: torch.Tensor):
-        """Copy every read of ``plan`` to its place in ``target`` (a GPU tensor); returns when the
-        copy is done."""
+        """Queue the copy of every read of ``plan`` to its place in ``target`` (a GPU tensor);
+        returns a CUDA event that completes with the copy (None for an empty plan)."""
         if not plan.reads:
-            return
-        runs, source = self.page_runs(plan)
+            return None
+        runs, source = self.page_runs(plan)  # also checks that every read lies inside its shard
         pages = {shard: self.device_pages(shard) for shard, _, _ in runs}
-        if settings.get("mapped_copy") == "dma":
-            self._copy_reads(plan, target)
-            return
-        dest = target.view(next(iter(pages.values())).dtype).view(len(target) // self.index.alignment, -1)
         with torch.cuda.stream(self._stream):
-            source = torch.from_numpy(source).pin_memory().to(self.device, non_blocking=True)
-            for shard, p0, p1 in runs:
-                torch.index_select(pages[shard], 0, source[p0:p1], out=dest[p0:p1])
-        self._stream.synchronize()
+            if self._batch_copy is not None:
+                self._copy_reads(plan, target)
+            else:
+                dest = target.view(next(iter(pages.values())).dtype).view(len(target) // self.index.alignment, -1)
+                source = torch.from_numpy(source).pin_memory().to(self.device, non_blocking=True)
+                for shard, p0, p1 in runs:
+                    torch.index_select(pages[shard], 0, source[p0:p1], out=dest[p0:p1])
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return ready
 
     def _copy_reads(self, plan, target: torch.Tensor):
-        import cupy
-
-        runtime, base = cupy.cuda.runtime, target.data_ptr()
-        with cupy.cuda.Device(self.device.index):
-            for read in plan.reads:  # registered memory: each copy is an asynchronous DMA
-                runtime.memcpyAsync(base + read.buffer_offset, self.pages(read.shard).data_ptr() + read.offset,
-                                    read.size, runtime.memcpyHostToDevice, self._stream.cuda_stream)
-        self._stream.synchronize()
+        reads = plan.reads
+        hosts = {shard: self.pages(shard).data_ptr() for shard in {r.shard for r in reads}}
+        count = len(reads)
+        dsts = np.fromiter((r.buffer_offset for r in reads), np.uint64, count) + np.uint64(target.data_ptr())
+        srcs = np.fromiter((hosts[r.shard] + r.offset for r in reads), np.uint64, count)
+        sizes = np.fromiter((r.size for r in reads), np.uint64, count)
+        self._batch_copy.copy(dsts, srcs, sizes, self._stream.cuda_stream)
 
     def close(self):
         with self._lock:
@@ -438,13 +455,14 @@ class GpuReader:
                 handle = self._files[shard] = self.kvikio.CuFile(self.index.shard_path(shard), "r")
             return handle
 
-    def read(self, plan, staging: StagingBuffer) -> torch.Tensor:
-        """Issue every read of ``plan`` in parallel into ``staging``; returns the filled tensor."""
+    def read(self, plan, staging: StagingBuffer):
+        """Issue every read of ``plan`` in parallel into ``staging``; returns ``(tensor, ready)``:
+        the staging tensor and, where the reads are still in flight on a CUDA stream (``mapped``), a
+        CUDA event that completes with them (else None: the tensor is filled)."""
         target = staging.ensure(plan.total)
         if self.engine == "mapped":
             try:
-                self.maps.gather(plan, target)
-                return target
+                return target, self.maps.gather(plan, target)
             except GpuUnavailableError as e:
                 if self.fallback is None:
                     raise
@@ -452,7 +470,7 @@ class GpuReader:
         few_large = plan.total >= _KVIKIO_READ * len(plan.reads)
         if self.engine == "mmap" or (self.engine == "mixed" and not few_large):
             self.maps.gather(plan, target)
-            return target
+            return target, None
         host = None if staging.kind == "device" else target.numpy()
         futures = []
         for read in plan.reads:
@@ -466,7 +484,7 @@ class GpuReader:
             if got != read.size:
                 raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset {read.offset} "
                                   f"({got} of {read.size} bytes): truncated shard")
-        return target
+        return target, None
 
     def close(self):
         with self._lock:

@@ -12,8 +12,8 @@
 | io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: auto, kvikio (CuFile.pread), mmap or mixed (pinned |
 | | | | staging only), mapped (the GPU gathers from registered page-cache pages; device staging) |
 | gather_pool | GDSDATA_GATHER_POOL | min(8, cores) | page gather (mmap reads): N gdsdata threads; 0: torch's threads |
-| mapped_copy | GDSDATA_MAPPED_COPY | gather | mapped reads: gather (the GPU's SMs) or dma (experimental: the |
-| | | | copy engines, one cudaMemcpyAsync per read) |
+| mapped_copy | GDSDATA_MAPPED_COPY | auto | mapped reads: dma (the copy engines, one cuMemcpyBatchAsync per |
+| | | | batch), gather (the SMs), auto (dma where the driver has it: CUDA 12.8+) |
 | max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
@@ -34,7 +34,7 @@ _DEFAULTS = {
     "io_threads": 16,
     "io_engine": "auto",
     "gather_pool": min(8, os.cpu_count() or 1),
-    "mapped_copy": "gather",
+    "mapped_copy": "auto",
     "max_gap": 256 * 1024,
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",
@@ -44,7 +44,7 @@ _DEFAULTS = {
 _CHOICES = {
     "staging": ("auto", "device", "host"),
     "io_engine": ("auto", "kvikio", "mmap", "mixed", "mapped"),
-    "mapped_copy": ("gather", "dma"),
+    "mapped_copy": ("auto", "dma", "gather"),
     "decode_backend": ("auto", "hardware", "hardware_device", "gpu_hybrid", "gpu_hybrid_device"),
 }
 _lock = threading.Lock()

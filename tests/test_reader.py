@@ -147,3 +147,19 @@ def test_an_emptied_shard_gives_a_one_line_error(small_shards, tmp_path):
     with pytest.raises(FormatError, match=rf"{os.path.basename(path)}: cannot map the shard"):
         maps.gather(plan, torch.empty(plan.total, dtype=torch.uint8))
     maps.close()
+
+
+def test_batched_copy_says_what_is_missing(monkeypatch):
+    """Without a driver that has cuMemcpyBatchAsync, asking for the batched copy names what it needs,
+    and the mapped engine's automatic copy is the SMs' gather."""
+    from gdsdata import doctor, memcpy_batch
+    from gdsdata.errors import GpuUnavailableError
+
+    monkeypatch.setattr(memcpy_batch, "entry_point", lambda: None)
+    with pytest.raises(GpuUnavailableError, match="cuMemcpyBatchAsync needs a driver for CUDA 12.8"):
+        memcpy_batch.BatchCopy(0)
+    assert doctor.mapped_copy() == "the SMs gather"
+    with gdsdata.settings.set(mapped_copy="dma"):
+        assert "missing from this driver" in doctor.mapped_copy()
+    monkeypatch.setattr(memcpy_batch, "entry_point", lambda: "cuMemcpyBatchAsync_v2")
+    assert doctor.mapped_copy() == "the copy engines (cuMemcpyBatchAsync_v2)"
