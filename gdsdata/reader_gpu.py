@@ -216,7 +216,7 @@ class ShardMaps:
 
     def gather(self, plan, target: torch.Tensor):
         """Copy every read of ``plan`` to its place in ``target`` (a host tensor)."""
-        if not plan.reads:
+        if not len(plan.sizes):
             return
         runs, source = self.page_runs(plan)
         dest = target.view(-1, self.index.alignment)
@@ -234,15 +234,8 @@ class ShardMaps:
         run ``(shard, p0, p1)`` covers staging pages p0..p1 of one shard. Reads are alignment-sized
         multiples at aligned offsets (plan.py), listed by shard, then offset, so a shard's reads are
         one contiguous run of staging pages. A read past a shard's end is a truncated shard."""
-        reads = plan.reads
-        shards = np.fromiter((r.shard for r in reads), np.int64, len(reads))
-        offsets = np.fromiter((r.offset for r in reads), np.int64, len(reads))
-        sizes = np.fromiter((r.size for r in reads), np.int64, len(reads))
-        for shard in np.unique(shards):
-            end, have = int((offsets + sizes)[shards == shard].max()), self.pages(int(shard)).numel()
-            if end > have:
-                raise FormatError(f"{self.index.shard_path(int(shard))}: a read ends at byte {end}, past the "
-                                  f"end of the file ({have} bytes): truncated shard")
+        shards, offsets, sizes = plan.shards, plan.offsets, plan.sizes
+        self.check_bounds(plan)
         alignment = self.index.alignment
         starts, counts = offsets // alignment, sizes // alignment
         first = np.cumsum(counts) - counts
@@ -251,6 +244,16 @@ class ShardMaps:
         runs = [(int(shards[lo]), int(first[lo]), int(first[hi - 1] + counts[hi - 1]))
                 for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(shards)])]
         return runs, source
+
+    def check_bounds(self, plan):
+        """Raise ``FormatError`` for a read past its shard's end (a truncated shard); maps the shards."""
+        edges = np.flatnonzero(np.diff(plan.shards)) + 1
+        for lo, hi in zip(np.r_[0, edges].tolist(), np.r_[edges, len(plan.shards)].tolist()):
+            shard = int(plan.shards[lo])
+            end, have = int((plan.offsets[lo:hi] + plan.sizes[lo:hi]).max()), self.pages(shard).numel()
+            if end > have:
+                raise FormatError(f"{self.index.shard_path(shard)}: a read ends at byte {end}, past the "
+                                  f"end of the file ({have} bytes): truncated shard")
 
     def _take_pooled(self, runs, source, dest, threads):
         """The same gather on ``threads`` threads (the caller and a pool of gdsdata threads): the
@@ -374,14 +377,15 @@ class MappedShards(ShardMaps):
     def gather(self, plan, target: torch.Tensor):
         """Queue the copy of every read of ``plan`` to its place in ``target`` (a GPU tensor);
         returns a CUDA event that completes with the copy (None for an empty plan)."""
-        if not plan.reads:
+        if not len(plan.sizes):
             return None
-        runs, source = self.page_runs(plan)  # also checks that every read lies inside its shard
-        pages = {shard: self.device_pages(shard) for shard, _, _ in runs}
         with torch.cuda.stream(self._stream):
             if self._batch_copy is not None:
+                self.check_bounds(plan)
                 self._copy_reads(plan, target)
             else:
+                runs, source = self.page_runs(plan)
+                pages = {shard: self.device_pages(shard) for shard, _, _ in runs}
                 dest = target.view(next(iter(pages.values())).dtype).view(len(target) // self.index.alignment, -1)
                 source = torch.from_numpy(source).pin_memory().to(self.device, non_blocking=True)
                 for shard, p0, p1 in runs:
@@ -391,13 +395,15 @@ class MappedShards(ShardMaps):
         return ready
 
     def _copy_reads(self, plan, target: torch.Tensor):
-        reads = plan.reads
-        hosts = {shard: self.pages(shard).data_ptr() for shard in {r.shard for r in reads}}
-        count = len(reads)
-        dsts = np.fromiter((r.buffer_offset for r in reads), np.uint64, count) + np.uint64(target.data_ptr())
-        srcs = np.fromiter((hosts[r.shard] + r.offset for r in reads), np.uint64, count)
-        sizes = np.fromiter((r.size for r in reads), np.uint64, count)
-        self._batch_copy.copy(dsts, srcs, sizes, self._stream.cuda_stream)
+        """One batched copy of every read from the registered pages."""
+        shards = np.unique(plan.shards)
+        bases = np.zeros(int(shards[-1]) + 1, np.uint64)
+        for shard in shards.tolist():
+            self.device_pages(shard)  # registered on first use
+            bases[shard] = self.pages(shard).data_ptr()
+        srcs = bases[plan.shards] + plan.offsets.astype(np.uint64)
+        dsts = plan.buffer_offsets.astype(np.uint64) + np.uint64(target.data_ptr())
+        self._batch_copy.copy(dsts, srcs, plan.sizes, self._stream.cuda_stream)
 
     def close(self):
         with self._lock:
@@ -467,7 +473,7 @@ class GpuReader:
                 if self.fallback is None:
                     raise
                 self._fall_back(e)
-        few_large = plan.total >= _KVIKIO_READ * len(plan.reads)
+        few_large = plan.total >= _KVIKIO_READ * len(plan.sizes)
         if self.engine == "mmap" or (self.engine == "mixed" and not few_large):
             self.maps.gather(plan, target)
             return target, None

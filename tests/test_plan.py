@@ -59,3 +59,48 @@ def test_neighbours_coalesce_into_one_read():
     bridged = plan_reads(samples, [0, 2, 4], ALIGN, max_gap=8192, max_read=1 << 30)
     assert len(bridged.reads) == 1
 
+
+
+def _greedy(samples, indices, alignment, max_gap, max_read):
+    """The planner's rule, one sample at a time: (shard, offset, size) of each read, and where each
+    requested sample lands."""
+    indices = np.asarray(indices, np.int64)
+    shard, offset = samples["shard"][indices].astype(np.int64), samples["offset"][indices].astype(np.int64)
+    end = offset + samples["length"][indices].astype(np.int64)
+    reads, placed, current, cursor = [], np.empty(len(indices), np.int64), None, 0
+
+    def up(x):
+        return -(-x // alignment) * alignment
+
+    def flush():
+        nonlocal cursor
+        reads.append((current[0], current[1], up(current[2]) - current[1]))
+        for k in current[3]:
+            placed[k] = cursor + offset[k] - current[1]
+        cursor += up(current[2]) - current[1]
+
+    for k in np.lexsort((offset, shard)).tolist():
+        if current is not None and current[0] == shard[k] and offset[k] - up(current[2]) <= max_gap \
+                and up(max(end[k], current[2])) - current[1] <= max_read:
+            current[2] = max(current[2], end[k])
+            current[3].append(k)
+            continue
+        if current is not None:
+            flush()
+        current = [shard[k], offset[k] - offset[k] % alignment, end[k], [k]]
+    flush()
+    return reads, placed
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40_000), min_size=1, max_size=40),
+       per_shard=st.integers(1, 10), data=st.data(), alignment=st.sampled_from([512, 4096, 8192]),
+       max_gap=st.sampled_from([0, 4096, 65536, 1 << 30]), max_read=st.sampled_from([4096, 65536, 1 << 30]))
+def test_plan_follows_the_greedy_rule(lengths, per_shard, data, alignment, max_gap, max_read):
+    """The whole-array planner makes exactly the reads of the one-sample-at-a-time rule."""
+    samples = _layout(lengths, per_shard)
+    indices = data.draw(st.lists(st.integers(0, len(lengths) - 1), min_size=1, max_size=60))
+    plan = plan_reads(samples, indices, alignment, max_gap, max_read)
+    reads, placed = _greedy(samples, indices, alignment, max_gap, max_read)
+    assert [(r.shard, r.offset, r.size) for r in plan.reads] == reads
+    assert np.array_equal(plan.sample_offsets, placed)
