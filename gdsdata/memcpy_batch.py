@@ -3,9 +3,9 @@ CUDA 12.8 and later), through ctypes over ``libcuda.so.1``.
 
 The ``mapped`` engine moves a batch's reads from registered page-cache pages into GPU staging with
 one such call per batch: the copy engines take every read (no SM and no CPU core copies a byte) and
-the call returns at once. On the H200, shuffled batches of 256 raw samples moved at 42.4 GB/s waiting
-for each batch and 54.6 GB/s queued back to back, where one ``cudaMemcpyAsync`` per read reached 33
-GB/s and the SMs' page gather 36-49 GB/s (docs/benchmarks.md).
+the call returns at once. On the H200, shuffled batches of 256 raw samples (257 KB each) moved at
+53.4 GB/s queued back to back, where one ``cudaMemcpyAsync`` per read reached 23.4 GB/s and the SMs'
+page gather 47.7 GB/s (``bench/io_paths.py``, docs/benchmarks.md, 2026-11-30 morning).
 
 CUDA 13 drivers export ``cuMemcpyBatchAsync_v2``; CUDA 12.8 and 12.9 drivers export
 ``cuMemcpyBatchAsync``, which takes a failure index before the stream. Both are bound.

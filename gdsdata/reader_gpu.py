@@ -31,8 +31,8 @@ many small reads (shuffled) through the page gather (raw, 257 KB samples: 59-66k
 kvikio's 44-54k), batches of a few large reads (file order) through kvikio, which splits each read
 over its threads (82-104k against 66-85k). With ``gather_pool=0`` and fewer than 8 torch threads
 everything goes through kvikio; without kvikio installed, through the page gather. Raw datasets
-that fit in half the host's memory go through ``mapped`` instead (shuffled: 91k images/s against
-55k for ``mixed``, file order 103k against 85k; docs/benchmarks.md).
+that fit in half the host's memory go through ``mapped`` instead (shuffled: 163.7k images/s against
+70.0k for ``mixed``, file order 168.6k against 87.7k; docs/benchmarks.md).
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
