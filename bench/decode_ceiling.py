@@ -90,6 +90,7 @@ def run_jobs(jobs, interpolate=True, repeats=3):
                                        rois=rois[0] if rois else None)
             streams[h].synchronize()
         except Exception as e:  # noqa: BLE001 - a failed decode must fail the row, not print a rate
+            e.backend = jobs[h][0]  # which decoder of the row failed
             errors.append(e)
 
     times = []
@@ -135,11 +136,14 @@ def main():
     ds = gdsdata.GDSDataset(out)
     print(f"{'backend':<16} {'batch':>6} {'handles':>8} {'interp':>7} {'images/s':>10}")
 
-    def row(label, batches, backend, handles, interpolate, batch=256):
+    def measured(fn):
         try:
-            rate = f"{run(batches, backend, handles, interpolate):>10.0f}"
+            return f"{fn():>10.0f}"
         except (nvjpeg.NvjpegError, GpuUnavailableError) as e:
-            rate = f"failed: {e}"
+            return f"failed ({getattr(e, 'backend', '?')}): {e}"
+
+    def row(label, batches, backend, handles, interpolate, batch=256):
+        rate = measured(lambda: run(batches, backend, handles, interpolate))
         print(f"{label:<16} {batch:>6} {handles:>8} {str(interpolate):>7} {rate}", flush=True)
 
     held = staged_batches(ds, 256, False)  # whole images against their random-resized-crop windows first
@@ -148,14 +152,14 @@ def main():
     # the engines beside the SMs: part of each batch through GPU_HYBRID_DEVICE (Huffman on the GPU)
     on_gpu = staged_batches(ds, 256, True)
     row("gpu_hybrid_device", on_gpu[1], "gpu_hybrid_device", 1, True)
-    for share in (32, 64):
+    for share in (64, 128):  # each part alone first, so that a failure of the pair names its cause
         engines, _ = split(held[1], 256 - share)
         _, sms = split(on_gpu[1], 256 - share)
-        try:
-            rate = f"{run_jobs([('hardware', engines), ('gpu_hybrid_device', sms)]):>10.0f}"
-        except (nvjpeg.NvjpegError, GpuUnavailableError) as e:
-            rate = f"failed: {e}"
-        print(f"hardware {256 - share} + gpu_hybrid_device {share} of each batch, at once {rate}", flush=True)
+        alone = [measured(lambda job=job: run_jobs([job])) for job in (("hardware", engines),
+                                                                         ("gpu_hybrid_device", sms))]
+        print(f"hardware {256 - share} alone {alone[0]}; gpu_hybrid_device {share} alone {alone[1]}", flush=True)
+        together = measured(lambda: run_jobs([("hardware", engines), ("gpu_hybrid_device", sms)]))
+        print(f"hardware {256 - share} + gpu_hybrid_device {share} of each batch, at once {together}", flush=True)
     del held, on_gpu
     for backend in ("hardware_device", "hardware"):  # several HARDWARE handles failed on the H200: last
         for batch in (256, 128):
