@@ -41,8 +41,8 @@ def _has_hardware_decoder(device_index: int) -> bool:
 def choose_path(gds: bool, prefer_mapped: bool = False):
     """(staging, nvJPEG backend) from the settings and what the machine has. In compatibility mode
     JPEG datasets stage in pinned host memory; raw datasets that fit in memory stage on the GPU,
-    gathered there by the ``mapped`` engine (``prefer_mapped``; on the H200, shuffled raw batches
-    ran at 91k images/s that way against 55k through pinned host staging)."""
+    copied there by the ``mapped`` engine (``prefer_mapped``; on the H200, shuffled raw batches
+    ran at 163.7k images/s that way against 70.0k through pinned host staging)."""
     staging, backend = settings.get("staging"), settings.get("decode_backend")
     if backend != "auto":
         wanted = "device" if backend.endswith("_device") else "host"

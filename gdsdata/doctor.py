@@ -78,11 +78,9 @@ def _nvjpeg_block():
 def mapped_copy() -> str:
     """How the ``mapped`` engine moves bytes here (``mapped_copy``), in words."""
     from .memcpy_batch import entry_point
+    from .reader_gpu import mapped_copy as resolved
 
-    copy = settings.get("mapped_copy")
-    if copy == "auto":
-        copy = "dma" if entry_point() else "gather"
-    if copy == "dma":
+    if resolved() == "dma":
         return f"the copy engines ({entry_point() or 'cuMemcpyBatchAsync: missing from this driver'})"
     return "the SMs gather"
 

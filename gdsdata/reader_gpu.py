@@ -158,6 +158,17 @@ def mapped_suits(index) -> bool:
     return True
 
 
+def mapped_copy() -> str:
+    """How the ``mapped`` engine moves bytes: the ``mapped_copy`` setting, ``auto`` resolved to
+    ``dma`` where the driver has the batched copy and to ``gather`` elsewhere."""
+    from .memcpy_batch import entry_point
+
+    copy = settings.get("mapped_copy")
+    if copy == "auto":
+        copy = "dma" if entry_point() else "gather"
+    return copy
+
+
 def choose_engine(staging: str, io_mode: str, prefer_mapped: bool = False) -> str:
     """The I/O engine: "kvikio", "mmap", "mixed" (per batch: many small reads through the page
     gather, a few large ones through kvikio) or "mapped", from the setting, the staging kind,
@@ -335,18 +346,12 @@ class MappedShards(ShardMaps):
     def __init__(self, index, device: torch.device):
         super().__init__(index)
         self.device = device
-        self.copy = settings.get("mapped_copy")
+        self.copy = mapped_copy()
         self._batch_copy = None
-        if self.copy in ("auto", "dma"):
+        if self.copy == "dma":  # (forced without the batched copy in the driver: BatchCopy says so)
             from .memcpy_batch import BatchCopy
 
-            try:
-                self._batch_copy = BatchCopy(device.index)
-                self.copy = "dma"
-            except GpuUnavailableError:
-                if self.copy == "dma":
-                    raise
-                self.copy = "gather"
+            self._batch_copy = BatchCopy(device.index)
         self._device_pages = {}
         self._registered = []
         self._stream = torch.cuda.Stream(device)

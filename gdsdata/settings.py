@@ -10,7 +10,7 @@
 | cpu_threads | GDSDATA_CPU_THREADS | cores | threads decoding JPEGs on the CPU path |
 | io_threads | GDSDATA_IO_THREADS | 16 | kvikio threads issuing reads on the GPU path |
 | io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: auto, kvikio (CuFile.pread), mmap or mixed (pinned |
-| | | | staging only), mapped (the GPU gathers from registered page-cache pages; device staging) |
+| | | | staging only), mapped (the GPU copies from registered page-cache pages; device staging) |
 | gather_pool | GDSDATA_GATHER_POOL | min(8, cores) | page gather (mmap reads): N gdsdata threads; 0: torch's threads |
 | mapped_copy | GDSDATA_MAPPED_COPY | auto | mapped reads: dma (the copy engines, one cuMemcpyBatchAsync per |
 | | | | batch), gather (the SMs), auto (dma where the driver has it: CUDA 12.8+) |
