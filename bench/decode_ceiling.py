@@ -67,13 +67,15 @@ def window_batches(ds, batches, seed=0):
 
 
 def run(batches, backend, handles, interpolate, repeats=3):
-    """Images/s of ``handles`` decoders of one backend, each with its share of ``batches``."""
+    """(images/s, CPU-s per 1,000 images) of ``handles`` decoders of one backend, each with its share
+    of ``batches``."""
     return run_jobs([(backend, batches[h::handles]) for h in range(handles)], interpolate, repeats)
 
 
 def run_jobs(jobs, interpolate=True, repeats=3):
-    """Images/s of several decoders at once, one per ``(backend, batches)`` job, each on its own
-    stream: the first job on the calling thread, the others on threads of their own."""
+    """(images/s, process CPU-s per 1,000 images) of several decoders at once, one per
+    ``(backend, batches)`` job, each on its own stream: the first job on the calling thread, the
+    others on threads of their own (ctypes lets go of the interpreter during nvJPEG's calls)."""
     flag = nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION
     if not interpolate:
         nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = 0
@@ -93,9 +95,9 @@ def run_jobs(jobs, interpolate=True, repeats=3):
             e.backend = jobs[h][0]  # which decoder of the row failed
             errors.append(e)
 
-    times = []
+    times, cpu = [], []
     for _ in range(repeats + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         threads = [threading.Thread(target=worker, args=(h,)) for h in range(1, len(jobs))]
         for t in threads:
             t.start()
@@ -103,6 +105,7 @@ def run_jobs(jobs, interpolate=True, repeats=3):
         for t in threads:
             t.join()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if errors:
             break
     for d in decoders:
@@ -110,21 +113,34 @@ def run_jobs(jobs, interpolate=True, repeats=3):
     if errors:
         raise errors[0]
     images = sum(len(b[0]) for _, batches in jobs for b in batches)
-    return images / float(np.median(times[1:]))
+    return images / float(np.median(times[1:])), 1000 * float(np.median(cpu[1:])) / images
+
+
+def images(batches, start, stop=None):
+    """Images ``start:stop`` of each batch, as a list of batches."""
+    return [tuple(part[start:stop] for part in b[:4]) + (b[4],) for b in batches]
 
 
 def split(batches, cut):
     """Each batch's first ``cut`` images, and the rest, as two lists of batches."""
-    head = [tuple(part[:cut] for part in b[:4]) + (b[4],) for b in batches]
-    tail = [tuple(part[cut:] for part in b[:4]) + (b[4],) for b in batches]
-    return head, tail
+    return images(batches, 0, cut), images(batches, cut)
+
+
+SECTIONS = ("whole", "window", "split", "cpu", "handles")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="bench-data")
     parser.add_argument("--count", type=int, default=10000)
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, of {', '.join(SECTIONS)} (run a risky one in a process of its own)")
+    parser.add_argument("--shares", default="64,128", help="images of each batch of 256 beside the engines (split)")
+    parser.add_argument("--threads", default="2,4,8", help="CPU Huffman threads beside the engines (cpu)")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if sections - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(sections - set(SECTIONS))}")
     print_system_block(system_block())
     src = os.path.join(args.dir, "images")
     if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
@@ -134,11 +150,12 @@ def main():
     if not os.path.exists(os.path.join(out, "index.gdsi")):
         gdsdata.pack(src, out, overwrite=True)
     ds = gdsdata.GDSDataset(out)
-    print(f"{'backend':<16} {'batch':>6} {'handles':>8} {'interp':>7} {'images/s':>10}")
+    print(f"{'backend':<16} {'batch':>6} {'handles':>8} {'interp':>7} {'images/s':>10} {'CPU-s/1k':>9}")
 
     def measured(fn):
         try:
-            return f"{fn():>10.0f}"
+            rate, cpu = fn()
+            return f"{rate:>10.0f} {cpu:>9.3f}"
         except (nvjpeg.NvjpegError, GpuUnavailableError) as e:
             return f"failed ({getattr(e, 'backend', '?')}): {e}"
 
@@ -146,30 +163,47 @@ def main():
         rate = measured(lambda: run(batches, backend, handles, interpolate))
         print(f"{label:<16} {batch:>6} {handles:>8} {str(interpolate):>7} {rate}", flush=True)
 
-    held = staged_batches(ds, 256, False)  # whole images against their random-resized-crop windows first
+    held = staged_batches(ds, 256, False)  # pinned host bitstreams: what compatibility mode stages
     row("hardware", held[1], "hardware", 1, True)
-    row("hardware, windows (random-resized-crop, one ROI per image)", window_batches(ds, held[1]), "hardware", 1, True)
-    # the engines beside the SMs: part of each batch through GPU_HYBRID_DEVICE (Huffman on the GPU)
-    on_gpu = staged_batches(ds, 256, True)
-    row("gpu_hybrid_device", on_gpu[1], "gpu_hybrid_device", 1, True)
-    for share in (64, 128):  # each part alone first, so that a failure of the pair names its cause
-        engines, _ = split(held[1], 256 - share)
-        _, sms = split(on_gpu[1], 256 - share)
-        alone = [measured(lambda job=job: run_jobs([job])) for job in (("hardware", engines),
-                                                                         ("gpu_hybrid_device", sms))]
-        print(f"hardware {256 - share} alone {alone[0]}; gpu_hybrid_device {share} alone {alone[1]}", flush=True)
-        together = measured(lambda: run_jobs([("hardware", engines), ("gpu_hybrid_device", sms)]))
-        print(f"hardware {256 - share} + gpu_hybrid_device {share} of each batch, at once {together}", flush=True)
-    del held, on_gpu
-    for backend in ("hardware_device", "hardware"):  # several HARDWARE handles failed on the H200: last
-        for batch in (256, 128):
-            held = staged_batches(ds, batch, backend.endswith("_device"))
-            for handles in (1, 2):
-                for interpolate in (True, False):
-                    if handles > 1 and not interpolate:
-                        continue
-                    row(backend, held[1], backend, handles, interpolate, batch)
-            del held
+    if "window" in sections:  # whole images against their random-resized-crop windows
+        row("hardware, windows (random-resized-crop, one ROI per image)", window_batches(ds, held[1]),
+            "hardware", 1, True)
+    if "split" in sections:  # the engines beside the SMs: part of each batch with Huffman on the GPU
+        on_gpu = staged_batches(ds, 256, True)
+        for backend, staged in (("gpu_hybrid", held), ("gpu_hybrid_device", on_gpu)):
+            row(backend, staged[1], backend, 1, True)
+            for share in map(int, args.shares.split(",")):  # GPU Huffman needs batches of over 50
+                engines, _ = split(held[1], 256 - share)
+                _, sms = split(staged[1], 256 - share)
+                alone = [measured(lambda job=job: run_jobs([job])) for job in (("hardware", engines),
+                                                                                 (backend, sms))]
+                print(f"hardware {256 - share} alone {alone[0]}; {backend} {share} alone {alone[1]}", flush=True)
+                together = measured(lambda: run_jobs([("hardware", engines), (backend, sms)]))
+                print(f"hardware {256 - share} + {backend} {share} of each batch, at once {together}", flush=True)
+        del on_gpu
+    if "cpu" in sections:  # the engines beside CPU Huffman (HYBRID: Huffman on host threads, IDCT on the GPU)
+        row("hybrid", images(held[1], 240), "hybrid", 1, True, 16)
+        for threads in map(int, args.threads.split(",")):
+            share = 16 * threads
+            engines, cpu = split(held[1], 256 - share)
+            parts = [images(cpu, 16 * t, 16 * t + 16) for t in range(threads)]
+            alone = [measured(lambda: run_jobs([("hardware", engines)])),
+                     measured(lambda: run_jobs([("hybrid", part) for part in parts]))]
+            print(f"hardware {256 - share} alone {alone[0]}; hybrid {threads} threads x 16 alone {alone[1]}", flush=True)
+            together = measured(lambda: run_jobs([("hardware", engines)] + [("hybrid", part) for part in parts]))
+            print(f"hardware {256 - share} + hybrid {threads} threads x 16 of each batch, at once {together}",
+                  flush=True)
+    del held
+    if "handles" in sections:
+        for backend in ("hardware_device", "hardware"):  # several HARDWARE handles failed on the H200: last
+            for batch in (256, 128):
+                staged = staged_batches(ds, batch, backend.endswith("_device"))
+                for handles in (1, 2):
+                    for interpolate in (True, False):
+                        if handles > 1 and not interpolate:
+                            continue
+                        row(backend, staged[1], backend, handles, interpolate, batch)
+                del staged
 
 
 if __name__ == "__main__":

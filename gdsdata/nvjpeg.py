@@ -24,7 +24,7 @@ from .errors import GpuUnavailableError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = {"default": 0, "gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
+BACKENDS = {"default": 0, "hybrid": 1, "gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
 DEVICE_BITSTREAM_BACKENDS = {"gpu_hybrid_device", "hardware_device"}
 OUTPUT_RGBI = 5
 # nvjpegCreateEx flag: upsample chroma with interpolation, as libjpeg's "fancy upsampling" does,
