@@ -189,7 +189,8 @@ def main():
             parts = [images(cpu, 16 * t, 16 * t + 16) for t in range(threads)]
             alone = [measured(lambda: run_jobs([("hardware", engines)])),
                      measured(lambda: run_jobs([("hybrid", part) for part in parts]))]
-            print(f"hardware {256 - share} alone {alone[0]}; hybrid {threads} threads x 16 alone {alone[1]}", flush=True)
+            print(f"hardware {256 - share} alone {alone[0]}; hybrid {threads} threads x 16 alone {alone[1]}",
+                  flush=True)
             together = measured(lambda: run_jobs([("hardware", engines)] + [("hybrid", part) for part in parts]))
             print(f"hardware {256 - share} + hybrid {threads} threads x 16 of each batch, at once {together}",
                   flush=True)
