@@ -97,6 +97,24 @@ def _bind(lib):
         "nvjpegDecodeBatchedEx": (c.c_void_p, c.c_void_p, c.POINTER(c.c_void_p), c.POINTER(c.c_size_t),
                                   c.c_void_p, c.POINTER(c.c_void_p), c.c_void_p),
     }
+    v = c.c_void_p
+    optional.update({  # the decoupled phases: Huffman on a host thread, the rest on the GPU (HostHuffmanDecoder)
+        "nvjpegDecoderCreate": (v, c.c_int, handle_p),
+        "nvjpegDecoderDestroy": (v,),
+        "nvjpegDecoderStateCreate": (v, v, handle_p),
+        "nvjpegBufferPinnedCreate": (v, v, handle_p),
+        "nvjpegBufferPinnedDestroy": (v,),
+        "nvjpegBufferDeviceCreate": (v, v, handle_p),
+        "nvjpegBufferDeviceDestroy": (v,),
+        "nvjpegStateAttachPinnedBuffer": (v, v),
+        "nvjpegStateAttachDeviceBuffer": (v, v),
+        "nvjpegJpegStreamCreate": (v, handle_p),
+        "nvjpegJpegStreamDestroy": (v,),
+        "nvjpegJpegStreamParse": (v, v, c.c_size_t, c.c_int, c.c_int, v),
+        "nvjpegDecodeJpegHost": (v, v, v, v, v),
+        "nvjpegDecodeJpegTransferToDevice": (v, v, v, v, v),
+        "nvjpegDecodeJpegDevice": (v, v, v, v, v),
+    })
     for name, argtypes in [*signatures.items(), *optional.items()]:
         fn = getattr(lib, name, None)
         if fn is None and name in optional:
@@ -237,6 +255,104 @@ class BatchedDecoder:
             self.state = ctypes.c_void_p()
         if self.handle:
             self.lib.nvjpegDestroy(self.handle)
+            self.handle = ctypes.c_void_p()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class HostHuffmanDecoder:
+    """One image at a time through nvJPEG's decoupled phases with the HYBRID decoder: the Huffman
+    decoding on the calling (host) thread, dequantisation, IDCT and colour conversion on the GPU.
+    For decoding part of each batch beside the hardware engines on spare CPU cores; bitstreams in
+    host memory. Two pinned buffers alternate, so that one image's host phase overlaps the previous
+    image's copy and kernels."""
+
+    def __init__(self):
+        lib = self.lib = library()
+        if getattr(lib, "nvjpegDecodeJpegHost", None) is None:
+            raise GpuUnavailableError(f"this nvJPEG ({lib.path}) lacks the decoupled decoding phases")
+        self._image_t = image_struct()
+        self.handle, self.decoder, self.state = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self.device_buffer, self.params = ctypes.c_void_p(), ctypes.c_void_p()
+        self.pinned = [ctypes.c_void_p(), ctypes.c_void_p()]
+        self.streams = [ctypes.c_void_p(), ctypes.c_void_p()]
+        self._done = [None, None]  # a CUDA event per pinned buffer: its copy to the GPU has finished
+        self._turn = 0
+        status = lib.nvjpegCreateEx(BACKENDS["hybrid"], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
+                                    ctypes.byref(self.handle))
+        if status != 0:
+            status = lib.nvjpegCreateEx(BACKENDS["hybrid"], None, None, 0, ctypes.byref(self.handle))
+        _check("nvjpegCreateEx(hybrid)", status)
+        try:
+            _check("nvjpegDecoderCreate", lib.nvjpegDecoderCreate(self.handle, BACKENDS["hybrid"],
+                                                                  ctypes.byref(self.decoder)))
+            _check("nvjpegDecoderStateCreate", lib.nvjpegDecoderStateCreate(self.handle, self.decoder,
+                                                                            ctypes.byref(self.state)))
+            _check("nvjpegBufferDeviceCreate", lib.nvjpegBufferDeviceCreate(self.handle, None,
+                                                                            ctypes.byref(self.device_buffer)))
+            _check("nvjpegStateAttachDeviceBuffer", lib.nvjpegStateAttachDeviceBuffer(self.state, self.device_buffer))
+            for k in range(2):
+                _check("nvjpegBufferPinnedCreate", lib.nvjpegBufferPinnedCreate(self.handle, None,
+                                                                                ctypes.byref(self.pinned[k])))
+                _check("nvjpegJpegStreamCreate", lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.streams[k])))
+            _check("nvjpegDecodeParamsCreate", lib.nvjpegDecodeParamsCreate(self.handle, ctypes.byref(self.params)))
+            _check("nvjpegDecodeParamsSetOutputFormat", lib.nvjpegDecodeParamsSetOutputFormat(self.params, OUTPUT_RGBI))
+        except NvjpegError:
+            self.close()
+            raise
+
+    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int):
+        """Decode host bitstreams into RGB interleaved buffers on CUDA ``stream``; the same
+        arguments as ``BatchedDecoder.decode``. Returns when the last image's host phase is done."""
+        import torch  # events of the CUDA runtime torch already holds
+
+        lib, cuda_stream = self.lib, ctypes.c_void_p(stream)
+        image, recorder = self._image_t(), torch.cuda.ExternalStream(stream)
+        for k in range(len(data_ptrs)):
+            turn = self._turn
+            self._turn ^= 1
+            if self._done[turn] is not None:
+                self._done[turn].synchronize()  # the pinned buffer's previous copy has left it
+            jpeg = self.streams[turn]
+            _check("nvjpegJpegStreamParse",
+                   lib.nvjpegJpegStreamParse(self.handle, data_ptrs[k], lengths[k], 0, 0, jpeg))
+            _check("nvjpegStateAttachPinnedBuffer", lib.nvjpegStateAttachPinnedBuffer(self.state, self.pinned[turn]))
+            _check("nvjpegDecodeJpegHost", lib.nvjpegDecodeJpegHost(self.handle, self.decoder, self.state,
+                                                                    self.params, jpeg))
+            _check("nvjpegDecodeJpegTransferToDevice",
+                   lib.nvjpegDecodeJpegTransferToDevice(self.handle, self.decoder, self.state, jpeg, cuda_stream))
+            image.channel[0] = out_ptrs[k]
+            image.pitch[0] = pitches[k]
+            _check("nvjpegDecodeJpegDevice", lib.nvjpegDecodeJpegDevice(self.handle, self.decoder, self.state,
+                                                                        ctypes.byref(image), cuda_stream))
+            if self._done[turn] is None:
+                self._done[turn] = torch.cuda.Event()
+            self._done[turn].record(recorder)
+
+    def close(self):
+        lib = self.lib
+        for event in self._done:
+            if event is not None:
+                event.synchronize()
+        self._done = [None, None]
+        for attr, destroy in (("params", "nvjpegDecodeParamsDestroy"), ("state", "nvjpegJpegStateDestroy"),
+                              ("device_buffer", "nvjpegBufferDeviceDestroy"), ("decoder", "nvjpegDecoderDestroy")):
+            if getattr(self, attr):
+                getattr(lib, destroy)(getattr(self, attr))
+                setattr(self, attr, ctypes.c_void_p())
+        for k in range(2):
+            if self.pinned[k]:
+                lib.nvjpegBufferPinnedDestroy(self.pinned[k])
+                self.pinned[k] = ctypes.c_void_p()
+            if self.streams[k]:
+                lib.nvjpegJpegStreamDestroy(self.streams[k])
+                self.streams[k] = ctypes.c_void_p()
+        if self.handle:
+            lib.nvjpegDestroy(self.handle)
             self.handle = ctypes.c_void_p()
 
     def __del__(self):
