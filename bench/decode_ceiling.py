@@ -89,8 +89,10 @@ def run_jobs(jobs, interpolate=True, repeats=3):
         try:
             with torch.cuda.stream(streams[h]):
                 for data, lengths, outs, pitches, _, *rois in jobs[h][1]:  # rois: window_batches'
-                    decoders[h].decode(data, lengths, outs, pitches, streams[h].cuda_stream,
-                                       **({"rois": rois[0]} if rois else {}))
+                    failed = decoders[h].decode(data, lengths, outs, pitches, streams[h].cuda_stream,
+                                                **({"rois": rois[0]} if rois else {}))
+                    if failed:  # host_huffman's images that failed
+                        raise next(iter(failed.values()))
             streams[h].synchronize()
         except Exception as e:  # noqa: BLE001 - a failed decode must fail the row, not print a rate
             e.backend = jobs[h][0]  # which decoder of the row failed

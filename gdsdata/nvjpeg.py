@@ -307,31 +307,39 @@ class HostHuffmanDecoder:
 
     def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int):
         """Decode host bitstreams into RGB interleaved buffers on CUDA ``stream``; the same
-        arguments as ``BatchedDecoder.decode``. Returns when the last image's host phase is done."""
+        arguments as ``BatchedDecoder.decode``. Returns when the last image's host phase is done,
+        with the images that failed: position -> NvjpegError (the others are decoded)."""
         import torch  # events of the CUDA runtime torch already holds
 
         lib, cuda_stream = self.lib, ctypes.c_void_p(stream)
         image, recorder = self._image_t(), torch.cuda.ExternalStream(stream)
+        errors = {}
         for k in range(len(data_ptrs)):
             turn = self._turn
             self._turn ^= 1
             if self._done[turn] is not None:
                 self._done[turn].synchronize()  # the pinned buffer's previous copy has left it
             jpeg = self.streams[turn]
-            _check("nvjpegJpegStreamParse",
-                   lib.nvjpegJpegStreamParse(self.handle, data_ptrs[k], lengths[k], 0, 0, jpeg))
-            _check("nvjpegStateAttachPinnedBuffer", lib.nvjpegStateAttachPinnedBuffer(self.state, self.pinned[turn]))
-            _check("nvjpegDecodeJpegHost", lib.nvjpegDecodeJpegHost(self.handle, self.decoder, self.state,
-                                                                    self.params, jpeg))
-            _check("nvjpegDecodeJpegTransferToDevice",
-                   lib.nvjpegDecodeJpegTransferToDevice(self.handle, self.decoder, self.state, jpeg, cuda_stream))
             image.channel[0] = out_ptrs[k]
             image.pitch[0] = pitches[k]
-            _check("nvjpegDecodeJpegDevice", lib.nvjpegDecodeJpegDevice(self.handle, self.decoder, self.state,
-                                                                        ctypes.byref(image), cuda_stream))
+            try:
+                _check("nvjpegJpegStreamParse",
+                       lib.nvjpegJpegStreamParse(self.handle, data_ptrs[k], lengths[k], 0, 0, jpeg))
+                _check("nvjpegStateAttachPinnedBuffer",
+                       lib.nvjpegStateAttachPinnedBuffer(self.state, self.pinned[turn]))
+                _check("nvjpegDecodeJpegHost", lib.nvjpegDecodeJpegHost(self.handle, self.decoder, self.state,
+                                                                        self.params, jpeg))
+                _check("nvjpegDecodeJpegTransferToDevice",
+                       lib.nvjpegDecodeJpegTransferToDevice(self.handle, self.decoder, self.state, jpeg, cuda_stream))
+                _check("nvjpegDecodeJpegDevice", lib.nvjpegDecodeJpegDevice(self.handle, self.decoder, self.state,
+                                                                            ctypes.byref(image), cuda_stream))
+            except NvjpegError as e:
+                errors[k] = e
+                continue
             if self._done[turn] is None:
                 self._done[turn] = torch.cuda.Event()
             self._done[turn].record(recorder)
+        return errors
 
     def close(self):
         lib = self.lib

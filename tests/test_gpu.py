@@ -59,18 +59,24 @@ def test_every_kind_decodes_on_the_gpu_like_pil(kinds_dataset, staging, backend)
         ds.close()
 
 
-def test_hardware_decodes_windows_of_a_batch_like_pil(photos_dataset):
-    """nvjpegDecodeBatchedEx with one window (ROI) per image, as bench/decode_ceiling.py probes it:
-    each window matches the same window of PIL's decode."""
+def hardware_decoder_or_skip():
+    """An nvJPEG HARDWARE decoder, or the test skips where the GPU has no JPEG engines."""
     from gdsdata import nvjpeg
     from gdsdata.errors import GpuUnavailableError
 
-    src, paths, out = photos_dataset
     try:
         decoder = nvjpeg.BatchedDecoder("hardware")
         decoder.hardware_info()
+        return decoder
     except (nvjpeg.NvjpegError, GpuUnavailableError):
         pytest.skip("no nvJPEG hardware decoder here")
+
+
+def test_hardware_decodes_windows_of_a_batch_like_pil(photos_dataset):
+    """nvjpegDecodeBatchedEx with one window (ROI) per image, as bench/decode_ceiling.py probes it:
+    each window matches the same window of PIL's decode."""
+    src, paths, out = photos_dataset
+    decoder = hardware_decoder_or_skip()
     ds = gdsdata.GDSDataset(out)  # the CPU reader stages the bitstreams
     indices = list(range(9))
     buffer, plan = ds._backend.reader.read(indices)
@@ -304,6 +310,40 @@ def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, backend, verify):
         skipping = gdsdata.GDSDataset(out, device="cuda", on_error="skip", verify_checksums=verify)
         batch = skipping.__getitems__([6, 7, 8])
         assert skipping.skipped == 1 and batch[1][1] == ds.targets[8]
+
+
+def test_assisting_threads_decode_like_pil_and_the_engines(photos_dataset):
+    """Part of each batch Huffman-decoded on host threads (decode_assist) against the same batch on
+    the engines alone, and against PIL."""
+    hardware_decoder_or_skip().close()
+    src, paths, out = photos_dataset
+    got = {}
+    for threads in (0, 12):
+        with settings.set(decode_backend="hardware", assist_threads=threads):
+            ds = gdsdata.GDSDataset(out, device="cuda")
+            assert ds._backend.decoder.assist_threads == threads
+            if threads:
+                assert ds._backend.decoder.assist.share(len(ds)) >= 2
+            got[threads] = [image.cpu() for image, _ in ds.__getitems__(range(len(ds)))]
+            ds.close()
+    for i, (engines, assisted) in enumerate(zip(got[0], got[12])):
+        assert mean_abs_diff(assisted, pil_reference(os.path.join(src, paths[i]))) <= 2, i
+        assert (engines.int() - assisted.int()).abs().float().mean() <= 1, i
+
+
+def test_bad_sample_in_the_assisting_threads_part(photos_dataset, tmp_path):
+    hardware_decoder_or_skip().close()
+    out = damaged_copy(photos_dataset[2], str(tmp_path / "ds"), 7, 2, b"\x00" * 600)
+    with settings.set(decode_backend="hardware", assist_threads=12):
+        gpu = gdsdata.GDSDataset(out, device="cuda")
+        order = [i for i in range(len(gpu)) if i != 7] + [7]  # the last ones go to the threads
+        assert gpu._backend.decoder.assist.share(len(order)) >= 1
+        with pytest.raises(CorruptSampleError, match=r"sample 7 \("):
+            gpu.__getitems__(order)
+        skipping = gdsdata.GDSDataset(out, device="cuda", on_error="skip")
+        assert len(skipping.__getitems__(order)) == len(order) and skipping.skipped == 1
+        gpu.close()
+        skipping.close()
 
 
 def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):
