@@ -144,6 +144,8 @@ def main(argv=None):
     parser.add_argument("--quality", type=int, default=92, help="image set: JPEG quality")
     parser.add_argument("--scale", type=float, default=1.0, help="image set: scale of the ImageNet-like sizes")
     parser.add_argument("--out", default="bench-results", help="folder for gpu.json")
+    parser.add_argument("--assist", default="auto,0",
+                        help="assist_threads of the automatic JPEG rows, comma-separated (0: the engines alone)")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: peers,dali,cold,paths,raw,mapped")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -220,7 +222,7 @@ def main(argv=None):
     user_pool = settings.get("gather_pool")  # GDSDATA_GATHER_POOL, for the automatic rows
     # (staging, backend, reads, io threads, gather pool, assist threads): the automatic choice first,
     # then the engines alone, then forced paths
-    auto = [("auto", "auto", "auto", 16, user_pool, "auto"), ("auto", "auto", "auto", 16, user_pool, 0)]
+    auto = [("auto", "auto", "auto", 16, user_pool, threads) for threads in args.assist.split(",")]
     paths = auto if "paths" in skip else auto + [
         ("host", "hardware", "mmap", 16, user_pool, 0), ("host", "hardware", "mmap", 16, 0, 0),
         ("host", "hardware", "kvikio", 16, user_pool, 0), ("device", "hardware_device", "kvikio", 16, user_pool, 0)]

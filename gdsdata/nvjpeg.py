@@ -268,19 +268,20 @@ class HostHuffmanDecoder:
     """One image at a time through nvJPEG's decoupled phases with the HYBRID decoder: the Huffman
     decoding on the calling (host) thread, dequantisation, IDCT and colour conversion on the GPU.
     For decoding part of each batch beside the hardware engines on spare CPU cores; bitstreams in
-    host memory. Two pinned buffers alternate, so that one image's host phase overlaps the previous
-    image's copy and kernels."""
+    host memory. A ring of ``buffers`` pinned buffers: an image's host phase reuses a buffer only once
+    the copy out of it has run, so the thread does not wait for the GPU while the ring lasts (the
+    stream's kernels may queue behind other work for a while)."""
 
-    def __init__(self):
+    def __init__(self, buffers: int = 8):
         lib = self.lib = library()
         if getattr(lib, "nvjpegDecodeJpegHost", None) is None:
             raise GpuUnavailableError(f"this nvJPEG ({lib.path}) lacks the decoupled decoding phases")
         self._image_t = image_struct()
         self.handle, self.decoder, self.state = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self.device_buffer, self.params = ctypes.c_void_p(), ctypes.c_void_p()
-        self.pinned = [ctypes.c_void_p(), ctypes.c_void_p()]
-        self.streams = [ctypes.c_void_p(), ctypes.c_void_p()]
-        self._done = [None, None]  # a CUDA event per pinned buffer: its copy to the GPU has finished
+        self.pinned = [ctypes.c_void_p() for _ in range(buffers)]
+        self.streams = [ctypes.c_void_p() for _ in range(buffers)]  # parsed bitstreams, one per buffer
+        self._done = [None] * buffers  # a CUDA event per pinned buffer: its copy to the GPU has run
         self._turn = 0
         status = lib.nvjpegCreateEx(BACKENDS["hybrid"], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
                                     ctypes.byref(self.handle))
@@ -295,7 +296,7 @@ class HostHuffmanDecoder:
             _check("nvjpegBufferDeviceCreate", lib.nvjpegBufferDeviceCreate(self.handle, None,
                                                                             ctypes.byref(self.device_buffer)))
             _check("nvjpegStateAttachDeviceBuffer", lib.nvjpegStateAttachDeviceBuffer(self.state, self.device_buffer))
-            for k in range(2):
+            for k in range(buffers):
                 _check("nvjpegBufferPinnedCreate", lib.nvjpegBufferPinnedCreate(self.handle, None,
                                                                                 ctypes.byref(self.pinned[k])))
                 _check("nvjpegJpegStreamCreate", lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.streams[k])))
@@ -316,7 +317,7 @@ class HostHuffmanDecoder:
         errors = {}
         for k in range(len(data_ptrs)):
             turn = self._turn
-            self._turn ^= 1
+            self._turn = (turn + 1) % len(self.pinned)
             if self._done[turn] is not None:
                 self._done[turn].synchronize()  # the pinned buffer's previous copy has left it
             jpeg = self.streams[turn]
@@ -346,13 +347,13 @@ class HostHuffmanDecoder:
         for event in self._done:
             if event is not None:
                 event.synchronize()
-        self._done = [None, None]
+        self._done = [None] * len(self._done)
         for attr, destroy in (("params", "nvjpegDecodeParamsDestroy"), ("state", "nvjpegJpegStateDestroy"),
                               ("device_buffer", "nvjpegBufferDeviceDestroy"), ("decoder", "nvjpegDecoderDestroy")):
             if getattr(self, attr):
                 getattr(lib, destroy)(getattr(self, attr))
                 setattr(self, attr, ctypes.c_void_p())
-        for k in range(2):
+        for k in range(len(self.pinned)):
             if self.pinned[k]:
                 lib.nvjpegBufferPinnedDestroy(self.pinned[k])
                 self.pinned[k] = ctypes.c_void_p()
