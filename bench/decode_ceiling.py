@@ -1,12 +1,20 @@
 #!/usr/bin/env python3
 """How fast can nvJPEG's batched decoder go on this GPU? Variants of the minimal loop over bytes
-already staged in pinned host memory: chroma upsampling flag, batch size, several decoder handles
-driven from several threads at once (each handle and state owns its batches), decoding only each
-image's random-resized-crop window (``nvjpegDecodeBatchedEx`` with one ROI per image) instead of the
-whole image, and the hardware engines beside the SMs (part of each batch through GPU_HYBRID_DEVICE,
-whose Huffman decoding runs on the GPU, at the same time).
+already staged in pinned host memory, in sections (``--sections``; run a risky one in a process of
+its own, under ``timeout``):
 
-    python bench/decode_ceiling.py --dir /tmp/bench --count 10000
+- whole: the HARDWARE loop alone (always first);
+- window: decoding only each image's random-resized-crop window (``nvjpegDecodeBatchedEx``, one ROI
+  per image) instead of the whole image;
+- split: the engines beside the SMs, part of each batch through GPU_HYBRID(_DEVICE) at the same time
+  (hung on the H200: see docs/benchmarks.md);
+- cpu: the engines beside host threads that Huffman-decode part of each batch through nvJPEG's
+  decoupled phases (``nvjpeg.HostHuffmanDecoder``), with each part timed alone first;
+- handles: batch size, chroma upsampling flag, several decoder handles on several threads.
+
+Every row gives images/s and process CPU-seconds per 1,000 images.
+
+    python bench/decode_ceiling.py --dir /tmp/bench --count 10000 --sections whole,cpu
 """
 
 import argparse

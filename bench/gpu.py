@@ -144,8 +144,6 @@ def main(argv=None):
     parser.add_argument("--quality", type=int, default=92, help="image set: JPEG quality")
     parser.add_argument("--scale", type=float, default=1.0, help="image set: scale of the ImageNet-like sizes")
     parser.add_argument("--out", default="bench-results", help="folder for gpu.json")
-    parser.add_argument("--assist", default="auto,0",
-                        help="assist_threads of the automatic JPEG rows, comma-separated (0: the engines alone)")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: peers,dali,cold,paths,raw,mapped")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -220,17 +218,16 @@ def main(argv=None):
     print("\n== gdsdata (page cache warm) ==")
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
     user_pool = settings.get("gather_pool")  # GDSDATA_GATHER_POOL, for the automatic rows
-    # (staging, backend, reads, io threads, gather pool, assist threads): the automatic choice first,
-    # then the engines alone, then forced paths
-    auto = [("auto", "auto", "auto", 16, user_pool, threads) for threads in args.assist.split(",")]
+    # (staging, backend, reads, io threads, gather pool): the automatic choice first, then forced paths
+    auto = [("auto", "auto", "auto", 16, user_pool)]
     paths = auto if "paths" in skip else auto + [
-        ("host", "hardware", "mmap", 16, user_pool, 0), ("host", "hardware", "mmap", 16, 0, 0),
-        ("host", "hardware", "kvikio", 16, user_pool, 0), ("device", "hardware_device", "kvikio", 16, user_pool, 0)]
+        ("host", "hardware", "mmap", 16, user_pool), ("host", "hardware", "mmap", 16, 0),
+        ("host", "hardware", "kvikio", 16, user_pool), ("device", "hardware_device", "kvikio", 16, user_pool)]
 
     def jpeg_rows(paths, note=""):
-        for staging, backend, engine, io_threads, pool, assist in paths:
+        for staging, backend, engine, io_threads, pool in paths:
             with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
-                              gather_pool=pool, assist_threads=assist):
+                              gather_pool=pool):
                 ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
                 tag = f"{ds._backend.describe()} io_threads={io_threads}" + gather_tag(ds, pool) + note
                 run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
@@ -254,7 +251,7 @@ def main(argv=None):
         return first
 
     jpeg_rows(paths)
-    jpeg_rows(auto[:1], ", again")  # the automatic choice again, last: does a row's place in the run change it?
+    jpeg_rows(auto, ", again")  # the automatic choice again, last: does a row's place in the run change it?
     raw_train = raw_rows((("auto", "auto", user_pool), ("host", "auto", user_pool), ("host", "mmap", user_pool),
                           ("host", "mmap", 0), ("host", "kvikio", user_pool),
                           ("device", "kvikio", user_pool)))  # first: the automatic choice, shuffled
@@ -303,7 +300,7 @@ def main(argv=None):
         print("\n== io_engine=mapped for JPEG: the GPU gathers bitstreams from registered page-cache pages ==")
         try:
             warm(shard_paths(jpeg))
-            jpeg_rows([("device", "hardware_device", "mapped", 16, 0, 0)])
+            jpeg_rows([("device", "hardware_device", "mapped", 16, 0)])
         except Exception:  # noqa: BLE001 - the summary of everything else still follows
             print(f"  mapped engine FAILED\n{traceback.format_exc()}")
 

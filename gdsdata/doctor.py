@@ -115,9 +115,4 @@ def report() -> dict:
         info["io engine"] = f"auto ({auto_reads(info['io mode'].split(':')[0])})"
     info["staging"] = settings.get("staging")
     info["decode backend"] = settings.get("decode_backend")
-    from .decode_assist import assist_threads
-
-    threads = assist_threads()
-    info["decode assist"] = (f"{threads} host thread(s) Huffman-decode part of each JPEG batch beside the hardware "
-                             f"engines (pinned staging)" if threads else "off")
     return info

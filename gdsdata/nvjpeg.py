@@ -8,8 +8,10 @@ Only what the batched flow needs is bound:
     nvjpegCreateEx -> nvjpegJpegStateCreate -> nvjpegDecodeBatchedInitialize (per batch size)
     -> nvjpegDecodeBatched(handle, state, data[], lengths[], images[], stream)
 
-and, for decoding a window of each image (``rois``: the hardware backend only, a probe of
-bench/decode_ceiling.py), ``nvjpegDecodeParams*`` and ``nvjpegDecodeBatchedEx``.
+and, for two probes of bench/decode_ceiling.py: decoding a window of each image (``rois``: the
+hardware backend only; ``nvjpegDecodeParams*``, ``nvjpegDecodeBatchedEx``), and decoding images one
+by one with the Huffman stage on a host thread (``HostHuffmanDecoder``: the decoupled phases
+``nvjpegJpegStreamParse`` -> ``nvjpegDecodeJpegHost`` -> ``...TransferToDevice`` -> ``...Device``).
 
 Every status is checked and turned into ``NvjpegError`` with nvJPEG's name for it.
 """

@@ -312,38 +312,36 @@ def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, backend, verify):
         assert skipping.skipped == 1 and batch[1][1] == ds.targets[8]
 
 
-def test_assisting_threads_decode_like_pil_and_the_engines(photos_dataset):
-    """Part of each batch Huffman-decoded on host threads (decode_assist) against the same batch on
-    the engines alone, and against PIL."""
-    hardware_decoder_or_skip().close()
+def test_host_huffman_decoder_decodes_like_pil_and_names_a_bad_image(photos_dataset):
+    """nvJPEG's decoupled phases (Huffman on the calling thread), as bench/decode_ceiling.py's cpu
+    section runs them beside the engines: pixels against PIL's, more images than its ring of pinned
+    buffers, and a damaged bitstream reported at its position."""
+    from gdsdata import nvjpeg
+
     src, paths, out = photos_dataset
-    got = {}
-    for threads in (0, 12):
-        with settings.set(decode_backend="hardware", assist_threads=threads):
-            ds = gdsdata.GDSDataset(out, device="cuda")
-            assert ds._backend.decoder.assist_threads == threads
-            if threads:
-                assert ds._backend.decoder.assist.share(len(ds)) >= 2
-            got[threads] = [image.cpu() for image, _ in ds.__getitems__(range(len(ds)))]
-            ds.close()
-    for i, (engines, assisted) in enumerate(zip(got[0], got[12])):
-        assert mean_abs_diff(assisted, pil_reference(os.path.join(src, paths[i]))) <= 2, i
-        assert (engines.int() - assisted.int()).abs().float().mean() <= 1, i
-
-
-def test_bad_sample_in_the_assisting_threads_part(photos_dataset, tmp_path):
-    hardware_decoder_or_skip().close()
-    out = damaged_copy(photos_dataset[2], str(tmp_path / "ds"), 7, 2, b"\x00" * 600)
-    with settings.set(decode_backend="hardware", assist_threads=12):
-        gpu = gdsdata.GDSDataset(out, device="cuda")
-        order = [i for i in range(len(gpu)) if i != 7] + [7]  # the last ones go to the threads
-        assert gpu._backend.decoder.assist.share(len(order)) >= 1
-        with pytest.raises(CorruptSampleError, match=r"sample 7 \("):
-            gpu.__getitems__(order)
-        skipping = gdsdata.GDSDataset(out, device="cuda", on_error="skip")
-        assert len(skipping.__getitems__(order)) == len(order) and skipping.skipped == 1
-        gpu.close()
-        skipping.close()
+    try:
+        decoder = nvjpeg.HostHuffmanDecoder(buffers=4)
+    except nvjpeg.NvjpegError:
+        pytest.skip("nvJPEG's HYBRID decoder is not available here")
+    ds = gdsdata.GDSDataset(out)  # the CPU reader stages the bitstreams
+    indices = list(range(11))
+    buffer, plan = ds._backend.reader.read(indices)
+    buffer = buffer.copy()
+    buffer[plan.sample_offsets[10] + 2:plan.sample_offsets[10] + 600] = 0  # the last: its headers zeroed
+    host = torch.from_numpy(buffer).pin_memory()
+    samples = ds.index.samples[indices]
+    outs = [torch.zeros((h, w, 3), dtype=torch.uint8, device="cuda")
+            for h, w in zip(samples["height"].tolist(), samples["width"].tolist())]
+    stream = torch.cuda.current_stream()
+    failed = decoder.decode((host.data_ptr() + plan.sample_offsets).tolist(), plan.sample_lengths.tolist(),
+                            [o.data_ptr() for o in outs], [o.shape[1] * 3 for o in outs], stream.cuda_stream)
+    stream.synchronize()
+    assert list(failed) == [10] and isinstance(failed[10], nvjpeg.NvjpegError)
+    for i, image in zip(indices, outs):
+        if i != 10:
+            reference = pil_reference(os.path.join(src, paths[i]))
+            assert mean_abs_diff(image.permute(2, 0, 1).cpu(), reference) <= 2, i
+    decoder.close()
 
 
 def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):

@@ -29,32 +29,3 @@ def test_environment_variables_are_read():
     env = {"GDSDATA_IO_THREADS": "7", "GDSDATA_VERIFY_CHECKSUMS": "yes", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["7", "True"]
-
-
-def test_assist_threads_auto_leaves_cores_and_shares_them_among_gpu_processes(monkeypatch):
-    from gdsdata.decode_assist import assist_threads
-
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert assist_threads() == 12  # 16 cores, one GPU process: four left to the Loader
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert assist_threads() == 0  # two cores a process: none to spare
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert assist_threads() == 4
-    with settings.set(assist_threads=3):
-        assert assist_threads() == 3
-    with pytest.raises(ValueError, match="assist_threads"):
-        settings.set(assist_threads="many")
-
-
-def test_assist_share_balances_the_engines_and_the_threads():
-    from gdsdata.decode_assist import ENGINE_RATE, THREAD_RATE, DecodeAssist
-
-    assist = DecodeAssist(12, 7, device=None)
-    cut = assist.share(256)
-    # both parts take about as long: engines (256 - cut) / (7 x ENGINE_RATE), threads cut / (12 x THREAD_RATE)
-    assert abs((256 - cut) / (7 * ENGINE_RATE) - cut / (12 * THREAD_RATE)) < 1 / (12 * THREAD_RATE)
-    assert cut == 52
-    assert assist.share(1) == 0 and assist.share(2) <= 1
-    assert DecodeAssist(1, 7, device=None).share(8) == 0  # too few images for a thread's share
-    assist.close()
