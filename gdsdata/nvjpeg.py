@@ -173,7 +173,27 @@ def image_struct():
     return NvjpegImage
 
 
-class BatchedDecoder:
+def _release(lib, owner, attr, destroy):
+    """Destroy the nvJPEG object held in ``owner.attr``, if any, with ``lib.<destroy>``."""
+    if getattr(owner, attr):
+        getattr(lib, destroy)(getattr(owner, attr))
+        setattr(owner, attr, ctypes.c_void_p())
+
+
+class _Owner:
+    """Holds nvJPEG objects: ``close()`` destroys them, also when the holder is collected unclosed."""
+
+    def close(self):
+        raise NotImplementedError
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class BatchedDecoder(_Owner):
     """One nvJPEG handle and decode state for one backend; decodes batches into RGB interleaved."""
 
     def __init__(self, backend: str):
@@ -252,21 +272,11 @@ class BatchedDecoder:
         for params in self._params:
             self.lib.nvjpegDecodeParamsDestroy(params)
         self._params = []
-        if self.state:
-            self.lib.nvjpegJpegStateDestroy(self.state)
-            self.state = ctypes.c_void_p()
-        if self.handle:
-            self.lib.nvjpegDestroy(self.handle)
-            self.handle = ctypes.c_void_p()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        _release(self.lib, self, "state", "nvjpegJpegStateDestroy")
+        _release(self.lib, self, "handle", "nvjpegDestroy")
 
 
-class HostHuffmanDecoder:
+class HostHuffmanDecoder(_Owner):
     """One image at a time through nvJPEG's decoupled phases with the HYBRID decoder: the Huffman
     decoding on the calling (host) thread, dequantisation, IDCT and colour conversion on the GPU.
     For decoding part of each batch beside the hardware engines on spare CPU cores; bitstreams in
@@ -352,25 +362,14 @@ class HostHuffmanDecoder:
         self._done = [None] * len(self._done)
         for attr, destroy in (("params", "nvjpegDecodeParamsDestroy"), ("state", "nvjpegJpegStateDestroy"),
                               ("device_buffer", "nvjpegBufferDeviceDestroy"), ("decoder", "nvjpegDecoderDestroy")):
-            if getattr(self, attr):
-                getattr(lib, destroy)(getattr(self, attr))
-                setattr(self, attr, ctypes.c_void_p())
+            _release(lib, self, attr, destroy)
         for k in range(len(self.pinned)):
             if self.pinned[k]:
                 lib.nvjpegBufferPinnedDestroy(self.pinned[k])
-                self.pinned[k] = ctypes.c_void_p()
             if self.streams[k]:
                 lib.nvjpegJpegStreamDestroy(self.streams[k])
-                self.streams[k] = ctypes.c_void_p()
-        if self.handle:
-            lib.nvjpegDestroy(self.handle)
-            self.handle = ctypes.c_void_p()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        self.pinned, self.streams = [], []
+        _release(lib, self, "handle", "nvjpegDestroy")
 
 
 def library_info() -> dict:
