@@ -180,8 +180,8 @@ def chart(results, path, title):
 # --- the GPU benchmarks' shared pieces ---------------------------------------------------------
 def warm(paths):
     """Read ``paths`` into the page cache, after writing back every dirty page: freshly generated and
-    packed data would otherwise be written back by the kernel during the first timed rows (after
-    its 30 s expiry), a suspect for those rows' spread on the H200."""
+    packed data would otherwise be written back by the kernel (after its 30 s expiry) during the
+    first timed rows."""
     os.sync()
     for p in paths:
         with open(p, "rb") as f:
