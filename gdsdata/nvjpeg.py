@@ -346,9 +346,8 @@ class HostHuffmanDecoder(_Owner):
                        lib.nvjpegDecodeJpegTransferToDevice(self.handle, self.decoder, self.state, jpeg, cuda_stream))
                 _check("nvjpegDecodeJpegDevice", lib.nvjpegDecodeJpegDevice(self.handle, self.decoder, self.state,
                                                                             ctypes.byref(image), cuda_stream))
-            except NvjpegError as e:
+            except NvjpegError as e:  # (a failure after the host phase may have queued a copy: the event follows)
                 errors[k] = e
-                continue
             if self._done[turn] is None:
                 self._done[turn] = torch.cuda.Event()
             self._done[turn].record(recorder)
