@@ -245,26 +245,27 @@ class ShardMaps:
         run ``(shard, p0, p1)`` covers staging pages p0..p1 of one shard. Reads are alignment-sized
         multiples at aligned offsets (plan.py), listed by shard, then offset, so a shard's reads are
         one contiguous run of staging pages. A read past a shard's end is a truncated shard."""
-        shards, offsets, sizes = plan.shards, plan.offsets, plan.sizes
-        self.check_bounds(plan)
+        spans = self.check_bounds(plan)
         alignment = self.index.alignment
-        starts, counts = offsets // alignment, sizes // alignment
+        starts, counts = plan.offsets // alignment, plan.sizes // alignment
         first = np.cumsum(counts) - counts
         source = np.arange(int(counts.sum())) + np.repeat(starts - first, counts)
-        edges = np.flatnonzero(np.diff(shards)) + 1
-        runs = [(int(shards[lo]), int(first[lo]), int(first[hi - 1] + counts[hi - 1]))
-                for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(shards)])]
+        runs = [(int(plan.shards[lo]), int(first[lo]), int(first[hi - 1] + counts[hi - 1])) for lo, hi in spans]
         return runs, source
 
     def check_bounds(self, plan):
-        """Raise ``FormatError`` for a read past its shard's end (a truncated shard); maps the shards."""
-        edges = np.flatnonzero(np.diff(plan.shards)) + 1
-        for lo, hi in zip(np.r_[0, edges].tolist(), np.r_[edges, len(plan.shards)].tolist()):
+        """Raise ``FormatError`` for a read past its shard's end (a truncated shard); maps the shards.
+        Returns the plan's reads grouped by shard, as ``(lo, hi)`` index ranges (plans list reads by
+        shard, then offset)."""
+        edges = (np.flatnonzero(np.diff(plan.shards)) + 1).tolist()
+        spans = list(zip([0, *edges], [*edges, len(plan.shards)]))
+        for lo, hi in spans:
             shard = int(plan.shards[lo])
             end, have = int((plan.offsets[lo:hi] + plan.sizes[lo:hi]).max()), self.pages(shard).numel()
             if end > have:
                 raise FormatError(f"{self.index.shard_path(shard)}: a read ends at byte {end}, past the "
                                   f"end of the file ({have} bytes): truncated shard")
+        return spans
 
     def _take_pooled(self, runs, source, dest, threads):
         """The same gather on ``threads`` threads (the caller and a pool of gdsdata threads): the
