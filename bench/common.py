@@ -210,3 +210,36 @@ def kvikio_pread_epoch(paths, threads):
         torch.cuda.synchronize()
 
     return epoch, sum(sizes)
+
+
+def loader_epoch(ds, transform, shuffle="full", batch=256):
+    """One epoch of a ``gdsdata.Loader`` over ``ds`` per call (random-resized-crop batches with
+    ``transform``, else decoded pixels), GPU work included; returns the time to the first batch.
+    ``epoch.stages`` gets, per epoch, its seconds and the Loader's stage times (ms per batch);
+    ``epoch.loader`` is the Loader and ``epoch.close`` stops its read-ahead."""
+    import torch
+
+    import gdsdata
+
+    loader = gdsdata.Loader(ds, batch, transform=transform, shuffle=shuffle, prefetch=3, pixels=transform is None)
+    sync = torch.cuda.synchronize if ds.device.type == "cuda" else (lambda: None)
+    state = {"epoch": 0}
+
+    def epoch():
+        loader.set_epoch(state["epoch"])
+        state["epoch"] += 1
+        before = loader.stats()
+        t0 = time.perf_counter()
+        first = None
+        for _ in loader:
+            if first is None:
+                sync()
+                first = time.perf_counter() - t0
+        sync()
+        seconds = time.perf_counter() - t0
+        epoch.stages.append({"seconds": round(seconds, 4), **stage_ms(loader.stats(), before)})
+        return first
+
+    epoch.loader, epoch.close = loader, loader.close
+    epoch.stages = []
+    return epoch

@@ -31,8 +31,8 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import peers  # noqa: E402
 from decode_ceiling import staged_batches  # noqa: E402
-from common import (kvikio_pread_epoch, measure, print_system_block, print_table, shard_paths,  # noqa: E402
-                    stage_ms, system_block, warm, write_json)
+from common import (kvikio_pread_epoch, loader_epoch, measure, print_system_block, print_table,  # noqa: E402
+                    shard_paths, system_block, warm, write_json)
 from make_images import generate  # noqa: E402
 
 import gdsdata  # noqa: E402
@@ -66,32 +66,6 @@ def nvjpeg_ceiling_epoch(ds, backend):
         torch.cuda.synchronize()
 
     return epoch, (staged, batches, decoder)
-
-
-# --- gdsdata ----------------------------------------------------------------------------------
-def loader_epoch(ds, transform, shuffle="full"):
-    loader = gdsdata.Loader(ds, BATCH, transform=transform, shuffle=shuffle, prefetch=3,
-                            pixels=transform is None)
-    state = {"epoch": 0}
-
-    def epoch():
-        loader.set_epoch(state["epoch"])
-        state["epoch"] += 1
-        before = loader.stats()
-        t0 = time.perf_counter()
-        first = None
-        for images, labels in loader:
-            if first is None:
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        epoch.stages.append({"seconds": round(seconds, 4), **stage_ms(loader.stats(), before)})
-        return first
-
-    epoch.close = loader.close  # run() stops the read-ahead once the pipeline is measured
-    epoch.stages = []  # per epoch: its seconds and the Loader's stage times per batch (ms)
-    return epoch
 
 
 def transform_compare(ds):

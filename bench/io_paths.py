@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import (kvikio_pread_epoch, print_stages, print_system_block, shard_paths,  # noqa: E402
-                    system_block, warm)
+from common import (kvikio_pread_epoch, loader_epoch, print_stages, print_system_block,  # noqa: E402
+                    shard_paths, system_block, warm)
 
 import gdsdata  # noqa: E402
 from gdsdata import settings  # noqa: E402
@@ -144,18 +144,10 @@ def loader_rate(root, engine, shuffle, transform, pool=0):
     staging = "device" if engine == "mapped" else "host"
     with settings.set(io_engine=engine, gather_pool=pool, staging=staging):
         ds = gdsdata.GDSDataset(root, device="cuda")
-        loader = gdsdata.Loader(ds, BATCH, transform=transform, shuffle=shuffle, prefetch=3,
-                                pixels=transform is None)
-        nbytes = int(ds.index.samples["length"].sum())
-
-        def epoch():
-            for _ in loader:
-                pass
-            torch.cuda.synchronize()
-
-        rate = median_rate(epoch, nbytes, runs=3)
-        stats = loader.stats()
-        loader.close()
+        epoch = loader_epoch(ds, transform, shuffle, BATCH)
+        rate = median_rate(epoch, int(ds.index.samples["length"].sum()), runs=3)
+        stats = epoch.loader.stats()
+        epoch.close()
         ds.close()
     return rate, stats
 

@@ -19,32 +19,24 @@ import json
 import os
 import sys
 import threading
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from common import print_system_block, stage_ms, system_block  # noqa: E402
+from common import loader_epoch, print_system_block, system_block  # noqa: E402
 
 import gdsdata  # noqa: E402
 
 
 def run_epochs(ds, epochs, batch, train, report=None):
-    transform = gdsdata.RandomResizedCrop(224, dtype="float16") if train else None
-    loader = gdsdata.Loader(ds, batch, transform=transform, prefetch=3, pixels=transform is None)
+    epoch = loader_epoch(ds, gdsdata.RandomResizedCrop(224, dtype="float16") if train else None, batch=batch)
     cuda = ds.device.type == "cuda"
     try:
-        for epoch in range(epochs):
-            loader.set_epoch(epoch)
-            before, collections = loader.stats(), sum(g["collections"] for g in gc.get_stats())
-            t0 = time.perf_counter()
-            for _ in loader:
-                pass
-            if cuda:
-                torch.cuda.synchronize()
-            row = {"epoch": epoch, "seconds": round(time.perf_counter() - t0, 4),
-                   **stage_ms(loader.stats(), before), "objects": len(gc.get_objects()),
+        for k in range(epochs):
+            collections = sum(g["collections"] for g in gc.get_stats())
+            epoch()
+            row = {"epoch": k, **epoch.stages[-1], "objects": len(gc.get_objects()),
                    "gc_runs": sum(g["collections"] for g in gc.get_stats()) - collections,
                    "threads": threading.active_count()}
             if cuda:
@@ -56,7 +48,7 @@ def run_epochs(ds, epochs, batch, train, report=None):
             if report is not None:
                 report(row)
     finally:
-        loader.close()
+        epoch.close()
 
 
 def main():
