@@ -37,6 +37,14 @@ from gdsdata import nvjpeg  # noqa: E402
 from gdsdata.errors import GpuUnavailableError  # noqa: E402
 
 
+def arena(sizes):
+    """One GPU output buffer for images of ``sizes`` bytes, and each image's address in it."""
+    offsets = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    buffer = torch.empty(int(sizes.sum()), dtype=torch.uint8, device="cuda")
+    return buffer, (buffer.data_ptr() + offsets).tolist()
+
+
 def staged_batches(ds, batch, device_bitstreams):
     """Every payload of the CPU dataset ``ds`` read once into pinned memory (and copied to the GPU
     for the device-bitstream backends), cut into batches with their output arenas allocated."""
@@ -48,12 +56,9 @@ def staged_batches(ds, batch, device_bitstreams):
     out = []
     for start in range(0, len(samples), batch):
         k = slice(start, min(start + batch, len(samples)))
-        offsets = np.zeros(k.stop - k.start, np.int64)
-        np.cumsum(sizes[k][:-1], out=offsets[1:])
-        arena = torch.empty(int(sizes[k].sum()), dtype=torch.uint8, device="cuda")
+        pixels, outs = arena(sizes[k])
         out.append(((staged.data_ptr() + plan.sample_offsets[k]).tolist(), plan.sample_lengths[k].tolist(),
-                    (arena.data_ptr() + offsets).tolist(), (samples["width"][k].astype(np.int64) * 3).tolist(),
-                    arena))
+                    outs, (samples["width"][k].astype(np.int64) * 3).tolist(), pixels))
     return staged, out
 
 
@@ -65,12 +70,9 @@ def window_batches(ds, batches, seed=0):
         k = np.arange(start, start + len(data))
         start += len(data)
         p = crop.params(samples["height"][k], samples["width"][k], k)
-        sizes = p.height * p.width * 3
-        offsets = np.zeros(len(k), np.int64)
-        np.cumsum(sizes[:-1], out=offsets[1:])
-        arena = torch.empty(int(sizes.sum()), dtype=torch.uint8, device="cuda")
+        pixels, outs = arena(np.asarray(p.height * p.width * 3, np.int64))
         rois = list(zip(p.left.tolist(), p.top.tolist(), p.width.tolist(), p.height.tolist()))
-        out.append((data, lengths, (arena.data_ptr() + offsets).tolist(), (p.width * 3).tolist(), arena, rois))
+        out.append((data, lengths, outs, (p.width * 3).tolist(), pixels, rois))
     return out
 
 
@@ -123,8 +125,8 @@ def run_jobs(jobs, interpolate=True, repeats=3):
         d.close()
     if errors:
         raise errors[0]
-    images = sum(len(b[0]) for _, batches in jobs for b in batches)
-    return images / float(np.median(times[-max(1, repeats):])), 1000 * float(np.median(cpu[-max(1, repeats):])) / images
+    count = sum(len(b[0]) for _, batches in jobs for b in batches)
+    return count / float(np.median(times[-max(1, repeats):])), 1000 * float(np.median(cpu[-max(1, repeats):])) / count
 
 
 def images(batches, start, stop=None):
