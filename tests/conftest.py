@@ -3,6 +3,7 @@
 import io
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -27,6 +28,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def loader_threads() -> set:
+    """The live threads of gdsdata Loaders (their read-ahead and decode threads)."""
+    return {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")}
 
 
 def photo(seed, label=0, noise=2.0, scale=0.5) -> Image.Image:

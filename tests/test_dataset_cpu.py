@@ -6,7 +6,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import damaged_copy, mean_abs_diff, pil_reference
+from conftest import damaged_copy, loader_threads, mean_abs_diff, pil_reference
 
 from gdsdata import format as fmt
 from gdsdata import settings
@@ -160,19 +160,18 @@ def test_a_dropped_loader_stops_reading_ahead_at_once(photos_dataset):
     """After a full epoch a Loader's threads read the next one ahead; dropping the Loader stops
     them without waiting for the garbage collector (nothing holds the Loader in a cycle)."""
     import gc
-    import threading
     import time
 
     import gdsdata
 
     ds = GDSDataset(photos_dataset[2])
-    before = {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")}
+    before = loader_threads()
     gc.disable()
     try:
         loader = gdsdata.Loader(ds, 8, shuffle="full")
         for _ in loader:
             pass
-        mine = {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")} - before
+        mine = loader_threads() - before
         assert mine, "the finished pass should be reading the next epoch"
         del loader
         deadline = time.monotonic() + 5
@@ -187,16 +186,15 @@ def test_a_dropped_loader_stops_reading_ahead_at_once(photos_dataset):
 def test_closing_the_dataset_stops_its_loaders(photos_dataset):
     """A Loader left reading ahead is stopped by closing its dataset, before the dataset lets go of
     its files (on the GPU: its staging memory and decoder)."""
-    import threading
 
     import gdsdata
 
     ds = GDSDataset(photos_dataset[2])
-    before = {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")}
+    before = loader_threads()
     loader = gdsdata.Loader(ds, 8, shuffle="full")
     for _ in loader:
         pass
-    mine = {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")} - before
+    mine = loader_threads() - before
     assert mine
     ds.close()
     assert not any(t.is_alive() for t in mine)

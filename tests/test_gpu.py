@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import damaged_copy, mean_abs_diff, pil_reference, write_photos
+from conftest import damaged_copy, loader_threads, mean_abs_diff, pil_reference, write_photos
 
 import gdsdata
 from gdsdata import settings
@@ -352,7 +352,7 @@ def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):
         break
     gc.collect()  # also collects finished loaders of earlier tests, whose threads then wind down
     deadline = time.monotonic() + 5
-    while [t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")]:
+    while loader_threads():
         assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
         time.sleep(0.05)
     loader.close()

@@ -147,7 +147,8 @@ def test_loader_refuses_a_state_from_another_dataset(photos_dataset):
 
 def test_pipeline_runs_on_across_epochs_like_fresh_loaders(photos_dataset):
     import gc
-    import threading
+
+    from conftest import loader_threads
 
     ds = gdsdata.GDSDataset(photos_dataset[2])
     transform = gdsdata.RandomResizedCrop(24, dtype="uint8", seed=9)
@@ -169,4 +170,4 @@ def test_pipeline_runs_on_across_epochs_like_fresh_loaders(photos_dataset):
     assert [labels.tolist() for _, labels in loader] == [labels.tolist() for _, labels in fresh]
     del loader, fresh
     gc.collect()
-    assert not [t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-prefetch")]
+    assert not loader_threads()
