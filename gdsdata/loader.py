@@ -168,13 +168,14 @@ class _BatchMaker:
     def __init__(self, loader):
         self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
 
-    def finish(self, staged, stream, epoch):
+    def finish(self, staged, stream, epoch, stats):
         """Decode and transform one staged batch."""
         ds = self.dataset
         batch, indices = ds.decode_staged(staged, stream)
         labels = upload(torch.from_numpy(ds._labels[indices]), ds.device)
         if self.pixels:
             return batch, labels  # released by the consumer's next step
+        t0 = time.perf_counter()
         if self.transform is not None:
             params = self.transform.params(batch.heights, batch.widths, indices, epoch)
             images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
@@ -182,6 +183,7 @@ class _BatchMaker:
         else:
             images = [batch.image(k) for k in range(len(batch))]
         batch.release(stream)
+        stats.transform_s += time.perf_counter() - t0
         return images, labels
 
 
@@ -209,6 +211,7 @@ class PipelineStats:
     read_s: float = 0.0  # I/O thread: planning and reading batches into staging buffers
     read_blocked_s: float = 0.0  # I/O thread: waiting to hand a staged batch on (decode is behind)
     decode_s: float = 0.0  # decode thread: queuing decode and transform
+    transform_s: float = 0.0  # the transform's part of decode_s (the rest: reading labels, decoding)
     decode_idle_s: float = 0.0  # decode thread: waiting for a staged batch (reads are behind)
     decode_blocked_s: float = 0.0  # decode thread: waiting to hand a batch on (the loop is behind)
     consumer_wait_s: float = 0.0  # the training loop waiting for its next batch
@@ -257,11 +260,11 @@ def _decode_ahead(maker, staged_q, q, stop, stream, device, stats):
                 continue
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    images, labels = maker.finish(staged, stream, epoch)
+                    images, labels = maker.finish(staged, stream, epoch, stats)
                     event = torch.cuda.Event()
                     event.record(stream)
             else:
-                images, labels = maker.finish(staged, None, epoch)
+                images, labels = maker.finish(staged, None, epoch, stats)
                 event = None
             t1 = time.perf_counter()
             handed = _put(q, stop, ("batch", images, labels, event))
