@@ -14,6 +14,7 @@ import torch
 
 from . import format as fmt
 from .batch import PixelBatch
+from .decode_assist import DecodeAssist, assist_threads, describe_errors
 from .errors import CorruptSampleError
 from .nvjpeg import BatchedDecoder, NvjpegError
 
@@ -31,6 +32,9 @@ class GpuDecoder:
         # waits on the GPU for the previous one, whose work still uses the state's buffers.
         self._lock = threading.Lock()
         self._last = None  # (stream, event) of the previous decode
+        # host threads decoding part of each batch beside the engines (pinned staging only)
+        self.assist_threads = assist_threads() if backend == "hardware" else 0
+        self._assist = None
 
     @property
     def nvjpeg(self):
@@ -38,6 +42,13 @@ class GpuDecoder:
             with torch.cuda.device(self.device):
                 self._nvjpeg = BatchedDecoder(self.backend)
         return self._nvjpeg
+
+    @property
+    def assist(self):
+        if self._assist is None and self.assist_threads:
+            engines, _ = self.nvjpeg.hardware_info()
+            self._assist = DecodeAssist(self.assist_threads, engines, self.device)
+        return self._assist
 
     def decode(self, staging: torch.Tensor, plan, indices, stream) -> PixelBatch:
         """Decode the samples ``indices`` whose payloads ``plan`` placed in ``staging``."""
@@ -67,16 +78,25 @@ class GpuDecoder:
                                  f"{'GPU' if staging.is_cuda else 'host'} memory")
             if self._last is not None and self._last[0] != stream:
                 stream.wait_event(self._last[1])
+            assist = self.assist
+            cut = len(indices) - (assist.share(len(indices)) if assist else 0)  # the engines take :cut
+            wait = assist.submit(cut, data, lengths, outs, pitches, stream) if cut < len(indices) else None
             try:
-                self.nvjpeg.decode(data, lengths, outs, pitches, stream.cuda_stream)
+                timed = assist.engines_timed(cut, stream) if wait is not None else None
+                self.nvjpeg.decode(data[:cut], lengths[:cut], outs[:cut], pitches[:cut], stream.cuda_stream)
+                if timed is not None:
+                    timed()
             except NvjpegError as batch_error:
                 log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
-                for k in range(len(indices)):
+                for k in range(cut):
                     try:
                         self.nvjpeg.decode([data[k]], [lengths[k]], [outs[k]], [pitches[k]], stream.cuda_stream)
                     except NvjpegError as e:
                         errors[k] = CorruptSampleError(f"{self.index.describe(indices[k])}: GPU JPEG decoding "
                                                        f"failed ({e})")
+            finally:
+                if wait is not None:
+                    errors.update(describe_errors(self.index, indices, wait()))
             event = torch.cuda.Event()
             event.record(stream)
             self._last = (stream, event)
@@ -102,6 +122,9 @@ class GpuDecoder:
             if self._last is not None:
                 self._last[1].synchronize()
                 self._last = None
+            if self._assist is not None:
+                self._assist.close()
+                self._assist = None
             if self._nvjpeg is not None:
                 self._nvjpeg.close()
                 self._nvjpeg = None

@@ -8,10 +8,11 @@ Only what the batched flow needs is bound:
     nvjpegCreateEx -> nvjpegJpegStateCreate -> nvjpegDecodeBatchedInitialize (per batch size)
     -> nvjpegDecodeBatched(handle, state, data[], lengths[], images[], stream)
 
-and, for two probes of bench/decode_ceiling.py: decoding a window of each image (``rois``: the
-hardware backend only; ``nvjpegDecodeParams*``, ``nvjpegDecodeBatchedEx``), and decoding images one
-by one with the Huffman stage on a host thread (``HostHuffmanDecoder``: the decoupled phases
-``nvjpegJpegStreamParse`` -> ``nvjpegDecodeJpegHost`` -> ``...TransferToDevice`` -> ``...Device``).
+and decoding a window of each image (``rois``: the hardware backend only; ``nvjpegDecodeParams*``,
+``nvjpegDecodeBatchedEx``; a probe of bench/decode_ceiling.py), and, for the decode assist
+(``decode_assist.py``), decoding images one by one with the Huffman stage on a host thread
+(``HostHuffmanDecoder``: the decoupled phases ``nvjpegJpegStreamParse`` -> ``nvjpegDecodeJpegHost``
+-> ``...TransferToDevice`` -> ``...Device``, driven by the native loop of ``_hostdecode.c``).
 
 Every status is checked and turned into ``NvjpegError`` with nvJPEG's name for it.
 """
@@ -276,25 +277,69 @@ class BatchedDecoder(_Owner):
         _release(self.lib, self, "handle", "nvjpegDestroy")
 
 
-class HostHuffmanDecoder(_Owner):
-    """One image at a time through nvJPEG's decoupled phases with the HYBRID decoder: the Huffman
-    decoding on the calling (host) thread, dequantisation, IDCT and colour conversion on the GPU.
-    For decoding part of each batch beside the hardware engines on spare CPU cores; bitstreams in
-    host memory. A ring of ``buffers`` pinned buffers: an image's host phase reuses a buffer only once
-    the copy out of it has run, so the thread does not wait for the GPU while the ring lasts (the
-    stream's kernels may queue behind other work for a while)."""
+_PHASES = {1: "nvjpegJpegStreamParse", 2: "nvjpegDecodeJpegHost", 3: "nvjpegDecodeJpegTransferToDevice",
+           4: "nvjpegDecodeJpegDevice"}
+_native = None
 
-    def __init__(self, buffers: int = 8):
+
+class _NativeFns(ctypes.Structure):
+    """``gds_nvjpeg_fns`` of ``_hostdecode.c``: the decoupled phases' entry points."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("parse", "host", "transfer", "device")]
+
+
+def native_loop():
+    """The host Huffman loop of ``gdsdata/_hostdecode.c`` (built with the package where a C compiler
+    was found), loaded with ctypes; raises ``GpuUnavailableError`` saying why it is missing."""
+    global _native
+    with _lib_lock:
+        if _native is None:
+            import importlib.util
+
+            spec = importlib.util.find_spec("gdsdata._hostdecode")
+            if spec is None or not spec.origin:
+                _native = GpuUnavailableError("gdsdata's native host decoding loop was not built (no C compiler "
+                                              "when gdsdata was installed)")
+            else:
+                native = ctypes.CDLL(spec.origin)
+                v = ctypes.c_void_p
+                native.gds_host_decode.argtypes = [ctypes.POINTER(_NativeFns), v, v, v, v, v, v, v, v, v,
+                                                   ctypes.c_int, v, ctypes.c_int, v]
+                native.gds_host_decode.restype = ctypes.c_int
+                _native = native
+    if isinstance(_native, Exception):
+        raise _native
+    return _native
+
+
+class HostHuffmanDecoder(_Owner):
+    """JPEGs through nvJPEG's decoupled phases with the HYBRID decoder: Huffman decoding on the calling
+    (host) thread, dequantisation, IDCT and colour conversion on the GPU. For decoding part of each
+    batch beside the hardware engines on spare CPU cores; bitstreams in host memory.
+
+    A run of images is one native call (``native_loop``), which holds no interpreter lock: every host
+    phase, then the copies and kernels queued on the stream. Each image of a run has a slot of its
+    own (decoder state, pinned and device buffers, parsed stream). The slots form two banks used in
+    turn, up to ``slots // 2`` images a run: a run waits only for the queued work of the run before
+    the previous one, so the thread does not wait for its kernels, which may queue behind other
+    work on the GPU for a while."""
+
+    def __init__(self, slots: int = 8):
+        if slots < 2:
+            raise ValueError(f"HostHuffmanDecoder needs at least 2 slots, got {slots}")
+        self.native = native_loop()
         lib = self.lib = library()
         if getattr(lib, "nvjpegDecodeJpegHost", None) is None:
             raise GpuUnavailableError(f"this nvJPEG ({lib.path}) lacks the decoupled decoding phases")
-        self._image_t = image_struct()
-        self.handle, self.decoder, self.state = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        self.device_buffer, self.params = ctypes.c_void_p(), ctypes.c_void_p()
-        self.pinned = [ctypes.c_void_p() for _ in range(buffers)]
-        self.streams = [ctypes.c_void_p() for _ in range(buffers)]  # parsed bitstreams, one per buffer
-        self._done = [None] * buffers  # a CUDA event per pinned buffer: its copy to the GPU has run
-        self._turn = 0
+        self._fns = _NativeFns(*[ctypes.cast(getattr(lib, _PHASES[k]), ctypes.c_void_p).value for k in (1, 2, 3, 4)])
+        self._pitch32 = int(version()[0] < 13)
+        self.handle, self.decoder, self.params = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self._slots = []  # per slot: (state, pinned buffer, device buffer, parsed stream)
+        self._states = (ctypes.c_void_p * slots)()
+        self._jpegs = (ctypes.c_void_p * slots)()
+        self._states_at, self._jpegs_at = ctypes.addressof(self._states), ctypes.addressof(self._jpegs)
+        self._bank = 0  # the bank the next run uses
+        self._done = [None, None]  # per bank: a CUDA event after its last run's queued work
         status = lib.nvjpegCreateEx(BACKENDS["hybrid"], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
                                     ctypes.byref(self.handle))
         if status != 0:
@@ -303,54 +348,58 @@ class HostHuffmanDecoder(_Owner):
         try:
             _check("nvjpegDecoderCreate", lib.nvjpegDecoderCreate(self.handle, BACKENDS["hybrid"],
                                                                   ctypes.byref(self.decoder)))
-            _check("nvjpegDecoderStateCreate", lib.nvjpegDecoderStateCreate(self.handle, self.decoder,
-                                                                            ctypes.byref(self.state)))
-            _check("nvjpegBufferDeviceCreate", lib.nvjpegBufferDeviceCreate(self.handle, None,
-                                                                            ctypes.byref(self.device_buffer)))
-            _check("nvjpegStateAttachDeviceBuffer", lib.nvjpegStateAttachDeviceBuffer(self.state, self.device_buffer))
-            for k in range(buffers):
-                _check("nvjpegBufferPinnedCreate", lib.nvjpegBufferPinnedCreate(self.handle, None,
-                                                                                ctypes.byref(self.pinned[k])))
-                _check("nvjpegJpegStreamCreate", lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.streams[k])))
             _check("nvjpegDecodeParamsCreate", lib.nvjpegDecodeParamsCreate(self.handle, ctypes.byref(self.params)))
             _check("nvjpegDecodeParamsSetOutputFormat", lib.nvjpegDecodeParamsSetOutputFormat(self.params, OUTPUT_RGBI))
+            for k in range(slots):
+                slot = [ctypes.c_void_p() for _ in range(4)]
+                self._slots.append(slot)
+                state, pinned, device, jpeg = slot
+                _check("nvjpegDecoderStateCreate", lib.nvjpegDecoderStateCreate(self.handle, self.decoder,
+                                                                                ctypes.byref(state)))
+                _check("nvjpegBufferPinnedCreate", lib.nvjpegBufferPinnedCreate(self.handle, None,
+                                                                                ctypes.byref(pinned)))
+                _check("nvjpegBufferDeviceCreate", lib.nvjpegBufferDeviceCreate(self.handle, None,
+                                                                                ctypes.byref(device)))
+                _check("nvjpegStateAttachPinnedBuffer", lib.nvjpegStateAttachPinnedBuffer(state, pinned))
+                _check("nvjpegStateAttachDeviceBuffer", lib.nvjpegStateAttachDeviceBuffer(state, device))
+                _check("nvjpegJpegStreamCreate", lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(jpeg)))
+                self._states[k], self._jpegs[k] = state.value, jpeg.value
         except NvjpegError:
             self.close()
             raise
+
+    @property
+    def run_size(self) -> int:
+        """Images one native call takes: a bank's slots."""
+        return len(self._states) // 2
 
     def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int):
         """Decode host bitstreams into RGB interleaved buffers on CUDA ``stream``; the same
         arguments as ``BatchedDecoder.decode``. Returns when the last image's host phase is done,
         with the images that failed: position -> NvjpegError (the others are decoded)."""
+        import numpy as np
         import torch  # events of the CUDA runtime torch already holds
 
-        lib, cuda_stream = self.lib, ctypes.c_void_p(stream)
-        image, recorder = self._image_t(), torch.cuda.ExternalStream(stream)
-        errors = {}
-        for k in range(len(data_ptrs)):
-            turn = self._turn
-            self._turn = (turn + 1) % len(self.pinned)
-            if self._done[turn] is not None:
-                self._done[turn].synchronize()  # the pinned buffer's previous copy has left it
-            jpeg = self.streams[turn]
-            image.channel[0] = out_ptrs[k]
-            image.pitch[0] = pitches[k]
-            try:
-                _check("nvjpegJpegStreamParse",
-                       lib.nvjpegJpegStreamParse(self.handle, data_ptrs[k], lengths[k], 0, 0, jpeg))
-                _check("nvjpegStateAttachPinnedBuffer",
-                       lib.nvjpegStateAttachPinnedBuffer(self.state, self.pinned[turn]))
-                _check("nvjpegDecodeJpegHost", lib.nvjpegDecodeJpegHost(self.handle, self.decoder, self.state,
-                                                                        self.params, jpeg))
-                _check("nvjpegDecodeJpegTransferToDevice",
-                       lib.nvjpegDecodeJpegTransferToDevice(self.handle, self.decoder, self.state, jpeg, cuda_stream))
-                _check("nvjpegDecodeJpegDevice", lib.nvjpegDecodeJpegDevice(self.handle, self.decoder, self.state,
-                                                                            ctypes.byref(image), cuda_stream))
-            except NvjpegError as e:  # (a failure after the host phase may have queued a copy: the event follows)
-                errors[k] = e
-            if self._done[turn] is None:
-                self._done[turn] = torch.cuda.Event()
-            self._done[turn].record(recorder)
+        recorder, errors, size = torch.cuda.ExternalStream(stream), {}, self.run_size
+        status = np.zeros(size, np.int32)
+        for start in range(0, len(data_ptrs), size):
+            stop, bank = min(start + size, len(data_ptrs)), self._bank
+            self._bank ^= 1
+            run = [np.asarray(values[start:stop], dtype=np.uint64)
+                   for values in (data_ptrs, lengths, out_ptrs, pitches)]
+            if self._done[bank] is not None:
+                self._done[bank].synchronize()  # the bank's previous copies and kernels have run
+            offset = bank * size * ctypes.sizeof(ctypes.c_void_p)
+            self.native.gds_host_decode(ctypes.byref(self._fns), self.handle, self.decoder, self.params,
+                                        self._states_at + offset, self._jpegs_at + offset,
+                                        *[a.ctypes.data for a in run], stop - start, stream, self._pitch32,
+                                        status.ctypes.data)
+            if self._done[bank] is None:
+                self._done[bank] = torch.cuda.Event()
+            self._done[bank].record(recorder)  # also after a failed image: its copy may be queued
+            for k in np.flatnonzero(status[:stop - start]).tolist():
+                phase, code = divmod(int(status[k]), 1000)
+                errors[start + k] = NvjpegError(_PHASES.get(phase, "nvJPEG"), code)
         return errors
 
     def close(self):
@@ -358,16 +407,15 @@ class HostHuffmanDecoder(_Owner):
         for event in self._done:
             if event is not None:
                 event.synchronize()
-        self._done = [None] * len(self._done)
-        for attr, destroy in (("params", "nvjpegDecodeParamsDestroy"), ("state", "nvjpegJpegStateDestroy"),
-                              ("device_buffer", "nvjpegBufferDeviceDestroy"), ("decoder", "nvjpegDecoderDestroy")):
-            _release(lib, self, attr, destroy)
-        for k in range(len(self.pinned)):
-            if self.pinned[k]:
-                lib.nvjpegBufferPinnedDestroy(self.pinned[k])
-            if self.streams[k]:
-                lib.nvjpegJpegStreamDestroy(self.streams[k])
-        self.pinned, self.streams = [], []
+        self._done = [None, None]
+        for state, pinned, device, jpeg in self._slots:
+            for obj, destroy in ((state, "nvjpegJpegStateDestroy"), (pinned, "nvjpegBufferPinnedDestroy"),
+                                 (device, "nvjpegBufferDeviceDestroy"), (jpeg, "nvjpegJpegStreamDestroy")):
+                if obj:
+                    getattr(lib, destroy)(obj)
+        self._slots = []
+        _release(lib, self, "params", "nvjpegDecodeParamsDestroy")
+        _release(lib, self, "decoder", "nvjpegDecoderDestroy")
         _release(lib, self, "handle", "nvjpegDestroy")
 
 

@@ -313,14 +313,14 @@ def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, backend, verify):
 
 
 def test_host_huffman_decoder_decodes_like_pil_and_names_a_bad_image(photos_dataset):
-    """nvJPEG's decoupled phases (Huffman on the calling thread), as bench/decode_ceiling.py's cpu
-    section runs them beside the engines: pixels against PIL's, more images than its ring of pinned
-    buffers, and a damaged bitstream reported at its position."""
+    """nvJPEG's decoupled phases (Huffman on the calling thread, in the native loop), as the decode
+    assist runs them: pixels against PIL's, more images than its slots (two runs), and a damaged
+    bitstream reported at its position."""
     from gdsdata import nvjpeg
 
     src, paths, out = photos_dataset
     try:
-        decoder = nvjpeg.HostHuffmanDecoder(buffers=4)
+        decoder = nvjpeg.HostHuffmanDecoder(slots=4)
     except nvjpeg.NvjpegError:
         pytest.skip("nvJPEG's HYBRID decoder is not available here")
     ds = gdsdata.GDSDataset(out)  # the CPU reader stages the bitstreams
@@ -342,6 +342,62 @@ def test_host_huffman_decoder_decodes_like_pil_and_names_a_bad_image(photos_data
             reference = pil_reference(os.path.join(src, paths[i]))
             assert mean_abs_diff(image.permute(2, 0, 1).cpu(), reference) <= 2, i
     decoder.close()
+
+
+def test_assisting_threads_decode_like_pil_and_the_engines(photos_dataset):
+    """Part of each batch Huffman-decoded on host threads (decode_assist) against the same batch on
+    the engines alone, and against PIL."""
+    hardware_decoder_or_skip().close()
+    src, paths, out = photos_dataset
+    got = {}
+    for threads in (0, 3):
+        with settings.set(decode_backend="hardware", assist_threads=threads):
+            ds = gdsdata.GDSDataset(out, device="cuda")
+            assert ds._backend.decoder.assist_threads == threads
+            if threads:
+                assert ds._backend.decoder.assist.share(len(ds)) >= 3
+            got[threads] = [image.cpu() for image, _ in ds.__getitems__(range(len(ds)))]
+            if threads:
+                assert ds._backend.decoder.assist.images >= 3
+            ds.close()
+    for i, (engines, assisted) in enumerate(zip(got[0], got[3])):
+        assert mean_abs_diff(assisted, pil_reference(os.path.join(src, paths[i]))) <= 2, i
+        assert (engines.int() - assisted.int()).abs().float().mean() <= 1, i
+
+
+def test_assisted_loader_batches_match_the_engines_alone(photos_dataset):
+    """The Loader over several batches with the assist (its share measured and re-balanced after each
+    batch) hands on the same pixels as with the engines alone."""
+    hardware_decoder_or_skip().close()
+    batches = {}
+    for threads in (0, 2):
+        with settings.set(decode_backend="hardware", assist_threads=threads):
+            ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+            loader = gdsdata.Loader(ds, 6, shuffle=None)
+            batches[threads] = [[image.cpu() for image in images] for images, _ in loader]
+            if threads:
+                assist = ds._backend.decoder.assist
+                assert assist.images >= 2 * len(batches[threads]) and assist.engine_rate > 0
+            loader.close()
+            ds.close()
+    for engines, assisted in zip(batches[0], batches[2]):
+        for a, b in zip(engines, assisted):
+            assert (a.int() - b.int()).abs().float().mean() <= 1
+
+
+def test_bad_sample_in_the_assisting_threads_part(photos_dataset, tmp_path):
+    hardware_decoder_or_skip().close()
+    out = damaged_copy(photos_dataset[2], str(tmp_path / "ds"), 7, 2, b"\x00" * 600)
+    with settings.set(decode_backend="hardware", assist_threads=3):
+        gpu = gdsdata.GDSDataset(out, device="cuda")
+        order = [i for i in range(len(gpu)) if i != 7] + [7]  # the last ones go to the threads
+        assert gpu._backend.decoder.assist.share(len(order)) >= 1
+        with pytest.raises(CorruptSampleError, match=r"sample 7 \("):
+            gpu.__getitems__(order)
+        skipping = gdsdata.GDSDataset(out, device="cuda", on_error="skip")
+        assert len(skipping.__getitems__(order)) == len(order) and skipping.skipped == 1
+        gpu.close()
+        skipping.close()
 
 
 def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):
