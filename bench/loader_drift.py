@@ -29,12 +29,30 @@ from common import loader_epoch, print_system_block, system_block  # noqa: E402
 import gdsdata  # noqa: E402
 
 
+def assist_row(before, after, batch) -> dict:
+    """The decode assist's epoch (``DecodeAssist.stats``, differences): the engines' and the
+    threads' images/s over their own time, the threads' share of the images, and ms per batch of
+    the decode thread waiting for the threads and of the threads in the native loop."""
+    d = {k: after[k] - (before[k] if before else 0) for k in after if k not in ("threads", "engine_rate",
+                                                                                 "thread_rate")}
+    total = d["images"] + d["engine_images"]
+    batches = max(1, total / batch)
+    return {"assist_share": round(d["images"] / max(1, total), 3),
+            "engines_per_s": round(d["engine_images"] / d["engine_seconds"]) if d["engine_seconds"] else None,
+            "threads_per_s": round(d["images"] / d["thread_seconds"]) if d["thread_seconds"] else None,
+            "assist_wait_ms": round(d["wait_seconds"] / batches * 1000, 2),
+            "native_ms": round(d["native_seconds"] / batches * 1000, 2),
+            "slot_wait_ms": round(d["slot_wait_seconds"] / batches * 1000, 2)}
+
+
 def run_epochs(ds, epochs, batch, train, report=None):
     epoch = loader_epoch(ds, gdsdata.RandomResizedCrop(224, dtype="float16") if train else None, batch=batch)
     cuda = ds.device.type == "cuda"
+    assist = None
     try:
         for k in range(epochs):
             collections = sum(g["collections"] for g in gc.get_stats())
+            before = assist.stats() if assist is not None else None
             epoch()
             row = {"epoch": k, **epoch.stages[-1], "objects": len(gc.get_objects()),
                    "gc_runs": sum(g["collections"] for g in gc.get_stats()) - collections,
@@ -45,6 +63,9 @@ def run_epochs(ds, epochs, batch, train, report=None):
                            reserved_mb=round(memory.get("reserved_bytes.all.current", 0) / 2**20),
                            malloc_retries=memory.get("num_alloc_retries", 0),
                            segments=memory.get("segment.all.current", 0))
+                assist = ds._backend.decoder._assist
+                if assist is not None:
+                    row.update(assist_row(before, assist.stats(), batch))
             if report is not None:
                 report(row)
     finally:

@@ -68,6 +68,10 @@ class DecodeAssist:
         self._lock = threading.Lock()
         self._timing = None  # (images, start and end events, host seconds) of the engines' last part
         self.images = 0  # images the threads decoded
+        # where the time went (``stats()``): seconds of the engines' parts (as timed), of the threads'
+        # parts (submit to the last one's end), and of the decode thread waiting for the threads
+        self.engine_images, self.engine_seconds = 0, 0.0
+        self.thread_seconds, self.wait_seconds = 0.0, 0.0
 
     def share(self, n: int) -> int:
         """How many of a batch of ``n`` the threads take: balancing the two rates, at least one
@@ -119,6 +123,8 @@ class DecodeAssist:
         images, start, stop, host_seconds = self._timing
         self._timing = None
         seconds = max(host_seconds, start.elapsed_time(stop) / 1000)
+        self.engine_images += images
+        self.engine_seconds += seconds
         if seconds > 0 and images:
             self.engine_rate += _SMOOTHING * (images / seconds - self.engine_rate)
 
@@ -138,7 +144,7 @@ class DecodeAssist:
                                                pitches[lo:hi], after))
 
         def wait():
-            errors, finished = {}, t0
+            errors, finished, waited = {}, t0, time.perf_counter()
             for future in parts:
                 failed, done, at = future.result()
                 errors.update(failed)
@@ -147,9 +153,23 @@ class DecodeAssist:
             if finished > t0:
                 self.thread_rate += _SMOOTHING * (n / (finished - t0) - self.thread_rate)
             self.images += n
+            self.thread_seconds += finished - t0
+            self.wait_seconds += time.perf_counter() - waited
             return errors
 
         return wait
+
+    def stats(self) -> dict:
+        """Totals since the assist began: images and seconds of each part, the decode thread's wait
+        for the threads, the threads' time in the native loop and waiting for their slots, and the
+        current rates (images/s) that set the share."""
+        with self._lock:
+            native = sum(decoder.native_seconds for decoder, _ in self._workers)
+            slot_wait = sum(decoder.slot_wait_seconds for decoder, _ in self._workers)
+        return {"threads": self.threads, "images": self.images, "engine_images": self.engine_images,
+                "engine_seconds": self.engine_seconds, "thread_seconds": self.thread_seconds,
+                "wait_seconds": self.wait_seconds, "native_seconds": native, "slot_wait_seconds": slot_wait,
+                "engine_rate": self.engine_rate, "thread_rate": self.thread_rate}
 
     def close(self):
         self._pool.shutdown(wait=True)

@@ -22,6 +22,7 @@ import glob
 import logging
 import os
 import threading
+import time
 
 from .errors import GpuUnavailableError
 
@@ -338,6 +339,7 @@ class HostHuffmanDecoder(_Owner):
         self._states = (ctypes.c_void_p * slots)()
         self._jpegs = (ctypes.c_void_p * slots)()
         self._states_at, self._jpegs_at = ctypes.addressof(self._states), ctypes.addressof(self._jpegs)
+        self.native_seconds = self.slot_wait_seconds = 0.0  # in the native loop / waiting for a bank
         self._bank = 0  # the bank the next run uses
         self._done = [None, None]  # per bank: a CUDA event after its last run's queued work
         status = lib.nvjpegCreateEx(BACKENDS["hybrid"], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
@@ -387,13 +389,17 @@ class HostHuffmanDecoder(_Owner):
             self._bank ^= 1
             run = [np.asarray(values[start:stop], dtype=np.uint64)
                    for values in (data_ptrs, lengths, out_ptrs, pitches)]
+            t0 = time.perf_counter()
             if self._done[bank] is not None:
                 self._done[bank].synchronize()  # the bank's previous copies and kernels have run
+            t1 = time.perf_counter()
             offset = bank * size * ctypes.sizeof(ctypes.c_void_p)
             self.native.gds_host_decode(ctypes.byref(self._fns), self.handle, self.decoder, self.params,
                                         self._states_at + offset, self._jpegs_at + offset,
                                         *[a.ctypes.data for a in run], stop - start, stream, self._pitch32,
                                         status.ctypes.data)
+            self.slot_wait_seconds += t1 - t0
+            self.native_seconds += time.perf_counter() - t1
             if self._done[bank] is None:
                 self._done[bank] = torch.cuda.Event()
             self._done[bank].record(recorder)  # also after a failed image: its copy may be queued
