@@ -129,6 +129,34 @@ def run_jobs(jobs, interpolate=True, repeats=3):
     return count / float(np.median(times[-max(1, repeats):])), 1000 * float(np.median(cpu[-max(1, repeats):])) / count
 
 
+def run_with_pool(engines, cpu, threads, repeats=3):
+    """(images/s, CPU-s per 1,000 images) of the engines decoding ``engines`` while a native pool of
+    ``threads`` (``nvjpeg.HostDecodePool``, as the decode assist runs it) decodes the matching batch
+    of ``cpu``, batch after batch, from one Python thread."""
+    decoder, pool = nvjpeg.BatchedDecoder("hardware"), nvjpeg.HostDecodePool(threads, torch.device("cuda"))
+    stream = torch.cuda.current_stream()
+    times, cpu_s = [], []
+    try:
+        for _ in range(repeats + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for (data, lengths, outs, pitches, _), (hd, hl, ho, hp, _) in zip(engines, cpu):
+                if hd:
+                    pool.submit(hd, hl, ho, hp)
+                decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
+                if hd:
+                    failed, _ = pool.wait()
+                    if failed:
+                        raise next(iter(failed.values()))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            cpu_s.append(time.process_time() - c0)
+    finally:
+        pool.close()
+        decoder.close()
+    count = sum(len(b[0]) for b in engines) + sum(len(b[0]) for b in cpu)
+    return count / float(np.median(times[1:])), 1000 * float(np.median(cpu_s[1:])) / count
+
+
 def images(batches, start, stop=None):
     """Images ``start:stop`` of each batch, as a list of batches."""
     return [tuple(part[start:stop] for part in b[:4]) + (b[4],) for b in batches]
@@ -214,6 +242,9 @@ def main():
                   flush=True)
             together = measured(lambda: run_jobs([("hardware", engines)] + [("host_huffman", part) for part in parts]))
             print(f"hardware {256 - share} + host_huffman {threads} threads x {each} of each batch, at once {together}",
+                  flush=True)
+            pooled = measured(lambda: run_with_pool(engines, cpu, threads))
+            print(f"hardware {256 - share} + native pool of {threads} threads x {each} of each batch {pooled}",
                   flush=True)
     del held
     if "handles" in sections:

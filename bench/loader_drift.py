@@ -32,7 +32,7 @@ import gdsdata  # noqa: E402
 def assist_row(before, after, batch) -> dict:
     """The decode assist's epoch (``DecodeAssist.stats``, differences): the engines' and the
     threads' images/s over their own time, the threads' share of the images, and ms per batch of
-    the decode thread waiting for the threads and of the threads in the native loop."""
+    the decode thread waiting for the threads and of the bank waits before a batch."""
     d = {k: after[k] - (before[k] if before else 0) for k in after if k not in ("threads", "engine_rate",
                                                                                  "thread_rate")}
     total = d["images"] + d["engine_images"]
@@ -41,7 +41,6 @@ def assist_row(before, after, batch) -> dict:
             "engines_per_s": round(d["engine_images"] / d["engine_seconds"]) if d["engine_seconds"] else None,
             "threads_per_s": round(d["images"] / d["thread_seconds"]) if d["thread_seconds"] else None,
             "assist_wait_ms": round(d["wait_seconds"] / batches * 1000, 2),
-            "native_ms": round(d["native_seconds"] / batches * 1000, 2),
             "slot_wait_ms": round(d["slot_wait_seconds"] / batches * 1000, 2)}
 
 

@@ -289,6 +289,24 @@ class _NativeFns(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("parse", "host", "transfer", "device")]
 
 
+class _NativePart(ctypes.Structure):
+    """``gds_part`` of ``_hostdecode.c``: one pool thread's part of a batch."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("handle", "decoder", "params", "states", "jpeg_streams",
+                                                     "stream")] + [("lo", ctypes.c_int), ("hi", ctypes.c_int)]
+
+
+def _errors(status, count, base=0) -> dict:
+    """Position -> NvjpegError for the native loop's non-zero statuses (1000 x phase + nvJPEG's)."""
+    import numpy as np
+
+    errors = {}
+    for k in np.flatnonzero(status[:count]).tolist():
+        phase, code = divmod(int(status[k]), 1000)
+        errors[base + k] = NvjpegError(_PHASES.get(phase, "nvJPEG"), code)
+    return errors
+
+
 def native_loop():
     """The host Huffman loop of ``gdsdata/_hostdecode.c`` (built with the package where a C compiler
     was found), loaded with ctypes; raises ``GpuUnavailableError`` saying why it is missing."""
@@ -307,6 +325,14 @@ def native_loop():
                 native.gds_host_decode.argtypes = [ctypes.POINTER(_NativeFns), v, v, v, v, v, v, v, v, v,
                                                    ctypes.c_int, v, ctypes.c_int, v]
                 native.gds_host_decode.restype = ctypes.c_int
+                native.gds_pool_create.argtypes = [ctypes.c_int]
+                native.gds_pool_create.restype = v
+                native.gds_pool_submit.argtypes = [v, ctypes.POINTER(_NativeFns), v, v, v, v, v, ctypes.c_int, v]
+                native.gds_pool_submit.restype = None
+                native.gds_pool_wait.argtypes = [v, ctypes.POINTER(ctypes.c_int64)]
+                native.gds_pool_wait.restype = ctypes.c_int
+                native.gds_pool_destroy.argtypes = [v]
+                native.gds_pool_destroy.restype = None
                 _native = native
     if isinstance(_native, Exception):
         raise _native
@@ -375,37 +401,47 @@ class HostHuffmanDecoder(_Owner):
         """Images one native call takes: a bank's slots."""
         return len(self._states) // 2
 
+    def claim(self):
+        """The next bank for a run, once its previous run's copies and kernels have run: (bank,
+        address of its states, address of its parsed streams)."""
+        bank = self._bank
+        self._bank ^= 1
+        t0 = time.perf_counter()
+        if self._done[bank] is not None:
+            self._done[bank].synchronize()
+        self.slot_wait_seconds += time.perf_counter() - t0
+        offset = bank * self.run_size * ctypes.sizeof(ctypes.c_void_p)
+        return bank, self._states_at + offset, self._jpegs_at + offset
+
+    def queued(self, bank, stream):
+        """The run on ``bank`` has queued its work on ``stream`` (a torch stream): mark the point."""
+        import torch
+
+        if self._done[bank] is None:
+            self._done[bank] = torch.cuda.Event()
+        self._done[bank].record(stream)  # also after a failed image: its copy may be queued
+
     def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int):
-        """Decode host bitstreams into RGB interleaved buffers on CUDA ``stream``; the same
-        arguments as ``BatchedDecoder.decode``. Returns when the last image's host phase is done,
-        with the images that failed: position -> NvjpegError (the others are decoded)."""
+        """Decode host bitstreams into RGB interleaved buffers on CUDA ``stream``, on this thread; the
+        same arguments as ``BatchedDecoder.decode``. Returns when the last image's host phase is
+        done, with the images that failed: position -> NvjpegError (the others are decoded)."""
         import numpy as np
-        import torch  # events of the CUDA runtime torch already holds
+        import torch
 
         recorder, errors, size = torch.cuda.ExternalStream(stream), {}, self.run_size
         status = np.zeros(size, np.int32)
         for start in range(0, len(data_ptrs), size):
-            stop, bank = min(start + size, len(data_ptrs)), self._bank
-            self._bank ^= 1
+            stop = min(start + size, len(data_ptrs))
             run = [np.asarray(values[start:stop], dtype=np.uint64)
                    for values in (data_ptrs, lengths, out_ptrs, pitches)]
+            bank, states, jpegs = self.claim()
             t0 = time.perf_counter()
-            if self._done[bank] is not None:
-                self._done[bank].synchronize()  # the bank's previous copies and kernels have run
-            t1 = time.perf_counter()
-            offset = bank * size * ctypes.sizeof(ctypes.c_void_p)
-            self.native.gds_host_decode(ctypes.byref(self._fns), self.handle, self.decoder, self.params,
-                                        self._states_at + offset, self._jpegs_at + offset,
-                                        *[a.ctypes.data for a in run], stop - start, stream, self._pitch32,
+            self.native.gds_host_decode(ctypes.byref(self._fns), self.handle, self.decoder, self.params, states,
+                                        jpegs, *[a.ctypes.data for a in run], stop - start, stream, self._pitch32,
                                         status.ctypes.data)
-            self.slot_wait_seconds += t1 - t0
-            self.native_seconds += time.perf_counter() - t1
-            if self._done[bank] is None:
-                self._done[bank] = torch.cuda.Event()
-            self._done[bank].record(recorder)  # also after a failed image: its copy may be queued
-            for k in np.flatnonzero(status[:stop - start]).tolist():
-                phase, code = divmod(int(status[k]), 1000)
-                errors[start + k] = NvjpegError(_PHASES.get(phase, "nvJPEG"), code)
+            self.native_seconds += time.perf_counter() - t0
+            self.queued(bank, recorder)
+            errors.update(_errors(status, stop - start, start))
         return errors
 
     def close(self):
@@ -423,6 +459,81 @@ class HostHuffmanDecoder(_Owner):
         _release(lib, self, "params", "nvjpegDecodeParamsDestroy")
         _release(lib, self, "decoder", "nvjpegDecoderDestroy")
         _release(lib, self, "handle", "nvjpegDestroy")
+
+
+class HostDecodePool(_Owner):
+    """``threads`` native threads (``_hostdecode.c``'s pool), each with a ``HostHuffmanDecoder`` and a
+    CUDA stream of its own, decoding a batch's images in equal parts: ``submit`` hands them out and
+    returns at once, ``wait`` returns once every host phase is done. Neither the threads nor their
+    nvJPEG calls take the interpreter lock; each thread's part is at most ``max_part`` images."""
+
+    def __init__(self, threads: int, device, slots: int = 16):
+        import torch
+
+        self.native = native_loop()
+        self.pool = None
+        self.decoders = []
+        with torch.cuda.device(device):
+            self.streams = [torch.cuda.Stream(device) for _ in range(threads)]
+            self.decoders = [HostHuffmanDecoder(slots) for _ in range(threads)]
+        self.pool = self.native.gds_pool_create(threads)
+        if not self.pool:
+            self.close()
+            raise GpuUnavailableError(f"could not start {threads} native decoding threads")
+        self._parts = (_NativePart * threads)()
+        self._batch = None  # the submitted batch: arrays the threads read, banks they use
+
+    @property
+    def max_part(self) -> int:
+        return self.decoders[0].run_size
+
+    def submit(self, data_ptrs, lengths, out_ptrs, pitches):
+        """Start decoding (host bitstreams into RGB interleaved buffers, as ``BatchedDecoder.decode``)
+        on the threads; each thread's copies and kernels go to its stream in ``streams``, which the
+        caller orders after whatever must come first. At most ``threads * max_part`` images."""
+        import numpy as np
+
+        n, threads = len(data_ptrs), len(self.decoders)
+        if n > threads * self.max_part:
+            raise ValueError(f"{n} images for {threads} threads of at most {self.max_part} each")
+        arrays = [np.asarray(values, dtype=np.uint64) for values in (data_ptrs, lengths, out_ptrs, pitches)]
+        status = np.zeros(max(1, n), np.int32)
+        banks = []
+        for t, (decoder, stream) in enumerate(zip(self.decoders, self.streams)):
+            lo, hi = n * t // threads, n * (t + 1) // threads
+            part = self._parts[t]
+            part.lo, part.hi = lo, hi
+            if hi > lo:
+                bank, part.states, part.jpeg_streams = decoder.claim()
+                part.handle, part.decoder = decoder.handle.value, decoder.decoder.value
+                part.params = decoder.params.value
+                part.stream = stream.cuda_stream
+                banks.append((decoder, bank, stream))
+        fns = self.decoders[0]._fns
+        self.native.gds_pool_submit(self.pool, ctypes.byref(fns), ctypes.addressof(self._parts),
+                                    *[a.ctypes.data for a in arrays], self.decoders[0]._pitch32, status.ctypes.data)
+        self._batch = (arrays, status, n, banks)
+
+    def wait(self):
+        """Wait for the submitted batch's host phases: (position -> NvjpegError for the images that
+        failed, seconds from the submit to the end of the slowest part)."""
+        arrays, status, n, banks = self._batch
+        elapsed = ctypes.c_int64()
+        self.native.gds_pool_wait(self.pool, ctypes.byref(elapsed))
+        self._batch = None
+        for decoder, bank, stream in banks:
+            decoder.queued(bank, stream)
+        return _errors(status, n), elapsed.value / 1e9
+
+    def close(self):
+        if self.pool:
+            if self._batch is not None:
+                self.wait()
+            self.native.gds_pool_destroy(self.pool)
+            self.pool = None
+        for decoder in self.decoders:
+            decoder.close()
+        self.decoders = []
 
 
 def library_info() -> dict:

@@ -78,3 +78,63 @@ def test_a_failed_image_is_reported_with_its_phase_and_the_others_decode():
     queued = [(c[0], c[1]) for c in calls if c[0] in ("transfer", "device")]
     assert queued == [("transfer", 1000), ("device", 1000), ("transfer", 1003), ("device", 1003)]
     assert ("host", 1001, 2001, 13) not in calls  # a stream that did not parse goes no further
+
+
+def test_the_native_pool_decodes_each_threads_part_on_its_own_objects():
+    """gds_pool_*: three native threads, seven images in parts of 2, 2 and 3; every image goes through
+    its part's thread objects (handle, states, stream) once, and a failure keeps its position."""
+    import threading
+
+    native = nvjpeg.native_loop()
+    seen, lock = [], threading.Lock()
+
+    def parse(handle, ptr, length, save_metadata, save_stream, jpeg):
+        with lock:
+            seen.append(("parse", handle, ptr, jpeg))
+        return 3 if ptr == 0x50 else 0
+
+    def host(handle, decoder, state, params, jpeg):
+        return 0
+
+    def transfer(handle, decoder, state, jpeg, stream):
+        return 0
+
+    def device(handle, decoder, state, destination, stream):
+        image = ctypes.cast(destination, ctypes.POINTER(Image13)).contents
+        with lock:
+            seen.append(("device", handle, state, stream, image.channel[0]))
+        return 0
+
+    callbacks = [PARSE(parse), HOST(host), TRANSFER(transfer), DEVICE(device)]
+    fns = nvjpeg._NativeFns(*[ctypes.cast(f, V).value for f in callbacks])
+    pool = native.gds_pool_create(3)
+    assert pool
+    try:
+        slots = [(V * 4)(*[100 * t + k + 1 for k in range(4)]) for t in range(3)]
+        jpegs = [(V * 4)(*[200 * t + k + 1000 for k in range(4)]) for t in range(3)]
+        parts = (nvjpeg._NativePart * 3)()
+        for t, (lo, hi) in enumerate([(0, 2), (2, 4), (4, 7)]):
+            parts[t].handle, parts[t].decoder, parts[t].params = 10 + t, 20 + t, 30 + t
+            parts[t].states, parts[t].jpeg_streams = ctypes.addressof(slots[t]), ctypes.addressof(jpegs[t])
+            parts[t].stream, parts[t].lo, parts[t].hi = 40 + t, lo, hi
+        arrays = [np.asarray(v, np.uint64) for v in ([0x10 * (k + 1) for k in range(7)], [9] * 7,
+                                                     [5000 + k for k in range(7)], [3] * 7)]
+        for _ in range(2):  # the threads wait for the next batch between batches
+            seen.clear()
+            status = np.zeros(7, np.int32)
+            native.gds_pool_submit(pool, ctypes.byref(fns), ctypes.addressof(parts), *[a.ctypes.data for a in arrays],
+                                   0, status.ctypes.data)
+            elapsed = ctypes.c_int64()
+            assert native.gds_pool_wait(pool, ctypes.byref(elapsed)) == 1
+            assert elapsed.value > 0
+            assert status.tolist() == [0, 0, 0, 0, 1003, 0, 0]  # image 4 (0x50) failed to parse
+            parsed = sorted((ptr, handle, jpeg) for kind, handle, ptr, jpeg in
+                            [s for s in seen if s[0] == "parse"])
+            assert parsed == [(0x10, 10, 1000), (0x20, 10, 1001), (0x30, 11, 1200), (0x40, 11, 1201),
+                              (0x50, 12, 1400), (0x60, 12, 1401), (0x70, 12, 1402)]
+            decoded = sorted((out, handle, state, stream) for kind, handle, state, stream, out in
+                             [s for s in seen if s[0] == "device"])
+            assert decoded == [(5000, 10, 1, 40), (5001, 10, 2, 40), (5002, 11, 101, 41), (5003, 11, 102, 41),
+                               (5005, 12, 202, 42), (5006, 12, 203, 42)]
+    finally:
+        native.gds_pool_destroy(pool)
