@@ -144,7 +144,7 @@ def run_with_pool(engines, cpu, threads, repeats=3):
                     pool.submit(hd, hl, ho, hp)
                 decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
                 if hd:
-                    failed, _ = pool.wait()
+                    failed, _ = pool.wait(stream)
                     if failed:
                         raise next(iter(failed.values()))
             torch.cuda.synchronize()

@@ -48,15 +48,11 @@ typedef struct {
     device_fn device;     /* nvjpegDecodeJpegDevice */
 } gds_nvjpeg_fns;
 
-/* Decode images 0..n-1 (n <= the number of slots) into RGB interleaved buffers outs[k] of row pitch
- * pitches[k]. status[k]: 0 if image k was decoded, else 1000 * phase + nvJPEG's status (phase 1
- * parse, 2 host, 3 transfer, 4 device). pitch32: the library's nvjpegImage_t has CUDA 12's 32-bit
- * pitches. Returns the number of failed images. */
-int gds_host_decode(const gds_nvjpeg_fns *fns, void *handle, void *decoder, void *params,
-                    void *const *states, void *const *jpeg_streams, const uint64_t *data,
-                    const uint64_t *lengths, const uint64_t *outs, const uint64_t *pitches, int n,
-                    void *stream, int pitch32, int32_t *status) {
-    int failed = 0;
+/* The host phases of images 0..n-1 (n <= the number of slots): parse, Huffman decoding into the
+ * slot's pinned buffer. status[k]: 0, or 1000 * phase + nvJPEG's status (phase 1 parse, 2 host). */
+static void host_phases(const gds_nvjpeg_fns *fns, void *handle, void *decoder, void *params, void *const *states,
+                        void *const *jpeg_streams, const uint64_t *data, const uint64_t *lengths, int n,
+                        int32_t *status) {
     for (int k = 0; k < n; k++) {
         int s = fns->parse(handle, (const unsigned char *)(uintptr_t)data[k], (size_t)lengths[k], 0, 0,
                            jpeg_streams[k]);
@@ -67,6 +63,16 @@ int gds_host_decode(const gds_nvjpeg_fns *fns, void *handle, void *decoder, void
             status[k] = 1000 + s;
         }
     }
+}
+
+/* The queued phases of the images whose host phases succeeded: the copy to the GPU and the kernels
+ * writing RGB interleaved pixels to outs[k] (row pitch pitches[k]), on `stream` (phases 3 and 4 of
+ * status). pitch32: the library's nvjpegImage_t has CUDA 12's 32-bit pitches. Returns the number
+ * of failed images. */
+static int device_phases(const gds_nvjpeg_fns *fns, void *handle, void *decoder, void *const *states,
+                         void *const *jpeg_streams, const uint64_t *outs, const uint64_t *pitches, int n,
+                         void *stream, int pitch32, int32_t *status) {
+    int failed = 0;
     for (int k = 0; k < n; k++) {
         if (status[k] == 0) {
             gds_image_t image = {{0}, {0}};
@@ -87,13 +93,22 @@ int gds_host_decode(const gds_nvjpeg_fns *fns, void *handle, void *decoder, void
     return failed;
 }
 
+/* Decode images 0..n-1 (n <= the number of slots) on this thread: every host phase, then every
+ * queued phase on `stream`. Returns the number of failed images. */
+int gds_host_decode(const gds_nvjpeg_fns *fns, void *handle, void *decoder, void *params,
+                    void *const *states, void *const *jpeg_streams, const uint64_t *data,
+                    const uint64_t *lengths, const uint64_t *outs, const uint64_t *pitches, int n,
+                    void *stream, int pitch32, int32_t *status) {
+    host_phases(fns, handle, decoder, params, states, jpeg_streams, data, lengths, n, status);
+    return device_phases(fns, handle, decoder, states, jpeg_streams, outs, pitches, n, stream, pitch32, status);
+}
+
 /* --- a pool of native threads, each decoding its part of a batch ------------------------------- */
 
 typedef struct {
     void *handle, *decoder, *params; /* the part's thread's nvJPEG objects */
     void *const *states;              /* its slots for this part (at least hi - lo) */
     void *const *jpeg_streams;
-    void *stream;                     /* the CUDA stream its copies and kernels go to */
     int lo, hi;                       /* the part: images lo..hi-1 of the batch */
 } gds_part;
 
@@ -111,7 +126,7 @@ struct gds_pool {
     pthread_mutex_t lock;
     pthread_cond_t work, done;
     unsigned long generation; /* bumped by each submit */
-    int pending, stop, failed, started;
+    int pending, stop, started;
     struct timespec submitted;
     int64_t slowest_ns; /* the latest end of a part, after the submit */
     /* the batch being decoded */
@@ -143,15 +158,11 @@ static void *pool_thread(void *arg) {
         seen = pool->generation;
         const gds_part *part = &pool->parts[me->index];
         pthread_mutex_unlock(&pool->lock);
-        int failed = 0;
         if (part->hi > part->lo)
-            failed = gds_host_decode(pool->fns, part->handle, part->decoder, part->params, part->states,
-                                     part->jpeg_streams, pool->data + part->lo, pool->lengths + part->lo,
-                                     pool->outs + part->lo, pool->pitches + part->lo, part->hi - part->lo,
-                                     part->stream, pool->pitch32, pool->status + part->lo);
+            host_phases(pool->fns, part->handle, part->decoder, part->params, part->states, part->jpeg_streams,
+                        pool->data + part->lo, pool->lengths + part->lo, part->hi - part->lo, pool->status + part->lo);
         int64_t ended = since_ns(&pool->submitted);
         pthread_mutex_lock(&pool->lock);
-        pool->failed += failed;
         if (ended > pool->slowest_ns)
             pool->slowest_ns = ended;
         if (--pool->pending == 0)
@@ -187,8 +198,8 @@ gds_pool *gds_pool_create(int threads) {
     return pool;
 }
 
-/* Hand thread t the part parts[t] of a batch (one part per thread) and return at once. The arrays
- * must stay valid until gds_pool_wait returns. */
+/* Hand thread t the part parts[t] of a batch (one part per thread) for its host phases and return
+ * at once. The arrays must stay valid until gds_pool_wait returns. */
 void gds_pool_submit(gds_pool *pool, const gds_nvjpeg_fns *fns, const gds_part *parts, const uint64_t *data,
                      const uint64_t *lengths, const uint64_t *outs, const uint64_t *pitches, int pitch32,
                      int32_t *status) {
@@ -201,7 +212,6 @@ void gds_pool_submit(gds_pool *pool, const gds_nvjpeg_fns *fns, const gds_part *
     pool->pitches = pitches;
     pool->pitch32 = pitch32;
     pool->status = status;
-    pool->failed = 0;
     pool->slowest_ns = 0;
     pool->pending = pool->threads;
     clock_gettime(CLOCK_MONOTONIC, &pool->submitted);
@@ -210,16 +220,24 @@ void gds_pool_submit(gds_pool *pool, const gds_nvjpeg_fns *fns, const gds_part *
     pthread_mutex_unlock(&pool->lock);
 }
 
-/* Wait until every part's host phases are done and its copies and kernels queued. Returns the
- * number of failed images (status as gds_host_decode's); *elapsed_ns: from the submit to the end
- * of the slowest part. */
-int gds_pool_wait(gds_pool *pool, int64_t *elapsed_ns) {
+/* Wait until every part's host phases are done, then queue the queued phases of every image on
+ * `stream`, from this thread: the pool's threads never wait for the GPU. Returns the number of failed
+ * images (status as gds_host_decode's); *elapsed_ns: from the submit to the end of the slowest
+ * part's host phases. */
+int gds_pool_wait(gds_pool *pool, void *stream, int64_t *elapsed_ns) {
     pthread_mutex_lock(&pool->lock);
     while (pool->pending > 0)
         pthread_cond_wait(&pool->done, &pool->lock);
-    int failed = pool->failed;
     *elapsed_ns = pool->slowest_ns;
     pthread_mutex_unlock(&pool->lock);
+    int failed = 0;
+    for (int t = 0; t < pool->threads; t++) {
+        const gds_part *part = &pool->parts[t];
+        if (part->hi > part->lo)
+            failed += device_phases(pool->fns, part->handle, part->decoder, part->states, part->jpeg_streams,
+                                    pool->outs + part->lo, pool->pitches + part->lo, part->hi - part->lo, stream,
+                                    pool->pitch32, pool->status + part->lo);
+    }
     return failed;
 }
 

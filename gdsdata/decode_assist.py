@@ -116,22 +116,16 @@ class DecodeAssist:
             self.engine_rate += _SMOOTHING * (images / seconds - self.engine_rate)
 
     def submit(self, start, data, lengths, outs, pitches, stream):
-        """Start images ``start:`` of a batch (pointers as ``BatchedDecoder.decode`` takes them) on the
-        threads, their GPU work after the work queued on ``stream`` so far. Returns a wait function:
-        call it once the engines' part is queued; it makes ``stream`` wait for the threads' kernels
-        and returns the failures (batch position -> NvjpegError)."""
+        """Start the host phases of images ``start:`` of a batch (pointers as ``BatchedDecoder.decode``
+        takes them) on the threads. Returns a wait function: call it once the engines' part is
+        queued; it queues the threads' images' copies and kernels on ``stream`` and returns the
+        failures (batch position -> NvjpegError)."""
         pool = self.pool
-        after = torch.cuda.Event()
-        after.record(stream)
-        for side in pool.streams:  # the arena's memory is free of the decode stream's earlier work
-            side.wait_event(after)
         pool.submit(data[start:], lengths[start:], outs[start:], pitches[start:])
 
         def wait():
             t0 = time.perf_counter()
-            errors, seconds = pool.wait()
-            for side in pool.streams:
-                stream.wait_stream(side)
+            errors, seconds = pool.wait(stream)  # the copies and kernels go to the batch's stream
             n = len(data) - start
             if seconds > 0:
                 self.thread_rate += _SMOOTHING * (n / seconds - self.thread_rate)

@@ -292,8 +292,8 @@ class _NativeFns(ctypes.Structure):
 class _NativePart(ctypes.Structure):
     """``gds_part`` of ``_hostdecode.c``: one pool thread's part of a batch."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("handle", "decoder", "params", "states", "jpeg_streams",
-                                                     "stream")] + [("lo", ctypes.c_int), ("hi", ctypes.c_int)]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("handle", "decoder", "params", "states", "jpeg_streams")] + [
+        ("lo", ctypes.c_int), ("hi", ctypes.c_int)]
 
 
 def _errors(status, count, base=0) -> dict:
@@ -329,7 +329,7 @@ def native_loop():
                 native.gds_pool_create.restype = v
                 native.gds_pool_submit.argtypes = [v, ctypes.POINTER(_NativeFns), v, v, v, v, v, ctypes.c_int, v]
                 native.gds_pool_submit.restype = None
-                native.gds_pool_wait.argtypes = [v, ctypes.POINTER(ctypes.c_int64)]
+                native.gds_pool_wait.argtypes = [v, v, ctypes.POINTER(ctypes.c_int64)]
                 native.gds_pool_wait.restype = ctypes.c_int
                 native.gds_pool_destroy.argtypes = [v]
                 native.gds_pool_destroy.restype = None
@@ -462,10 +462,11 @@ class HostHuffmanDecoder(_Owner):
 
 
 class HostDecodePool(_Owner):
-    """``threads`` native threads (``_hostdecode.c``'s pool), each with a ``HostHuffmanDecoder`` and a
-    CUDA stream of its own, decoding a batch's images in equal parts: ``submit`` hands them out and
-    returns at once, ``wait`` returns once every host phase is done. Neither the threads nor their
-    nvJPEG calls take the interpreter lock; each thread's part is at most ``max_part`` images."""
+    """``threads`` native threads (``_hostdecode.c``'s pool), each with a ``HostHuffmanDecoder``,
+    running the host phases of a batch's images in equal parts: ``submit`` hands them out and
+    returns at once; ``wait(stream)`` returns once every host phase is done, having queued every
+    image's copy and kernels on ``stream``. Neither the threads nor their nvJPEG calls take the
+    interpreter lock; each thread's part is at most ``max_part`` images."""
 
     def __init__(self, threads: int, device, slots: int = 16):
         import torch
@@ -474,7 +475,6 @@ class HostDecodePool(_Owner):
         self.pool = None
         self.decoders = []
         with torch.cuda.device(device):
-            self.streams = [torch.cuda.Stream(device) for _ in range(threads)]
             self.decoders = [HostHuffmanDecoder(slots) for _ in range(threads)]
         self.pool = self.native.gds_pool_create(threads)
         if not self.pool:
@@ -488,9 +488,9 @@ class HostDecodePool(_Owner):
         return self.decoders[0].run_size
 
     def submit(self, data_ptrs, lengths, out_ptrs, pitches):
-        """Start decoding (host bitstreams into RGB interleaved buffers, as ``BatchedDecoder.decode``)
-        on the threads; each thread's copies and kernels go to its stream in ``streams``, which the
-        caller orders after whatever must come first. At most ``threads * max_part`` images."""
+        """Start the host phases of a batch (host bitstreams to be decoded into RGB interleaved
+        buffers, as ``BatchedDecoder.decode`` takes them) on the threads. At most ``threads *
+        max_part`` images."""
         import numpy as np
 
         n, threads = len(data_ptrs), len(self.decoders)
@@ -499,7 +499,7 @@ class HostDecodePool(_Owner):
         arrays = [np.asarray(values, dtype=np.uint64) for values in (data_ptrs, lengths, out_ptrs, pitches)]
         status = np.zeros(max(1, n), np.int32)
         banks = []
-        for t, (decoder, stream) in enumerate(zip(self.decoders, self.streams)):
+        for t, decoder in enumerate(self.decoders):
             lo, hi = n * t // threads, n * (t + 1) // threads
             part = self._parts[t]
             part.lo, part.hi = lo, hi
@@ -507,28 +507,30 @@ class HostDecodePool(_Owner):
                 bank, part.states, part.jpeg_streams = decoder.claim()
                 part.handle, part.decoder = decoder.handle.value, decoder.decoder.value
                 part.params = decoder.params.value
-                part.stream = stream.cuda_stream
-                banks.append((decoder, bank, stream))
+                banks.append((decoder, bank))
         fns = self.decoders[0]._fns
         self.native.gds_pool_submit(self.pool, ctypes.byref(fns), ctypes.addressof(self._parts),
                                     *[a.ctypes.data for a in arrays], self.decoders[0]._pitch32, status.ctypes.data)
         self._batch = (arrays, status, n, banks)
 
-    def wait(self):
-        """Wait for the submitted batch's host phases: (position -> NvjpegError for the images that
-        failed, seconds from the submit to the end of the slowest part)."""
+    def wait(self, stream):
+        """Wait for the submitted batch's host phases and queue its copies and kernels on ``stream``
+        (a torch stream): (position -> NvjpegError for the images that failed, seconds from the
+        submit to the end of the slowest part's host phases)."""
         arrays, status, n, banks = self._batch
         elapsed = ctypes.c_int64()
-        self.native.gds_pool_wait(self.pool, ctypes.byref(elapsed))
+        self.native.gds_pool_wait(self.pool, stream.cuda_stream, ctypes.byref(elapsed))
         self._batch = None
-        for decoder, bank, stream in banks:
+        for decoder, bank in banks:
             decoder.queued(bank, stream)
         return _errors(status, n), elapsed.value / 1e9
 
     def close(self):
         if self.pool:
             if self._batch is not None:
-                self.wait()
+                import torch
+
+                self.wait(torch.cuda.current_stream())
             self.native.gds_pool_destroy(self.pool)
             self.pool = None
         for decoder in self.decoders:

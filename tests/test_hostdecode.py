@@ -82,7 +82,8 @@ def test_a_failed_image_is_reported_with_its_phase_and_the_others_decode():
 
 def test_the_native_pool_decodes_each_threads_part_on_its_own_objects():
     """gds_pool_*: three native threads, seven images in parts of 2, 2 and 3; every image goes through
-    its part's thread objects (handle, states, stream) once, and a failure keeps its position."""
+    its part's thread objects (handle, states) once, the copies and kernels all on the waiting
+    thread's stream after every host phase, and a failure keeps its position."""
     import threading
 
     native = nvjpeg.native_loop()
@@ -116,7 +117,7 @@ def test_the_native_pool_decodes_each_threads_part_on_its_own_objects():
         for t, (lo, hi) in enumerate([(0, 2), (2, 4), (4, 7)]):
             parts[t].handle, parts[t].decoder, parts[t].params = 10 + t, 20 + t, 30 + t
             parts[t].states, parts[t].jpeg_streams = ctypes.addressof(slots[t]), ctypes.addressof(jpegs[t])
-            parts[t].stream, parts[t].lo, parts[t].hi = 40 + t, lo, hi
+            parts[t].lo, parts[t].hi = lo, hi
         arrays = [np.asarray(v, np.uint64) for v in ([0x10 * (k + 1) for k in range(7)], [9] * 7,
                                                      [5000 + k for k in range(7)], [3] * 7)]
         for _ in range(2):  # the threads wait for the next batch between batches
@@ -125,7 +126,7 @@ def test_the_native_pool_decodes_each_threads_part_on_its_own_objects():
             native.gds_pool_submit(pool, ctypes.byref(fns), ctypes.addressof(parts), *[a.ctypes.data for a in arrays],
                                    0, status.ctypes.data)
             elapsed = ctypes.c_int64()
-            assert native.gds_pool_wait(pool, ctypes.byref(elapsed)) == 1
+            assert native.gds_pool_wait(pool, 40, ctypes.byref(elapsed)) == 1  # queued on stream 40 here
             assert elapsed.value > 0
             assert status.tolist() == [0, 0, 0, 0, 1003, 0, 0]  # image 4 (0x50) failed to parse
             parsed = sorted((ptr, handle, jpeg) for kind, handle, ptr, jpeg in
@@ -134,7 +135,8 @@ def test_the_native_pool_decodes_each_threads_part_on_its_own_objects():
                               (0x50, 12, 1400), (0x60, 12, 1401), (0x70, 12, 1402)]
             decoded = sorted((out, handle, state, stream) for kind, handle, state, stream, out in
                              [s for s in seen if s[0] == "device"])
-            assert decoded == [(5000, 10, 1, 40), (5001, 10, 2, 40), (5002, 11, 101, 41), (5003, 11, 102, 41),
-                               (5005, 12, 202, 42), (5006, 12, 203, 42)]
+            assert decoded == [(5000, 10, 1, 40), (5001, 10, 2, 40), (5002, 11, 101, 40), (5003, 11, 102, 40),
+                               (5005, 12, 202, 40), (5006, 12, 203, 40)]
+            assert {s[0] for s in seen[-6:]} == {"device"}  # queued after every host phase
     finally:
         native.gds_pool_destroy(pool)
