@@ -19,9 +19,10 @@
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
 | | | | gpu_hybrid, gpu_hybrid_device |
-| assist_threads | GDSDATA_ASSIST_THREADS | auto | CPU threads Huffman-decoding part of each JPEG batch beside the |
-| | | | hardware engines (pinned staging): auto = cores per GPU process - 4, at most 12, where the |
-| | | | native loop was built (``gdsdata doctor``); 0 = off |
+| assist_threads | GDSDATA_ASSIST_THREADS | 0 | CPU threads Huffman-decoding part of each JPEG batch beside the |
+| | | | hardware engines (pinned staging); off by default: on the H200 the Loader ran 5-20 % slower |
+| | | | with them (docs/benchmarks.md). auto = cores per GPU process - 4, at most 12, where the |
+| | | | native loop was built (``gdsdata doctor``) |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
@@ -42,7 +43,7 @@ _DEFAULTS = {
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",
     "decode_backend": "auto",
-    "assist_threads": "auto",
+    "assist_threads": 0,
     "verify_checksums": False,
 }
 _CHOICES = {

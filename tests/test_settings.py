@@ -38,22 +38,24 @@ def test_assist_threads_auto_leaves_cores_and_shares_them_among_gpu_processes(mo
     monkeypatch.setattr("gdsdata.nvjpeg.native_loop", lambda: None)  # as where the native loop was built
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert assist_threads() == 12  # 16 cores, one GPU process: four left to the Loader
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert assist_threads() == 0  # two cores a process: none to spare
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert assist_threads() == 4
-    with settings.set(assist_threads=3):
-        assert assist_threads() == 3
-    with pytest.raises(ValueError, match="assist_threads"):
-        settings.set(assist_threads="many")
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert settings.get("assist_threads") == 0 and assist_threads() == 0  # off by default
 
     def missing():
         raise GpuUnavailableError("not built")
 
-    monkeypatch.setattr("gdsdata.nvjpeg.native_loop", missing)
-    assert assist_threads() == 0  # no native loop: the engines alone
+    with settings.set(assist_threads="auto"):
+        assert assist_threads() == 12  # 16 cores, one GPU process: four left to the Loader
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+        assert assist_threads() == 0  # two cores a process: none to spare
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert assist_threads() == 4
+        with settings.set(assist_threads=3):
+            assert assist_threads() == 3
+        with pytest.raises(ValueError, match="assist_threads"):
+            settings.set(assist_threads="many")
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        monkeypatch.setattr("gdsdata.nvjpeg.native_loop", missing)
+        assert assist_threads() == 0  # no native loop: the engines alone
 
 
 def test_assist_share_balances_the_measured_rates():
