@@ -1,4 +1,4 @@
-"""Spare CPU cores decoding part of each JPEG batch beside nvJPEG's hardware engines.
+"""Spare CPU cores decoding part of each JPEG batch beside nvJPEG's hardware engines (off by default).
 
 The engines are the JPEG ceiling on the H200: one batched HARDWARE decoder runs about 26,000 of our
 100 KB images/s and a second decoder only slows the first. Host threads running nvJPEG's decoupled
@@ -12,11 +12,15 @@ Each batch's last ``share(n)`` images go to the threads, in equal parts, the res
 The threads are native (``nvjpeg.HostDecodePool``, ``_hostdecode.c``): with Python threads around
 the same native loop, on the H200 each spent about 4 ms of a 10 ms batch in the loop and the rest
 outside it (Python around the loop, a dozen threads sharing one interpreter lock), and the Loader
-ran 8 % slower with them than without.
+ran 8-12 % slower with them than without.
 
 The share follows the measured rates: after each batch, the engines' images per second (CUDA
 events around their part) and the threads' images per second of wall time set the next share, so
 that both parts of a batch take about as long whatever else runs on the machine.
+
+Off by default (``assist_threads=0``): on the H200 the Loader ran 5-20 % slower with the native
+threads too, in every design and thread count measured, the engines' own rate falling while the
+threads ran (docs/benchmarks.md, 2026-11-30). ``stats()`` says where the time went.
 """
 
 import logging

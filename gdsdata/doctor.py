@@ -121,7 +121,7 @@ def report() -> dict:
 
     threads = assist_threads()
     info["decode assist"] = (f"{threads} host thread(s) Huffman-decode part of each JPEG batch beside the hardware "
-                             f"engines (pinned staging)" if threads else "off")
+                             f"engines (pinned staging)" if threads else "off (GDSDATA_ASSIST_THREADS=auto or a count)")
     try:
         native_loop()
     except GpuUnavailableError as e:
