@@ -9,7 +9,7 @@ its own, under ``timeout``):
 - split: the engines beside the SMs, part of each batch through GPU_HYBRID(_DEVICE) at the same time
   (hung on the H200: see docs/benchmarks.md);
 - cpu: the engines beside host threads that Huffman-decode part of each batch through nvJPEG's
-  decoupled phases (``nvjpeg.HostHuffmanDecoder``), with each part timed alone first;
+  decoupled phases (``nvjpeg_host.HostHuffmanDecoder``), with each part timed alone first;
 - handles: batch size, chroma upsampling flag, several decoder handles on several threads.
 
 Every row gives images/s and process CPU-seconds per 1,000 images.
@@ -33,7 +33,7 @@ from common import print_system_block, system_block  # noqa: E402
 from make_images import generate  # noqa: E402
 
 import gdsdata  # noqa: E402
-from gdsdata import nvjpeg  # noqa: E402
+from gdsdata import nvjpeg, nvjpeg_host  # noqa: E402
 from gdsdata.errors import GpuUnavailableError  # noqa: E402
 
 
@@ -89,7 +89,7 @@ def run_jobs(jobs, interpolate=True, repeats=3):
     flag = nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION
     if not interpolate:
         nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = 0
-    decoders = [nvjpeg.HostHuffmanDecoder() if backend == "host_huffman" else nvjpeg.BatchedDecoder(backend)
+    decoders = [nvjpeg_host.HostHuffmanDecoder() if backend == "host_huffman" else nvjpeg.BatchedDecoder(backend)
                 for backend, _ in jobs]
     nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = flag
     streams = [torch.cuda.Stream() for _ in jobs]
@@ -131,9 +131,9 @@ def run_jobs(jobs, interpolate=True, repeats=3):
 
 def run_with_pool(engines, cpu, threads, repeats=3):
     """(images/s, CPU-s per 1,000 images) of the engines decoding ``engines`` while a native pool of
-    ``threads`` (``nvjpeg.HostDecodePool``, as the decode assist runs it) decodes the matching batch
+    ``threads`` (``nvjpeg_host.HostDecodePool``, as the decode assist runs it) decodes the matching batch
     of ``cpu``, batch after batch, from one Python thread."""
-    decoder, pool = nvjpeg.BatchedDecoder("hardware"), nvjpeg.HostDecodePool(threads, torch.device("cuda"))
+    decoder, pool = nvjpeg.BatchedDecoder("hardware"), nvjpeg_host.HostDecodePool(threads, torch.device("cuda"))
     stream = torch.cuda.current_stream()
     times, cpu_s = [], []
     try:

@@ -1,4 +1,4 @@
-/* Host Huffman decoding of JPEGs without the interpreter (nvjpeg.HostHuffmanDecoder, nvjpeg.HostDecodePool).
+/* Host Huffman decoding of JPEGs without the interpreter (nvjpeg_host.py).
  *
  * nvJPEG's decoupled phases take four library calls per image. Made from Python through ctypes,
  * each call hands the interpreter lock back and takes it again; a dozen threads doing that beside

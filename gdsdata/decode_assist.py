@@ -2,14 +2,14 @@
 
 The engines are the JPEG ceiling on the H200: one batched HARDWARE decoder runs about 26,000 of our
 100 KB images/s and a second decoder only slows the first. Host threads running nvJPEG's decoupled
-phases (``nvjpeg.HostHuffmanDecoder``: Huffman decoding on the thread, the rest on the GPU) add to
+phases (``nvjpeg_host.HostHuffmanDecoder``: Huffman decoding on the thread, the rest on the GPU) add to
 it: on the H200 (``bench/decode_ceiling.py --sections cpu``) each thread decoded 551 images/s at
 1.8 CPU-ms an image, and eight threads taking 32 images of every 256 ran beside the engines without
 slowing them (28,699 images/s together against 25,676 for the engines' 224 alone).
 
 Used with pinned host staging (the bitstreams must be readable by the CPU) and the HARDWARE backend.
 Each batch's last ``share(n)`` images go to the threads, in equal parts, the rest to the engines.
-The threads are native (``nvjpeg.HostDecodePool``, ``_hostdecode.c``): with Python threads around
+The threads are native (``nvjpeg_host.HostDecodePool``, ``_hostdecode.c``): with Python threads around
 the same native loop, on the H200 each spent about 4 ms of a 10 ms batch in the loop and the rest
 outside it (Python around the loop, a dozen threads sharing one interpreter lock), and the Loader
 ran 8-12 % slower with them than without.
@@ -31,7 +31,7 @@ import torch
 
 from . import settings
 from .errors import CorruptSampleError
-from .nvjpeg import HostDecodePool
+from .nvjpeg_host import HostDecodePool
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def assist_threads() -> int:
     if value != "auto":
         return int(value)
     from .errors import GpuUnavailableError
-    from .nvjpeg import native_loop
+    from .nvjpeg_host import native_loop
 
     try:
         native_loop()

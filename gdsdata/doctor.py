@@ -117,7 +117,7 @@ def report() -> dict:
     info["staging"] = settings.get("staging")
     info["decode backend"] = settings.get("decode_backend")
     from .decode_assist import assist_threads
-    from .nvjpeg import native_loop
+    from .nvjpeg_host import native_loop
 
     threads = assist_threads()
     info["decode assist"] = (f"{threads} host thread(s) Huffman-decode part of each JPEG batch beside the hardware "

@@ -316,11 +316,11 @@ def test_host_huffman_decoder_decodes_like_pil_and_names_a_bad_image(photos_data
     """nvJPEG's decoupled phases (Huffman on the calling thread, in the native loop), as the decode
     assist runs them: pixels against PIL's, more images than its slots (two runs), and a damaged
     bitstream reported at its position."""
-    from gdsdata import nvjpeg
+    from gdsdata import nvjpeg, nvjpeg_host
 
     src, paths, out = photos_dataset
     try:
-        decoder = nvjpeg.HostHuffmanDecoder(slots=4)
+        decoder = nvjpeg_host.HostHuffmanDecoder(slots=4)
     except nvjpeg.NvjpegError:
         pytest.skip("nvJPEG's HYBRID decoder is not available here")
     ds = gdsdata.GDSDataset(out)  # the CPU reader stages the bitstreams

@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from gdsdata import nvjpeg
+from gdsdata import nvjpeg_host
 
 V = ctypes.c_void_p
 PARSE = ctypes.CFUNCTYPE(ctypes.c_int, V, V, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, V)
@@ -26,7 +26,7 @@ class Image12(ctypes.Structure):
 
 def run_loop(data, *, pitch32=False, parse_fails=(), host_fails=(), device_fails=()):
     """Run gds_host_decode over ``data`` (fake pointers) with a stand-in whose phases log their calls."""
-    native = nvjpeg.native_loop()
+    native = nvjpeg_host.native_loop()
     calls = []
     n = len(data)
     states = (V * n)(*[1000 + k for k in range(n)])
@@ -50,7 +50,7 @@ def run_loop(data, *, pitch32=False, parse_fails=(), host_fails=(), device_fails
         return 6 if state - 1000 in device_fails else 0  # EXECUTION_FAILED
 
     callbacks = [PARSE(parse), HOST(host), TRANSFER(transfer), DEVICE(device)]
-    fns = nvjpeg._NativeFns(*[ctypes.cast(f, V).value for f in callbacks])
+    fns = nvjpeg_host._NativeFns(*[ctypes.cast(f, V).value for f in callbacks])
     arrays = [np.asarray(values, np.uint64) for values in
               (data, [100 + k for k in range(n)], [5000 + 16 * k for k in range(n)], [30 + k for k in range(n)])]
     status = np.zeros(n, np.int32)
@@ -86,7 +86,7 @@ def test_the_native_pool_decodes_each_threads_part_on_its_own_objects():
     thread's stream after every host phase, and a failure keeps its position."""
     import threading
 
-    native = nvjpeg.native_loop()
+    native = nvjpeg_host.native_loop()
     seen, lock = [], threading.Lock()
 
     def parse(handle, ptr, length, save_metadata, save_stream, jpeg):
@@ -107,13 +107,13 @@ def test_the_native_pool_decodes_each_threads_part_on_its_own_objects():
         return 0
 
     callbacks = [PARSE(parse), HOST(host), TRANSFER(transfer), DEVICE(device)]
-    fns = nvjpeg._NativeFns(*[ctypes.cast(f, V).value for f in callbacks])
+    fns = nvjpeg_host._NativeFns(*[ctypes.cast(f, V).value for f in callbacks])
     pool = native.gds_pool_create(3)
     assert pool
     try:
         slots = [(V * 4)(*[100 * t + k + 1 for k in range(4)]) for t in range(3)]
         jpegs = [(V * 4)(*[200 * t + k + 1000 for k in range(4)]) for t in range(3)]
-        parts = (nvjpeg._NativePart * 3)()
+        parts = (nvjpeg_host._NativePart * 3)()
         for t, (lo, hi) in enumerate([(0, 2), (2, 4), (4, 7)]):
             parts[t].handle, parts[t].decoder, parts[t].params = 10 + t, 20 + t, 30 + t
             parts[t].states, parts[t].jpeg_streams = ctypes.addressof(slots[t]), ctypes.addressof(jpegs[t])

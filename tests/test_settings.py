@@ -35,7 +35,7 @@ def test_assist_threads_auto_leaves_cores_and_shares_them_among_gpu_processes(mo
     from gdsdata.decode_assist import assist_threads
     from gdsdata.errors import GpuUnavailableError
 
-    monkeypatch.setattr("gdsdata.nvjpeg.native_loop", lambda: None)  # as where the native loop was built
+    monkeypatch.setattr("gdsdata.nvjpeg_host.native_loop", lambda: None)  # as where the native loop was built
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert settings.get("assist_threads") == 0 and assist_threads() == 0  # off by default
@@ -54,7 +54,7 @@ def test_assist_threads_auto_leaves_cores_and_shares_them_among_gpu_processes(mo
         with pytest.raises(ValueError, match="assist_threads"):
             settings.set(assist_threads="many")
         monkeypatch.delenv("LOCAL_WORLD_SIZE")
-        monkeypatch.setattr("gdsdata.nvjpeg.native_loop", missing)
+        monkeypatch.setattr("gdsdata.nvjpeg_host.native_loop", missing)
         assert assist_threads() == 0  # no native loop: the engines alone
 
 
