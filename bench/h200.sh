@@ -2,12 +2,17 @@
 # The H200 run behind docs/benchmarks.md: GPU tests, then bench/gpu.py with DALI when present.
 #   bash bench/h200.sh            the ImageNet-like set (~100 KB JPEGs), every section
 #   SET=light bash bench/h200.sh  the field notes' lighter set (~53 KB JPEGs), JPEG pipelines and peers
-# Writes OUT/gpu.json, OUT/gpu.png (the chart) and logs (OUT/light/ for SET=light). Runs from the
+#   SET=both bash bench/h200.sh   the first, then the second in the same call (DALI installed once)
+# Writes OUT/gpu.json, OUT/gpu.png (the chart) and logs (OUT/light/ for the lighter set). Runs from the
 # repository root, with wheels for what the machine lacks in .whl/ and DALI's wheel, if any, as split
 # pieces under /tmp/dali-pieces/ (docs/benchmarks.md, "Reproducing").
 set -uo pipefail
 OUT=${OUT:-bench-results}
 SET=${SET:-imagenet}
+if [ "$SET" = both ]; then
+    SET=imagenet bash "$0"
+    SET=light exec bash "$0"
+fi
 if [ "$SET" = light ]; then
     OUT=$OUT/light
     BENCH_ARGS="--noise 8 --quality 90 --scale 0.93 --skip cold,paths,raw ${BENCH_ARGS:-}"
