@@ -9,7 +9,9 @@ its own, under ``timeout``):
 - split: the engines beside the SMs, part of each batch through GPU_HYBRID(_DEVICE) at the same time
   (hung on the H200: see docs/benchmarks.md);
 - cpu: the engines beside host threads that Huffman-decode part of each batch through nvJPEG's
-  decoupled phases (``nvjpeg_host.HostHuffmanDecoder``), with each part timed alone first;
+  decoupled phases (``nvjpeg_host.HostHuffmanDecoder``), with each part timed alone first; then
+  the same beside the native pool the decode assist uses, in four modes that tell which of its
+  work (host phases, copies and kernels on the engines' stream or on their own) slows the engines;
 - handles: batch size, chroma upsampling flag, several decoder handles on several threads.
 
 Every row gives images/s and process CPU-seconds per 1,000 images.
@@ -129,32 +131,43 @@ def run_jobs(jobs, interpolate=True, repeats=3):
     return count / float(np.median(times[-max(1, repeats):])), 1000 * float(np.median(cpu[-max(1, repeats):])) / count
 
 
-def run_with_pool(engines, cpu, threads, repeats=3):
-    """(images/s, CPU-s per 1,000 images) of the engines decoding ``engines`` while a native pool of
-    ``threads`` (``nvjpeg_host.HostDecodePool``, as the decode assist runs it) decodes the matching batch
-    of ``cpu``, batch after batch, from one Python thread."""
-    decoder, pool = nvjpeg.BatchedDecoder("hardware"), nvjpeg_host.HostDecodePool(threads, torch.device("cuda"))
+POOL_MODES = ("engines", "host", "same", "side")
+
+
+def run_with_pool(engines, cpu, threads, mode, repeats=3):
+    """The engines decoding ``engines`` batch after batch, from one Python thread, while a native pool
+    of ``threads`` (``nvjpeg_host.HostDecodePool``, as the decode assist runs it) takes the matching
+    batch of ``cpu``. ``mode``: ``engines`` (no pool: the engines' part alone), ``host`` (the pool's
+    host phases only, nothing of theirs on the GPU), ``same`` (their copies and kernels queued on the
+    engines' stream, as the assist does) or ``side`` (on a stream of their own). Returns (images/s
+    of both parts, images/s of the engines' part over the same time, CPU-s per 1,000 images)."""
+    decoder = nvjpeg.BatchedDecoder("hardware")
+    pool = None if mode == "engines" else nvjpeg_host.HostDecodePool(threads, torch.device("cuda"))
     stream = torch.cuda.current_stream()
+    side = torch.cuda.Stream() if mode == "side" else stream
     times, cpu_s = [], []
     try:
         for _ in range(repeats + 1):
             t0, c0 = time.perf_counter(), time.process_time()
             for (data, lengths, outs, pitches, _), (hd, hl, ho, hp, _) in zip(engines, cpu):
-                if hd:
+                if pool is not None and hd:
                     pool.submit(hd, hl, ho, hp)
                 decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
-                if hd:
-                    failed, _ = pool.wait(stream)
+                if pool is not None and hd:
+                    failed, _ = pool.wait(side, queue=mode != "host")
                     if failed:
                         raise next(iter(failed.values()))
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             cpu_s.append(time.process_time() - c0)
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
         decoder.close()
-    count = sum(len(b[0]) for b in engines) + sum(len(b[0]) for b in cpu)
-    return count / float(np.median(times[1:])), 1000 * float(np.median(cpu_s[1:])) / count
+    mine = sum(len(b[0]) for b in engines)
+    count = mine + (0 if pool is None else sum(len(b[0]) for b in cpu))
+    seconds = float(np.median(times[1:]))
+    return count / seconds, mine / seconds, 1000 * float(np.median(cpu_s[1:])) / count
 
 
 def images(batches, start, stop=None):
@@ -235,6 +248,15 @@ def main():
         for threads, each in (tuple(map(int, t.split("x"))) for t in args.cpu.split(",")):
             share = threads * each
             engines, cpu = split(held[1], 256 - share)
+            for mode in POOL_MODES:  # which part of the pool's work, if any, slows the engines
+                try:
+                    both, mine, cpu_k = run_with_pool(engines, cpu, threads, mode)
+                    print(f"hardware {256 - share} + native pool of {threads} threads x {each}, {mode}: "
+                          f"{both:.0f} images/s, the engines' part {mine:.0f}, {cpu_k:.3f} CPU-s/1k", flush=True)
+                except (nvjpeg.NvjpegError, GpuUnavailableError) as e:
+                    print(f"native pool {threads} x {each}, {mode}: failed: {e}", flush=True)
+            # the same split on Python threads, one HostHuffmanDecoder each (last: with 12 threads these
+            # rows ran past a 120-150 s limit on the H200)
             parts = [images(cpu, each * t, each * t + each) for t in range(threads)]
             alone = [measured(lambda: run_jobs([("hardware", engines)])),
                      measured(lambda: run_jobs([("host_huffman", part) for part in parts]))]
@@ -242,9 +264,6 @@ def main():
                   flush=True)
             together = measured(lambda: run_jobs([("hardware", engines)] + [("host_huffman", part) for part in parts]))
             print(f"hardware {256 - share} + host_huffman {threads} threads x {each} of each batch, at once {together}",
-                  flush=True)
-            pooled = measured(lambda: run_with_pool(engines, cpu, threads))
-            print(f"hardware {256 - share} + native pool of {threads} threads x {each} of each batch {pooled}",
                   flush=True)
     del held
     if "handles" in sections:

@@ -221,10 +221,11 @@ void gds_pool_submit(gds_pool *pool, const gds_nvjpeg_fns *fns, const gds_part *
 }
 
 /* Wait until every part's host phases are done, then queue the queued phases of every image on
- * `stream`, from this thread: the pool's threads never wait for the GPU. Returns the number of failed
+ * `stream`, from this thread: the pool's threads never wait for the GPU. queue = 0 leaves them out
+ * (a probe of the host phases alone: the images are not decoded). Returns the number of failed
  * images (status as gds_host_decode's); *elapsed_ns: from the submit to the end of the slowest
  * part's host phases. */
-int gds_pool_wait(gds_pool *pool, void *stream, int64_t *elapsed_ns) {
+int gds_pool_wait(gds_pool *pool, void *stream, int queue, int64_t *elapsed_ns) {
     pthread_mutex_lock(&pool->lock);
     while (pool->pending > 0)
         pthread_cond_wait(&pool->done, &pool->lock);
@@ -233,7 +234,10 @@ int gds_pool_wait(gds_pool *pool, void *stream, int64_t *elapsed_ns) {
     int failed = 0;
     for (int t = 0; t < pool->threads; t++) {
         const gds_part *part = &pool->parts[t];
-        if (part->hi > part->lo)
+        if (!queue) {
+            for (int k = part->lo; k < part->hi; k++)
+                failed += pool->status[k] != 0;
+        } else if (part->hi > part->lo)
             failed += device_phases(pool->fns, part->handle, part->decoder, part->states, part->jpeg_streams,
                                     pool->outs + part->lo, pool->pitches + part->lo, part->hi - part->lo, stream,
                                     pool->pitch32, pool->status + part->lo);

@@ -68,7 +68,7 @@ def native_loop():
                 native.gds_pool_create.restype = v
                 native.gds_pool_submit.argtypes = [v, ctypes.POINTER(_NativeFns), v, v, v, v, v, ctypes.c_int, v]
                 native.gds_pool_submit.restype = None
-                native.gds_pool_wait.argtypes = [v, v, ctypes.POINTER(ctypes.c_int64)]
+                native.gds_pool_wait.argtypes = [v, v, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
                 native.gds_pool_wait.restype = ctypes.c_int
                 native.gds_pool_destroy.argtypes = [v]
                 native.gds_pool_destroy.restype = None
@@ -252,15 +252,16 @@ class HostDecodePool(_Owner):
                                     *[a.ctypes.data for a in arrays], self.decoders[0]._pitch32, status.ctypes.data)
         self._batch = (arrays, status, n, banks)
 
-    def wait(self, stream):
+    def wait(self, stream, queue=True):
         """Wait for the submitted batch's host phases and queue its copies and kernels on ``stream``
         (a torch stream): (position -> NvjpegError for the images that failed, seconds from the
-        submit to the end of the slowest part's host phases)."""
+        submit to the end of the slowest part's host phases). ``queue=False`` queues nothing, for
+        probes of the host phases alone (the images are then not decoded)."""
         arrays, status, n, banks = self._batch
         elapsed = ctypes.c_int64()
-        self.native.gds_pool_wait(self.pool, stream.cuda_stream, ctypes.byref(elapsed))
+        self.native.gds_pool_wait(self.pool, stream.cuda_stream, int(queue), ctypes.byref(elapsed))
         self._batch = None
-        for decoder, bank in banks:
+        for decoder, bank in banks if queue else ():
             decoder.queued(bank, stream)
         return _errors(status, n), elapsed.value / 1e9
 

@@ -132,7 +132,7 @@ def test_the_native_pool_decodes_each_threads_part_on_its_own_objects():
             native.gds_pool_submit(pool, ctypes.byref(fns), ctypes.addressof(parts), *[a.ctypes.data for a in arrays],
                                    0, status.ctypes.data)
             elapsed = ctypes.c_int64()
-            assert native.gds_pool_wait(pool, 40, ctypes.byref(elapsed)) == 1  # queued on stream 40 here
+            assert native.gds_pool_wait(pool, 40, 1, ctypes.byref(elapsed)) == 1  # queued on stream 40 here
             assert elapsed.value > 0
             assert status.tolist() == [0, 0, 0, 0, 1003, 0, 0]  # image 4 (0x50) failed to parse
             parsed = sorted((ptr, handle, jpeg) for kind, handle, ptr, jpeg in
@@ -144,5 +144,10 @@ def test_the_native_pool_decodes_each_threads_part_on_its_own_objects():
             assert decoded == [(5000, 10, 1, 40), (5001, 10, 2, 40), (5002, 11, 101, 40), (5003, 11, 102, 40),
                                (5005, 12, 202, 40), (5006, 12, 203, 40)]
             assert {s[0] for s in seen[-6:]} == {"device"}  # queued after every host phase
+        seen.clear()  # queue=0: the host phases alone
+        native.gds_pool_submit(pool, ctypes.byref(fns), ctypes.addressof(parts), *[a.ctypes.data for a in arrays],
+                               0, status.ctypes.data)
+        assert native.gds_pool_wait(pool, 40, 0, ctypes.byref(elapsed)) == 1
+        assert len(seen) == 7 and {s[0] for s in seen} == {"parse"}
     finally:
         native.gds_pool_destroy(pool)
