@@ -23,17 +23,13 @@ threads too, in every design and thread count measured, the engines' own rate fa
 threads ran (docs/benchmarks.md, 2026-11-30). ``stats()`` says where the time went.
 """
 
-import logging
 import os
 import time
 
 import torch
 
 from . import settings
-from .errors import CorruptSampleError
 from .nvjpeg_host import HostDecodePool
-
-log = logging.getLogger(__name__)
 
 THREAD_RATE = 550.0  # images/s of one host Huffman thread (H200 machine, 100 KB images): the first guess
 ENGINE_RATE = 3700.0  # images/s of one hardware engine (H200: 7 engines, 25,900 together): the first guess
@@ -154,9 +150,3 @@ class DecodeAssist:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-
-
-def describe_errors(index, indices, errors) -> dict:
-    """Batch position -> CorruptSampleError naming the sample, for the threads' failures."""
-    return {k: CorruptSampleError(f"{index.describe(indices[k])}: GPU JPEG decoding failed ({e})")
-            for k, e in errors.items()}

@@ -14,7 +14,7 @@ import torch
 
 from . import format as fmt
 from .batch import PixelBatch
-from .decode_assist import DecodeAssist, assist_threads, describe_errors
+from .decode_assist import DecodeAssist, assist_threads
 from .errors import CorruptSampleError
 from .nvjpeg import BatchedDecoder, NvjpegError
 
@@ -71,7 +71,7 @@ class GpuDecoder:
         lengths = plan.sample_lengths.tolist()
         outs = (out + offsets).tolist()
         pitches = (widths * 3).tolist()
-        errors = {}
+        failed = {}  # batch position -> NvjpegError
         with self._lock:
             if staging.is_cuda != self.nvjpeg.device_bitstreams:
                 raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
@@ -92,14 +92,15 @@ class GpuDecoder:
                     try:
                         self.nvjpeg.decode([data[k]], [lengths[k]], [outs[k]], [pitches[k]], stream.cuda_stream)
                     except NvjpegError as e:
-                        errors[k] = CorruptSampleError(f"{self.index.describe(indices[k])}: GPU JPEG decoding "
-                                                       f"failed ({e})")
+                        failed[k] = e
             finally:
                 if wait is not None:
-                    errors.update(describe_errors(self.index, indices, wait()))
+                    failed.update(wait())
             event = torch.cuda.Event()
             event.record(stream)
             self._last = (stream, event)
+        errors = {k: CorruptSampleError(f"{self.index.describe(indices[k])}: GPU JPEG decoding failed ({e})")
+                  for k, e in failed.items()}
         return PixelBatch(arena, offsets, heights, widths, np.full(len(indices), 3), errors, owned=True)
 
     def _raw(self, staging, plan, records, heights, widths, stream):

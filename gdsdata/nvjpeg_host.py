@@ -104,7 +104,7 @@ class HostHuffmanDecoder(_Owner):
         self._states = (ctypes.c_void_p * slots)()
         self._jpegs = (ctypes.c_void_p * slots)()
         self._states_at, self._jpegs_at = ctypes.addressof(self._states), ctypes.addressof(self._jpegs)
-        self.native_seconds = self.slot_wait_seconds = 0.0  # in the native loop / waiting for a bank
+        self.slot_wait_seconds = 0.0  # waiting for a bank's previous run
         self._bank = 0  # the bank the next run uses
         self._done = [None, None]  # per bank: a CUDA event after its last run's queued work
         status = lib.nvjpegCreateEx(BACKENDS["hybrid"], None, None, nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION,
@@ -174,11 +174,9 @@ class HostHuffmanDecoder(_Owner):
             run = [np.asarray(values[start:stop], dtype=np.uint64)
                    for values in (data_ptrs, lengths, out_ptrs, pitches)]
             bank, states, jpegs = self.claim()
-            t0 = time.perf_counter()
             self.native.gds_host_decode(ctypes.byref(self._fns), self.handle, self.decoder, self.params, states,
                                         jpegs, *[a.ctypes.data for a in run], stop - start, stream, self._pitch32,
                                         status.ctypes.data)
-            self.native_seconds += time.perf_counter() - t0
             self.queued(bank, recorder)
             errors.update(_errors(status, stop - start, start))
         return errors
