@@ -84,6 +84,21 @@ def run(batches, backend, handles, interpolate, repeats=3):
     return run_jobs([(backend, batches[h::handles]) for h in range(handles)], interpolate, repeats)
 
 
+def timed(body, repeats, failed=lambda: False):
+    """Run ``body`` ``repeats`` + 1 times, the first a warm-up (with ``repeats=0``, once and timed),
+    stopping early once ``failed()``: (median seconds, median process CPU-seconds) of the timed runs."""
+    times, cpu = [], []
+    for _ in range(repeats + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        body()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        if failed():
+            break
+    keep = max(1, repeats)
+    return float(np.median(times[-keep:])), float(np.median(cpu[-keep:]))
+
+
 def run_jobs(jobs, interpolate=True, repeats=3):
     """(images/s, process CPU-s per 1,000 images) of several decoders at once, one per
     ``(backend, batches)`` job, each on its own stream: the first job on the calling thread, the
@@ -110,25 +125,21 @@ def run_jobs(jobs, interpolate=True, repeats=3):
             e.backend = jobs[h][0]  # which decoder of the row failed
             errors.append(e)
 
-    times, cpu = [], []
-    for _ in range(repeats + 1):
-        t0, c0 = time.perf_counter(), time.process_time()
+    def all_jobs():
         threads = [threading.Thread(target=worker, args=(h,)) for h in range(1, len(jobs))]
         for t in threads:
             t.start()
         worker(0)
         for t in threads:
             t.join()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-        if errors:
-            break
+
+    seconds, cpu = timed(all_jobs, repeats, lambda: bool(errors))
     for d in decoders:
         d.close()
     if errors:
         raise errors[0]
     count = sum(len(b[0]) for _, batches in jobs for b in batches)
-    return count / float(np.median(times[-max(1, repeats):])), 1000 * float(np.median(cpu[-max(1, repeats):])) / count
+    return count / seconds, 1000 * cpu / count
 
 
 POOL_MODES = ("engines", "host", "same", "side")
@@ -145,29 +156,27 @@ def run_with_pool(engines, cpu, threads, mode, repeats=3):
     pool = None if mode == "engines" else nvjpeg_host.HostDecodePool(threads, torch.device("cuda"))
     stream = torch.cuda.current_stream()
     side = torch.cuda.Stream() if mode == "side" else stream
-    times, cpu_s = [], []
+
+    def epoch():
+        for (data, lengths, outs, pitches, _), (hd, hl, ho, hp, _) in zip(engines, cpu):
+            if pool is not None and hd:
+                pool.submit(hd, hl, ho, hp)
+            decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
+            if pool is not None and hd:
+                failed, _ = pool.wait(side, queue=mode != "host")
+                if failed:
+                    raise next(iter(failed.values()))
+        torch.cuda.synchronize()
+
     try:
-        for _ in range(repeats + 1):
-            t0, c0 = time.perf_counter(), time.process_time()
-            for (data, lengths, outs, pitches, _), (hd, hl, ho, hp, _) in zip(engines, cpu):
-                if pool is not None and hd:
-                    pool.submit(hd, hl, ho, hp)
-                decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
-                if pool is not None and hd:
-                    failed, _ = pool.wait(side, queue=mode != "host")
-                    if failed:
-                        raise next(iter(failed.values()))
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            cpu_s.append(time.process_time() - c0)
+        seconds, cpu_s = timed(epoch, repeats)
     finally:
         if pool is not None:
             pool.close()
         decoder.close()
     mine = sum(len(b[0]) for b in engines)
     count = mine + (0 if pool is None else sum(len(b[0]) for b in cpu))
-    seconds = float(np.median(times[1:]))
-    return count / seconds, mine / seconds, 1000 * float(np.median(cpu_s[1:])) / count
+    return count / seconds, mine / seconds, 1000 * cpu_s / count
 
 
 def images(batches, start, stop=None):
