@@ -6,10 +6,12 @@ on the GPU torch's allocator (allocated, reserved, cudaMalloc retries) and the p
 Written after the first JPEG Loader of a benchmark process ran its decode stage slower epoch after
 epoch (11.9 -> 16.2 ms a batch over 12 epochs); its 30-epoch runs on the H200 found no growth, only
 episodes of a slower decode stage (docs/benchmarks.md). With the decode assist on, each epoch also
-gives the assist's share, each part's rate and the waits (``DecodeAssist.stats``). Variants: ``--gc-freeze`` (the objects
-alive before the first epoch are left out of the collector's passes), ``--throwaway N`` (N epochs of
-another Loader over another instance of the dataset first), ``--train`` (random-resized-crop 224,
-flip, normalise fp16, as the training rows; else decoded pixels).
+gives the assist's share, each part's rate and the waits (``DecodeAssist.stats``).
+
+Variants: ``--gc-freeze`` (the objects alive before the first epoch are left out of the collector's
+passes), ``--throwaway N`` (N epochs of another Loader over another instance of the dataset first),
+``--train`` (random-resized-crop 224, flip, normalise fp16, as the training rows; else decoded
+pixels).
 
     python bench/loader_drift.py DATASET --device cuda --epochs 40 [--train] [--gc-freeze] [--throwaway 4]
 """

@@ -173,6 +173,19 @@ def image_struct():
     return NvjpegImage
 
 
+def create_handle(lib, backend: str):
+    """``nvjpegCreateEx`` for ``backend``, with interpolated chroma upsampling where the library and
+    backend take the flag: (handle, interpolated)."""
+    handle = ctypes.c_void_p()
+    status = lib.nvjpegCreateEx(BACKENDS[backend], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
+                                ctypes.byref(handle))
+    interpolated = status == 0
+    if status != 0:  # a library or backend without the flag: plain upsampling
+        status = lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0, ctypes.byref(handle))
+    _check(f"nvjpegCreateEx({backend})", status)
+    return handle, interpolated
+
+
 def _release(lib, owner, attr, destroy):
     """Destroy the nvJPEG object held in ``owner.attr``, if any, with ``lib.<destroy>``."""
     if getattr(owner, attr):
@@ -202,18 +215,11 @@ class BatchedDecoder(_Owner):
         self.lib = library()
         self.backend = backend
         self.device_bitstreams = backend in DEVICE_BITSTREAM_BACKENDS
-        self.handle = ctypes.c_void_p()
         self.state = ctypes.c_void_p()
         self._image_t = image_struct()
         self._batch = 0
         self._params = []  # nvjpegDecodeParams_t, one per image of a windowed batch
-        self.interpolated = True
-        status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
-                                         ctypes.byref(self.handle))
-        if status != 0:  # a library or backend without the flag: plain upsampling
-            self.interpolated = False
-            status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0, ctypes.byref(self.handle))
-        _check(f"nvjpegCreateEx({backend})", status)
+        self.handle, self.interpolated = create_handle(self.lib, backend)
         try:
             _check("nvjpegJpegStateCreate", self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)))
         except NvjpegError:

@@ -12,9 +12,8 @@ import ctypes
 import threading
 import time
 
-from . import nvjpeg
 from .errors import GpuUnavailableError
-from .nvjpeg import BACKENDS, OUTPUT_RGBI, NvjpegError, _check, _Owner, _release, library, version
+from .nvjpeg import BACKENDS, OUTPUT_RGBI, NvjpegError, _check, _Owner, _release, create_handle, library, version
 
 _PHASES = {1: "nvjpegJpegStreamParse", 2: "nvjpegDecodeJpegHost", 3: "nvjpegDecodeJpegTransferToDevice",
            4: "nvjpegDecodeJpegDevice"}
@@ -99,7 +98,8 @@ class HostHuffmanDecoder(_Owner):
             raise GpuUnavailableError(f"this nvJPEG ({lib.path}) lacks the decoupled decoding phases")
         self._fns = _NativeFns(*[ctypes.cast(getattr(lib, _PHASES[k]), ctypes.c_void_p).value for k in (1, 2, 3, 4)])
         self._pitch32 = int(version()[0] < 13)
-        self.handle, self.decoder, self.params = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self.handle = ctypes.c_void_p()  # until create_handle: close() may run first
+        self.decoder, self.params = ctypes.c_void_p(), ctypes.c_void_p()
         self._slots = []  # per slot: (state, pinned buffer, device buffer, parsed stream)
         self._states = (ctypes.c_void_p * slots)()
         self._jpegs = (ctypes.c_void_p * slots)()
@@ -107,11 +107,7 @@ class HostHuffmanDecoder(_Owner):
         self.slot_wait_seconds = 0.0  # waiting for a bank's previous run
         self._bank = 0  # the bank the next run uses
         self._done = [None, None]  # per bank: a CUDA event after its last run's queued work
-        status = lib.nvjpegCreateEx(BACKENDS["hybrid"], None, None, nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION,
-                                    ctypes.byref(self.handle))
-        if status != 0:
-            status = lib.nvjpegCreateEx(BACKENDS["hybrid"], None, None, 0, ctypes.byref(self.handle))
-        _check("nvjpegCreateEx(hybrid)", status)
+        self.handle, _ = create_handle(lib, "hybrid")
         try:
             _check("nvjpegDecoderCreate", lib.nvjpegDecoderCreate(self.handle, BACKENDS["hybrid"],
                                                                   ctypes.byref(self.decoder)))
