@@ -22,7 +22,8 @@ from .plan import plan_reads
 from .reader_gpu import GpuReader, SlotPool, choose_engine, mapped_suits
 
 log = logging.getLogger(__name__)
-_SLOTS = 5  # staging buffers: batches being read, queued for decode, decoding, and held by the consumer
+_SLOTS = 6  # staging buffers: batches being read, queued for decode, decoding, queued for and in the
+# transform (raw samples used in place), and held by the consumer
 
 
 @functools.lru_cache(maxsize=None)

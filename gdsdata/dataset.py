@@ -39,7 +39,7 @@ class _CpuBackend:
 
     def _executor(self):
         if self._pool is None or self._pool_pid != os.getpid():
-            self._pool = ThreadPoolExecutor(settings.get("cpu_threads"), thread_name_prefix="gdsdata-decode")
+            self._pool = ThreadPoolExecutor(settings.get("cpu_threads"), thread_name_prefix="gdsdata-cpu-decode")
             self._pool_pid = os.getpid()
         return self._pool
 

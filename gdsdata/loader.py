@@ -8,11 +8,13 @@
             ...
     state = loader.state_dict()         # save with the checkpoint; load_state_dict() resumes
 
-A background thread prepares up to ``prefetch`` batches ahead. On the GPU it works on its own CUDA
-stream: reading batch k+1 and decoding it overlap the training step on batch k; the consumer's
-stream waits on an event before it touches a batch, and the batch's memory is recorded as used by
-that stream. Breaking out of the loop, an exception, or ``close()`` stops the thread and frees its
-buffers.
+Three background threads prepare up to ``prefetch`` batches ahead: one reads (storage -> staging
+buffers), one decodes, one transforms. On the GPU the last two each work on a CUDA stream of their
+own, each batch handed on with an event: reading batch k+2, decoding batch k+1 and transforming it
+overlap the training step on batch k, and a decode never waits behind a transform. The consumer's
+stream waits on the batch's event before it touches it, and the batch's memory is recorded as used
+by that stream. Breaking out of the loop, an exception, or ``close()`` stops the threads and frees
+their buffers.
 """
 
 import logging
@@ -163,19 +165,26 @@ def _epochs(spec, first_epoch, first_batches):
 
 
 class _BatchMaker:
-    """What the decode thread needs of a Loader (and nothing that keeps the Loader alive)."""
+    """What the decode and transform threads need of a Loader (and nothing that keeps the Loader
+    alive)."""
 
     def __init__(self, loader):
         self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
 
-    def finish(self, staged, stream, epoch, stats):
-        """Decode and transform one staged batch."""
+    def decode(self, staged, stream, epoch):
+        """Staged payloads -> a PixelBatch, its sample indices (after any replacement) and labels."""
         ds = self.dataset
         batch, indices = ds.decode_staged(staged, stream)
-        labels = upload(torch.from_numpy(ds._labels[indices]), ds.device)
+        return batch, indices, upload(torch.from_numpy(ds._labels[indices]), ds.device)
+
+    def finish(self, decoded, stream, epoch):
+        """One decoded batch -> (images, labels): its transform, or with ``pixels=True`` the
+        PixelBatch itself."""
+        batch, indices, labels = decoded
         if self.pixels:
             return batch, labels  # released by the consumer's next step
-        t0 = time.perf_counter()
+        if stream is not None and batch.owned:  # allocated on the decode stream; this one reads it last
+            batch.buffer.record_stream(stream)
         if self.transform is not None:
             params = self.transform.params(batch.heights, batch.widths, indices, epoch)
             images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
@@ -183,7 +192,6 @@ class _BatchMaker:
         else:
             images = [batch.image(k) for k in range(len(batch))]
         batch.release(stream)
-        stats.transform_s += time.perf_counter() - t0
         return images, labels
 
 
@@ -197,9 +205,14 @@ def _put(q, stop, item) -> bool:
     return False
 
 
-def _release_staged(dataset, staged):
-    if staged.slot is not None:
-        dataset._backend.release(staged)
+def _release(dataset, kind, payload):
+    """Hand back what a queued item holds that would otherwise wait for a consumer: the staging slot
+    of a staged batch, or the buffer of a decoded one (raw samples used in their staging slot)."""
+    if kind == "staged":
+        if payload.slot is not None:
+            dataset._backend.release(payload)
+    elif kind == "decoded" or (kind == "batch" and isinstance(payload[0], PixelBatch)):
+        payload[0].release(None)
 
 
 @dataclass
@@ -210,10 +223,12 @@ class PipelineStats:
     batches: int = 0  # batches handed to the training loop
     read_s: float = 0.0  # I/O thread: planning and reading batches into staging buffers
     read_blocked_s: float = 0.0  # I/O thread: waiting to hand a staged batch on (decode is behind)
-    decode_s: float = 0.0  # decode thread: queuing decode and transform
-    transform_s: float = 0.0  # the transform's part of decode_s (the rest: reading labels, decoding)
+    decode_s: float = 0.0  # decode thread: queuing decodes and label uploads
     decode_idle_s: float = 0.0  # decode thread: waiting for a staged batch (reads are behind)
-    decode_blocked_s: float = 0.0  # decode thread: waiting to hand a batch on (the loop is behind)
+    decode_blocked_s: float = 0.0  # decode thread: waiting to hand a batch on (transforms are behind)
+    transform_s: float = 0.0  # transform thread: crop parameters and queuing the transform
+    transform_idle_s: float = 0.0  # transform thread: waiting for a decoded batch (decode is behind)
+    transform_blocked_s: float = 0.0  # transform thread: waiting to hand a batch on (the loop is behind)
     consumer_wait_s: float = 0.0  # the training loop waiting for its next batch
 
 
@@ -228,58 +243,68 @@ def _read_ahead(dataset, epochs, q, stop, stats):
                 t0 = time.perf_counter()
                 staged = dataset.read_staged(indices.tolist())
                 t1 = time.perf_counter()
-                handed = _put(q, stop, ("staged", staged, epoch))
+                handed = _put(q, stop, ("staged", staged, epoch, None))
                 stats.read_s += t1 - t0
                 stats.read_blocked_s += time.perf_counter() - t1
                 if not handed:
-                    _release_staged(dataset, staged)
+                    _release(dataset, "staged", staged)
                     return
-            if not _put(q, stop, ("end", None, epoch)):
+            if not _put(q, stop, ("end", None, epoch, None)):
                 return
     except BaseException as e:  # noqa: BLE001 - handed on, raised by the consumer
-        _put(q, stop, ("error", e, None))
+        _put(q, stop, ("error", e, None, None))
 
 
-def _decode_ahead(maker, staged_q, q, stop, stream, device, stats):
-    """The decode thread: staging -> pixels -> transform, on its own CUDA stream on the GPU, each
-    batch queued with an event the consumer waits on."""
+# The stages after the I/O thread: (name, the kind of item it takes, the kind it hands on).
+_DECODE, _TRANSFORM = ("decode", "staged", "decoded"), ("transform", "decoded", "batch")
+
+
+def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats):
+    """A pipeline thread: each item of ``in_q`` of the kind ``step`` takes goes through ``work`` on
+    this thread's CUDA stream (after the event of the stage before) and on to ``out_q`` with an
+    event of its own; "end" and "error" markers pass through. Its host seconds go to ``stats``
+    under the step's name: working, idle (the stage before is behind), blocked (the next is)."""
+    name, takes, gives = step
     try:
         if stream is not None:
             torch.cuda.set_device(device)
         idle_since = time.perf_counter()
         while not stop.is_set():
             try:
-                kind, staged, epoch = staged_q.get(timeout=_STOP_POLL_S)
+                kind, payload, epoch, event = in_q.get(timeout=_STOP_POLL_S)
             except queue.Empty:
                 continue
             t0 = time.perf_counter()
-            stats.decode_idle_s += t0 - idle_since
-            if kind != "staged":
-                if not _put(q, stop, (kind, staged, None, None)) or kind == "error":
+            setattr(stats, f"{name}_idle_s", getattr(stats, f"{name}_idle_s") + t0 - idle_since)
+            if kind != takes:
+                if not _put(out_q, stop, (kind, payload, epoch, None)) or kind == "error":
                     return
+                idle_since = time.perf_counter()
                 continue
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    images, labels = maker.finish(staged, stream, epoch, stats)
+                    if event is not None:
+                        stream.wait_event(event)
+                    result = work(payload, stream, epoch)
                     event = torch.cuda.Event()
                     event.record(stream)
             else:
-                images, labels = maker.finish(staged, None, epoch, stats)
-                event = None
+                result, event = work(payload, None, epoch), None
             t1 = time.perf_counter()
-            handed = _put(q, stop, ("batch", images, labels, event))
+            handed = _put(out_q, stop, (gives, result, epoch, event))
             idle_since = time.perf_counter()
-            stats.decode_s += t1 - t0
-            stats.decode_blocked_s += idle_since - t1
+            setattr(stats, f"{name}_s", getattr(stats, f"{name}_s") + t1 - t0)
+            setattr(stats, f"{name}_blocked_s", getattr(stats, f"{name}_blocked_s") + idle_since - t1)
             if not handed:
+                _release(dataset, gives, result)
                 return
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-        _put(q, stop, ("error", e, None, None))
+        _put(out_q, stop, ("error", e, None, None))
 
 
 class _Prefetcher:
-    """The iterator of a pass: an I/O thread and a decode thread filling bounded queues, and clean
-    shutdown. At the end of an epoch it stops iterating but its threads read on into the next
+    """The iterator of a pass: an I/O thread, a decode thread and a transform thread filling bounded
+    queues, and clean shutdown. At the end of an epoch it stops iterating but its threads read on into the next
     epoch; the Loader keeps it and hands it out again for that epoch."""
 
     def __init__(self, loader: Loader, epoch, batches):
@@ -292,20 +317,25 @@ class _Prefetcher:
         self.device = loader.dataset.device
         self.queue = queue.Queue(maxsize=loader.prefetch)
         self.stop = threading.Event()
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # a CUDA stream per stage: the next batch's decode never queues behind this one's transform
+        self.streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in (_DECODE, _TRANSFORM)]
         self.staged = queue.Queue(maxsize=2)
+        self.decoded = queue.Queue(maxsize=1)
         self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step
         self.stats = PipelineStats()
         # The threads hold no reference to this object, so dropping the iterator stops them.
         self.dataset = loader.dataset
+        maker = _BatchMaker(loader)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
                                    self.stats)),
-            threading.Thread(target=_decode_ahead, name="gdsdata-prefetch", daemon=True,
-                             args=(_BatchMaker(loader), self.staged, self.queue, self.stop, self.stream,
-                                   self.device, self.stats)),
-        ]
+        ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
+                              args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
+                                    self.stats))
+             for step, work, in_q, out_q, stream in zip(
+                 (_DECODE, _TRANSFORM), (maker.decode, maker.finish), (self.staged, self.decoded),
+                 (self.decoded, self.queue), self.streams)]
         passes = getattr(loader.dataset, "_passes", None)  # GDSDataset.close() stops its passes
         if passes is not None:
             passes.add(self)
@@ -332,11 +362,11 @@ class _Prefetcher:
         t0 = time.perf_counter()
         while True:
             try:
-                kind, images, labels, event = self.queue.get(timeout=_STOP_POLL_S)
+                kind, payload, _, event = self.queue.get(timeout=_STOP_POLL_S)
                 self.stats.consumer_wait_s += time.perf_counter() - t0
                 break
             except queue.Empty:
-                if not self.threads[1].is_alive() and self.queue.empty():
+                if not self.threads[-1].is_alive() and self.queue.empty():
                     self.close()
                     raise RuntimeError("gdsdata prefetch thread stopped without a result") from None
         if kind == "end":
@@ -345,7 +375,8 @@ class _Prefetcher:
             raise StopIteration
         if kind == "error":
             self.close()
-            raise images
+            raise payload
+        images, labels = payload
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
@@ -377,21 +408,19 @@ class _Prefetcher:
             alive[0].join(timeout=_STOP_POLL_S)
         self._drain()
         self.threads = None
-        if self.stream is not None:
-            self.stream.synchronize()
+        for stream in self.streams:
+            if stream is not None:
+                stream.synchronize()
 
     def _drain(self):
-        """Hand back the staging slots of batches that will never be consumed."""
-        for q in (self.staged, self.queue):
+        """Hand back the staging slots and buffers of batches that will never be consumed."""
+        for q in (self.staged, self.decoded, self.queue):
             while True:
                 try:
-                    item = q.get_nowait()
+                    kind, payload, _, _ = q.get_nowait()
                 except queue.Empty:
                     break
-                if item[0] == "staged":
-                    _release_staged(self.dataset, item[1])
-                elif item[0] == "batch" and isinstance(item[1], PixelBatch):
-                    item[1].release(None)
+                _release(self.dataset, kind, payload)
 
     def __del__(self):
         try:

@@ -213,7 +213,7 @@ def test_loader_stats_say_where_the_time_goes(photos_dataset):
     stats = loader.stats()
     assert stats["batches"] == 2 * len(loader)
     assert stats["read_s"] > 0 and stats["decode_s"] > 0
-    assert 0 < stats["transform_s"] < stats["decode_s"]
+    assert stats["transform_s"] > 0
     assert all(value >= 0 for value in stats.values())
     loader.close()
     ds.close()
