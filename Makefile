@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test test-gpu bench bench-gpu fuzz clean
 
-$(VENV)/.installed: pyproject.toml setup.py gdsdata/_hostdecode.c
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)

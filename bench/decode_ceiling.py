@@ -8,15 +8,11 @@ its own, under ``timeout``):
   per image) instead of the whole image;
 - split: the engines beside the SMs, part of each batch through GPU_HYBRID(_DEVICE) at the same time
   (hung on the H200: see docs/benchmarks.md);
-- cpu: the engines beside host threads that Huffman-decode part of each batch through nvJPEG's
-  decoupled phases (``nvjpeg_host.HostHuffmanDecoder``), with each part timed alone first; then
-  the same beside the native pool the decode assist uses, in four modes that tell which of its
-  work (host phases, copies and kernels on the engines' stream or on their own) slows the engines;
 - handles: batch size, chroma upsampling flag, several decoder handles on several threads.
 
 Every row gives images/s and process CPU-seconds per 1,000 images.
 
-    python bench/decode_ceiling.py --dir /tmp/bench --count 10000 --sections whole,cpu
+    python bench/decode_ceiling.py --dir /tmp/bench --count 10000 --sections whole,window
 """
 
 import argparse
@@ -35,7 +31,7 @@ from common import print_system_block, system_block  # noqa: E402
 from make_images import generate  # noqa: E402
 
 import gdsdata  # noqa: E402
-from gdsdata import nvjpeg, nvjpeg_host  # noqa: E402
+from gdsdata import nvjpeg  # noqa: E402
 from gdsdata.errors import GpuUnavailableError  # noqa: E402
 
 
@@ -106,8 +102,7 @@ def run_jobs(jobs, interpolate=True, repeats=3):
     flag = nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION
     if not interpolate:
         nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = 0
-    decoders = [nvjpeg_host.HostHuffmanDecoder() if backend == "host_huffman" else nvjpeg.BatchedDecoder(backend)
-                for backend, _ in jobs]
+    decoders = [nvjpeg.BatchedDecoder(backend) for backend, _ in jobs]
     nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = flag
     streams = [torch.cuda.Stream() for _ in jobs]
     errors = []
@@ -116,10 +111,8 @@ def run_jobs(jobs, interpolate=True, repeats=3):
         try:
             with torch.cuda.stream(streams[h]):
                 for data, lengths, outs, pitches, _, *rois in jobs[h][1]:  # rois: window_batches'
-                    failed = decoders[h].decode(data, lengths, outs, pitches, streams[h].cuda_stream,
-                                                **({"rois": rois[0]} if rois else {}))
-                    if failed:  # host_huffman's images that failed
-                        raise next(iter(failed.values()))
+                    decoders[h].decode(data, lengths, outs, pitches, streams[h].cuda_stream,
+                                       **({"rois": rois[0]} if rois else {}))
             streams[h].synchronize()
         except Exception as e:  # noqa: BLE001 - a failed decode must fail the row, not print a rate
             e.backend = jobs[h][0]  # which decoder of the row failed
@@ -142,43 +135,6 @@ def run_jobs(jobs, interpolate=True, repeats=3):
     return count / seconds, 1000 * cpu / count
 
 
-POOL_MODES = ("engines", "host", "same", "side")
-
-
-def run_with_pool(engines, cpu, threads, mode, repeats=3):
-    """The engines decoding ``engines`` batch after batch, from one Python thread, while a native pool
-    of ``threads`` (``nvjpeg_host.HostDecodePool``, as the decode assist runs it) takes the matching
-    batch of ``cpu``. ``mode``: ``engines`` (no pool: the engines' part alone), ``host`` (the pool's
-    host phases only, nothing of theirs on the GPU), ``same`` (their copies and kernels queued on the
-    engines' stream, as the assist does) or ``side`` (on a stream of their own). Returns (images/s
-    of both parts, images/s of the engines' part over the same time, CPU-s per 1,000 images)."""
-    decoder = nvjpeg.BatchedDecoder("hardware")
-    pool = None if mode == "engines" else nvjpeg_host.HostDecodePool(threads, torch.device("cuda"))
-    stream = torch.cuda.current_stream()
-    side = torch.cuda.Stream() if mode == "side" else stream
-
-    def epoch():
-        for (data, lengths, outs, pitches, _), (hd, hl, ho, hp, _) in zip(engines, cpu):
-            if pool is not None and hd:
-                pool.submit(hd, hl, ho, hp)
-            decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
-            if pool is not None and hd:
-                failed, _ = pool.wait(side, queue=mode != "host")
-                if failed:
-                    raise next(iter(failed.values()))
-        torch.cuda.synchronize()
-
-    try:
-        seconds, cpu_s = timed(epoch, repeats)
-    finally:
-        if pool is not None:
-            pool.close()
-        decoder.close()
-    mine = sum(len(b[0]) for b in engines)
-    count = mine + (0 if pool is None else sum(len(b[0]) for b in cpu))
-    return count / seconds, mine / seconds, 1000 * cpu_s / count
-
-
 def images(batches, start, stop=None):
     """Images ``start:stop`` of each batch, as a list of batches."""
     return [tuple(part[start:stop] for part in b[:4]) + (b[4],) for b in batches]
@@ -189,7 +145,7 @@ def split(batches, cut):
     return images(batches, 0, cut), images(batches, cut)
 
 
-SECTIONS = ("whole", "window", "split", "cpu", "handles")
+SECTIONS = ("whole", "window", "split", "handles")
 
 
 def main():
@@ -199,8 +155,6 @@ def main():
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated, of {', '.join(SECTIONS)} (run a risky one in a process of its own)")
     parser.add_argument("--shares", default="64,128", help="images of each batch of 256 beside the engines (split)")
-    parser.add_argument("--cpu", default="4x4,8x4,8x8,12x4",
-                        help="host Huffman threads x images of each batch per thread, beside the engines (cpu)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     if sections - set(SECTIONS):
@@ -245,35 +199,6 @@ def main():
                 together = measured(lambda: run_jobs([("hardware", engines), (backend, sms)]))
                 print(f"hardware {256 - share} + {backend} {share} of each batch, at once {together}", flush=True)
         del on_gpu
-    if "cpu" in sections:  # the engines beside Huffman decoding on host threads (nvJPEG's decoupled phases)
-        row("host_huffman", images(held[1], 240), "host_huffman", 1, True, 16)
-        first = images(held[1][:1], 0, 64)[0]
-        pixels = []
-        for backend in ("hardware", "host_huffman"):
-            run_jobs([(backend, [first])], repeats=0)
-            pixels.append(first[4][:held[1][0][2][64] - first[4].data_ptr()].clone())  # the 64 images' bytes
-        print(f"host_huffman vs hardware, 64 images: mean absolute difference "
-              f"{(pixels[0].float() - pixels[1].float()).abs().mean().item():.3f}", flush=True)
-        for threads, each in (tuple(map(int, t.split("x"))) for t in args.cpu.split(",")):
-            share = threads * each
-            engines, cpu = split(held[1], 256 - share)
-            for mode in POOL_MODES:  # which part of the pool's work, if any, slows the engines
-                try:
-                    both, mine, cpu_k = run_with_pool(engines, cpu, threads, mode)
-                    print(f"hardware {256 - share} + native pool of {threads} threads x {each}, {mode}: "
-                          f"{both:.0f} images/s, the engines' part {mine:.0f}, {cpu_k:.3f} CPU-s/1k", flush=True)
-                except (nvjpeg.NvjpegError, GpuUnavailableError) as e:
-                    print(f"native pool {threads} x {each}, {mode}: failed: {e}", flush=True)
-            # the same split on Python threads, one HostHuffmanDecoder each (last: with 12 threads these
-            # rows ran past a 120-150 s limit on the H200)
-            parts = [images(cpu, each * t, each * t + each) for t in range(threads)]
-            alone = [measured(lambda: run_jobs([("hardware", engines)])),
-                     measured(lambda: run_jobs([("host_huffman", part) for part in parts]))]
-            print(f"hardware {256 - share} alone {alone[0]}; host_huffman {threads} threads x {each} alone {alone[1]}",
-                  flush=True)
-            together = measured(lambda: run_jobs([("hardware", engines)] + [("host_huffman", part) for part in parts]))
-            print(f"hardware {256 - share} + host_huffman {threads} threads x {each} of each batch, at once {together}",
-                  flush=True)
     del held
     if "handles" in sections:
         for backend in ("hardware_device", "hardware"):  # several HARDWARE handles failed on the H200: last

@@ -192,19 +192,16 @@ def main(argv=None):
     print("\n== gdsdata (page cache warm) ==")
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
     user_pool = settings.get("gather_pool")  # GDSDATA_GATHER_POOL, for the automatic rows
-    # (staging, backend, reads, io threads, gather pool, decode assist threads): the automatic choice
-    # (the engines alone) first, then the same with 12 assisting host threads, then forced paths
-    auto = [("auto", "auto", "auto", 16, user_pool, 0)]
-    assisted = [("auto", "auto", "auto", 16, user_pool, 12)]
-    paths = auto + assisted if "paths" in skip else auto + assisted + [
-        ("host", "hardware", "auto", 16, user_pool, 8),
-        ("host", "hardware", "mmap", 16, user_pool, 0), ("host", "hardware", "mmap", 16, 0, 0),
-        ("host", "hardware", "kvikio", 16, user_pool, 0), ("device", "hardware_device", "kvikio", 16, user_pool, 0)]
+    # (staging, backend, reads, io threads, gather pool): the automatic choice first, then forced paths
+    auto = [("auto", "auto", "auto", 16, user_pool)]
+    paths = auto if "paths" in skip else auto + [
+        ("host", "hardware", "mmap", 16, user_pool), ("host", "hardware", "mmap", 16, 0),
+        ("host", "hardware", "kvikio", 16, user_pool), ("device", "hardware_device", "kvikio", 16, user_pool)]
 
     def jpeg_rows(paths, note=""):
-        for staging, backend, engine, io_threads, pool, assist in paths:
+        for staging, backend, engine, io_threads, pool in paths:
             with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
-                              gather_pool=pool, assist_threads=assist):
+                              gather_pool=pool):
                 ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
                 tag = f"{ds._backend.describe()} io_threads={io_threads}" + gather_tag(ds, pool) + note
                 run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
@@ -228,7 +225,7 @@ def main(argv=None):
         return first
 
     jpeg_rows(paths)
-    jpeg_rows(auto + assisted, ", again")  # again, last: does a row's place in the run change it?
+    jpeg_rows(auto, ", again")  # again, last: does a row's place in the run change it?
     raw_train = raw_rows((("auto", "auto", user_pool), ("host", "auto", user_pool), ("host", "mmap", user_pool),
                           ("host", "mmap", 0), ("host", "kvikio", user_pool),
                           ("device", "kvikio", user_pool)))  # first: the automatic choice, shuffled

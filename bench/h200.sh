@@ -21,10 +21,6 @@ fi
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# the native host Huffman loop, built in place as pip install would (gdsdata works without it: no decode assist)
-cc -O2 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" gdsdata/_hostdecode.c \
-    -o "gdsdata/_hostdecode$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
-    || echo "native loop not built: no decode assist"
 if [ -d /tmp/dali-site/nvidia/dali ]; then
     echo "DALI already installed"
 elif ls /tmp/dali-pieces/dali.part* >/dev/null 2>&1; then

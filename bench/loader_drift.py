@@ -5,8 +5,7 @@ on the GPU torch's allocator (allocated, reserved, cudaMalloc retries) and the p
 
 Written after the first JPEG Loader of a benchmark process ran its decode stage slower epoch after
 epoch (11.9 -> 16.2 ms a batch over 12 epochs); its 30-epoch runs on the H200 found no growth, only
-episodes of a slower decode stage (docs/benchmarks.md). With the decode assist on, each epoch also
-gives the assist's share, each part's rate and the waits (``DecodeAssist.stats``).
+episodes of a slower decode stage (docs/benchmarks.md).
 
 Variants: ``--gc-freeze`` (the objects alive before the first epoch are left out of the collector's
 passes), ``--throwaway N`` (N epochs of another Loader over another instance of the dataset first),
@@ -32,29 +31,12 @@ from common import loader_epoch, print_system_block, system_block  # noqa: E402
 import gdsdata  # noqa: E402
 
 
-def assist_row(before, after, batch) -> dict:
-    """The decode assist's epoch (``DecodeAssist.stats``, differences): the engines' and the
-    threads' images/s over their own time, the threads' share of the images, and ms per batch of
-    the decode thread waiting for the threads and of the bank waits before a batch."""
-    d = {k: after[k] - (before[k] if before else 0) for k in after if k not in ("threads", "engine_rate",
-                                                                                 "thread_rate")}
-    total = d["images"] + d["engine_images"]
-    batches = max(1, total / batch)
-    return {"assist_share": round(d["images"] / max(1, total), 3),
-            "engines_per_s": round(d["engine_images"] / d["engine_seconds"]) if d["engine_seconds"] else None,
-            "threads_per_s": round(d["images"] / d["thread_seconds"]) if d["thread_seconds"] else None,
-            "assist_wait_ms": round(d["wait_seconds"] / batches * 1000, 2),
-            "slot_wait_ms": round(d["slot_wait_seconds"] / batches * 1000, 2)}
-
-
 def run_epochs(ds, epochs, batch, train, report=None):
     epoch = loader_epoch(ds, gdsdata.RandomResizedCrop(224, dtype="float16") if train else None, batch=batch)
     cuda = ds.device.type == "cuda"
-    assist = None
     try:
         for k in range(epochs):
             collections = sum(g["collections"] for g in gc.get_stats())
-            before = assist.stats() if assist is not None else None
             epoch()
             row = {"epoch": k, **epoch.stages[-1], "objects": len(gc.get_objects()),
                    "gc_runs": sum(g["collections"] for g in gc.get_stats()) - collections,
@@ -65,9 +47,6 @@ def run_epochs(ds, epochs, batch, train, report=None):
                            reserved_mb=round(memory.get("reserved_bytes.all.current", 0) / 2**20),
                            malloc_retries=memory.get("num_alloc_retries", 0),
                            segments=memory.get("segment.all.current", 0))
-                assist = ds._backend.decoder._assist
-                if assist is not None:
-                    row.update(assist_row(before, assist.stats(), batch))
             if report is not None:
                 report(row)
     finally:

@@ -85,8 +85,7 @@ class GpuBackend:
         return self.reader.engine
 
     def describe(self) -> str:
-        assist = f"+{self.decoder.assist_threads} host threads" if self.decoder.assist_threads else ""
-        return f"io={self.io_mode} reads={self.engine} staging={self.staging_kind} nvjpeg={self.backend}{assist}"
+        return f"io={self.io_mode} reads={self.engine} staging={self.staging_kind} nvjpeg={self.backend}"
 
     def read(self, indices) -> Staged:
         """Storage -> staging: plan and issue the batch's reads. Returns once they are done, or, for

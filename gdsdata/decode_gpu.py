@@ -14,7 +14,6 @@ import torch
 
 from . import format as fmt
 from .batch import PixelBatch
-from .decode_assist import DecodeAssist, assist_threads
 from .errors import CorruptSampleError
 from .nvjpeg import BatchedDecoder, NvjpegError
 
@@ -32,9 +31,6 @@ class GpuDecoder:
         # waits on the GPU for the previous one, whose work still uses the state's buffers.
         self._lock = threading.Lock()
         self._last = None  # (stream, event) of the previous decode
-        # host threads decoding part of each batch beside the engines (pinned staging only)
-        self.assist_threads = assist_threads() if backend == "hardware" else 0
-        self._assist = None
 
     @property
     def nvjpeg(self):
@@ -42,13 +38,6 @@ class GpuDecoder:
             with torch.cuda.device(self.device):
                 self._nvjpeg = BatchedDecoder(self.backend)
         return self._nvjpeg
-
-    @property
-    def assist(self):
-        if self._assist is None and self.assist_threads:
-            engines, _ = self.nvjpeg.hardware_info()
-            self._assist = DecodeAssist(self.assist_threads, engines, self.device)
-        return self._assist
 
     def decode(self, staging: torch.Tensor, plan, indices, stream) -> PixelBatch:
         """Decode the samples ``indices`` whose payloads ``plan`` placed in ``staging``."""
@@ -78,24 +67,15 @@ class GpuDecoder:
                                  f"{'GPU' if staging.is_cuda else 'host'} memory")
             if self._last is not None and self._last[0] != stream:
                 stream.wait_event(self._last[1])
-            assist = self.assist
-            cut = len(indices) - (assist.share(len(indices)) if assist else 0)  # the engines take :cut
-            wait = assist.submit(cut, data, lengths, outs, pitches, stream) if cut < len(indices) else None
             try:
-                timed = assist.engines_timed(cut, stream) if wait is not None else None
-                self.nvjpeg.decode(data[:cut], lengths[:cut], outs[:cut], pitches[:cut], stream.cuda_stream)
-                if timed is not None:
-                    timed()
+                self.nvjpeg.decode(data, lengths, outs, pitches, stream.cuda_stream)
             except NvjpegError as batch_error:
                 log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
-                for k in range(cut):
+                for k in range(len(data)):
                     try:
                         self.nvjpeg.decode([data[k]], [lengths[k]], [outs[k]], [pitches[k]], stream.cuda_stream)
                     except NvjpegError as e:
                         failed[k] = e
-            finally:
-                if wait is not None:
-                    failed.update(wait())
             event = torch.cuda.Event()
             event.record(stream)
             self._last = (stream, event)
@@ -123,9 +103,6 @@ class GpuDecoder:
             if self._last is not None:
                 self._last[1].synchronize()
                 self._last = None
-            if self._assist is not None:
-                self._assist.close()
-                self._assist = None
             if self._nvjpeg is not None:
                 self._nvjpeg.close()
                 self._nvjpeg = None

@@ -8,7 +8,6 @@ import os
 import platform
 
 from . import __version__, settings
-from .errors import GpuUnavailableError
 
 
 def _torch_block():
@@ -116,15 +115,4 @@ def report() -> dict:
         info["io engine"] = f"auto ({auto_reads(info['io mode'].split(':')[0])})"
     info["staging"] = settings.get("staging")
     info["decode backend"] = settings.get("decode_backend")
-    from .decode_assist import assist_threads
-    from .nvjpeg_host import native_loop
-
-    threads = assist_threads()
-    info["decode assist"] = (f"{threads} host thread(s) Huffman-decode part of each JPEG batch beside the hardware "
-                             f"engines (pinned staging)" if threads else "off (GDSDATA_ASSIST_THREADS=auto or a count)")
-    try:
-        native_loop()
-    except GpuUnavailableError as e:
-        info["decode assist"] += f" ({e})"
-
     return info

@@ -9,9 +9,7 @@ Only what the batched flow needs is bound:
     -> nvjpegDecodeBatched(handle, state, data[], lengths[], images[], stream)
 
 and decoding a window of each image (``rois``: the hardware backend only; ``nvjpegDecodeParams*``,
-``nvjpegDecodeBatchedEx``; a probe of bench/decode_ceiling.py). The decoupled phases
-(``nvjpegJpegStreamParse`` -> ``nvjpegDecodeJpegHost`` -> ``...TransferToDevice`` -> ``...Device``)
-are bound here too; ``nvjpeg_host.py`` drives them from native threads.
+``nvjpegDecodeBatchedEx``; a probe of bench/decode_ceiling.py).
 
 Every status is checked and turned into ``NvjpegError`` with nvJPEG's name for it.
 """
@@ -99,24 +97,6 @@ def _bind(lib):
         "nvjpegDecodeBatchedEx": (c.c_void_p, c.c_void_p, c.POINTER(c.c_void_p), c.POINTER(c.c_size_t),
                                   c.c_void_p, c.POINTER(c.c_void_p), c.c_void_p),
     }
-    v = c.c_void_p
-    optional.update({  # the decoupled phases: Huffman on a host thread, the rest on the GPU (HostHuffmanDecoder)
-        "nvjpegDecoderCreate": (v, c.c_int, handle_p),
-        "nvjpegDecoderDestroy": (v,),
-        "nvjpegDecoderStateCreate": (v, v, handle_p),
-        "nvjpegBufferPinnedCreate": (v, v, handle_p),
-        "nvjpegBufferPinnedDestroy": (v,),
-        "nvjpegBufferDeviceCreate": (v, v, handle_p),
-        "nvjpegBufferDeviceDestroy": (v,),
-        "nvjpegStateAttachPinnedBuffer": (v, v),
-        "nvjpegStateAttachDeviceBuffer": (v, v),
-        "nvjpegJpegStreamCreate": (v, handle_p),
-        "nvjpegJpegStreamDestroy": (v,),
-        "nvjpegJpegStreamParse": (v, v, c.c_size_t, c.c_int, c.c_int, v),
-        "nvjpegDecodeJpegHost": (v, v, v, v, v),
-        "nvjpegDecodeJpegTransferToDevice": (v, v, v, v, v),
-        "nvjpegDecodeJpegDevice": (v, v, v, v, v),
-    })
     for name, argtypes in [*signatures.items(), *optional.items()]:
         fn = getattr(lib, name, None)
         if fn is None and name in optional:
@@ -193,20 +173,7 @@ def _release(lib, owner, attr, destroy):
         setattr(owner, attr, ctypes.c_void_p())
 
 
-class _Owner:
-    """Holds nvJPEG objects: ``close()`` destroys them, also when the holder is collected unclosed."""
-
-    def close(self):
-        raise NotImplementedError
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-
-class BatchedDecoder(_Owner):
+class BatchedDecoder:
     """One nvJPEG handle and decode state for one backend; decodes batches into RGB interleaved."""
 
     def __init__(self, backend: str):
@@ -280,6 +247,12 @@ class BatchedDecoder(_Owner):
         self._params = []
         _release(self.lib, self, "state", "nvjpegJpegStateDestroy")
         _release(self.lib, self, "handle", "nvjpegDestroy")
+
+    def __del__(self):  # a decoder collected unclosed
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 def library_info() -> dict:

@@ -19,10 +19,6 @@
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
 | | | | gpu_hybrid, gpu_hybrid_device |
-| assist_threads | GDSDATA_ASSIST_THREADS | 0 | CPU threads Huffman-decoding part of each JPEG batch beside the |
-| | | | hardware engines (pinned staging); off by default: on the H200 the Loader ran 5-20 % slower |
-| | | | with them (docs/benchmarks.md). auto = cores per GPU process - 4, at most 12, where the |
-| | | | native loop was built (``gdsdata doctor``) |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
@@ -43,7 +39,6 @@ _DEFAULTS = {
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",
     "decode_backend": "auto",
-    "assist_threads": 0,
     "verify_checksums": False,
 }
 _CHOICES = {
@@ -52,7 +47,6 @@ _CHOICES = {
     "mapped_copy": ("auto", "dma", "gather"),
     "decode_backend": ("auto", "hardware", "hardware_device", "gpu_hybrid", "gpu_hybrid_device"),
 }
-_AUTO_OR_COUNT = {"assist_threads"}  # "auto" or an integer >= 0
 _lock = threading.Lock()
 
 
@@ -65,12 +59,6 @@ def _parse(name, value):
                 raise ValueError(f"setting {name}: expected a boolean, got {value!r}")
             return lowered in ("1", "true", "on", "yes")
         return bool(value)
-    if name in _AUTO_OR_COUNT:
-        if str(value).strip().lower() == "auto":
-            return "auto"
-        if not str(value).strip().isdigit():
-            raise ValueError(f"setting {name}: expected auto or a count >= 0, got {value!r}")
-        return int(value)
     if isinstance(default, int):
         try:
             number = int(value)
