@@ -285,7 +285,7 @@ def main(argv=None):
         print("\n== io_engine=mapped for JPEG: the GPU gathers bitstreams from registered page-cache pages ==")
         try:
             warm(shard_paths(jpeg))
-            jpeg_rows([("device", "hardware_device", "mapped", 16, 0, 0)])
+            jpeg_rows([("device", "hardware_device", "mapped", 16, 0)])
         except Exception:  # noqa: BLE001 - the summary of everything else still follows
             print(f"  mapped engine FAILED\n{traceback.format_exc()}")
 
