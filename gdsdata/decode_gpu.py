@@ -60,7 +60,7 @@ class GpuDecoder:
         lengths = plan.sample_lengths.tolist()
         outs = (out + offsets).tolist()
         pitches = (widths * 3).tolist()
-        failed = {}  # batch position -> NvjpegError
+        errors = {}
         with self._lock:
             if staging.is_cuda != self.nvjpeg.device_bitstreams:
                 raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
@@ -71,16 +71,15 @@ class GpuDecoder:
                 self.nvjpeg.decode(data, lengths, outs, pitches, stream.cuda_stream)
             except NvjpegError as batch_error:
                 log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
-                for k in range(len(data)):
+                for k in range(len(indices)):
                     try:
                         self.nvjpeg.decode([data[k]], [lengths[k]], [outs[k]], [pitches[k]], stream.cuda_stream)
                     except NvjpegError as e:
-                        failed[k] = e
+                        errors[k] = CorruptSampleError(f"{self.index.describe(indices[k])}: GPU JPEG decoding "
+                                                       f"failed ({e})")
             event = torch.cuda.Event()
             event.record(stream)
             self._last = (stream, event)
-        errors = {k: CorruptSampleError(f"{self.index.describe(indices[k])}: GPU JPEG decoding failed ({e})")
-                  for k, e in failed.items()}
         return PixelBatch(arena, offsets, heights, widths, np.full(len(indices), 3), errors, owned=True)
 
     def _raw(self, staging, plan, records, heights, widths, stream):

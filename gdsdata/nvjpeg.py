@@ -24,7 +24,7 @@ from .errors import GpuUnavailableError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = {"default": 0, "hybrid": 1, "gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
+BACKENDS = {"default": 0, "gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
 DEVICE_BITSTREAM_BACKENDS = {"gpu_hybrid_device", "hardware_device"}
 OUTPUT_RGBI = 5
 # nvjpegCreateEx flag: upsample chroma with interpolation, as libjpeg's "fancy upsampling" does,
@@ -153,26 +153,6 @@ def image_struct():
     return NvjpegImage
 
 
-def create_handle(lib, backend: str):
-    """``nvjpegCreateEx`` for ``backend``, with interpolated chroma upsampling where the library and
-    backend take the flag: (handle, interpolated)."""
-    handle = ctypes.c_void_p()
-    status = lib.nvjpegCreateEx(BACKENDS[backend], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
-                                ctypes.byref(handle))
-    interpolated = status == 0
-    if status != 0:  # a library or backend without the flag: plain upsampling
-        status = lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0, ctypes.byref(handle))
-    _check(f"nvjpegCreateEx({backend})", status)
-    return handle, interpolated
-
-
-def _release(lib, owner, attr, destroy):
-    """Destroy the nvJPEG object held in ``owner.attr``, if any, with ``lib.<destroy>``."""
-    if getattr(owner, attr):
-        getattr(lib, destroy)(getattr(owner, attr))
-        setattr(owner, attr, ctypes.c_void_p())
-
-
 class BatchedDecoder:
     """One nvJPEG handle and decode state for one backend; decodes batches into RGB interleaved."""
 
@@ -182,11 +162,18 @@ class BatchedDecoder:
         self.lib = library()
         self.backend = backend
         self.device_bitstreams = backend in DEVICE_BITSTREAM_BACKENDS
+        self.handle = ctypes.c_void_p()
         self.state = ctypes.c_void_p()
         self._image_t = image_struct()
         self._batch = 0
         self._params = []  # nvjpegDecodeParams_t, one per image of a windowed batch
-        self.handle, self.interpolated = create_handle(self.lib, backend)
+        self.interpolated = True
+        status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
+                                         ctypes.byref(self.handle))
+        if status != 0:  # a library or backend without the flag: plain upsampling
+            self.interpolated = False
+            status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0, ctypes.byref(self.handle))
+        _check(f"nvjpegCreateEx({backend})", status)
         try:
             _check("nvjpegJpegStateCreate", self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)))
         except NvjpegError:
@@ -245,10 +232,14 @@ class BatchedDecoder:
         for params in self._params:
             self.lib.nvjpegDecodeParamsDestroy(params)
         self._params = []
-        _release(self.lib, self, "state", "nvjpegJpegStateDestroy")
-        _release(self.lib, self, "handle", "nvjpegDestroy")
+        if self.state:
+            self.lib.nvjpegJpegStateDestroy(self.state)
+            self.state = ctypes.c_void_p()
+        if self.handle:
+            self.lib.nvjpegDestroy(self.handle)
+            self.handle = ctypes.c_void_p()
 
-    def __del__(self):  # a decoder collected unclosed
+    def __del__(self):
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
