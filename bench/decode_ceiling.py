@@ -80,9 +80,10 @@ def run(batches, backend, handles, interpolate, repeats=3):
     return run_jobs([(backend, batches[h::handles]) for h in range(handles)], interpolate, repeats)
 
 
-def timed(body, repeats, failed=lambda: False):
-    """Run ``body`` ``repeats`` + 1 times, the first a warm-up (with ``repeats=0``, once and timed),
-    stopping early once ``failed()``: (median seconds, median process CPU-seconds) of the timed runs."""
+def timed(body, repeats, failed):
+    """Run ``body`` ``repeats`` + 1 times, the first a warm-up, stopping early once ``failed()``:
+    (median seconds, median process CPU-seconds) of the timed runs (of the last run, if it stopped
+    early)."""
     times, cpu = [], []
     for _ in range(repeats + 1):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -91,8 +92,7 @@ def timed(body, repeats, failed=lambda: False):
         cpu.append(time.process_time() - c0)
         if failed():
             break
-    keep = max(1, repeats)
-    return float(np.median(times[-keep:])), float(np.median(cpu[-keep:]))
+    return float(np.median(times[1:] or times)), float(np.median(cpu[1:] or cpu))
 
 
 def run_jobs(jobs, interpolate=True, repeats=3):

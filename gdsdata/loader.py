@@ -231,6 +231,9 @@ class PipelineStats:
     transform_blocked_s: float = 0.0  # transform thread: waiting to hand a batch on (the loop is behind)
     consumer_wait_s: float = 0.0  # the training loop waiting for its next batch
 
+    def add(self, field: str, seconds: float):
+        setattr(self, field, getattr(self, field) + seconds)
+
 
 def _read_ahead(dataset, epochs, q, stop, stats):
     """The I/O thread: storage -> staging buffers, as far ahead as the queue allows, on into the
@@ -275,7 +278,7 @@ def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats):
             except queue.Empty:
                 continue
             t0 = time.perf_counter()
-            setattr(stats, f"{name}_idle_s", getattr(stats, f"{name}_idle_s") + t0 - idle_since)
+            stats.add(f"{name}_idle_s", t0 - idle_since)
             if kind != takes:
                 if not _put(out_q, stop, (kind, payload, epoch, None)) or kind == "error":
                     return
@@ -293,8 +296,8 @@ def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats):
             t1 = time.perf_counter()
             handed = _put(out_q, stop, (gives, result, epoch, event))
             idle_since = time.perf_counter()
-            setattr(stats, f"{name}_s", getattr(stats, f"{name}_s") + t1 - t0)
-            setattr(stats, f"{name}_blocked_s", getattr(stats, f"{name}_blocked_s") + idle_since - t1)
+            stats.add(f"{name}_s", t1 - t0)
+            stats.add(f"{name}_blocked_s", idle_since - t1)
             if not handed:
                 _release(dataset, gives, result)
                 return
