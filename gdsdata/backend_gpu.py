@@ -88,9 +88,9 @@ class GpuBackend:
         return f"io={self.io_mode} reads={self.engine} staging={self.staging_kind} nvjpeg={self.backend}"
 
     def read(self, indices) -> Staged:
-        """Storage -> staging: plan and issue the batch's reads. Returns once they are done, or, for
-        reads still in flight on a CUDA stream, with ``Staged.ready``: an event that ``decode``
-        makes its stream wait for."""
+        """Storage -> staging: plan and issue the batch's reads, and prepare its decode on the host
+        (``Staged.job``). Returns once the reads are done, or, for reads still in flight on a CUDA
+        stream, with ``Staged.ready``: an event that ``decode`` makes its stream wait for."""
         plan = plan_reads(self.index.samples, indices, self.index.alignment,
                           settings.get("max_gap"), settings.get("max_read"))
         slot = self._slots.acquire()
@@ -99,10 +99,11 @@ class GpuBackend:
             if self.verify and ready is not None:
                 ready.synchronize()
             failed = self._verify(staging, plan, indices) if self.verify else {}
+            job = self.decoder.prepare(staging, plan, indices)
         except BaseException:
             self._slots.release(slot, None)
             raise
-        return Staged(list(indices), plan, staging, slot, failed, ready)
+        return Staged(list(indices), plan, staging, slot, failed, ready, job)
 
     def decode(self, staged: Staged, stream=None) -> PixelBatch:
         """Staging -> pixels on the GPU, queued on ``stream`` (default: the current one). Call
@@ -111,7 +112,7 @@ class GpuBackend:
         if staged.ready is not None:
             stream.wait_event(staged.ready)
         try:
-            batch = self.decoder.decode(staged.tensor, staged.plan, staged.indices, stream)
+            batch = self.decoder.decode(staged.tensor, staged.job, stream)
         except BaseException:
             self._slots.release(staged.slot, stream)
             raise

@@ -75,3 +75,4 @@ class Staged:
     slot: object  # the GPU path's staging slot, None on the CPU
     failed: dict  # position -> CorruptSampleError found before decoding (checksums)
     ready: object = None  # GPU path: a CUDA event the staged bytes wait on (reads still in flight), or None
+    job: object = None  # GPU path: the decode's host half (``decode_gpu.DecodeJob``), prepared as it was read

@@ -8,6 +8,7 @@ staging buffer.
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,6 +19,22 @@ from .errors import CorruptSampleError
 from .nvjpeg import BatchedDecoder, NvjpegError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeJob:
+    """A batch's decode, prepared on the host: per sample its pixels' size and place in the output,
+    and for JPEG nvJPEG's arguments (bitstream addresses and lengths, output row pitches)."""
+
+    indices: list
+    heights: np.ndarray  # int64 per sample
+    widths: np.ndarray
+    channels: np.ndarray
+    offsets: np.ndarray  # int64 per sample: start of its pixels in the output (raw: in staging)
+    jpeg: bool = False
+    data: np.ndarray = None  # uint64 bitstream addresses in the staging buffer
+    lengths: np.ndarray = None  # uint64 bitstream lengths
+    pitches: np.ndarray = None  # int64 output row pitches (width x 3)
 
 
 class GpuDecoder:
@@ -39,14 +56,23 @@ class GpuDecoder:
                 self._nvjpeg = BatchedDecoder(self.backend)
         return self._nvjpeg
 
-    def decode(self, staging: torch.Tensor, plan, indices, stream) -> PixelBatch:
-        """Decode the samples ``indices`` whose payloads ``plan`` placed in ``staging``."""
+    def prepare(self, staging: torch.Tensor, plan, indices) -> "DecodeJob":
+        """The host half of decoding the samples ``indices`` whose payloads ``plan`` placed in
+        ``staging``: sizes, output offsets and nvJPEG's argument arrays, from the index. The I/O
+        thread prepares a batch as it reads it, so the decode thread only calls nvJPEG."""
         records = self.index.samples[np.asarray(indices, dtype=np.int64)]
         heights = records["height"].astype(np.int64)
         widths = records["width"].astype(np.int64)
         codecs = records["codec"]
         if np.all(codecs == fmt.CODEC_RAW):
-            return self._raw(staging, plan, records, heights, widths, stream)
+            channels = records["components"].astype(np.int64)
+            bad = np.flatnonzero(heights * widths * channels != plan.sample_lengths)
+            if len(bad):
+                k = int(bad[0])
+                raise CorruptSampleError(f"{self.index.describe(indices[k])}: raw sample holds "
+                                         f"{plan.sample_lengths[k]} bytes, expected "
+                                         f"{heights[k]}x{widths[k]}x{channels[k]}")
+            return DecodeJob(list(indices), heights, widths, channels, plan.sample_offsets.copy())
         if not np.all(codecs == fmt.CODEC_JPEG):  # a batch is all JPEG or all raw (one codec a pack)
             bad = int(np.flatnonzero(codecs != fmt.CODEC_JPEG)[0])
             raise CorruptSampleError(f"{self.index.describe(indices[bad])}: codec {codecs[bad]} in a batch of "
@@ -54,12 +80,16 @@ class GpuDecoder:
         sizes = heights * widths * 3
         offsets = np.zeros(len(indices), np.int64)
         np.cumsum(sizes[:-1], out=offsets[1:])
-        arena = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=self.device)
-        base, out = staging.data_ptr(), arena.data_ptr()
-        data = (base + plan.sample_offsets).tolist()
-        lengths = plan.sample_lengths.tolist()
-        outs = (out + offsets).tolist()
-        pitches = (widths * 3).tolist()
+        data = (np.uint64(staging.data_ptr()) + plan.sample_offsets.astype(np.uint64))
+        return DecodeJob(list(indices), heights, widths, np.full(len(indices), 3), offsets, jpeg=True,
+                         data=data, lengths=plan.sample_lengths.astype(np.uint64), pitches=(widths * 3))
+
+    def decode(self, staging: torch.Tensor, job: "DecodeJob", stream) -> PixelBatch:
+        """Queue the decode ``job`` (from ``prepare``) on ``stream``."""
+        if not job.jpeg:
+            return self._raw(staging, job, stream)
+        arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
+        outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
         errors = {}
         with self._lock:
             if staging.is_cuda != self.nvjpeg.device_bitstreams:
@@ -68,34 +98,28 @@ class GpuDecoder:
             if self._last is not None and self._last[0] != stream:
                 stream.wait_event(self._last[1])
             try:
-                self.nvjpeg.decode(data, lengths, outs, pitches, stream.cuda_stream)
+                self.nvjpeg.decode(job.data, job.lengths, outs, job.pitches, stream.cuda_stream)
             except NvjpegError as batch_error:
                 log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
-                for k in range(len(indices)):
+                for k in range(len(job.indices)):
                     try:
-                        self.nvjpeg.decode([data[k]], [lengths[k]], [outs[k]], [pitches[k]], stream.cuda_stream)
+                        self.nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
+                                           job.pitches[k:k + 1], stream.cuda_stream)
                     except NvjpegError as e:
-                        errors[k] = CorruptSampleError(f"{self.index.describe(indices[k])}: GPU JPEG decoding "
-                                                       f"failed ({e})")
+                        errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
+                                                       f"decoding failed ({e})")
             event = torch.cuda.Event()
             event.record(stream)
             self._last = (stream, event)
-        return PixelBatch(arena, offsets, heights, widths, np.full(len(indices), 3), errors, owned=True)
+        return PixelBatch(arena, job.offsets, job.heights, job.widths, job.channels, errors, owned=True)
 
-    def _raw(self, staging, plan, records, heights, widths, stream):
-        channels = records["components"].astype(np.int64)
-        expected = heights * widths * channels
-        bad = np.flatnonzero(expected != plan.sample_lengths)
-        if len(bad):
-            k = int(bad[0])
-            raise CorruptSampleError(f"raw sample holds {plan.sample_lengths[k]} bytes, expected "
-                                     f"{heights[k]}x{widths[k]}x{channels[k]}")
+    def _raw(self, staging, job, stream):
         if staging.is_cuda:
             buffer, owned = staging, False
         else:
             with torch.cuda.stream(stream):
                 buffer, owned = staging.to(self.device, non_blocking=True), True
-        return PixelBatch(buffer, plan.sample_offsets.copy(), heights, widths, channels, {}, owned)
+        return PixelBatch(buffer, job.offsets, job.heights, job.widths, job.channels, {}, owned)
 
     def close(self):
         with self._lock:

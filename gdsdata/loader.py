@@ -172,15 +172,15 @@ class _BatchMaker:
         self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
 
     def decode(self, staged, stream, epoch):
-        """Staged payloads -> a PixelBatch, its sample indices (after any replacement) and labels."""
-        ds = self.dataset
-        batch, indices = ds.decode_staged(staged, stream)
-        return batch, indices, upload(torch.from_numpy(ds._labels[indices]), ds.device)
+        """Staged payloads -> a PixelBatch and its sample indices (after any replacement). Nothing
+        else: on the GPU this thread keeps the JPEG engines fed."""
+        return self.dataset.decode_staged(staged, stream)
 
     def finish(self, decoded, stream, epoch):
         """One decoded batch -> (images, labels): its transform, or with ``pixels=True`` the
         PixelBatch itself."""
-        batch, indices, labels = decoded
+        batch, indices = decoded
+        labels = upload(torch.from_numpy(self.dataset._labels[indices]), self.dataset.device)
         if self.pixels:
             return batch, labels  # released by the consumer's next step
         if stream is not None and batch.owned:  # allocated on the decode stream; this one reads it last

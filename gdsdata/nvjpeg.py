@@ -20,6 +20,8 @@ import logging
 import os
 import threading
 
+import numpy as np
+
 from .errors import GpuUnavailableError
 
 log = logging.getLogger(__name__)
@@ -84,8 +86,7 @@ def _bind(lib):
         "nvjpegJpegStateDestroy": (c.c_void_p,),
         "nvjpegGetHardwareDecoderInfo": (c.c_void_p, c.POINTER(c.c_uint), c.POINTER(c.c_uint)),
         "nvjpegDecodeBatchedInitialize": (c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int),
-        "nvjpegDecodeBatched": (c.c_void_p, c.c_void_p, c.POINTER(c.c_void_p), c.POINTER(c.c_size_t),
-                                c.c_void_p, c.c_void_p),
+        "nvjpegDecodeBatched": (c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p),
         "nvjpegSetDeviceMemoryPadding": (c.c_size_t, c.c_void_p),
         "nvjpegSetPinnedMemoryPadding": (c.c_size_t, c.c_void_p),
     }
@@ -94,8 +95,8 @@ def _bind(lib):
         "nvjpegDecodeParamsDestroy": (c.c_void_p,),
         "nvjpegDecodeParamsSetOutputFormat": (c.c_void_p, c.c_int),
         "nvjpegDecodeParamsSetROI": (c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int),
-        "nvjpegDecodeBatchedEx": (c.c_void_p, c.c_void_p, c.POINTER(c.c_void_p), c.POINTER(c.c_size_t),
-                                  c.c_void_p, c.POINTER(c.c_void_p), c.c_void_p),
+        "nvjpegDecodeBatchedEx": (c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
+                                  c.POINTER(c.c_void_p), c.c_void_p),
     }
     for name, argtypes in [*signatures.items(), *optional.items()]:
         fn = getattr(lib, name, None)
@@ -143,14 +144,11 @@ def version():
     return tuple(parts)
 
 
-def image_struct():
-    """``nvjpegImage_t``: CUDA 13 headers declare ``size_t pitch[4]``, CUDA 12 ``unsigned int``."""
-    pitch = ctypes.c_size_t if version()[0] >= 13 else ctypes.c_uint
-
-    class NvjpegImage(ctypes.Structure):
-        _fields_ = [("channel", ctypes.c_void_p * _MAX_COMPONENT), ("pitch", pitch * _MAX_COMPONENT)]
-
-    return NvjpegImage
+def image_dtype() -> np.dtype:
+    """``nvjpegImage_t`` as a numpy record, so that a batch's array of them is filled without a
+    Python loop: CUDA 13 headers declare ``size_t pitch[4]``, CUDA 12 ``unsigned int``."""
+    pitch = np.uint64 if version()[0] >= 13 else np.uint32
+    return np.dtype([("channel", np.uint64, _MAX_COMPONENT), ("pitch", pitch, _MAX_COMPONENT)], align=True)
 
 
 class BatchedDecoder:
@@ -164,7 +162,7 @@ class BatchedDecoder:
         self.device_bitstreams = backend in DEVICE_BITSTREAM_BACKENDS
         self.handle = ctypes.c_void_p()
         self.state = ctypes.c_void_p()
-        self._image_t = image_struct()
+        self._image_t = image_dtype()
         self._batch = 0
         self._params = []  # nvjpegDecodeParams_t, one per image of a windowed batch
         self.interpolated = True
@@ -197,23 +195,22 @@ class BatchedDecoder:
             _check("nvjpegDecodeBatchedInitialize",
                    self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, n, 1, OUTPUT_RGBI))
             self._batch = n
-        data = (ctypes.c_void_p * n)(*data_ptrs)
-        sizes = (ctypes.c_size_t * n)(*lengths)
-        images = (self._image_t * n)()
-        for k in range(n):
-            images[k].channel[0] = out_ptrs[k]
-            images[k].pitch[0] = pitches[k]
+        # numpy arrays the call reads through their addresses (kept alive by these names until it returns)
+        data = np.ascontiguousarray(data_ptrs, dtype=np.uint64)
+        sizes = np.ascontiguousarray(lengths, dtype=np.uint64)
+        images = np.zeros(n, self._image_t)
+        images["channel"][:, 0] = out_ptrs
+        images["pitch"][:, 0] = pitches
+        args = (self.handle, self.state, data.ctypes.data, sizes.ctypes.data, images.ctypes.data)
         if rois is None:
             call = "nvjpegDecodeBatched"
-            status = self.lib.nvjpegDecodeBatched(self.handle, self.state, data, sizes, images,
-                                                  ctypes.c_void_p(stream))
+            status = self.lib.nvjpegDecodeBatched(*args, ctypes.c_void_p(stream))
         else:
             call = "nvjpegDecodeBatchedEx"
             params = self._decode_params(n)
             for k, (x, y, w, h) in enumerate(rois):
                 _check("nvjpegDecodeParamsSetROI", self.lib.nvjpegDecodeParamsSetROI(params[k], x, y, w, h))
-            status = self.lib.nvjpegDecodeBatchedEx(self.handle, self.state, data, sizes, images, params,
-                                                    ctypes.c_void_p(stream))
+            status = self.lib.nvjpegDecodeBatchedEx(*args, params, ctypes.c_void_p(stream))
         if status != 0:
             self._batch = 0  # nvJPEG asks for a re-initialisation after a failed batch
             raise NvjpegError(call, status)

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Do the JPEG engines wait on Python? Every nvJPEG batched call timed from the host, in the
+minimal loop over staged bytes and in the Loader (decode only, and training batches), so that the
+time between one call's return and the next call is seen directly: while it lasts, no new work
+reaches the engines. Per row: images/s, the mean call, and the gaps between calls (mean, median,
+90th percentile, largest, their share of the wall time), optionally under other interpreter switch
+intervals (``--switch-intervals``: the lock the Loader's threads share hands over at most that often
+to a waiting thread).
+
+    python bench/decode_gaps.py --dir /tmp/bench --count 10000 --switch-intervals 0.005,0.0005
+"""
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import loader_epoch, print_system_block, shard_paths, system_block, warm  # noqa: E402
+from decode_ceiling import staged_batches  # noqa: E402
+from make_images import generate  # noqa: E402
+
+import gdsdata  # noqa: E402
+from gdsdata import format as fmt  # noqa: E402
+from gdsdata import nvjpeg  # noqa: E402
+
+BATCH = 256
+
+
+class CallClock:
+    """Host timestamps of every ``BatchedDecoder.decode`` call while installed."""
+
+    def __init__(self):
+        self.calls = []
+        self._decode = nvjpeg.BatchedDecoder.decode
+
+    def __enter__(self):
+        clock, decode = self, self._decode
+
+        def timed(decoder, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return decode(decoder, *args, **kwargs)
+            finally:
+                clock.calls.append((t0, time.perf_counter()))
+
+        nvjpeg.BatchedDecoder.decode = timed
+        return self
+
+    def __exit__(self, *exc):
+        nvjpeg.BatchedDecoder.decode = self._decode
+
+    def summary(self, images, seconds) -> str:
+        calls = np.asarray(self.calls)
+        inside = (calls[:, 1] - calls[:, 0]) * 1e3
+        gaps = (calls[1:, 0] - calls[:-1, 1]) * 1e3
+        return (f"{images / seconds:9.0f} images/s  call {inside.mean():6.2f} ms  gap mean {gaps.mean():5.2f} "
+                f"median {np.median(gaps):5.2f} p90 {np.percentile(gaps, 90):5.2f} max {gaps.max():6.2f} ms  "
+                f"gaps {gaps.sum() / 1e3 / seconds:5.1%} of wall")
+
+
+def timed_epochs(epoch, epochs):
+    """Run one untimed epoch, then ``epochs`` timed ones under a ``CallClock``."""
+    epoch()
+    torch.cuda.synchronize()
+    with CallClock() as clock:
+        t0 = time.perf_counter()
+        for _ in range(epochs):
+            epoch()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    return clock, seconds
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="bench-data", help="working folder for images and datasets")
+    parser.add_argument("--count", type=int, default=10000, help="images (default 10000)")
+    parser.add_argument("--epochs", type=int, default=4, help="timed epochs per row")
+    parser.add_argument("--noise", type=float, default=15.0, help="image set, as bench/gpu.py")
+    parser.add_argument("--quality", type=int, default=92)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--switch-intervals", default="0.005", help="comma-separated, seconds")
+    args = parser.parse_args(argv)
+    print_system_block(system_block())
+    image_set = f"n{args.noise:g}-q{args.quality}-s{args.scale:g}"
+    src = os.path.join(args.dir, f"images-{image_set}")
+    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
+        generate(src, args.count, classes=100, noise=args.noise, quality=args.quality, scale=args.scale)
+        open(os.path.join(src, f".complete-{args.count}"), "w").close()
+    root = os.path.join(args.dir, f"jpeg-{image_set}.gds")
+    if not os.path.exists(os.path.join(root, fmt.INDEX_NAME)):
+        gdsdata.pack(src, root, overwrite=True)
+    ds = gdsdata.GDSDataset(root, device="cuda")
+    warm(shard_paths(ds))
+    n = len(ds)
+    print(f"{n} images, gdsdata {gdsdata.__file__}, path {ds._backend.describe()}")
+
+    _, batches = staged_batches(gdsdata.GDSDataset(root), BATCH, False)
+    decoder, stream = nvjpeg.BatchedDecoder("hardware"), torch.cuda.current_stream()
+
+    def loop():
+        for data, lengths, outs, pitches, _ in batches:
+            decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
+
+    default = sys.getswitchinterval()
+    for interval in [float(x) for x in args.switch_intervals.split(",") if x]:
+        sys.setswitchinterval(interval)
+        rows = [("nvJPEG loop, staged bytes", loop),
+                ("Loader decode only", loader_epoch(ds, None)),
+                ("Loader train batches", loader_epoch(ds, gdsdata.RandomResizedCrop(224, dtype="float16")))]
+        for name, epoch in rows:
+            clock, seconds = timed_epochs(epoch, args.epochs)
+            getattr(epoch, "close", lambda: None)()
+            print(f"switch {interval * 1e3:4g} ms  {name:28s}{clock.summary(n * args.epochs, seconds)}", flush=True)
+    sys.setswitchinterval(default)
+    decoder.close()
+    ds.close()
+
+
+if __name__ == "__main__":
+    main()
