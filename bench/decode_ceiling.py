@@ -8,7 +8,9 @@ its own, under ``timeout``):
   per image) instead of the whole image;
 - split: the engines beside the SMs, part of each batch through GPU_HYBRID(_DEVICE) at the same time
   (hung on the H200: see docs/benchmarks.md);
-- handles: batch size, chroma upsampling flag, several decoder handles on several threads.
+- handles: batch size, chroma upsampling flag, several decoder handles on several threads;
+- states: one handle, several decode states on several threads, each with its share of the batches
+  (while one thread is between calls, another keeps the engines busy).
 
 Every row gives images/s and process CPU-seconds per 1,000 images.
 
@@ -74,10 +76,10 @@ def window_batches(ds, batches, seed=0):
     return out
 
 
-def run(batches, backend, handles, interpolate, repeats=3):
+def run(batches, backend, handles, interpolate, repeats=3, share=False):
     """(images/s, CPU-s per 1,000 images) of ``handles`` decoders of one backend, each with its share
-    of ``batches``."""
-    return run_jobs([(backend, batches[h::handles]) for h in range(handles)], interpolate, repeats)
+    of ``batches`` (``share``: the first decoder's handle, a state each)."""
+    return run_jobs([(backend, batches[h::handles]) for h in range(handles)], interpolate, repeats, share)
 
 
 def timed(body, repeats, failed):
@@ -95,14 +97,16 @@ def timed(body, repeats, failed):
     return float(np.median(times[1:] or times)), float(np.median(cpu[1:] or cpu))
 
 
-def run_jobs(jobs, interpolate=True, repeats=3):
+def run_jobs(jobs, interpolate=True, repeats=3, share=False):
     """(images/s, process CPU-s per 1,000 images) of several decoders at once, one per
     ``(backend, batches)`` job, each on its own stream: the first job on the calling thread, the
-    others on threads of their own (ctypes lets go of the interpreter during nvJPEG's calls)."""
+    others on threads of their own (ctypes lets go of the interpreter during nvJPEG's calls). With
+    ``share``, the decoders use the first one's handle, each with a decode state of its own."""
     flag = nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION
     if not interpolate:
         nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = 0
-    decoders = [nvjpeg.BatchedDecoder(backend) for backend, _ in jobs]
+    decoders = [nvjpeg.BatchedDecoder(jobs[0][0])]
+    decoders += [nvjpeg.BatchedDecoder(backend, share=decoders[0] if share else None) for backend, _ in jobs[1:]]
     nvjpeg.FLAG_UPSAMPLING_WITH_INTERPOLATION = flag
     streams = [torch.cuda.Stream() for _ in jobs]
     errors = []
@@ -127,7 +131,7 @@ def run_jobs(jobs, interpolate=True, repeats=3):
             t.join()
 
     seconds, cpu = timed(all_jobs, repeats, lambda: bool(errors))
-    for d in decoders:
+    for d in reversed(decoders):  # sharers before the decoder whose handle they use
         d.close()
     if errors:
         raise errors[0]
@@ -145,7 +149,7 @@ def split(batches, cut):
     return images(batches, 0, cut), images(batches, cut)
 
 
-SECTIONS = ("whole", "window", "split", "handles")
+SECTIONS = ("whole", "window", "split", "handles", "states")
 
 
 def main():
@@ -177,12 +181,15 @@ def main():
         except (nvjpeg.NvjpegError, GpuUnavailableError) as e:
             return f"failed ({getattr(e, 'backend', '?')}): {e}"
 
-    def row(label, batches, backend, handles, interpolate, batch=256):
-        rate = measured(lambda: run(batches, backend, handles, interpolate))
+    def row(label, batches, backend, handles, interpolate, batch=256, share=False):
+        rate = measured(lambda: run(batches, backend, handles, interpolate, share=share))
         print(f"{label:<16} {batch:>6} {handles:>8} {str(interpolate):>7} {rate}", flush=True)
 
     held = staged_batches(ds, 256, False)  # pinned host bitstreams: what compatibility mode stages
     row("hardware", held[1], "hardware", 1, True)
+    if "states" in sections:  # one handle (all the engines allow), a decode state per thread
+        for states in (2, 3):
+            row(f"hardware, {states} states", held[1], "hardware", states, True, share=True)
     if "window" in sections:  # whole images against their random-resized-crop windows
         row("hardware, windows (random-resized-crop, one ROI per image)", window_batches(ds, held[1]),
             "hardware", 1, True)

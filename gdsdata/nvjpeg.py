@@ -152,11 +152,16 @@ def image_dtype() -> np.dtype:
 
 
 class BatchedDecoder:
-    """One nvJPEG handle and decode state for one backend; decodes batches into RGB interleaved."""
+    """An nvJPEG handle and a decode state for one backend; decodes batches into RGB interleaved.
+    With ``share``, another decoder's handle and a state of its own: decoders that share a handle
+    may decode at the same time on several threads (one handle is all the hardware engines allow;
+    close the sharers before the decoder whose handle they use)."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, share: "BatchedDecoder" = None):
         if backend not in BACKENDS:
             raise ValueError(f"nvJPEG backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if share is not None and share.backend != backend:
+            raise ValueError(f"a {backend} decoder cannot share the handle of a {share.backend} one")
         self.lib = library()
         self.backend = backend
         self.device_bitstreams = backend in DEVICE_BITSTREAM_BACKENDS
@@ -165,17 +170,22 @@ class BatchedDecoder:
         self._image_t = image_dtype()
         self._batch = 0
         self._params = []  # nvjpegDecodeParams_t, one per image of a windowed batch
-        self.interpolated = True
-        status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
-                                         ctypes.byref(self.handle))
-        if status != 0:  # a library or backend without the flag: plain upsampling
-            self.interpolated = False
-            status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0, ctypes.byref(self.handle))
-        _check(f"nvjpegCreateEx({backend})", status)
+        self._owner = share  # the decoder whose handle this one uses, or None: its own
+        if share is not None:
+            self.handle, self.interpolated = share.handle, share.interpolated
+        else:
+            self.interpolated = True
+            status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
+                                             ctypes.byref(self.handle))
+            if status != 0:  # a library or backend without the flag: plain upsampling
+                self.interpolated = False
+                status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0, ctypes.byref(self.handle))
+            _check(f"nvjpegCreateEx({backend})", status)
         try:
             _check("nvjpegJpegStateCreate", self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)))
         except NvjpegError:
-            self.lib.nvjpegDestroy(self.handle)
+            if share is None:
+                self.lib.nvjpegDestroy(self.handle)
             raise
 
     def hardware_info(self):
@@ -232,9 +242,9 @@ class BatchedDecoder:
         if self.state:
             self.lib.nvjpegJpegStateDestroy(self.state)
             self.state = ctypes.c_void_p()
-        if self.handle:
+        if self.handle and self._owner is None:
             self.lib.nvjpegDestroy(self.handle)
-            self.handle = ctypes.c_void_p()
+        self.handle, self._owner = ctypes.c_void_p(), None
 
     def __del__(self):
         try:
