@@ -14,7 +14,6 @@ import logging
 
 import torch
 
-from . import format as fmt
 from . import settings
 from .batch import PixelBatch, Staged
 from .decode_gpu import GpuDecoder
@@ -23,9 +22,8 @@ from .plan import plan_reads
 from .reader_gpu import GpuReader, SlotPool, choose_engine, mapped_suits
 
 log = logging.getLogger(__name__)
-_SLOTS = 6  # staging buffers: a batch being read, one waiting to be queued, one queued for each of two
-# decode threads and one decoding in each (raw samples used in place hold theirs on through the
-# transform to the consumer; the pool makes more when all are in use)
+_SLOTS = 6  # staging buffers: batches being read, queued for decode, decoding, queued for and in the
+# transform (raw samples used in place), and held by the consumer
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,13 +79,6 @@ class GpuBackend:
         self._slots = SlotPool(self.staging_kind, device, _SLOTS)
         log.info("GPU path on %s: I/O %s (%s), reads %s, staging %s, nvJPEG %s", device, self.io_mode,
                  self.io_reason, self.engine, self.staging_kind, self.backend)
-
-    @property
-    def decode_threads(self) -> int:
-        """How many Loader threads should decode at once: the setting for JPEG; one for raw samples,
-        which decode to nothing."""
-        raw = len(self.index.samples) and bool((self.index.samples["codec"] == fmt.CODEC_RAW).all())
-        return 1 if raw else settings.get("gpu_decode_threads")
 
     @property
     def engine(self) -> str:

@@ -143,12 +143,6 @@ class GDSDataset(torch.utils.data.Dataset):
     def meta(self):
         return dict(self.index.meta)
 
-    @property
-    def decode_threads(self) -> int:
-        """How many threads a ``Loader`` decodes this dataset's batches on: on the GPU the
-        ``gpu_decode_threads`` setting for JPEG, else one (the CPU path decodes on a pool of its own)."""
-        return getattr(self._backend, "decode_threads", 1)
-
     def source(self, i) -> str:
         """The sample's path relative to the packed source folder."""
         return self.index.path(self._check(i))

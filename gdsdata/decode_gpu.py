@@ -37,53 +37,24 @@ class DecodeJob:
     pitches: np.ndarray = None  # int64 output row pitches (width x 3)
 
 
-class _State:
-    """One nvJPEG decode state and the last GPU work queued with it (its buffers are in use until
-    that work is done)."""
-
-    def __init__(self, nvjpeg: BatchedDecoder):
-        self.nvjpeg = nvjpeg
-        self.last = None  # (stream, event) of its previous decode
-
-    def wait_before(self, stream):
-        """Make ``stream`` wait for the state's previous decode if that ran on another stream."""
-        if self.last is not None and self.last[0] != stream:
-            stream.wait_event(self.last[1])
-
-    def done_on(self, stream):
-        event = torch.cuda.Event()
-        event.record(stream)
-        self.last = (stream, event)
-
-
 class GpuDecoder:
-    """Decodes prepared batches on the GPU. One nvJPEG handle per dataset (the hardware engines take
-    no second one) and a decode state per thread decoding at that moment: a Loader's decode threads
-    call nvJPEG at the same time, each with its own state, and while one is between calls the other
-    keeps the engines busy. A state is taken from a free list and handed back after the call, so
-    there are never more states than threads decoding at once."""
-
     def __init__(self, index, device: torch.device, backend: str):
         self.index = index
         self.device = device
         self.backend = backend
-        self._states = []  # every state made; the first one's handle is everyone's
-        self._free = []
-        self._lock = threading.Lock()  # guards the two lists
+        self._nvjpeg = None
+        # One nvJPEG handle and state per dataset, and any thread may decode (two Loaders over one
+        # dataset, __getitems__ beside a Loader): calls take turns, and a call on another stream
+        # waits on the GPU for the previous one, whose work still uses the state's buffers.
+        self._lock = threading.Lock()
+        self._last = None  # (stream, event) of the previous decode
 
-    def _take(self) -> _State:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
+    @property
+    def nvjpeg(self):
+        if self._nvjpeg is None:
             with torch.cuda.device(self.device):
-                owner = self._states[0].nvjpeg if self._states else None
-                state = _State(BatchedDecoder(self.backend, share=owner))
-            self._states.append(state)
-            return state
-
-    def _give(self, state: _State):
-        with self._lock:
-            self._free.append(state)
+                self._nvjpeg = BatchedDecoder(self.backend)
+        return self._nvjpeg
 
     def prepare(self, staging: torch.Tensor, plan, indices) -> "DecodeJob":
         """The host half of decoding the samples ``indices`` whose payloads ``plan`` placed in
@@ -120,26 +91,26 @@ class GpuDecoder:
         arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
         outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
         errors = {}
-        state = self._take()
-        try:
-            if staging.is_cuda != state.nvjpeg.device_bitstreams:
+        with self._lock:
+            if staging.is_cuda != self.nvjpeg.device_bitstreams:
                 raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
                                  f"{'GPU' if staging.is_cuda else 'host'} memory")
-            state.wait_before(stream)
+            if self._last is not None and self._last[0] != stream:
+                stream.wait_event(self._last[1])
             try:
-                state.nvjpeg.decode(job.data, job.lengths, outs, job.pitches, stream.cuda_stream)
+                self.nvjpeg.decode(job.data, job.lengths, outs, job.pitches, stream.cuda_stream)
             except NvjpegError as batch_error:
                 log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
                 for k in range(len(job.indices)):
                     try:
-                        state.nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
-                                            job.pitches[k:k + 1], stream.cuda_stream)
+                        self.nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
+                                           job.pitches[k:k + 1], stream.cuda_stream)
                     except NvjpegError as e:
                         errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
                                                        f"decoding failed ({e})")
-            state.done_on(stream)
-        finally:
-            self._give(state)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._last = (stream, event)
         return PixelBatch(arena, job.offsets, job.heights, job.widths, job.channels, errors, owned=True)
 
     def _raw(self, staging, job, stream):
@@ -152,8 +123,9 @@ class GpuDecoder:
 
     def close(self):
         with self._lock:
-            for state in reversed(self._states):  # the handle's owner last
-                if state.last is not None:
-                    state.last[1].synchronize()
-                state.nvjpeg.close()
-            self._states, self._free = [], []
+            if self._last is not None:
+                self._last[1].synchronize()
+                self._last = None
+            if self._nvjpeg is not None:
+                self._nvjpeg.close()
+                self._nvjpeg = None

@@ -115,5 +115,4 @@ def report() -> dict:
         info["io engine"] = f"auto ({auto_reads(info['io mode'].split(':')[0])})"
     info["staging"] = settings.get("staging")
     info["decode backend"] = settings.get("decode_backend")
-    info["gpu decode threads"] = settings.get("gpu_decode_threads")
     return info

@@ -235,17 +235,9 @@ class PipelineStats:
         setattr(self, field, getattr(self, field) + seconds)
 
 
-def _read_ahead(dataset, epochs, lanes, stop, stats):
-    """The I/O thread: storage -> staging buffers, as far ahead as the queues allow, on into the
-    next epochs (an "end" marker between epochs). Items go to the decode threads' queues ``lanes``
-    in turn, markers too, so that taking them in the same turn keeps their order."""
-    turn = 0
-
-    def hand_on(item):
-        nonlocal turn
-        turn += 1
-        return _put(lanes[(turn - 1) % len(lanes)], stop, item)
-
+def _read_ahead(dataset, epochs, q, stop, stats):
+    """The I/O thread: storage -> staging buffers, as far ahead as the queue allows, on into the
+    next epochs (an "end" marker between epochs)."""
     try:
         for epoch, batches in epochs:
             for indices in batches:
@@ -254,40 +246,37 @@ def _read_ahead(dataset, epochs, lanes, stop, stats):
                 t0 = time.perf_counter()
                 staged = dataset.read_staged(indices.tolist())
                 t1 = time.perf_counter()
-                handed = hand_on(("staged", staged, epoch, None))
+                handed = _put(q, stop, ("staged", staged, epoch, None))
                 stats.read_s += t1 - t0
                 stats.read_blocked_s += time.perf_counter() - t1
                 if not handed:
                     _release(dataset, "staged", staged)
                     return
-            if not hand_on(("end", None, epoch, None)):
+            if not _put(q, stop, ("end", None, epoch, None)):
                 return
     except BaseException as e:  # noqa: BLE001 - handed on, raised by the consumer
-        hand_on(("error", e, None, None))
+        _put(q, stop, ("error", e, None, None))
 
 
 # The stages after the I/O thread: (name, the kind of item it takes, the kind it hands on).
 _DECODE, _TRANSFORM = ("decode", "staged", "decoded"), ("transform", "decoded", "batch")
 
 
-def _stage(step, work, dataset, in_qs, out_q, stop, stream, device, stats):
-    """A pipeline thread: items from the queues ``in_qs``, taken in turn, of the kind ``step``
-    takes go through ``work`` on this thread's CUDA stream (after the event of the stage before)
-    and on to ``out_q`` with an event of their own; "end" and "error" markers pass through. Its
-    host seconds go to ``stats`` under the step's name (summed over threads of one step): working,
-    idle (the stage before is behind), blocked (the next is)."""
+def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats):
+    """A pipeline thread: each item of ``in_q`` of the kind ``step`` takes goes through ``work`` on
+    this thread's CUDA stream (after the event of the stage before) and on to ``out_q`` with an
+    event of its own; "end" and "error" markers pass through. Its host seconds go to ``stats``
+    under the step's name: working, idle (the stage before is behind), blocked (the next is)."""
     name, takes, gives = step
-    turn = 0
     try:
         if stream is not None:
             torch.cuda.set_device(device)
         idle_since = time.perf_counter()
         while not stop.is_set():
             try:
-                kind, payload, epoch, event = in_qs[turn % len(in_qs)].get(timeout=_STOP_POLL_S)
+                kind, payload, epoch, event = in_q.get(timeout=_STOP_POLL_S)
             except queue.Empty:
                 continue
-            turn += 1
             t0 = time.perf_counter()
             stats.add(f"{name}_idle_s", t0 - idle_since)
             if kind != takes:
@@ -331,30 +320,25 @@ class _Prefetcher:
         self.device = loader.dataset.device
         self.queue = queue.Queue(maxsize=loader.prefetch)
         self.stop = threading.Event()
-        # Decode threads (the dataset says how many suit it), each with a queue in, a queue out and
-        # a CUDA stream of its own; batches go round them in turn. The transform thread has its own
-        # stream too: the next batch's decode never queues behind this one's transform.
-        lanes = max(1, int(getattr(loader.dataset, "decode_threads", 1)))
-        self.staged = [queue.Queue(maxsize=2 if lanes == 1 else 1) for _ in range(lanes)]
-        self.decoded = [queue.Queue(maxsize=1) for _ in range(lanes)]
-        self.streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in range(lanes + 1)]
+        # a CUDA stream per stage: the next batch's decode never queues behind this one's transform
+        self.streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in (_DECODE, _TRANSFORM)]
+        self.staged = queue.Queue(maxsize=2)
+        self.decoded = queue.Queue(maxsize=1)
         self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step
         self.stats = PipelineStats()
         # The threads hold no reference to this object, so dropping the iterator stops them.
         self.dataset = loader.dataset
         maker = _BatchMaker(loader)
-        common = (loader.dataset,)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
                                    self.stats)),
-        ] + [threading.Thread(target=_stage, name=f"gdsdata-decode-{k}", daemon=True,
-                              args=(_DECODE, maker.decode, *common, [self.staged[k]], self.decoded[k], self.stop,
-                                    self.streams[k], self.device, self.stats))
-             for k in range(lanes)] + [
-            threading.Thread(target=_stage, name="gdsdata-transform", daemon=True,
-                             args=(_TRANSFORM, maker.finish, *common, self.decoded, self.queue, self.stop,
-                                   self.streams[-1], self.device, self.stats))]
+        ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
+                              args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
+                                    self.stats))
+             for step, work, in_q, out_q, stream in zip(
+                 (_DECODE, _TRANSFORM), (maker.decode, maker.finish), (self.staged, self.decoded),
+                 (self.decoded, self.queue), self.streams)]
         passes = getattr(loader.dataset, "_passes", None)  # GDSDataset.close() stops its passes
         if passes is not None:
             passes.add(self)
@@ -433,7 +417,7 @@ class _Prefetcher:
 
     def _drain(self):
         """Hand back the staging slots and buffers of batches that will never be consumed."""
-        for q in (*self.staged, *self.decoded, self.queue):
+        for q in (self.staged, self.decoded, self.queue):
             while True:
                 try:
                     kind, payload, _, _ = q.get_nowait()

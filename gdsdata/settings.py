@@ -19,8 +19,6 @@
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
 | | | | gpu_hybrid, gpu_hybrid_device |
-| gpu_decode_threads | GDSDATA_GPU_DECODE_THREADS | 2 | GPU path, JPEG: a Loader's threads calling nvJPEG, |
-| | | | each with a decode state of its own (one busies the engines while another is between calls) |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
@@ -41,7 +39,6 @@ _DEFAULTS = {
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",
     "decode_backend": "auto",
-    "gpu_decode_threads": 2,
     "verify_checksums": False,
 }
 _CHOICES = {

@@ -32,8 +32,7 @@ def pytest_collection_modifyitems(config, items):
 
 def loader_threads() -> set:
     """The live threads of gdsdata Loaders (their read-ahead, decode and transform threads)."""
-    return {t for t in threading.enumerate()
-            if t.name in ("gdsdata-read", "gdsdata-transform") or t.name.startswith("gdsdata-decode-")}
+    return {t for t in threading.enumerate() if t.name in ("gdsdata-read", "gdsdata-decode", "gdsdata-transform")}
 
 
 def photo(seed, label=0, noise=2.0, scale=0.5) -> Image.Image:

@@ -346,27 +346,6 @@ def test_loaders_sharing_a_dataset_decode_side_by_side(photos_dataset):
     ds.close()
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_decode_threads_change_nothing_but_speed(photos_dataset, threads):
-    """Batches decoded on one thread or on several at once, each with an nvJPEG state of its own
-    on the dataset's one handle: the same training batches, in the same order."""
-    transform = gdsdata.RandomResizedCrop(48, dtype="uint8")
-
-    def batches(count):
-        with gdsdata.settings.set(gpu_decode_threads=count):
-            ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
-            assert ds.decode_threads == count
-            loader = gdsdata.Loader(ds, 4, transform=transform, seed=2)
-            got = [(images.cpu(), labels.cpu()) for images, labels in loader]
-            ds.close()
-        return got
-
-    reference, got = batches(2), batches(threads)
-    assert len(got) == len(reference)
-    for (a, la), (b, lb) in zip(got, reference):
-        assert torch.equal(a, b) and torch.equal(la, lb)
-
-
 def settled_gpu_memory():
     """GPU memory allocated once a Loader's threads, reading on into the next epochs, have filled
     their queues and wait (between epochs the batches in flight vary: 2.7-7.5 MB on the H200)."""

@@ -1,7 +1,5 @@
 """Shuffling, sharding and resume: properties over many shapes (hypothesis), then the Loader itself."""
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -46,15 +44,12 @@ def test_every_sample_once_and_equal_batches(shape, epoch):
 class CountingDataset:
     """The slice of the GDSDataset protocol the Loader uses, in memory: sample i is one pixel of
     value i, so each yielded image names its sample. Lets hypothesis drive the real Loader (its
-    prefetch threads and state) over thousands of shapes quickly. With ``decode_threads`` the Loader
-    decodes on that many threads, each batch after a pause of its own (batches finish out of
-    order)."""
+    prefetch threads and state) over thousands of shapes quickly."""
 
-    def __init__(self, size, decode_threads=1):
+    def __init__(self, size):
         self.size = size
         self.device = torch.device("cpu")
         self._labels = np.arange(size, dtype=np.int64) % 7
-        self.decode_threads = decode_threads
 
     def __len__(self):
         return self.size
@@ -64,8 +59,6 @@ class CountingDataset:
 
     def decode_staged(self, staged, stream=None):
         n = len(staged.indices)
-        if self.decode_threads > 1:
-            time.sleep(0.0005 * (hash(tuple(staged.indices)) % 3))
         values = torch.tensor([[i % 256, i // 256, 0] for i in staged.indices], dtype=torch.uint8).reshape(-1)
         ones = np.ones(n, np.int64)
         return PixelBatch(values, np.arange(n) * 3, ones, ones, ones * 3, {}, owned=True), staged.indices
@@ -78,7 +71,7 @@ def sample_ids(images):
 @settings(max_examples=150, deadline=None)
 @given(shape=shapes, data=st.data())
 def test_loader_resume_equals_an_uninterrupted_run(shape, data):
-    ds = CountingDataset(shape["size"], decode_threads=data.draw(st.integers(1, 3)))
+    ds = CountingDataset(shape["size"])
     options = dict(batch_size=shape["batch_size"], shuffle=shape["shuffle"], seed=shape["seed"],
                    drop_last=shape["drop_last"], block_size=shape["block_size"], window=shape["window"],
                    world_size=shape["world_size"])
