@@ -3,11 +3,12 @@
 minimal loop over staged bytes and in the Loader (decode only, and training batches), so that the
 time between one call's return and the next call is seen directly: while it lasts, no new work
 reaches the engines. Per row: images/s, the mean call, and the gaps between calls (mean, median,
-90th percentile, largest, their share of the wall time), optionally under other interpreter switch
-intervals (``--switch-intervals``: the lock the Loader's threads share hands over at most that often
-to a waiting thread).
+90th percentile, largest, their share of the wall time), for several ``decode_batches`` settings
+(``--decode-batches``: Loader batches per call) and interpreter switch intervals
+(``--switch-intervals``: the lock the Loader's threads share hands over at most that often to a
+waiting thread).
 
-    python bench/decode_gaps.py --dir /tmp/bench --count 10000 --switch-intervals 0.005,0.0005
+    python bench/decode_gaps.py --dir /tmp/bench --count 10000 --decode-batches 1,2,3
 """
 
 import argparse
@@ -56,12 +57,14 @@ class CallClock:
         nvjpeg.BatchedDecoder.decode = self._decode
 
     def summary(self, images, seconds) -> str:
-        calls = np.asarray(self.calls)
+        """images/s; the mean call; the stretches with no call in flight (mean, median, 90th
+        percentile, largest, and their share of the wall time)."""
+        calls = np.asarray(sorted(self.calls))
         inside = (calls[:, 1] - calls[:, 0]) * 1e3
-        gaps = (calls[1:, 0] - calls[:-1, 1]) * 1e3
-        return (f"{images / seconds:9.0f} images/s  call {inside.mean():6.2f} ms  gap mean {gaps.mean():5.2f} "
-                f"median {np.median(gaps):5.2f} p90 {np.percentile(gaps, 90):5.2f} max {gaps.max():6.2f} ms  "
-                f"gaps {gaps.sum() / 1e3 / seconds:5.1%} of wall")
+        gaps = np.maximum(calls[1:, 0] - np.maximum.accumulate(calls[:-1, 1]), 0) * 1e3
+        return (f"{images / seconds:9.0f} images/s  call {inside.mean():6.2f} ms  none in flight: mean "
+                f"{gaps.mean():5.2f} median {np.median(gaps):5.2f} p90 {np.percentile(gaps, 90):5.2f} max "
+                f"{gaps.max():6.2f} ms, {gaps.sum() / 1e3 / seconds:5.1%} of wall")
 
 
 def timed_epochs(epoch, epochs):
@@ -86,6 +89,7 @@ def main(argv=None):
     parser.add_argument("--quality", type=int, default=92)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--switch-intervals", default="0.005", help="comma-separated, seconds")
+    parser.add_argument("--decode-batches", default="1,2", help="comma-separated decode_batches settings")
     args = parser.parse_args(argv)
     print_system_block(system_block())
     image_set = f"n{args.noise:g}-q{args.quality}-s{args.scale:g}"
@@ -108,16 +112,21 @@ def main(argv=None):
         for data, lengths, outs, pitches, _ in batches:
             decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
 
+    def row(label, epoch):
+        clock, seconds = timed_epochs(epoch, args.epochs)
+        print(f"switch {interval * 1e3:4g} ms  {label:32s}{clock.summary(n * args.epochs, seconds)}", flush=True)
+
     default = sys.getswitchinterval()
     for interval in [float(x) for x in args.switch_intervals.split(",") if x]:
         sys.setswitchinterval(interval)
-        rows = [("nvJPEG loop, staged bytes", loop),
-                ("Loader decode only", loader_epoch(ds, None)),
-                ("Loader train batches", loader_epoch(ds, gdsdata.RandomResizedCrop(224, dtype="float16")))]
-        for name, epoch in rows:
-            clock, seconds = timed_epochs(epoch, args.epochs)
-            getattr(epoch, "close", lambda: None)()
-            print(f"switch {interval * 1e3:4g} ms  {name:28s}{clock.summary(n * args.epochs, seconds)}", flush=True)
+        row("nvJPEG loop, staged bytes", loop)
+        for group in [int(x) for x in args.decode_batches.split(",") if x]:
+            with gdsdata.settings.set(decode_batches=group):
+                rows = [("decode only", loader_epoch(ds, None)),
+                        ("train batches", loader_epoch(ds, gdsdata.RandomResizedCrop(224, dtype="float16")))]
+                for name, epoch in rows:
+                    row(f"Loader {name}, {group} a call", epoch)
+                    epoch.close()
     sys.setswitchinterval(default)
     decoder.close()
     ds.close()

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from . import format as fmt
 from . import settings
 from .batch import PixelBatch, Staged
 from .decode_gpu import GpuDecoder
@@ -79,6 +80,13 @@ class GpuBackend:
         self._slots = SlotPool(self.staging_kind, device, _SLOTS)
         log.info("GPU path on %s: I/O %s (%s), reads %s, staging %s, nvJPEG %s", device, self.io_mode,
                  self.io_reason, self.engine, self.staging_kind, self.backend)
+
+    @property
+    def decode_batches(self) -> int:
+        """How many Loader batches to read and decode at once: the setting for JPEG, where each
+        nvJPEG call costs the engines a pause; one for raw samples, used where they lie."""
+        raw = len(self.index.samples) and bool((self.index.samples["codec"] == fmt.CODEC_RAW).all())
+        return 1 if raw else settings.get("decode_batches")
 
     @property
     def engine(self) -> str:

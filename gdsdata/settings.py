@@ -19,6 +19,8 @@
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
 | | | | gpu_hybrid, gpu_hybrid_device |
+| decode_batches | GDSDATA_DECODE_BATCHES | 2 | GPU path, JPEG: a Loader's batches read and decoded |
+| | | | together, in one nvJPEG call (between calls the engines wait for the next one) |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
@@ -39,6 +41,7 @@ _DEFAULTS = {
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",
     "decode_backend": "auto",
+    "decode_batches": 2,
     "verify_checksums": False,
 }
 _CHOICES = {
@@ -64,7 +67,7 @@ def _parse(name, value):
             number = int(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"setting {name}: expected an integer, got {value!r}") from e
-        if number < 0 or (number == 0 and name.endswith("threads")):
+        if number < 0 or (number == 0 and name.endswith(("threads", "batches"))):
             raise ValueError(f"setting {name}: must be positive, got {number}")
         return number
     value = str(value).strip().lower()

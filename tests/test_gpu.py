@@ -346,6 +346,32 @@ def test_loaders_sharing_a_dataset_decode_side_by_side(photos_dataset):
     ds.close()
 
 
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("pixels", [False, True])
+def test_batches_decoded_together_are_the_same_batches(photos_dataset, group, pixels):
+    """Batches read and decoded one at a time or several in one nvJPEG call (``decode_batches``):
+    the same batches, in the same order, with a tail batch smaller than the rest."""
+    transform = None if pixels else gdsdata.RandomResizedCrop(48, dtype="uint8")
+
+    def batches(count):
+        with gdsdata.settings.set(decode_batches=count):
+            ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+            assert ds.decode_batches == count
+            loader = gdsdata.Loader(ds, 7, transform=transform, seed=2, pixels=pixels)
+            got = []
+            for images, labels in loader:
+                if pixels:
+                    images = torch.cat([images.image(k).flatten().cpu() for k in range(len(images))])
+                got.append((images.cpu(), labels.cpu()))
+            ds.close()
+        return got
+
+    reference, got = batches(2), batches(group)
+    assert len(got) == len(reference) == 9  # 60 samples: 8 batches of 7, then 4
+    for (a, la), (b, lb) in zip(got, reference):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
 def settled_gpu_memory():
     """GPU memory allocated once a Loader's threads, reading on into the next epochs, have filled
     their queues and wait (between epochs the batches in flight vary: 2.7-7.5 MB on the H200)."""
