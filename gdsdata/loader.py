@@ -11,10 +11,10 @@
 Three background threads prepare up to ``prefetch`` batches ahead: one reads (storage -> staging
 buffers), one decodes, one transforms. On the GPU the last two each work on a CUDA stream of their
 own, each batch handed on with an event: reading batch k+2, decoding batch k+1 and transforming it
-overlap the training step on batch k, and a decode never waits behind a transform. For JPEG on the
-GPU, ``decode_batches`` consecutive batches (setting, default 2) are read and decoded together, in
-one nvJPEG call: between two calls the JPEG engines wait on the interpreter, and fewer, larger
-calls leave them waiting less often. The consumer's
+overlap the training step on batch k, and a decode never waits behind a transform. With the
+``decode_batches`` setting (default 1; experimental, docs/design.md), consecutive batches of JPEGs
+on the GPU are read and decoded together, in one nvJPEG call: between two calls the JPEG engines
+wait on the interpreter, and fewer, larger calls leave them waiting less often. The consumer's
 stream waits on the batch's event before it touches it, and the batch's memory is recorded as used
 by that stream. Breaking out of the loop, an exception, or ``close()`` stops the threads and frees
 their buffers.
