@@ -55,17 +55,25 @@ def drop_caches() -> bool:
 
 # --- ceilings ---------------------------------------------------------------------------------
 def nvjpeg_ceiling_epoch(ds, backend):
-    """A minimal batched nvJPEG loop over every payload of ``ds`` staged once, in batches of 256."""
-    staged, batches = staged_batches(gdsdata.GDSDataset(ds.root), BATCH, backend.endswith("_device"))
+    """A minimal batched nvJPEG loop over every payload of ``ds`` staged once, in batches of 256.
+    ``epoch.close`` destroys its decoder and lets go of the staged bytes: no second nvJPEG handle
+    stays alive beside the Loader's in the rows after it."""
+    held = list(staged_batches(gdsdata.GDSDataset(ds.root), BATCH, backend.endswith("_device")))
     decoder = BatchedDecoder(backend)
     stream = torch.cuda.current_stream()
 
     def epoch():
-        for data, lengths, outs, pitches, _ in batches:
+        for data, lengths, outs, pitches, _ in held[1]:
             decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
         torch.cuda.synchronize()
 
-    return epoch, (staged, batches, decoder)
+    def close():
+        torch.cuda.synchronize()
+        decoder.close()
+        held.clear()
+
+    epoch.close = close
+    return epoch
 
 
 def transform_compare(ds):
@@ -185,12 +193,8 @@ def main(argv=None):
             pread_raw = run(f"kvikio pread raw shards -> GPU ({threads} threads)", fn, len(raw), nbytes)
         fn, nbytes = kvikio_pread_epoch(shard_paths(jpeg), threads)
         run(f"kvikio pread JPEG shards -> GPU ({threads} threads)", fn, n, nbytes)
-    keep = []
-    for backend in ("hardware", "hardware_device"):
-        fn, held = nvjpeg_ceiling_epoch(jpeg, backend)
-        keep.append(held)
-        run(f"nvJPEG batched loop, {backend}, staged bytes", fn, n, payload)
-    del keep
+    for backend in ("hardware", "hardware_device"):  # run() closes each loop's decoder after its row
+        run(f"nvJPEG batched loop, {backend}, staged bytes", nvjpeg_ceiling_epoch(jpeg, backend), n, payload)
 
     print("\n== gdsdata (page cache warm) ==")
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
