@@ -42,5 +42,7 @@ python3 -m gdsdata.cli doctor | tee "$OUT/doctor.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 200 python3 -m pytest -q -m gpu --timeout 60 tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
 fi
-timeout ${BENCH_TIMEOUT:-500} python3 bench/gpu.py --dir /tmp/bench --count ${COUNT:-10000} --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+# a run that outlasts BENCH_TIMEOUT gets SIGABRT: faulthandler prints every thread's stack (where it hung)
+timeout -s ABRT -k 20 ${BENCH_TIMEOUT:-500} python3 -X faulthandler bench/gpu.py --dir /tmp/bench \
+    --count ${COUNT:-10000} --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 python3 bench/chart.py "$OUT/gpu.json" "$OUT/gpu.png" || echo "chart skipped (matplotlib missing)"
