@@ -3,10 +3,11 @@
 minimal loop over staged bytes and in the Loader (decode only, and training batches), so that the
 time between one call's return and the next call is seen directly: while it lasts, no new work
 reaches the engines. Per row: images/s, the mean call, and the gaps between calls (mean, median,
-90th percentile, largest, their share of the wall time), for several ``decode_batches`` settings
-(``--decode-batches``: Loader batches per call) and interpreter switch intervals
-(``--switch-intervals``: the lock the Loader's threads share hands over at most that often to a
-waiting thread).
+90th percentile, largest, their share of the wall time) and, in the Loader, that pause split into
+the decode thread's work after a call, between two batches and before the next call; for several
+``decode_batches`` settings (``--decode-batches``: Loader batches per call) and interpreter switch
+intervals (``--switch-intervals``: the lock the Loader's threads share hands over at most that
+often to a waiting thread).
 
     python bench/decode_gaps.py --dir /tmp/bench --count 10000 --decode-batches 1,2,3
 """
@@ -33,51 +34,62 @@ from gdsdata import nvjpeg  # noqa: E402
 BATCH = 256
 
 
-class CallClock:
-    """Host timestamps of every ``BatchedDecoder.decode`` call while installed."""
+class Clock:
+    """Host timestamps (start, end) of every call of ``owner.name`` while installed."""
 
-    def __init__(self):
-        self.calls = []
-        self._decode = nvjpeg.BatchedDecoder.decode
+    def __init__(self, owner, name):
+        self.owner, self.name, self.calls = owner, name, []
+        self._original = getattr(owner, name)
 
     def __enter__(self):
-        clock, decode = self, self._decode
+        calls, original = self.calls, self._original
 
-        def timed(decoder, *args, **kwargs):
+        def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return decode(decoder, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
-                clock.calls.append((t0, time.perf_counter()))
+                calls.append((t0, time.perf_counter()))
 
-        nvjpeg.BatchedDecoder.decode = timed
+        setattr(self.owner, self.name, timed)
         return self
 
     def __exit__(self, *exc):
-        nvjpeg.BatchedDecoder.decode = self._decode
+        setattr(self.owner, self.name, self._original)
 
-    def summary(self, images, seconds) -> str:
-        """images/s; the mean call; the stretches with no call in flight (mean, median, 90th
-        percentile, largest, and their share of the wall time)."""
-        calls = np.asarray(sorted(self.calls))
-        inside = (calls[:, 1] - calls[:, 0]) * 1e3
-        gaps = np.maximum(calls[1:, 0] - np.maximum.accumulate(calls[:-1, 1]), 0) * 1e3
-        return (f"{images / seconds:9.0f} images/s  call {inside.mean():6.2f} ms  none in flight: mean "
-                f"{gaps.mean():5.2f} median {np.median(gaps):5.2f} p90 {np.percentile(gaps, 90):5.2f} max "
-                f"{gaps.max():6.2f} ms, {gaps.sum() / 1e3 / seconds:5.1%} of wall")
+
+def summary(calls, works, images, seconds) -> str:
+    """images/s; the mean nvJPEG call; the stretches with no call in flight (mean, median, 90th
+    percentile, largest, and their share of the wall time); with the decode thread's work items
+    (``works``, one per call), the mean pause split into the work after a call, the time between
+    two work items (handing one on, taking the next) and the work before the next call."""
+    calls = np.asarray(sorted(calls))
+    inside = (calls[:, 1] - calls[:, 0]) * 1e3
+    gaps = np.maximum(calls[1:, 0] - np.maximum.accumulate(calls[:-1, 1]), 0) * 1e3
+    line = (f"{images / seconds:9.0f} images/s  call {inside.mean():6.2f} ms  none in flight: mean "
+            f"{gaps.mean():5.2f} median {np.median(gaps):5.2f} p90 {np.percentile(gaps, 90):5.2f} max "
+            f"{gaps.max():6.2f} ms, {gaps.sum() / 1e3 / seconds:5.1%} of wall")
+    if len(works) == len(calls):  # one call per work item: the pause, piece by piece
+        works = np.asarray(sorted(works))
+        after = (works[:-1, 1] - calls[:-1, 1]).mean() * 1e3
+        between = (works[1:, 0] - works[:-1, 1]).mean() * 1e3
+        before = (calls[1:, 0] - works[1:, 0]).mean() * 1e3
+        line += f"  (after a call {after:.2f}, between items {between:.2f}, before the next {before:.2f} ms)"
+    return line
 
 
 def timed_epochs(epoch, epochs):
-    """Run one untimed epoch, then ``epochs`` timed ones under a ``CallClock``."""
+    """Run one untimed epoch, then ``epochs`` timed ones with every nvJPEG call and every decode
+    work item of a Loader (``GDSDataset.decode_staged``) timed: (calls, works, seconds)."""
     epoch()
     torch.cuda.synchronize()
-    with CallClock() as clock:
+    with Clock(nvjpeg.BatchedDecoder, "decode") as calls, Clock(gdsdata.GDSDataset, "decode_staged") as works:
         t0 = time.perf_counter()
         for _ in range(epochs):
             epoch()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-    return clock, seconds
+    return calls.calls, works.calls, seconds
 
 
 def main(argv=None):
@@ -113,8 +125,9 @@ def main(argv=None):
             decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
 
     def row(label, epoch):
-        clock, seconds = timed_epochs(epoch, args.epochs)
-        print(f"switch {interval * 1e3:4g} ms  {label:32s}{clock.summary(n * args.epochs, seconds)}", flush=True)
+        calls, works, seconds = timed_epochs(epoch, args.epochs)
+        print(f"switch {interval * 1e3:4g} ms  {label:32s}{summary(calls, works, n * args.epochs, seconds)}",
+              flush=True)
 
     default = sys.getswitchinterval()
     for interval in [float(x) for x in args.switch_intervals.split(",") if x]:
