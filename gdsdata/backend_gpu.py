@@ -14,7 +14,6 @@ import logging
 
 import torch
 
-from . import format as fmt
 from . import settings
 from .batch import PixelBatch, Staged
 from .decode_gpu import GpuDecoder
@@ -85,8 +84,7 @@ class GpuBackend:
     def decode_batches(self) -> int:
         """How many Loader batches to read and decode at once: the setting for JPEG, where each
         nvJPEG call costs the engines a pause; one for raw samples, used where they lie."""
-        raw = len(self.index.samples) and bool((self.index.samples["codec"] == fmt.CODEC_RAW).all())
-        return 1 if raw else settings.get("decode_batches")
+        return 1 if self.index.all_raw else settings.get("decode_batches")
 
     @property
     def engine(self) -> str:

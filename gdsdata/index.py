@@ -29,6 +29,11 @@ class Index:
     def __len__(self):
         return len(self.samples)
 
+    @property
+    def all_raw(self) -> bool:
+        """Whether the dataset holds raw pixels only (a pack has one codec); False when empty."""
+        return bool(len(self.samples)) and bool((self.samples["codec"] == fmt.CODEC_RAW).all())
+
     def path(self, i: int) -> str:
         record = self.samples[i]
         start = int(record["path_offset"])

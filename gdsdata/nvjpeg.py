@@ -153,9 +153,10 @@ def image_dtype() -> np.dtype:
 
 class BatchedDecoder:
     """An nvJPEG handle and a decode state for one backend; decodes batches into RGB interleaved.
-    With ``share``, another decoder's handle and a state of its own: decoders that share a handle
-    may decode at the same time on several threads (one handle is all the hardware engines allow;
-    close the sharers before the decoder whose handle they use)."""
+    With ``share``, another decoder's handle and a state of its own (close the sharers before the
+    decoder whose handle they use). On the H200 two HARDWARE states of one handle decoding at the
+    same time failed (NVJPEG_STATUS_ALLOCATOR_FAILURE; ``bench/decode_ceiling.py`` section states):
+    the library decodes on one state at a time."""
 
     def __init__(self, backend: str, share: "BatchedDecoder" = None):
         if backend not in BACKENDS:

@@ -49,7 +49,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import format as fmt
 from . import settings
 from .errors import FormatError, GpuUnavailableError
 
@@ -147,7 +146,7 @@ def mapped_suits(index) -> bool:
     """Whether ``auto`` reads this dataset with the ``mapped`` engine in compatibility mode: raw
     pixels only (JPEG bitstreams decode faster from pinned host memory, which ``mapped`` cannot
     feed), shards that fit in half the host's memory (registering pins them) and cupy present."""
-    if not len(index.samples) or not (index.samples["codec"] == fmt.CODEC_RAW).all():
+    if not index.all_raw:
         return False
     if int(index.shards["size"].sum()) > mapped_limit():
         return False
