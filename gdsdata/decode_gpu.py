@@ -37,24 +37,60 @@ class DecodeJob:
     pitches: np.ndarray = None  # int64 output row pitches (width x 3)
 
 
+class _SharedDecoder:
+    """The process's one nvJPEG decoder for a GPU and backend, shared by every dataset on it: the
+    hardware engines take one handle (on the H200 a second handle or state decoding at the same
+    time failed with NVJPEG_STATUS_ALLOCATOR_FAILURE or hung). Any thread may decode (two datasets,
+    two Loaders over one dataset, ``__getitems__`` beside a Loader): calls take turns under
+    ``lock``, and a call on another stream waits on the GPU for the previous one, whose work still
+    uses the state's buffers. Destroyed when the last dataset using it closes."""
+
+    _open = {}  # (device index, backend) -> _SharedDecoder
+    _open_lock = threading.Lock()
+
+    def __init__(self, key):
+        self.key, self.users = key, 0
+        self.lock = threading.Lock()
+        self.last = None  # (stream, event) of the previous decode
+        with torch.cuda.device(key[0]):
+            self.nvjpeg = BatchedDecoder(key[1])
+
+    @classmethod
+    def acquire(cls, device: torch.device, backend: str) -> "_SharedDecoder":
+        with cls._open_lock:
+            shared = cls._open.get((device.index, backend))
+            if shared is None:
+                shared = cls._open[(device.index, backend)] = cls((device.index, backend))
+            shared.users += 1
+            return shared
+
+    def release(self):
+        with self._open_lock:
+            self.users -= 1
+            if self.users:
+                return
+            del self._open[self.key]
+        with self.lock:
+            if self.last is not None:
+                self.last[1].synchronize()
+                self.last = None
+            self.nvjpeg.close()
+
+
 class GpuDecoder:
     def __init__(self, index, device: torch.device, backend: str):
         self.index = index
         self.device = device
         self.backend = backend
-        self._nvjpeg = None
-        # One nvJPEG handle and state per dataset, and any thread may decode (two Loaders over one
-        # dataset, __getitems__ beside a Loader): calls take turns, and a call on another stream
-        # waits on the GPU for the previous one, whose work still uses the state's buffers.
+        self._shared = None  # taken at the first decode, handed back by close()
         self._lock = threading.Lock()
-        self._last = None  # (stream, event) of the previous decode
 
     @property
-    def nvjpeg(self):
-        if self._nvjpeg is None:
-            with torch.cuda.device(self.device):
-                self._nvjpeg = BatchedDecoder(self.backend)
-        return self._nvjpeg
+    def shared(self) -> _SharedDecoder:
+        with self._lock:
+            if self._shared is None:
+                self._shared = _SharedDecoder.acquire(self.device, self.backend)
+            return self._shared
 
     def prepare(self, staging: torch.Tensor, plan, indices) -> "DecodeJob":
         """The host half of decoding the samples ``indices`` whose payloads ``plan`` placed in
@@ -91,26 +127,28 @@ class GpuDecoder:
         arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
         outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
         errors = {}
-        with self._lock:
-            if staging.is_cuda != self.nvjpeg.device_bitstreams:
+        shared = self.shared
+        with shared.lock:
+            nvjpeg = shared.nvjpeg
+            if staging.is_cuda != nvjpeg.device_bitstreams:
                 raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
                                  f"{'GPU' if staging.is_cuda else 'host'} memory")
-            if self._last is not None and self._last[0] != stream:
-                stream.wait_event(self._last[1])
+            if shared.last is not None and shared.last[0] != stream:
+                stream.wait_event(shared.last[1])
             try:
-                self.nvjpeg.decode(job.data, job.lengths, outs, job.pitches, stream.cuda_stream)
+                nvjpeg.decode(job.data, job.lengths, outs, job.pitches, stream.cuda_stream)
             except NvjpegError as batch_error:
                 log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
                 for k in range(len(job.indices)):
                     try:
-                        self.nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
-                                           job.pitches[k:k + 1], stream.cuda_stream)
+                        nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
+                                      job.pitches[k:k + 1], stream.cuda_stream)
                     except NvjpegError as e:
                         errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
                                                        f"decoding failed ({e})")
             event = torch.cuda.Event()
             event.record(stream)
-            self._last = (stream, event)
+            shared.last = (stream, event)
         return PixelBatch(arena, job.offsets, job.heights, job.widths, job.channels, errors, owned=True)
 
     def _raw(self, staging, job, stream):
@@ -123,9 +161,6 @@ class GpuDecoder:
 
     def close(self):
         with self._lock:
-            if self._last is not None:
-                self._last[1].synchronize()
-                self._last = None
-            if self._nvjpeg is not None:
-                self._nvjpeg.close()
-                self._nvjpeg = None
+            shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.release()

@@ -372,6 +372,36 @@ def test_batches_decoded_together_are_the_same_batches(photos_dataset, group, pi
         assert torch.equal(a, b) and torch.equal(la, lb)
 
 
+def test_two_datasets_share_one_nvjpeg_decoder(photos_dataset):
+    """Two datasets (a training and a validation set, say) decoding at the same time: one nvJPEG
+    handle for both (the engines take one), the same pixels as each alone, and the handle released
+    by both once they are closed."""
+    from gdsdata.decode_gpu import _SharedDecoder
+
+    def users(ds):
+        shared = _SharedDecoder._open.get((ds.device.index, ds._backend.backend))
+        return 0 if shared is None else shared.users
+
+    first = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    alone = [[image.cpu() for image in images] for images, _ in gdsdata.Loader(first, 8, shuffle=None)]
+    first.close()
+    before = users(first)
+    a, b = (gdsdata.GDSDataset(photos_dataset[2], device="cuda") for _ in range(2))
+    together = [[], []]
+    for pair in zip(gdsdata.Loader(a, 8, shuffle=None), gdsdata.Loader(b, 8, shuffle=None)):
+        for got, (images, _) in zip(together, pair):
+            got.append([image.cpu() for image in images])
+    assert users(a) == before + 2
+    assert a._backend.decoder.shared is b._backend.decoder.shared
+    for got in together:
+        assert len(got) == len(alone)
+        for x, y in zip(got, alone):
+            assert all(torch.equal(p, q) for p, q in zip(x, y))
+    a.close()
+    b.close()
+    assert users(a) == before
+
+
 def settled_gpu_memory():
     """GPU memory allocated once a Loader's threads, reading on into the next epochs, have filled
     their queues and wait (between epochs the batches in flight vary: 2.7-7.5 MB on the H200)."""
