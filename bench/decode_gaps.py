@@ -118,11 +118,11 @@ def main(argv=None):
     print(f"{n} images, gdsdata {gdsdata.__file__}, path {ds._backend.describe()}")
 
     _, batches = staged_batches(gdsdata.GDSDataset(root), BATCH, False)
-    decoder, stream = nvjpeg.BatchedDecoder("hardware"), torch.cuda.current_stream()
+    stream = torch.cuda.current_stream()
 
     def loop():
         for data, lengths, outs, pitches, _ in batches:
-            decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
+            loop.decoder.decode(data, lengths, outs, pitches, stream.cuda_stream)
 
     def row(label, epoch):
         calls, works, seconds = timed_epochs(epoch, args.epochs)
@@ -132,7 +132,10 @@ def main(argv=None):
     default = sys.getswitchinterval()
     for interval in [float(x) for x in args.switch_intervals.split(",") if x]:
         sys.setswitchinterval(interval)
+        # the loop's own hardware handle lives for its row only, as in bench/gpu.py
+        loop.decoder = nvjpeg.BatchedDecoder("hardware")
         row("nvJPEG loop, staged bytes", loop)
+        loop.decoder.close()
         for group in [int(x) for x in args.decode_batches.split(",") if x]:
             with gdsdata.settings.set(decode_batches=group):
                 rows = [("decode only", loader_epoch(ds, None)),
@@ -141,7 +144,6 @@ def main(argv=None):
                     row(f"Loader {name}, {group} a call", epoch)
                     epoch.close()
     sys.setswitchinterval(default)
-    decoder.close()
     ds.close()
 
 
