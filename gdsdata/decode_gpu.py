@@ -52,8 +52,12 @@ class _SharedDecoder:
         self.key, self.users = key, 0
         self.lock = threading.Lock()
         self.last = None  # (stream, event) of the previous decode
-        with torch.cuda.device(key[0]):
-            self.nvjpeg = BatchedDecoder(key[1])
+        self.largest = 0  # the largest batch the handle has decoded
+        self.nvjpeg = self._new()
+
+    def _new(self) -> BatchedDecoder:
+        with torch.cuda.device(self.key[0]):
+            return BatchedDecoder(self.key[1])
 
     @classmethod
     def acquire(cls, device: torch.device, backend: str) -> "_SharedDecoder":
@@ -64,17 +68,34 @@ class _SharedDecoder:
             shared.users += 1
             return shared
 
+    def for_batch(self, n: int) -> BatchedDecoder:
+        """The decoder for a batch of ``n`` images; call under ``lock``. A batch larger than any
+        before gets a new handle, first used at its size: on the H200 a handle that had decoded
+        batches of 256 sometimes hung inside nvjpegDecodeBatched once given batches of 512 (a new
+        state did not help), while new handles first used for 512 never did (docs/design.md)."""
+        if n > self.largest:
+            if self.largest:
+                renewed = self._new()  # first, so that a failure leaves the old one in use
+                self._close()
+                self.nvjpeg = renewed
+            self.largest = n
+        return self.nvjpeg
+
+    def _close(self):
+        if self.last is not None:  # the previous decode's GPU work still uses the state's buffers
+            self.last[1].synchronize()
+            self.last = None
+        self.nvjpeg.close()
+
     def release(self):
         with self._open_lock:
             self.users -= 1
             if self.users:
                 return
-            del self._open[self.key]
+            if self._open.get(self.key) is self:
+                del self._open[self.key]
         with self.lock:
-            if self.last is not None:
-                self.last[1].synchronize()
-                self.last = None
-            self.nvjpeg.close()
+            self._close()
 
 
 class GpuDecoder:
@@ -129,7 +150,7 @@ class GpuDecoder:
         errors = {}
         shared = self.shared
         with shared.lock:
-            nvjpeg = shared.nvjpeg
+            nvjpeg = shared.for_batch(len(job.indices))
             if staging.is_cuda != nvjpeg.device_bitstreams:
                 raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
                                  f"{'GPU' if staging.is_cuda else 'host'} memory")

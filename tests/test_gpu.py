@@ -402,6 +402,38 @@ def test_two_datasets_share_one_nvjpeg_decoder(photos_dataset):
     assert users(a) == before
 
 
+def test_a_larger_batch_gets_a_new_nvjpeg_handle(photos_dataset):
+    """A batch larger than any the process's decoder has taken gets a new handle (one that had
+    decoded smaller batches hung on the H200 when given larger ones); smaller batches keep it, and
+    the pixels are those of every other batch size."""
+    from gdsdata.decode_gpu import _SharedDecoder
+
+    ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    decoder = ds._backend.decoder
+    # a decoder of its own, not the process's (which earlier tests' datasets may hold, sized by them)
+    shared = decoder._shared = _SharedDecoder((ds.device.index, decoder.backend))
+    shared.users = 1
+
+    def pixels(batch):
+        out, loader = [], gdsdata.Loader(ds, batch, shuffle=None, pixels=True)
+        for images, _ in loader:
+            out += [images.image(k).cpu() for k in range(len(images))]
+        loader.close()  # no reading ahead into a next epoch
+        return out
+
+    small = pixels(4)
+    first = shared.nvjpeg
+    large = pixels(12)
+    assert shared.nvjpeg is not first and shared.largest == 12
+    renewed = shared.nvjpeg
+    again = pixels(4)
+    assert shared.nvjpeg is renewed
+    assert len(small) == len(large) == len(again) == len(ds)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(small, large, again))
+    ds.close()
+    assert shared.users == 0 and not shared.nvjpeg.handle
+
+
 def settled_gpu_memory():
     """GPU memory allocated once a Loader's threads, reading on into the next epochs, have filled
     their queues and wait (between epochs the batches in flight vary: 2.7-7.5 MB on the H200)."""
