@@ -37,19 +37,6 @@ class DecodeJob:
     pitches: np.ndarray = None  # int64 output row pitches (width x 3)
 
 
-MAX_CALL_IMAGES = 256
-
-
-def call_parts(n: int) -> list:
-    """Slices cutting a batch of ``n`` images into nvJPEG calls of at most ``MAX_CALL_IMAGES``, of
-    equal sizes (give or take one) so that a steady batch size re-initialises nothing between calls.
-    On the H200 calls of 512 images sometimes hung inside ``nvjpegDecodeBatched``, on new handles
-    too (docs/design.md); calls of 256 have run in every benchmark without one."""
-    calls = max(1, -(-n // MAX_CALL_IMAGES))
-    cuts = [n * k // calls for k in range(calls + 1)]
-    return [slice(a, b) for a, b in zip(cuts, cuts[1:])]
-
-
 class _SharedDecoder:
     """The process's one nvJPEG decoder for a GPU and backend, shared by every dataset on it: the
     hardware engines take one handle (on the H200 a second handle or state decoding at the same
@@ -65,8 +52,12 @@ class _SharedDecoder:
         self.key, self.users = key, 0
         self.lock = threading.Lock()
         self.last = None  # (stream, event) of the previous decode
-        with torch.cuda.device(key[0]):
-            self.nvjpeg = BatchedDecoder(key[1])
+        self.largest = 0  # the largest batch the handle has decoded
+        self.nvjpeg = self._new()
+
+    def _new(self) -> BatchedDecoder:
+        with torch.cuda.device(self.key[0]):
+            return BatchedDecoder(self.key[1])
 
     @classmethod
     def acquire(cls, device: torch.device, backend: str) -> "_SharedDecoder":
@@ -77,6 +68,25 @@ class _SharedDecoder:
             shared.users += 1
             return shared
 
+    def for_batch(self, n: int) -> BatchedDecoder:
+        """The decoder for a batch of ``n`` images; call under ``lock``. A batch larger than any
+        before gets a new handle, first used at its size: on the H200 a handle that had decoded
+        batches of 256 sometimes hung inside nvjpegDecodeBatched once given batches of 512 (a new
+        state did not help), while new handles first used for 512 never did (docs/design.md)."""
+        if n > self.largest:
+            if self.largest:
+                renewed = self._new()  # first, so that a failure leaves the old one in use
+                self._close()
+                self.nvjpeg = renewed
+            self.largest = n
+        return self.nvjpeg
+
+    def _close(self):
+        if self.last is not None:  # the previous decode's GPU work still uses the state's buffers
+            self.last[1].synchronize()
+            self.last = None
+        self.nvjpeg.close()
+
     def release(self):
         with self._open_lock:
             self.users -= 1
@@ -85,10 +95,7 @@ class _SharedDecoder:
             if self._open.get(self.key) is self:
                 del self._open[self.key]
         with self.lock:
-            if self.last is not None:  # the previous decode's GPU work still uses the state's buffers
-                self.last[1].synchronize()
-                self.last = None
-            self.nvjpeg.close()
+            self._close()
 
 
 class GpuDecoder:
@@ -143,26 +150,23 @@ class GpuDecoder:
         errors = {}
         shared = self.shared
         with shared.lock:
-            nvjpeg = shared.nvjpeg
+            nvjpeg = shared.for_batch(len(job.indices))
             if staging.is_cuda != nvjpeg.device_bitstreams:
                 raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
                                  f"{'GPU' if staging.is_cuda else 'host'} memory")
             if shared.last is not None and shared.last[0] != stream:
                 stream.wait_event(shared.last[1])
-            for part in call_parts(len(job.indices)):
-                try:
-                    nvjpeg.decode(job.data[part], job.lengths[part], outs[part], job.pitches[part],
-                                  stream.cuda_stream)
-                except NvjpegError as batch_error:
-                    log.warning("batch decode failed (%s); retrying image by image to find the bad sample",
-                                batch_error)
-                    for k in range(part.start, part.stop):
-                        try:
-                            nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
-                                          job.pitches[k:k + 1], stream.cuda_stream)
-                        except NvjpegError as e:
-                            errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
-                                                           f"decoding failed ({e})")
+            try:
+                nvjpeg.decode(job.data, job.lengths, outs, job.pitches, stream.cuda_stream)
+            except NvjpegError as batch_error:
+                log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
+                for k in range(len(job.indices)):
+                    try:
+                        nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
+                                      job.pitches[k:k + 1], stream.cuda_stream)
+                    except NvjpegError as e:
+                        errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
+                                                       f"decoding failed ({e})")
             event = torch.cuda.Event()
             event.record(stream)
             shared.last = (stream, event)

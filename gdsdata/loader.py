@@ -12,10 +12,9 @@ Three background threads prepare up to ``prefetch`` batches ahead: one reads (st
 buffers), one decodes, one transforms. On the GPU the last two each work on a CUDA stream of their
 own, each batch handed on with an event: reading batch k+2, decoding batch k+1 and transforming it
 overlap the training step on batch k, and a decode never waits behind a transform. With the
-``decode_batches`` setting (default 1), consecutive batches of JPEGs on the GPU are read and decoded
-together, in one step of the decode thread (nvJPEG calls of at most 256 images,
-``decode_gpu.call_parts``): between two steps the JPEG engines wait on the interpreter, and fewer
-steps leave them waiting less often. The consumer's
+``decode_batches`` setting (default 1; experimental, docs/design.md), consecutive batches of JPEGs
+on the GPU are read and decoded together, in one nvJPEG call: between two calls the JPEG engines
+wait on the interpreter, and fewer, larger calls leave them waiting less often. The consumer's
 stream waits on the batch's event before it touches it, and the batch's memory is recorded as used
 by that stream. Breaking out of the loop, an exception, or ``close()`` stops the threads and frees
 their buffers.

@@ -20,7 +20,7 @@
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
 | | | | gpu_hybrid, gpu_hybrid_device |
 | decode_batches | GDSDATA_DECODE_BATCHES | 1 | GPU path, JPEG: a Loader's batches read and decoded |
-| | | | together, in one step of the decode thread (nvJPEG calls of at most 256 images each) |
+| | | | together, in one nvJPEG call (experimental, see docs/design.md: 2 sometimes hangs on the H200) |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path

@@ -402,32 +402,36 @@ def test_two_datasets_share_one_nvjpeg_decoder(photos_dataset):
     assert users(a) == before
 
 
-def test_a_large_batch_is_decoded_in_calls_of_at_most_the_limit(photos_dataset, monkeypatch):
-    """Batches larger than ``MAX_CALL_IMAGES`` (256; calls of 512 sometimes hung inside nvJPEG on
-    the H200) are decoded in several calls of equal sizes, into the same pixels as whole batches."""
-    from gdsdata import decode_gpu, nvjpeg
+def test_a_larger_batch_gets_a_new_nvjpeg_handle(photos_dataset):
+    """A batch larger than any the process's decoder has taken gets a new handle (one that had
+    decoded smaller batches hung on the H200 when given larger ones); smaller batches keep it, and
+    the pixels are those of every other batch size."""
+    from gdsdata.decode_gpu import _SharedDecoder
 
-    sizes, original = [], nvjpeg.BatchedDecoder.decode
-
-    def counted(self, data_ptrs, *args, **kwargs):
-        sizes.append(len(data_ptrs))
-        return original(self, data_ptrs, *args, **kwargs)
+    ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    decoder = ds._backend.decoder
+    # a decoder of its own, not the process's (which earlier tests' datasets may hold, sized by them)
+    shared = decoder._shared = _SharedDecoder((ds.device.index, decoder.backend))
+    shared.users = 1
 
     def pixels(batch):
-        ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
-        out = []
-        for images, _ in gdsdata.Loader(ds, batch, shuffle=None, pixels=True):
+        out, loader = [], gdsdata.Loader(ds, batch, shuffle=None, pixels=True)
+        for images, _ in loader:
             out += [images.image(k).cpu() for k in range(len(images))]
-        ds.close()
+        loader.close()  # no reading ahead into a next epoch
         return out
 
-    whole = pixels(13)
-    monkeypatch.setattr(nvjpeg.BatchedDecoder, "decode", counted)
-    monkeypatch.setattr(decode_gpu, "MAX_CALL_IMAGES", 5)
-    parted = pixels(13)
-    assert max(sizes) == 5 and sorted(set(sizes)) == [4, 5]  # 60 samples: 4 batches of 13 (5+4+4), then 8 (4+4)
-    assert sum(sizes) >= len(parted) == len(whole) == 60
-    assert all(torch.equal(a, b) for a, b in zip(parted, whole))
+    small = pixels(4)
+    first = shared.nvjpeg
+    large = pixels(12)
+    assert shared.nvjpeg is not first and shared.largest == 12
+    renewed = shared.nvjpeg
+    again = pixels(4)
+    assert shared.nvjpeg is renewed
+    assert len(small) == len(large) == len(again) == len(ds)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(small, large, again))
+    ds.close()
+    assert shared.users == 0 and not shared.nvjpeg.handle
 
 
 def settled_gpu_memory():
