@@ -5,11 +5,11 @@ time between one call's return and the next call is seen directly: while it last
 reaches the engines. Per row: images/s, the mean call, and the gaps between calls (mean, median,
 90th percentile, largest, their share of the wall time) and, in the Loader, that pause split into
 the decode thread's work after a call, between two batches and before the next call; for several
-``decode_batches`` settings (``--decode-batches``: Loader batches per call) and interpreter switch
-intervals (``--switch-intervals``: the lock the Loader's threads share hands over at most that
-often to a waiting thread).
+Loader batch sizes (``--batch-sizes``, one after the other on one dataset and so on the process's
+one nvJPEG handle) and interpreter switch intervals (``--switch-intervals``: the lock the Loader's
+threads share hands over at most that often to a waiting thread).
 
-    python bench/decode_gaps.py --dir /tmp/bench --count 10000 --decode-batches 1,2,3
+    python bench/decode_gaps.py --dir /tmp/bench --count 10000 --batch-sizes 256,512
 """
 
 import argparse
@@ -101,7 +101,7 @@ def main(argv=None):
     parser.add_argument("--quality", type=int, default=92)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--switch-intervals", default="0.005", help="comma-separated, seconds")
-    parser.add_argument("--decode-batches", default="1,2", help="comma-separated decode_batches settings")
+    parser.add_argument("--batch-sizes", default=str(BATCH), help="comma-separated Loader batch sizes")
     args = parser.parse_args(argv)
     print_system_block(system_block())
     image_set = f"n{args.noise:g}-q{args.quality}-s{args.scale:g}"
@@ -136,13 +136,12 @@ def main(argv=None):
         loop.decoder = nvjpeg.BatchedDecoder("hardware")
         row("nvJPEG loop, staged bytes", loop)
         loop.decoder.close()
-        for group in [int(x) for x in args.decode_batches.split(",") if x]:
-            with gdsdata.settings.set(decode_batches=group):
-                rows = [("decode only", loader_epoch(ds, None)),
-                        ("train batches", loader_epoch(ds, gdsdata.RandomResizedCrop(224, dtype="float16")))]
-                for name, epoch in rows:
-                    row(f"Loader {name}, {group} a call", epoch)
-                    epoch.close()
+        for size in [int(x) for x in args.batch_sizes.split(",") if x]:
+            rows = [("decode only", loader_epoch(ds, None, batch=size)),
+                    ("train batches", loader_epoch(ds, gdsdata.RandomResizedCrop(224, dtype="float16"), batch=size))]
+            for name, epoch in rows:
+                row(f"Loader {name}, batch {size}", epoch)
+                epoch.close()
     sys.setswitchinterval(default)
     ds.close()
 

@@ -126,9 +126,6 @@ def main(argv=None):
     parser.add_argument("--quality", type=int, default=92, help="image set: JPEG quality")
     parser.add_argument("--scale", type=float, default=1.0, help="image set: scale of the ImageNet-like sizes")
     parser.add_argument("--out", default="bench-results", help="folder for gpu.json")
-    parser.add_argument("--decode-batches", default="",
-                        help="comma-separated decode_batches settings for extra automatic JPEG rows after the "
-                             "first ones (Loader batches per nvJPEG call; the default is the setting's)")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: peers,dali,cold,paths,raw,mapped")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -232,9 +229,6 @@ def main(argv=None):
         return first
 
     jpeg_rows(paths)
-    for group in filter(None, args.decode_batches.split(",")):
-        with settings.set(decode_batches=int(group)):
-            jpeg_rows(auto, f", decode_batches={int(group)}")
     jpeg_rows(auto, ", again")  # again, last: does a row's place in the run change it?
     raw_train = raw_rows((("auto", "auto", user_pool), ("host", "auto", user_pool), ("host", "mmap", user_pool),
                           ("host", "mmap", 0), ("host", "kvikio", user_pool),

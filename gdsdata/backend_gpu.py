@@ -81,12 +81,6 @@ class GpuBackend:
                  self.io_reason, self.engine, self.staging_kind, self.backend)
 
     @property
-    def decode_batches(self) -> int:
-        """How many Loader batches to read and decode at once: the setting for JPEG, where each
-        nvJPEG call costs the engines a pause; one for raw samples, used where they lie."""
-        return 1 if self.index.all_raw else settings.get("decode_batches")
-
-    @property
     def engine(self) -> str:
         return self.reader.engine
 

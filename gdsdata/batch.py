@@ -42,15 +42,6 @@ class PixelBatch:
         pixels = pixels.permute(2, 0, 1)
         return pixels if self.owned else pixels.contiguous()
 
-    def part(self, start: int, stop: int) -> "PixelBatch":
-        """Samples ``start:stop`` as a batch of their own over the same buffer, which must be the
-        batch's own (the parts share it; each keeps it alive)."""
-        if not self.owned or self.release_fn is not None:
-            raise ValueError("only a batch that owns its buffer can be cut into parts")
-        errors = {k - start: e for k, e in self.errors.items() if start <= k < stop}
-        return PixelBatch(self.buffer, self.offsets[start:stop], self.heights[start:stop], self.widths[start:stop],
-                          self.channels[start:stop], errors, True)
-
     def release(self, stream):
         """Say that the GPU work queued on ``stream`` so far is the last to read the buffer."""
         if self.release_fn is not None:
@@ -85,4 +76,3 @@ class Staged:
     failed: dict  # position -> CorruptSampleError found before decoding (checksums)
     ready: object = None  # GPU path: a CUDA event the staged bytes wait on (reads still in flight), or None
     job: object = None  # GPU path: the decode's host half (``decode_gpu.DecodeJob``), prepared as it was read
-    parts: tuple = ()  # set by a Loader that reads several of its batches at once: their sizes, in order

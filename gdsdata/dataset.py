@@ -143,12 +143,6 @@ class GDSDataset(torch.utils.data.Dataset):
     def meta(self):
         return dict(self.index.meta)
 
-    @property
-    def decode_batches(self) -> int:
-        """How many of its batches a ``Loader`` reads and decodes at once (``decode_batches``
-        setting; on the GPU path for JPEG only)."""
-        return getattr(self._backend, "decode_batches", 1)
-
     def source(self, i) -> str:
         """The sample's path relative to the packed source folder."""
         return self.index.path(self._check(i))

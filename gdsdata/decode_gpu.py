@@ -52,12 +52,8 @@ class _SharedDecoder:
         self.key, self.users = key, 0
         self.lock = threading.Lock()
         self.last = None  # (stream, event) of the previous decode
-        self.largest = 0  # the largest batch the handle has decoded
-        self.nvjpeg = self._new()
-
-    def _new(self) -> BatchedDecoder:
-        with torch.cuda.device(self.key[0]):
-            return BatchedDecoder(self.key[1])
+        with torch.cuda.device(key[0]):
+            self.nvjpeg = BatchedDecoder(key[1])
 
     @classmethod
     def acquire(cls, device: torch.device, backend: str) -> "_SharedDecoder":
@@ -68,25 +64,6 @@ class _SharedDecoder:
             shared.users += 1
             return shared
 
-    def for_batch(self, n: int) -> BatchedDecoder:
-        """The decoder for a batch of ``n`` images; call under ``lock``. A batch larger than any
-        before gets a new handle, first used at its size: on the H200 a handle that had decoded
-        batches of 256 sometimes hung inside nvjpegDecodeBatched once given batches of 512 (a new
-        state did not help), while new handles first used for 512 never did (docs/design.md)."""
-        if n > self.largest:
-            if self.largest:
-                renewed = self._new()  # first, so that a failure leaves the old one in use
-                self._close()
-                self.nvjpeg = renewed
-            self.largest = n
-        return self.nvjpeg
-
-    def _close(self):
-        if self.last is not None:  # the previous decode's GPU work still uses the state's buffers
-            self.last[1].synchronize()
-            self.last = None
-        self.nvjpeg.close()
-
     def release(self):
         with self._open_lock:
             self.users -= 1
@@ -95,7 +72,10 @@ class _SharedDecoder:
             if self._open.get(self.key) is self:
                 del self._open[self.key]
         with self.lock:
-            self._close()
+            if self.last is not None:  # the previous decode's GPU work still uses the state's buffers
+                self.last[1].synchronize()
+                self.last = None
+            self.nvjpeg.close()
 
 
 class GpuDecoder:
@@ -150,7 +130,7 @@ class GpuDecoder:
         errors = {}
         shared = self.shared
         with shared.lock:
-            nvjpeg = shared.for_batch(len(job.indices))
+            nvjpeg = shared.nvjpeg
             if staging.is_cuda != nvjpeg.device_bitstreams:
                 raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
                                  f"{'GPU' if staging.is_cuda else 'host'} memory")

@@ -11,10 +11,7 @@
 Three background threads prepare up to ``prefetch`` batches ahead: one reads (storage -> staging
 buffers), one decodes, one transforms. On the GPU the last two each work on a CUDA stream of their
 own, each batch handed on with an event: reading batch k+2, decoding batch k+1 and transforming it
-overlap the training step on batch k, and a decode never waits behind a transform. With the
-``decode_batches`` setting (default 1; experimental, docs/design.md), consecutive batches of JPEGs
-on the GPU are read and decoded together, in one nvJPEG call: between two calls the JPEG engines
-wait on the interpreter, and fewer, larger calls leave them waiting less often. The consumer's
+overlap the training step on batch k, and a decode never waits behind a transform. The consumer's
 stream waits on the batch's event before it touches it, and the batch's memory is recorded as used
 by that stream. Breaking out of the loop, an exception, or ``close()`` stops the threads and frees
 their buffers.
@@ -175,37 +172,27 @@ class _BatchMaker:
         self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
 
     def decode(self, staged, stream, epoch):
-        """Staged payloads -> [a PixelBatch, its sample indices (after any replacement) and the
-        sizes of the Loader batches it holds]. Nothing else: on the GPU this thread keeps the JPEG
-        engines fed."""
-        batch, indices = self.dataset.decode_staged(staged, stream)
-        return [(batch, indices, staged.parts or (len(indices),))]
+        """Staged payloads -> a PixelBatch and its sample indices (after any replacement). Nothing
+        else: on the GPU this thread keeps the JPEG engines fed."""
+        return self.dataset.decode_staged(staged, stream)
 
     def finish(self, decoded, stream, epoch):
-        """One decoded read -> a list of (images, labels), one per Loader batch it holds: their
-        transform, or with ``pixels=True`` the PixelBatches themselves."""
-        batch, indices, parts = decoded
-        if stream is not None and batch.owned and not self.pixels:  # allocated on the decode stream
-            batch.buffer.record_stream(stream)  # this one reads it last
-        out, start = [], 0
-        for size in parts:
-            part = batch if len(parts) == 1 else batch.part(start, start + size)
-            mine = indices[start:start + size]
-            start += size
-            labels = upload(torch.from_numpy(self.dataset._labels[mine]), self.dataset.device)
-            if self.pixels:
-                out.append((part, labels))  # released by the consumer's next step
-                continue
-            if self.transform is not None:
-                params = self.transform.params(part.heights, part.widths, mine, epoch)
-                images = T.apply(self.transform, part.buffer, part.offsets, part.heights, part.widths,
-                                 part.channels, params)
-            else:
-                images = [part.image(k) for k in range(len(part))]
-            out.append((images, labels))
-        if not self.pixels:
-            batch.release(stream)
-        return out
+        """One decoded batch -> (images, labels): its transform, or with ``pixels=True`` the
+        PixelBatch itself."""
+        batch, indices = decoded
+        labels = upload(torch.from_numpy(self.dataset._labels[indices]), self.dataset.device)
+        if self.pixels:
+            return batch, labels  # released by the consumer's next step
+        if stream is not None and batch.owned:  # allocated on the decode stream; this one reads it last
+            batch.buffer.record_stream(stream)
+        if self.transform is not None:
+            params = self.transform.params(batch.heights, batch.widths, indices, epoch)
+            images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
+                             batch.channels, params)
+        else:
+            images = [batch.image(k) for k in range(len(batch))]
+        batch.release(stream)
+        return images, labels
 
 
 def _put(q, stop, item) -> bool:
@@ -248,19 +235,16 @@ class PipelineStats:
         setattr(self, field, getattr(self, field) + seconds)
 
 
-def _read_ahead(dataset, epochs, q, stop, stats, group):
+def _read_ahead(dataset, epochs, q, stop, stats):
     """The I/O thread: storage -> staging buffers, as far ahead as the queue allows, on into the
-    next epochs (an "end" marker between epochs). ``group`` consecutive batches of an epoch are read
-    (and later decoded) together, their sizes in ``Staged.parts``."""
+    next epochs (an "end" marker between epochs)."""
     try:
         for epoch, batches in epochs:
-            for first in range(0, len(batches), group):
+            for indices in batches:
                 if stop.is_set():
                     return
-                chunk = batches[first:first + group]
                 t0 = time.perf_counter()
-                staged = dataset.read_staged(np.concatenate(chunk).tolist())
-                staged.parts = tuple(len(b) for b in chunk)
+                staged = dataset.read_staged(indices.tolist())
                 t1 = time.perf_counter()
                 handed = _put(q, stop, ("staged", staged, epoch, None))
                 stats.read_s += t1 - t0
@@ -280,10 +264,10 @@ _DECODE, _TRANSFORM = ("decode", "staged", "decoded"), ("transform", "decoded", 
 
 def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats):
     """A pipeline thread: each item of ``in_q`` of the kind ``step`` takes goes through ``work`` on
-    this thread's CUDA stream (after the event of the stage before); what it returns, a list, goes
-    on to ``out_q``, each with the event that ends this stream's work so far. "end" and "error"
-    markers pass through. Its host seconds go to ``stats`` under the step's name: working, idle (the
-    stage before is behind), blocked (the next is)."""
+    this thread's CUDA stream (after the event of the stage before) and on to ``out_q`` with the
+    event that ends this stream's work so far; "end" and "error" markers pass through. Its host
+    seconds go to ``stats`` under the step's name: working, idle (the stage before is behind),
+    blocked (the next is)."""
     name, takes, gives = step
     try:
         if stream is not None:
@@ -304,20 +288,17 @@ def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats):
                 continue
             if event is not None:
                 stream.wait_event(event)
-            results = work(payload, stream, epoch)
+            result = work(payload, stream, epoch)
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
             t1 = time.perf_counter()
-            handed = 0
-            while handed < len(results) and _put(out_q, stop, (gives, results[handed], epoch, event)):
-                handed += 1
+            handed = _put(out_q, stop, (gives, result, epoch, event))
             idle_since = time.perf_counter()
             stats.add(f"{name}_s", t1 - t0)
             stats.add(f"{name}_blocked_s", idle_since - t1)
-            if handed < len(results):
-                for result in results[handed:]:
-                    _release(dataset, gives, result)
+            if not handed:
+                _release(dataset, gives, result)
                 return
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
         _put(out_q, stop, ("error", e, None, None))
@@ -340,8 +321,7 @@ class _Prefetcher:
         self.stop = threading.Event()
         # a CUDA stream per stage: the next batch's decode never queues behind this one's transform
         self.streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in (_DECODE, _TRANSFORM)]
-        group = max(1, int(getattr(loader.dataset, "decode_batches", 1)))  # batches read and decoded at once
-        self.staged = queue.Queue(maxsize=max(1, 2 // group))
+        self.staged = queue.Queue(maxsize=2)
         self.decoded = queue.Queue(maxsize=1)
         self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step
         self.stats = PipelineStats()
@@ -351,7 +331,7 @@ class _Prefetcher:
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
-                                   self.stats, group)),
+                                   self.stats)),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
                                     self.stats))

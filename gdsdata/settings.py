@@ -19,8 +19,6 @@
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
 | | | | gpu_hybrid, gpu_hybrid_device |
-| decode_batches | GDSDATA_DECODE_BATCHES | 1 | GPU path, JPEG: a Loader's batches read and decoded |
-| | | | together, in one nvJPEG call (experimental, see docs/design.md: 2 sometimes hangs on the H200) |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
@@ -41,7 +39,6 @@ _DEFAULTS = {
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",
     "decode_backend": "auto",
-    "decode_batches": 1,
     "verify_checksums": False,
 }
 _CHOICES = {
@@ -67,7 +64,7 @@ def _parse(name, value):
             number = int(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"setting {name}: expected an integer, got {value!r}") from e
-        if number < 0 or (number == 0 and name.endswith(("threads", "batches"))):
+        if number < 0 or (number == 0 and name.endswith("threads")):
             raise ValueError(f"setting {name}: must be positive, got {number}")
         return number
     value = str(value).strip().lower()

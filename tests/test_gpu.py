@@ -346,32 +346,6 @@ def test_loaders_sharing_a_dataset_decode_side_by_side(photos_dataset):
     ds.close()
 
 
-@pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("pixels", [False, True])
-def test_batches_decoded_together_are_the_same_batches(photos_dataset, group, pixels):
-    """Batches read and decoded one at a time or several in one nvJPEG call (``decode_batches``):
-    the same batches, in the same order, with a tail batch smaller than the rest."""
-    transform = None if pixels else gdsdata.RandomResizedCrop(48, dtype="uint8")
-
-    def batches(count):
-        with gdsdata.settings.set(decode_batches=count):
-            ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
-            assert ds.decode_batches == count
-            loader = gdsdata.Loader(ds, 7, transform=transform, seed=2, pixels=pixels)
-            got = []
-            for images, labels in loader:
-                if pixels:
-                    images = torch.cat([images.image(k).flatten().cpu() for k in range(len(images))])
-                got.append((images.cpu(), labels.cpu()))
-            ds.close()
-        return got
-
-    reference, got = batches(2), batches(group)
-    assert len(got) == len(reference) == 9  # 60 samples: 8 batches of 7, then 4
-    for (a, la), (b, lb) in zip(got, reference):
-        assert torch.equal(a, b) and torch.equal(la, lb)
-
-
 def test_two_datasets_share_one_nvjpeg_decoder(photos_dataset):
     """Two datasets (a training and a validation set, say) decoding at the same time: one nvJPEG
     handle for both (the engines take one), the same pixels as each alone, and the handle released
@@ -402,17 +376,10 @@ def test_two_datasets_share_one_nvjpeg_decoder(photos_dataset):
     assert users(a) == before
 
 
-def test_a_larger_batch_gets_a_new_nvjpeg_handle(photos_dataset):
-    """A batch larger than any the process's decoder has taken gets a new handle (one that had
-    decoded smaller batches hung on the H200 when given larger ones); smaller batches keep it, and
-    the pixels are those of every other batch size."""
-    from gdsdata.decode_gpu import _SharedDecoder
-
+def test_batch_sizes_changing_on_one_nvjpeg_handle_decode_the_same_pixels(photos_dataset):
+    """Loaders of growing then shrinking batch sizes, one after the other over one dataset (so on the
+    process's one nvJPEG handle, re-initialised for each size): every image the same pixels."""
     ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
-    decoder = ds._backend.decoder
-    # a decoder of its own, not the process's (which earlier tests' datasets may hold, sized by them)
-    shared = decoder._shared = _SharedDecoder((ds.device.index, decoder.backend))
-    shared.users = 1
 
     def pixels(batch):
         out, loader = [], gdsdata.Loader(ds, batch, shuffle=None, pixels=True)
@@ -421,17 +388,10 @@ def test_a_larger_batch_gets_a_new_nvjpeg_handle(photos_dataset):
         loader.close()  # no reading ahead into a next epoch
         return out
 
-    small = pixels(4)
-    first = shared.nvjpeg
-    large = pixels(12)
-    assert shared.nvjpeg is not first and shared.largest == 12
-    renewed = shared.nvjpeg
-    again = pixels(4)
-    assert shared.nvjpeg is renewed
+    small, large, again = pixels(4), pixels(12), pixels(4)
     assert len(small) == len(large) == len(again) == len(ds)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(small, large, again))
     ds.close()
-    assert shared.users == 0 and not shared.nvjpeg.handle
 
 
 def settled_gpu_memory():

@@ -46,11 +46,10 @@ class CountingDataset:
     value i, so each yielded image names its sample. Lets hypothesis drive the real Loader (its
     prefetch threads and state) over thousands of shapes quickly."""
 
-    def __init__(self, size, decode_batches=1):
+    def __init__(self, size):
         self.size = size
         self.device = torch.device("cpu")
         self._labels = np.arange(size, dtype=np.int64) % 7
-        self.decode_batches = decode_batches  # the Loader reads and decodes this many batches at once
 
     def __len__(self):
         return self.size
@@ -72,7 +71,7 @@ def sample_ids(images):
 @settings(max_examples=150, deadline=None)
 @given(shape=shapes, data=st.data())
 def test_loader_resume_equals_an_uninterrupted_run(shape, data):
-    ds = CountingDataset(shape["size"], decode_batches=data.draw(st.integers(1, 3)))
+    ds = CountingDataset(shape["size"])
     options = dict(batch_size=shape["batch_size"], shuffle=shape["shuffle"], seed=shape["seed"],
                    drop_last=shape["drop_last"], block_size=shape["block_size"], window=shape["window"],
                    world_size=shape["world_size"])
