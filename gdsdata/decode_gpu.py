@@ -31,10 +31,13 @@ class DecodeJob:
     widths: np.ndarray
     channels: np.ndarray
     offsets: np.ndarray  # int64 per sample: start of its pixels in the output (raw: in staging)
-    jpeg: bool = False
-    data: np.ndarray = None  # uint64 bitstream addresses in the staging buffer
+    data: np.ndarray = None  # JPEG: uint64 bitstream addresses in the staging buffer (raw: None)
     lengths: np.ndarray = None  # uint64 bitstream lengths
     pitches: np.ndarray = None  # int64 output row pitches (width x 3)
+
+    @property
+    def jpeg(self) -> bool:
+        return self.data is not None
 
 
 class _SharedDecoder:
@@ -118,8 +121,8 @@ class GpuDecoder:
         offsets = np.zeros(len(indices), np.int64)
         np.cumsum(sizes[:-1], out=offsets[1:])
         data = (np.uint64(staging.data_ptr()) + plan.sample_offsets.astype(np.uint64))
-        return DecodeJob(list(indices), heights, widths, np.full(len(indices), 3), offsets, jpeg=True,
-                         data=data, lengths=plan.sample_lengths.astype(np.uint64), pitches=(widths * 3))
+        return DecodeJob(list(indices), heights, widths, np.full(len(indices), 3), offsets, data=data,
+                         lengths=plan.sample_lengths.astype(np.uint64), pitches=(widths * 3))
 
     def decode(self, staging: torch.Tensor, job: "DecodeJob", stream) -> PixelBatch:
         """Queue the decode ``job`` (from ``prepare``) on ``stream``."""
