@@ -12,11 +12,12 @@ from .errors import (  # noqa: E402
     GpuUnavailableError,
     OutputExistsError,
     SourceError,
+    StallError,
 )
 
 __all__ = [
     "BadImageError", "CorruptSampleError", "FormatError", "GDSDataset", "GdsDataError",
-    "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "pack", "settings",
+    "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "StallError", "pack", "settings",
     "RandomResizedCrop", "CenterCrop",
 ]
 _LAZY = {  # name -> module; torch is imported only when these are used, so `gdsdata pack` starts fast

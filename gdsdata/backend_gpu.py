@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from . import settings
+from . import settings, stall
 from .batch import PixelBatch, Staged
 from .decode_gpu import GpuDecoder
 from .errors import GpuUnavailableError
@@ -97,7 +97,7 @@ class GpuBackend:
         try:
             staging, ready = self.reader.read(plan, slot)
             if self.verify and ready is not None:
-                ready.synchronize()
+                stall.wait(ready, "waiting for a batch's reads to land before checking checksums")
             failed = self._verify(staging, plan, indices) if self.verify else {}
             job = self.decoder.prepare(staging, plan, indices)
         except BaseException:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
+from . import stall
 from .batch import PixelBatch
 from .errors import CorruptSampleError
 from .nvjpeg import BatchedDecoder, NvjpegError
@@ -76,7 +77,7 @@ class _SharedDecoder:
                 del self._open[self.key]
         with self.lock:
             if self.last is not None:  # the previous decode's GPU work still uses the state's buffers
-                self.last[1].synchronize()
+                stall.wait(self.last[1], "waiting for the last nvJPEG decode before destroying its decoder")
                 self.last = None
             self.nvjpeg.close()
 

@@ -27,3 +27,7 @@ class BadImageError(GdsDataError):
 
 class GpuUnavailableError(GdsDataError):
     """The GPU path was asked for but CUDA, kvikio, cupy or nvJPEG is missing."""
+
+
+class StallError(GdsDataError):
+    """A Loader stage made no progress within the ``stall_timeout`` setting (a hung read or decode)."""

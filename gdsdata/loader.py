@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from . import settings, stall
 from . import transforms as T
 from .batch import PixelBatch, upload
 from .sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches
@@ -235,39 +236,42 @@ class PipelineStats:
         setattr(self, field, getattr(self, field) + seconds)
 
 
-def _read_ahead(dataset, epochs, q, stop, stats):
+def _read_ahead(dataset, epochs, q, stop, stats, activity):
     """The I/O thread: storage -> staging buffers, as far ahead as the queue allows, on into the
     next epochs (an "end" marker between epochs)."""
     try:
         for epoch, batches in epochs:
-            for indices in batches:
+            for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
+                activity.start(epoch, number)
                 t0 = time.perf_counter()
                 staged = dataset.read_staged(indices.tolist())
                 t1 = time.perf_counter()
-                handed = _put(q, stop, ("staged", staged, epoch, None))
+                activity.stop()
+                handed = _put(q, stop, ("staged", staged, epoch, number, None))
                 stats.read_s += t1 - t0
                 stats.read_blocked_s += time.perf_counter() - t1
                 if not handed:
                     _release(dataset, "staged", staged)
                     return
-            if not _put(q, stop, ("end", None, epoch, None)):
+            if not _put(q, stop, ("end", None, epoch, None, None)):
                 return
     except BaseException as e:  # noqa: BLE001 - handed on, raised by the consumer
-        _put(q, stop, ("error", e, None, None))
+        activity.stop()
+        _put(q, stop, ("error", e, None, None, None))
 
 
 # The stages after the I/O thread: (name, the kind of item it takes, the kind it hands on).
 _DECODE, _TRANSFORM = ("decode", "staged", "decoded"), ("transform", "decoded", "batch")
 
 
-def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats):
+def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats, activity):
     """A pipeline thread: each item of ``in_q`` of the kind ``step`` takes goes through ``work`` on
     this thread's CUDA stream (after the event of the stage before) and on to ``out_q`` with the
     event that ends this stream's work so far; "end" and "error" markers pass through. Its host
     seconds go to ``stats`` under the step's name: working, idle (the stage before is behind),
-    blocked (the next is)."""
+    blocked (the next is); ``activity`` says which batch it works on, for the stall watchdog."""
     name, takes, gives = step
     try:
         if stream is not None:
@@ -276,24 +280,26 @@ def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats):
         idle_since = time.perf_counter()
         while not stop.is_set():
             try:
-                kind, payload, epoch, event = in_q.get(timeout=_STOP_POLL_S)
+                kind, payload, epoch, number, event = in_q.get(timeout=_STOP_POLL_S)
             except queue.Empty:
                 continue
             t0 = time.perf_counter()
             stats.add(f"{name}_idle_s", t0 - idle_since)
             if kind != takes:
-                if not _put(out_q, stop, (kind, payload, epoch, None)) or kind == "error":
+                if not _put(out_q, stop, (kind, payload, epoch, number, None)) or kind == "error":
                     return
                 idle_since = time.perf_counter()
                 continue
+            activity.start(epoch, number)
             if event is not None:
                 stream.wait_event(event)
             result = work(payload, stream, epoch)
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
+            activity.stop()
             t1 = time.perf_counter()
-            handed = _put(out_q, stop, (gives, result, epoch, event))
+            handed = _put(out_q, stop, (gives, result, epoch, number, event))
             idle_since = time.perf_counter()
             stats.add(f"{name}_s", t1 - t0)
             stats.add(f"{name}_blocked_s", idle_since - t1)
@@ -301,7 +307,8 @@ def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats):
                 _release(dataset, gives, result)
                 return
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-        _put(out_q, stop, ("error", e, None, None))
+        activity.stop()
+        _put(out_q, stop, ("error", e, None, None, None))
 
 
 class _Prefetcher:
@@ -328,16 +335,20 @@ class _Prefetcher:
         # The threads hold no reference to this object, so dropping the iterator stops them.
         self.dataset = loader.dataset
         maker = _BatchMaker(loader)
+        # what each thread works on, for the stall watchdog (``stall.stalled``)
+        self.activities = [stall.Activity(name) for name in ("read", _DECODE[0], _TRANSFORM[0])]
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
-                                   self.stats)),
+                                   self.stats, self.activities[0])),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
-                                    self.stats))
-             for step, work, in_q, out_q, stream in zip(
+                                    self.stats, activity))
+             for step, work, in_q, out_q, stream, activity in zip(
                  (_DECODE, _TRANSFORM), (maker.decode, maker.finish), (self.staged, self.decoded),
-                 (self.decoded, self.queue), self.streams)]
+                 (self.decoded, self.queue), self.streams, self.activities[1:])]
+        for thread, activity in zip(self.threads, self.activities):
+            activity.thread = thread
         passes = getattr(loader.dataset, "_passes", None)  # GDSDataset.close() stops its passes
         if passes is not None:
             passes.add(self)
@@ -362,15 +373,21 @@ class _Prefetcher:
             raise StopIteration
         self._release_held()
         t0 = time.perf_counter()
+        timeout = settings.get("stall_timeout")
         while True:
             try:
-                kind, payload, _, event = self.queue.get(timeout=_STOP_POLL_S)
+                kind, payload, _, _, event = self.queue.get(timeout=_STOP_POLL_S)
                 self.stats.consumer_wait_s += time.perf_counter() - t0
                 break
             except queue.Empty:
                 if not self.threads[-1].is_alive() and self.queue.empty():
                     self.close()
                     raise RuntimeError("gdsdata prefetch thread stopped without a result") from None
+                error = stall.stalled(self.activities, timeout)
+                if error is not None:
+                    log.error("%s", error)
+                    self.close()
+                    raise error
         if kind == "end":
             self.epoch += 1
             self._tell_loader(finished_epoch=True, prefetcher=self)
@@ -402,24 +419,30 @@ class _Prefetcher:
         self.stop.set()
         self._release_held()
         me = threading.current_thread()  # the garbage collector may run this in a prefetch thread
+        deadline = time.monotonic() + settings.get("stall_timeout")
         while True:  # drain while the threads wind down: a thread may wait for a slot or a place
             self._drain()
             alive = [t for t in self.threads if t.is_alive() and t is not me]
-            if not alive:
+            if not alive or time.monotonic() > deadline:
                 break
             alive[0].join(timeout=_STOP_POLL_S)
         self._drain()
+        stuck = [t.name for t in self.threads if t.is_alive() and t is not me]
         self.threads = None
+        if stuck:  # inside a call that does not return (a hung decode): left behind, daemon threads
+            log.error("gdsdata Loader closed with %s still inside a call that has not returned; left "
+                      "behind", ", ".join(stuck))
+            return
         for stream in self.streams:
             if stream is not None:
-                stream.synchronize()
+                stall.wait(stream, "the GPU work of a closing Loader pass")
 
     def _drain(self):
         """Hand back the staging slots and buffers of batches that will never be consumed."""
         for q in (self.staged, self.decoded, self.queue):
             while True:
                 try:
-                    kind, payload, _, _ = q.get_nowait()
+                    kind, payload, _, _, _ = q.get_nowait()
                 except queue.Empty:
                     break
                 _release(self.dataset, kind, payload)

@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 
+from . import stall
 from .errors import GpuUnavailableError
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,8 @@ class BatchedDecoder:
         args = (self.handle, self.state, data.ctypes.data, sizes.ctypes.data, images.ctypes.data)
         if rois is None:
             call = "nvjpegDecodeBatched"
-            status = self.lib.nvjpegDecodeBatched(*args, ctypes.c_void_p(stream))
+            with stall.native(call):
+                status = self.lib.nvjpegDecodeBatched(*args, ctypes.c_void_p(stream))
         else:
             call = "nvjpegDecodeBatchedEx"
             params = self._decode_params(n)

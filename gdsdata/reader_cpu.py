@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 
-from . import settings
+from . import settings, stall
 from .errors import FormatError
 from .plan import Plan, plan_reads
 
@@ -40,7 +40,8 @@ class CpuReader:
         buffer = np.empty(plan.total, np.uint8)
         for read in plan.reads:
             view = memoryview(buffer[read.buffer_offset:read.buffer_offset + read.size])
-            got = os.preadv(self._fd(read.shard), [view], read.offset)
+            with stall.native("preadv"):
+                got = os.preadv(self._fd(read.shard), [view], read.offset)
             if got != read.size:
                 raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset "
                                   f"{read.offset} ({got} of {read.size} bytes): truncated shard")

@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import settings
+from . import settings, stall
 from .errors import FormatError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,8 @@ class StagingBuffer:
         self.busy = None  # CUDA event recorded after the last GPU work that read this buffer
 
     def ensure(self, nbytes: int) -> torch.Tensor:
-        if self.busy is not None:
-            self.busy.synchronize()  # the GPU has finished reading the previous batch
+        if self.busy is not None:  # the GPU has finished reading the previous batch
+            stall.wait(self.busy, "waiting for the GPU to finish reading a staging buffer")
             self.busy = None
         if self.tensor is None or self.tensor.numel() < nbytes:
             size = max(int(nbytes * _GROWTH), 1 << 20)
@@ -91,7 +91,7 @@ class StagingBuffer:
 
     def free(self):
         if self.busy is not None:
-            self.busy.synchronize()
+            stall.wait(self.busy, "waiting for the GPU to finish reading a staging buffer")
         self.busy = None
         self.tensor = None
 
@@ -491,7 +491,8 @@ class GpuReader:
                 dest = target[read.buffer_offset:read.buffer_offset + read.size]
             futures.append((read, self._file(read.shard).pread(dest, read.size, read.offset)))
         for read, future in futures:
-            got = future.get()
+            with stall.native("kvikio CuFile.pread"):
+                got = future.get()
             if got != read.size:
                 raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset {read.offset} "
                                   f"({got} of {read.size} bytes): truncated shard")

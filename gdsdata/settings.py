@@ -20,6 +20,8 @@
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
 | | | | gpu_hybrid, gpu_hybrid_device |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
+| stall_timeout | GDSDATA_STALL_TIMEOUT | 60 | seconds a Loader stage may spend on one batch before the |
+| | | | training loop gets a ``StallError`` naming the stage, the batch and the call it is stuck in |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
 when it does not come from NVIDIA's wheels.
@@ -40,6 +42,7 @@ _DEFAULTS = {
     "staging": "auto",
     "decode_backend": "auto",
     "verify_checksums": False,
+    "stall_timeout": 60.0,
 }
 _CHOICES = {
     "staging": ("auto", "device", "host"),
@@ -59,6 +62,14 @@ def _parse(name, value):
                 raise ValueError(f"setting {name}: expected a boolean, got {value!r}")
             return lowered in ("1", "true", "on", "yes")
         return bool(value)
+    if isinstance(default, float):
+        try:
+            number = float(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"setting {name}: expected a number of seconds, got {value!r}") from e
+        if not number > 0:
+            raise ValueError(f"setting {name}: must be positive, got {value!r}")
+        return number
     if isinstance(default, int):
         try:
             number = int(value)

@@ -1,0 +1,360 @@
+#!/usr/bin/env python3
+"""The training client: how fast a real train step runs when each input pipeline feeds it.
+
+A torchvision ResNet train step (bf16 autocast, channels_last, SGD with momentum, cudnn.benchmark,
+batch 256, 224 px) consumes batches from each input, in one run over the same images:
+
+  synthetic   random GPU tensors made once: the model's own ceiling
+  gdsdata     gdsdata.Loader over the packed JPEGs (RandomResizedCrop 224 + flip + normalise fp16)
+  raw         the same over a raw-pixel pack of the images (shorter side 256)
+  dali        DALI's file reader + mixed random-crop decode + resize + crop_mirror_normalize fp16
+              (when nvidia.dali imports)
+  dataloader  torch DataLoader + ImageFolder + PIL (RandomResizedCrop, flip, normalise), --workers
+
+Every (model, input, stream) row runs in a fresh process: a warm-up epoch, then --epochs timed
+epochs (median images/s); CPU-seconds per 1,000 images count the whole process (the training
+thread and DataLoader workers included); "GPU MiB" is the device memory in use during the timed
+epochs beyond what the same process used after training on synthetic input (the model, its
+activations and the CUDA context), i.e. what the input pipeline holds. ``--streams side`` adds rows
+with the train step on a side stream. A row that makes no step for --stall seconds is a hang.
+
+    python bench/train.py --dir /tmp/bench --out results/                 # the table
+    python bench/train.py --dir /tmp/bench --soak 10 --inputs gdsdata     # hangs in 10 processes each
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, HERE)
+
+BATCH = 256
+INPUTS = ("synthetic", "gdsdata", "raw", "dali", "dataloader")
+
+
+# --- one row, in its own process ------------------------------------------------------------------
+def _device_used():
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+class _Model:
+    """A torchvision classifier's train step, on the current stream or a side stream."""
+
+    def __init__(self, name, side):
+        import torch
+        import torchvision
+
+        torch.backends.cudnn.benchmark = True
+        self.torch = torch
+        self.model = getattr(torchvision.models, name)(num_classes=1000).cuda().to(memory_format=torch.channels_last)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5)
+        self.loss = torch.nn.CrossEntropyLoss()
+        self.stream = torch.cuda.Stream() if side else None
+
+    def step(self, images, labels):
+        torch = self.torch
+        if self.stream is not None:  # the input was made on the current stream
+            self.stream.wait_stream(torch.cuda.current_stream())
+            images.record_stream(self.stream)
+            labels.record_stream(self.stream)
+        with torch.cuda.stream(self.stream) if self.stream is not None else _nothing():
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = self.loss(self.model(images.contiguous(memory_format=torch.channels_last)), labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _synthetic(count):
+    import torch
+
+    images = torch.randn(BATCH, 3, 224, 224, device="cuda", dtype=torch.float16)
+    labels = torch.randint(0, 1000, (BATCH,), device="cuda")
+
+    def epoch():
+        for _ in range(count // BATCH):
+            yield images, labels
+
+    return epoch
+
+
+def _gdsdata(root):
+    import gdsdata
+
+    ds = gdsdata.GDSDataset(root, device="cuda")
+    loader = gdsdata.Loader(ds, BATCH, shuffle="full", drop_last=True,
+                            transform=gdsdata.RandomResizedCrop(224, dtype="float16"))
+    state = {"epoch": 0}
+
+    def epoch():
+        loader.set_epoch(state["epoch"])
+        state["epoch"] += 1
+        yield from loader
+
+    epoch.path = ds.path.describe() if hasattr(ds, "path") else ds._backend.describe()
+    return epoch
+
+
+def _dali(src, threads):
+    import nvidia.dali
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+    from peers import MEAN, STD
+
+    @pipeline_def(batch_size=BATCH, num_threads=threads, device_id=0, prefetch_queue_depth=2)
+    def train():
+        jpegs, labels = fn.readers.file(file_root=src, random_shuffle=True, name="r")
+        images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB)
+        images = fn.resize(images, resize_x=224, resize_y=224)
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT16, output_layout="CHW",
+                                          mean=[m * 255 for m in MEAN], std=[s * 255 for s in STD],
+                                          mirror=fn.random.coin_flip())
+        return images, labels.gpu()
+
+    pipe = train()
+    pipe.build()
+    iterator = DALIGenericIterator(pipe, ["images", "labels"], reader_name="r", auto_reset=True,
+                                   last_batch_policy=LastBatchPolicy.DROP)
+
+    def epoch():
+        for out in iterator:
+            yield out[0]["images"], out[0]["labels"].view(-1).long()
+
+    epoch.path = f"DALI {nvidia.dali.__version__}, {threads} threads"
+    return epoch
+
+
+def _dataloader(src, workers):
+    import torch
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+    from peers import MEAN, STD
+
+    transform = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+                                    transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+    loader = torch.utils.data.DataLoader(ImageFolder(src, transform=transform), batch_size=BATCH, shuffle=True,
+                                         num_workers=workers, pin_memory=True, drop_last=True,
+                                         persistent_workers=True, prefetch_factor=4)
+
+    def epoch():
+        for images, labels in loader:
+            yield images.cuda(non_blocking=True).half(), labels.cuda(non_blocking=True)
+
+    epoch.path = f"DataLoader, {workers} workers"
+    return epoch
+
+
+def run_row(args):
+    """One (model, input, stream) row in this process; prints one JSON line."""
+    import torch
+
+    from common import cpu_seconds
+
+    model = _Model(args.model, args.stream == "side")
+    progress = {"steps": 0, "t": time.monotonic()}
+
+    def watchdog():  # a pipeline without a watchdog of its own that hangs still ends the row
+        while True:
+            time.sleep(1)
+            if time.monotonic() - progress["t"] > args.stall:
+                print(json.dumps({"hang": True, "steps": progress["steps"]}), flush=True)
+                import faulthandler
+
+                faulthandler.dump_traceback(all_threads=True)
+                os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    warm = _synthetic(BATCH * 10)
+    for images, labels in warm():  # the model's kernels chosen and its memory in use before the input
+        model.step(images, labels)
+    torch.cuda.synchronize()
+    del warm, images, labels
+    baseline = _device_used()
+    if args.input == "synthetic":
+        epoch = _synthetic(args.count)
+    elif args.input == "gdsdata":
+        epoch = _gdsdata(args.jpeg)
+    elif args.input == "raw":
+        epoch = _gdsdata(args.raw)
+    elif args.input == "dali":
+        epoch = _dali(args.src, args.workers)
+    else:
+        epoch = _dataloader(args.src, args.workers)
+    rates, cpu, used, steps = [], [], [], 0
+    for e in range(1 + args.epochs):
+        torch.cuda.synchronize()
+        t0, c0, n = time.perf_counter(), cpu_seconds(), 0
+        for images, labels in epoch():
+            model.step(images, labels)
+            n += images.shape[0]
+            steps += 1
+            progress["steps"], progress["t"] = steps, time.monotonic()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if e:  # the first epoch warms the pipeline
+            rates.append(n / seconds)
+            cpu.append((cpu_seconds() - c0) / n * 1000)
+            used.append(_device_used() - baseline)
+    print(json.dumps({"hang": False, "model": args.model, "input": args.input, "stream": args.stream,
+                      "path": getattr(epoch, "path", ""), "images_per_s": statistics.median(rates),
+                      "rates": rates, "cpu_s_per_1k": statistics.median(cpu),
+                      "gpu_mib": max(used) / 2**20, "steps": steps}), flush=True)
+    os._exit(0)  # no teardown: DataLoader workers and pipelines end with the process
+
+
+# --- the run ----------------------------------------------------------------------------------------
+def prepare(args):
+    import gdsdata
+    from make_images import generate
+
+    src = os.path.join(args.dir, f"images-n{args.noise:g}")
+    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
+        t0 = time.perf_counter()
+        total = generate(src, args.count, classes=100, noise=args.noise, quality=92)
+        open(os.path.join(src, f".complete-{args.count}"), "w").close()
+        print(f"generated {args.count} images, mean {total / args.count / 1e3:.0f} KB, "
+              f"in {time.perf_counter() - t0:.0f} s", flush=True)
+    jpeg, raw = os.path.join(args.dir, f"jpeg-n{args.noise:g}.gds"), os.path.join(args.dir, f"raw-n{args.noise:g}.gds")
+    for root, options in ((jpeg, None), (raw, gdsdata.PackOptions(codec="raw", raw_size=256))):
+        if not os.path.exists(os.path.join(root, "index.gdsi")):
+            gdsdata.pack(src, root, overwrite=True, options=options)
+    from common import warm
+
+    warm([os.path.join(dirpath, f) for r in (jpeg, raw) for dirpath, _, files in os.walk(r) for f in files]
+         + [os.path.join(dirpath, f) for dirpath, _, files in os.walk(src) for f in files])
+    return src, jpeg, raw
+
+
+def spawn(args, model, source, stream, paths):
+    src, jpeg, raw = paths
+    command = [sys.executable, os.path.abspath(__file__), "--row", model, source, stream, "--src", src,
+               "--jpeg", jpeg, "--raw", raw, "--count", str(args.count), "--epochs", str(args.epochs),
+               "--workers", str(args.workers), "--stall", str(args.stall)]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.row_timeout)
+        out, err, rc = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, rc = e.stdout or "", e.stderr or "", "timeout"
+        out = out.decode() if isinstance(out, bytes) else out
+        err = err.decode() if isinstance(err, bytes) else err
+    result = None
+    for line in out.splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+    if result is None or result.get("hang"):
+        kind = "hang" if (result and result.get("hang")) or rc == "timeout" else f"failed (rc {rc})"
+        print(f"  {model} {source} {stream}: {kind}\n{err[-3000:]}", flush=True)
+        return {"model": model, "input": source, "stream": stream, "failed": kind,
+                "seconds": time.monotonic() - t0, "stderr": err[-3000:]}
+    result["seconds"] = time.monotonic() - t0
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="bench-data", help="working folder for images and datasets")
+    parser.add_argument("--count", type=int, default=10000, help="images (default 10000)")
+    parser.add_argument("--noise", type=float, default=11.0, help="image set noise (11: ~80 KB ImageNet-like JPEGs)")
+    parser.add_argument("--models", default="resnet50,resnet18")
+    parser.add_argument("--inputs", default=",".join(INPUTS), help=f"comma-separated, of {', '.join(INPUTS)}")
+    parser.add_argument("--streams", default="current", help="current, side or current,side")
+    parser.add_argument("--epochs", type=int, default=3, help="timed epochs per row, after one warm-up epoch")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers / DALI threads")
+    parser.add_argument("--stall", type=float, default=60.0, help="seconds without a step that make a hang")
+    parser.add_argument("--row-timeout", type=float, default=900.0)
+    parser.add_argument("--soak", type=int, default=0,
+                        help="instead of the table: N fresh processes per row, --epochs epochs each, hangs counted")
+    parser.add_argument("--out", default="bench-results", help="folder for train.json")
+    parser.add_argument("--row", nargs=3, metavar=("MODEL", "INPUT", "STREAM"), help=argparse.SUPPRESS)
+    parser.add_argument("--src", help=argparse.SUPPRESS)
+    parser.add_argument("--jpeg", help=argparse.SUPPRESS)
+    parser.add_argument("--raw", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.row:
+        args.model, args.input, args.stream = args.row
+        return run_row(args)
+
+    from common import print_system_block, system_block
+
+    os.makedirs(args.out, exist_ok=True)
+    system = system_block()
+    print_system_block(system)
+    paths = prepare(args)
+    models, streams = args.models.split(","), args.streams.split(",")
+    inputs = [i for i in args.inputs.split(",") if i]
+    if "dali" in inputs:
+        try:
+            import nvidia.dali  # noqa: F401
+        except ImportError as e:
+            print(f"DALI not importable ({e}): its rows skipped")
+            inputs.remove("dali")
+    results = []
+    if args.soak:
+        print(f"\n== soak: {args.soak} fresh processes per row, {1 + args.epochs} epochs each ==")
+        for model in models:
+            for source in inputs:
+                for stream in streams:
+                    runs = [spawn(args, model, source, stream, paths) for _ in range(args.soak)]
+                    hangs = sum(1 for r in runs if r.get("failed"))
+                    rates = [r["images_per_s"] for r in runs if not r.get("failed")]
+                    path = next((r.get("path") for r in runs if r.get("path")), "")
+                    print(f"  {model:<9} {source:<10} {stream:<7} processes {len(runs)}  not finished {hangs}  "
+                          f"images/s {min(rates, default=0):.0f}-{max(rates, default=0):.0f}  [{path}]", flush=True)
+                    results.append({"model": model, "input": source, "stream": stream, "processes": len(runs),
+                                    "not_finished": hangs, "runs": runs})
+                    _write(args, system, results)
+        return
+    print(f"\n== training client: batch {BATCH}, {args.epochs} timed epochs of {args.count} images after one "
+          f"warm-up, a fresh process per row ==")
+    for model in models:
+        for stream in streams:
+            for source in inputs:
+                result = spawn(args, model, source, stream, paths)
+                results.append(result)
+                if not result.get("failed"):
+                    print(f"  {model:<9} {source:<10} {stream:<7} {result['images_per_s']:>8.0f} images/s  "
+                          f"{result['cpu_s_per_1k']:.2f} CPU-s/1k  {result['gpu_mib']:>6.0f} MiB  [{result['path']}]",
+                          flush=True)
+                _write(args, system, results)
+    print("\n== summary ==")
+    print(f"{'model':<9} {'stream':<7} {'input':<10} {'images/s':>9} {'of synthetic':>13} {'CPU-s/1k':>9} "
+          f"{'GPU MiB':>8}")
+    for r in results:
+        if r.get("failed"):
+            print(f"{r['model']:<9} {r['stream']:<7} {r['input']:<10} {r['failed']:>9}")
+            continue
+        ceiling = next((s for s in results if s["model"] == r["model"] and s["stream"] == r["stream"]
+                        and s["input"] == "synthetic" and not s.get("failed")), None)
+        fraction = f"{r['images_per_s'] / ceiling['images_per_s']:.3f}" if ceiling else "-"
+        r["of_synthetic"] = fraction
+        print(f"{r['model']:<9} {r['stream']:<7} {r['input']:<10} {r['images_per_s']:>9.0f} {fraction:>13} "
+              f"{r['cpu_s_per_1k']:>9.2f} {r['gpu_mib']:>8.0f}")
+    _write(args, system, results)
+
+
+def _write(args, system, results):
+    with open(os.path.join(args.out, "train.json"), "w") as f:
+        json.dump({"system": system, "results": results}, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

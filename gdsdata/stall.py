@@ -1,0 +1,97 @@
+"""What each pipeline thread is doing, so that a stage that stops making progress becomes an error.
+
+A Loader's threads say which batch they work on (``Activity``); the calls that can block in native
+code (nvJPEG, CUDA event waits, kvikio reads, ``preadv``) say so with ``native("name")``. The
+consumer, waiting for a batch, asks ``stalled`` whether a thread has been on one batch for longer
+than the ``stall_timeout`` setting, and raises ``StallError`` naming the stage, the batch and the
+call it is stuck in.
+"""
+
+import contextlib
+import threading
+import time
+
+from .errors import StallError
+
+_calls = {}  # thread ident -> (native call, monotonic start)
+
+
+@contextlib.contextmanager
+def native(call: str):
+    """Mark the calling thread as inside the native call ``call`` for the duration of the block."""
+    ident = threading.get_ident()
+    outer = _calls.get(ident)
+    _calls[ident] = (call, time.monotonic())
+    try:
+        yield
+    finally:
+        if outer is None:
+            _calls.pop(ident, None)
+        else:
+            _calls[ident] = outer
+
+
+def wait(work, call: str, timeout: float = None):
+    """Wait until the CUDA ``work`` (an event or a stream) is done, at most ``timeout`` seconds
+    (default: the stall_timeout setting), polling so that the wait stays bounded; raises
+    ``StallError`` naming ``call``."""
+    if work.query():
+        return
+    from . import settings
+
+    timeout = settings.get("stall_timeout") if timeout is None else timeout
+    with native(call):
+        start = time.monotonic()
+        pause = 20e-6
+        while not work.query():
+            if time.monotonic() - start > timeout:
+                raise StallError(f"gdsdata: {call} did not finish within {timeout:g} s (the stall_timeout "
+                                 f"setting, GDSDATA_STALL_TIMEOUT): the GPU work it waits for is stuck")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+
+def native_call(thread: threading.Thread):
+    """(call, seconds inside it) for the native call ``thread`` is in, or None."""
+    entry = _calls.get(thread.ident)
+    return None if entry is None else (entry[0], time.monotonic() - entry[1])
+
+
+class Activity:
+    """One pipeline thread's current work item: the stage, the batch, since when (None: waiting on
+    a queue, which is not a stall of this stage)."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.thread = None
+        self.batch = None  # (epoch, batch number within the epoch)
+        self.since = None
+
+    def start(self, epoch, number):
+        self.thread = self.thread or threading.current_thread()
+        self.batch, self.since = (epoch, number), time.monotonic()
+
+    def stop(self):
+        self.since = None
+
+    def stuck_for(self, now: float) -> float:
+        return 0.0 if self.since is None else now - self.since
+
+
+def stalled(activities, timeout: float) -> StallError:
+    """A ``StallError`` for the activity stuck longest beyond ``timeout`` seconds, or None."""
+    now = time.monotonic()
+    stuck = max(activities, key=lambda a: a.stuck_for(now), default=None)
+    if stuck is None or stuck.stuck_for(now) <= timeout:
+        return None
+    epoch, number = stuck.batch
+    call = native_call(stuck.thread) if stuck.thread is not None else None
+    where = f"stuck in {call[0]} for {call[1]:.0f} s" if call else "not inside a native call gdsdata knows"
+    return StallError(f"gdsdata Loader: the {stage_name(stuck.stage)} made no progress for "
+                      f"{stuck.stuck_for(now):.0f} s on batch {number} of epoch {epoch} ({where}); "
+                      f"the bound is the stall_timeout setting (GDSDATA_STALL_TIMEOUT={timeout:g} s)")
+
+
+def stage_name(stage: str) -> str:
+    return {"read": "I/O thread (storage -> staging)", "decode": "decode thread",
+            "transform": "transform thread"}.get(stage, f"{stage} thread")

@@ -1,0 +1,78 @@
+"""Nothing hangs: a Loader stage stuck inside a call becomes a StallError in the training loop,
+naming the stage, the batch and the call, within the stall_timeout bound."""
+
+import threading
+import time
+
+import pytest
+
+import gdsdata
+from gdsdata import stall
+from conftest import loader_threads
+
+
+def _stuck_decode(ds, at_batch, release):
+    """Make the dataset's decode of its ``at_batch``-th batch block inside a named native call."""
+    original = ds._backend.decode
+    calls = {"n": 0}
+
+    def decode(staged, stream=None):
+        calls["n"] += 1
+        if calls["n"] == at_batch + 1:
+            with stall.native("fakeDecodeThatNeverReturns"):
+                release.wait(60)
+        return original(staged, stream)
+
+    ds._backend.decode = decode
+
+
+def test_a_stuck_decode_raises_naming_stage_batch_and_call(photos_dataset):
+    _, _, out = photos_dataset
+    release = threading.Event()
+    ds = gdsdata.GDSDataset(out)
+    _stuck_decode(ds, at_batch=2, release=release)
+    loader = gdsdata.Loader(ds, 8, shuffle=None, transform=gdsdata.CenterCrop(32, dtype="float32"))
+    got = 0
+    try:
+        with gdsdata.settings.set(stall_timeout=1.5):
+            t0 = time.monotonic()
+            with pytest.raises(gdsdata.StallError) as caught:
+                for _ in loader:
+                    got += 1
+            waited = time.monotonic() - t0
+        message = str(caught.value)
+        assert got == 2
+        assert "decode thread" in message and "batch 2 of epoch 0" in message
+        assert "fakeDecodeThatNeverReturns" in message and "GDSDATA_STALL_TIMEOUT" in message
+        assert isinstance(caught.value, gdsdata.GdsDataError)
+        assert waited < 1.5 + 5  # the bound, plus the poll and the bounded close
+    finally:
+        release.set()
+        ds.close()
+    deadline = time.monotonic() + 10
+    while loader_threads() and time.monotonic() < deadline:  # the stuck thread ends once released
+        time.sleep(0.05)
+    assert not loader_threads()
+
+
+def test_a_slow_but_moving_pipeline_is_not_a_stall(photos_dataset):
+    """Each batch takes longer than nothing, but none takes longer than the bound."""
+    _, _, out = photos_dataset
+    ds = gdsdata.GDSDataset(out)
+    original = ds._backend.decode
+
+    def slow(staged, stream=None):
+        time.sleep(0.3)
+        return original(staged, stream)
+
+    ds._backend.decode = slow
+    with gdsdata.settings.set(stall_timeout=1.0):
+        batches = list(gdsdata.Loader(ds, 16, shuffle=None))
+    assert len(batches) == 4
+    ds.close()
+
+
+def test_stall_timeout_setting_is_validated():
+    for bad in (0, -1, "soon"):
+        with pytest.raises(ValueError, match="stall_timeout"):
+            gdsdata.settings.set(stall_timeout=bad)
