@@ -5,7 +5,8 @@ A torchvision ResNet train step (bf16 autocast, channels_last, SGD with momentum
 batch 256, 224 px) consumes batches from each input, in one run over the same images:
 
   synthetic   random GPU tensors made once: the model's own ceiling
-  gdsdata     gdsdata.Loader over the packed JPEGs (RandomResizedCrop 224 + flip + normalise fp16)
+  gdsdata     gdsdata.Loader over the packed JPEGs (RandomResizedCrop 224 + flip + normalise fp16);
+              gdsdata:BACKEND forces an nvJPEG backend (GDSDATA_DECODE_BACKEND), e.g. gdsdata:hardware_device
   raw         the same over a raw-pixel pack of the images (shorter side 256)
   dali        DALI's file reader + mixed random-crop decode + resize + crop_mirror_normalize fp16
               (when nvidia.dali imports)
@@ -110,6 +111,7 @@ def _gdsdata(root):
         yield from loader
 
     epoch.path = ds.path.describe() if hasattr(ds, "path") else ds._backend.describe()
+    epoch.stats = loader.stats
     return epoch
 
 
@@ -190,7 +192,12 @@ def run_row(args):
     baseline = _device_used()
     if args.input == "synthetic":
         epoch = _synthetic(args.count)
-    elif args.input == "gdsdata":
+    elif args.input.startswith("gdsdata"):
+        if ":" in args.input:
+            os.environ["GDSDATA_DECODE_BACKEND"] = args.input.split(":", 1)[1]
+            from gdsdata import settings
+
+            settings.set(decode_backend=args.input.split(":", 1)[1])
         epoch = _gdsdata(args.jpeg)
     elif args.input == "raw":
         epoch = _gdsdata(args.raw)
@@ -198,8 +205,10 @@ def run_row(args):
         epoch = _dali(args.src, args.workers)
     else:
         epoch = _dataloader(args.src, args.workers)
-    rates, cpu, used, steps = [], [], [], 0
+    rates, cpu, used, steps, stages = [], [], [], 0, None
     for e in range(1 + args.epochs):
+        if e == 1 and hasattr(epoch, "stats"):
+            stages = epoch.stats()
         torch.cuda.synchronize()
         t0, c0, n = time.perf_counter(), cpu_seconds(), 0
         for images, labels in epoch():
@@ -213,7 +222,12 @@ def run_row(args):
             rates.append(n / seconds)
             cpu.append((cpu_seconds() - c0) / n * 1000)
             used.append(_device_used() - baseline)
+    if stages is not None:  # the Loader's stage times over the timed epochs, ms per batch
+        from common import stage_ms
+
+        stages = stage_ms(epoch.stats(), stages)
     print(json.dumps({"hang": False, "model": args.model, "input": args.input, "stream": args.stream,
+                      "stages_ms_per_batch": stages,
                       "path": getattr(epoch, "path", ""), "images_per_s": statistics.median(rates),
                       "rates": rates, "cpu_s_per_1k": statistics.median(cpu),
                       "gpu_mib": max(used) / 2**20, "steps": steps}), flush=True)
@@ -277,6 +291,8 @@ def main(argv=None):
     parser.add_argument("--models", default="resnet50,resnet18")
     parser.add_argument("--inputs", default=",".join(INPUTS), help=f"comma-separated, of {', '.join(INPUTS)}")
     parser.add_argument("--streams", default="current", help="current, side or current,side")
+    parser.add_argument("--side-inputs", default="synthetic,gdsdata",
+                        help="the inputs that get side-stream rows too (with --streams current,side)")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per row, after one warm-up epoch")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers / DALI threads")
     parser.add_argument("--stall", type=float, default=60.0, help="seconds without a step that make a hang")
@@ -299,6 +315,8 @@ def main(argv=None):
     system = system_block()
     print_system_block(system)
     paths = prepare(args)
+    if not args.models:
+        return
     models, streams = args.models.split(","), args.streams.split(",")
     inputs = [i for i in args.inputs.split(",") if i]
     if "dali" in inputs:
@@ -325,15 +343,21 @@ def main(argv=None):
         return
     print(f"\n== training client: batch {BATCH}, {args.epochs} timed epochs of {args.count} images after one "
           f"warm-up, a fresh process per row ==")
+    side_inputs = set(args.side_inputs.split(","))
     for model in models:
         for stream in streams:
             for source in inputs:
+                if stream == "side" and source not in side_inputs:
+                    continue
                 result = spawn(args, model, source, stream, paths)
                 results.append(result)
                 if not result.get("failed"):
                     print(f"  {model:<9} {source:<10} {stream:<7} {result['images_per_s']:>8.0f} images/s  "
                           f"{result['cpu_s_per_1k']:.2f} CPU-s/1k  {result['gpu_mib']:>6.0f} MiB  [{result['path']}]",
                           flush=True)
+                    if result.get("stages_ms_per_batch"):
+                        print("      ms per batch: " + ", ".join(f"{k} {v}" for k, v in
+                                                              result["stages_ms_per_batch"].items()), flush=True)
                 _write(args, system, results)
     print("\n== summary ==")
     print(f"{'model':<9} {'stream':<7} {'input':<10} {'images/s':>9} {'of synthetic':>13} {'CPU-s/1k':>9} "

@@ -30,9 +30,22 @@ log = logging.getLogger(__name__)
 BACKENDS = {"default": 0, "gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
 DEVICE_BITSTREAM_BACKENDS = {"gpu_hybrid_device", "hardware_device"}
 OUTPUT_RGBI = 5
-# nvjpegCreateEx flag: upsample chroma with interpolation, as libjpeg's "fancy upsampling" does,
-# rather than by replication; brings GPU pixels closer to the CPU decoders'.
+# nvjpegCreateEx flags (nvjpeg.h):
+# - HW_DECODE_NO_PIPELINE: the hardware backends finish a call's work before the next call starts.
+#   Pipelined (nvJPEG's default), each call first waits inside nvJPEG (cuEventSynchronize) for work
+#   the previous call left on nvJPEG's internal streams, and beside a model training on the same GPU
+#   that wait never returned: the internal work never ran, while every stream of gdsdata and of the
+#   training loop was idle. It never hung with the pipeline off, nor with a CUDA_DEVICE_MAX_CONNECTIONS
+#   of 32 instead of 8 (each stream its own hardware queue), which points at a false dependency between
+#   nvJPEG's internal streams sharing one of the GPU's hardware queues (docs/design.md).
+# - ENABLE_MEMORY_POOLS: nvJPEG keeps its device and pinned buffers in pools rather than allocating
+#   and freeing them per call (a cudaFree waits for the whole GPU, training included).
+# - UPSAMPLING_WITH_INTERPOLATION: chroma upsampled with interpolation, as libjpeg's "fancy
+#   upsampling" does, rather than by replication; brings GPU pixels closer to the CPU decoders'.
+FLAG_HW_DECODE_NO_PIPELINE = 1
+FLAG_ENABLE_MEMORY_POOLS = 1 << 1
 FLAG_UPSAMPLING_WITH_INTERPOLATION = 1 << 5
+HARDWARE_BACKENDS = {"hardware", "hardware_device"}
 _MAX_COMPONENT = 4
 _STATUS = {
     0: "SUCCESS", 1: "NOT_INITIALIZED", 2: "INVALID_PARAMETER", 3: "BAD_JPEG", 4: "JPEG_NOT_SUPPORTED",
@@ -176,19 +189,33 @@ class BatchedDecoder:
         if share is not None:
             self.handle, self.interpolated = share.handle, share.interpolated
         else:
-            self.interpolated = True
-            status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, FLAG_UPSAMPLING_WITH_INTERPOLATION,
-                                             ctypes.byref(self.handle))
-            if status != 0:  # a library or backend without the flag: plain upsampling
-                self.interpolated = False
-                status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0, ctypes.byref(self.handle))
-            _check(f"nvjpegCreateEx({backend})", status)
+            self.interpolated = self._create(backend)
         try:
             _check("nvjpegJpegStateCreate", self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)))
         except NvjpegError:
             if share is None:
                 self.lib.nvjpegDestroy(self.handle)
             raise
+
+    def _create(self, backend) -> bool:
+        """Create the handle with the flags above; returns whether chroma is interpolated. The
+        hardware backends are never created pipelined: a library that creates them only so is an
+        error, a GPU without the engines an ``NvjpegError`` (as from any failed creation)."""
+        required = FLAG_HW_DECODE_NO_PIPELINE if backend in HARDWARE_BACKENDS else 0
+        status = None
+        for optional in (FLAG_ENABLE_MEMORY_POOLS | FLAG_UPSAMPLING_WITH_INTERPOLATION,
+                         FLAG_UPSAMPLING_WITH_INTERPOLATION, 0):
+            status = self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, required | optional,
+                                             ctypes.byref(self.handle))
+            if status == 0:
+                return bool(optional & FLAG_UPSAMPLING_WITH_INTERPOLATION)
+        if required and self.lib.nvjpegCreateEx(BACKENDS[backend], None, None, 0, ctypes.byref(self.handle)) == 0:
+            self.lib.nvjpegDestroy(self.handle)
+            self.handle = ctypes.c_void_p()
+            raise GpuUnavailableError(f"this nvJPEG ({self.lib.path}) creates a {backend} decoder only with its "
+                                      f"pipeline on (no NVJPEG_FLAGS_HW_DECODE_NO_PIPELINE), which can hang "
+                                      f"beside training; nvJPEG 11.4 or newer has the flag")
+        _check(f"nvjpegCreateEx({backend})", status)
 
     def hardware_info(self):
         """(engines, cores per engine) of the hardware decoder; raises where there is none."""

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Train an ImageNet classifier on gdsdata batches: DDP, bf16 autocast, channels_last, exact resume.
+
+    gdsdata pack /data/imagenet/train /data/train.gds
+    gdsdata pack /data/imagenet/val /data/val.gds
+    torchrun --nproc_per_node=8 examples/train_imagenet.py --train /data/train.gds --val /data/val.gds \\
+        --arch resnet50 --epochs 90 --checkpoint /ckpt/resnet50.pt
+
+Run it again with the same --checkpoint after an interruption: it resumes mid-epoch, at the exact
+batch the checkpoint was written after (the Loader's state_dict is part of the checkpoint). Without a
+GPU it trains on the CPU (gloo), which is how the tests run it.
+"""
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torchvision
+
+import gdsdata
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train", required=True, help="packed training set (gdsdata pack)")
+    parser.add_argument("--val", help="packed validation set")
+    parser.add_argument("--arch", default="resnet50", help="a torchvision.models classifier")
+    parser.add_argument("--epochs", type=int, default=90)
+    parser.add_argument("--batch-size", type=int, default=256, help="per GPU")
+    parser.add_argument("--lr", type=float, default=0.1, help="for a global batch of 256, scaled linearly")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=5e-5)
+    parser.add_argument("--warmup-epochs", type=float, default=1.0)
+    parser.add_argument("--size", type=int, default=224, help="training crop")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", help="path to write every --checkpoint-every steps and resume from")
+    parser.add_argument("--checkpoint-every", type=int, default=1000, help="steps")
+    parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all epochs)")
+    parser.add_argument("--log-every", type=int, default=100)
+    return parser.parse_args(argv)
+
+
+def setup():
+    """(rank, world size, device): one process per GPU under torchrun, or a single process."""
+    if "RANK" in os.environ:
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return rank, world, device
+
+
+def lr_at(step, total, warmup, base):
+    """Linear warm-up, then cosine decay to zero."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return 0.5 * base * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def evaluate(model, loader, device, world):
+    model.eval()
+    correct = torch.zeros((), device=device)
+    seen = torch.zeros((), device=device)
+    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16):
+        for images, labels in loader:
+            logits = model(images.contiguous(memory_format=torch.channels_last))
+            correct += (logits.argmax(1) == labels).sum()
+            seen += labels.numel()
+    if world > 1:
+        dist.all_reduce(correct)
+        dist.all_reduce(seen)
+    model.train()
+    return (correct / seen.clamp(min=1)).item()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = setup()
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.benchmark = True
+    dtype = "float16" if device.type == "cuda" else "float32"
+
+    train_ds = gdsdata.GDSDataset(args.train, device=device)
+    train = gdsdata.Loader(train_ds, args.batch_size, shuffle="full", seed=args.seed, drop_last=True,
+                           transform=gdsdata.RandomResizedCrop(args.size, dtype=dtype, seed=args.seed))
+    val = None
+    if args.val:
+        val_ds = gdsdata.GDSDataset(args.val, device=device)
+        val = gdsdata.Loader(val_ds, args.batch_size, shuffle=None,
+                             transform=gdsdata.CenterCrop(args.size, resize=round(args.size / 0.875), dtype=dtype))
+    steps_per_epoch = len(train)  # per rank, before any resume
+    total_steps = args.epochs * steps_per_epoch
+
+    model = getattr(torchvision.models, args.arch)(num_classes=len(train_ds.classes))
+    model = model.to(device, memory_format=torch.channels_last)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
+                                                          else None)
+    base_lr = args.lr * args.batch_size * world / 256
+    optimizer = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    step = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        state = torch.load(args.checkpoint, map_location=device, weights_only=False)
+        getattr(model, "module", model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        train.load_state_dict(state["loader"])  # the same on every rank: where the epoch stands
+        step = state["step"]
+        if rank == 0:
+            print(f"resumed at step {step} (epoch {train.epoch})", flush=True)
+
+    warmup = int(args.warmup_epochs * steps_per_epoch)
+    t0, seen = time.perf_counter(), 0
+    while step < total_steps and not (args.max_steps and step >= args.max_steps):
+        epoch = train.epoch  # set_epoch is done by the loader itself after a full epoch or a resume
+        for images, labels in train:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, total_steps, warmup, base_lr)
+            with torch.autocast(device.type, torch.bfloat16):
+                loss = criterion(model(images.contiguous(memory_format=torch.channels_last)), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            seen += labels.numel() * world
+            if rank == 0 and step % args.log_every == 0:
+                rate = seen / (time.perf_counter() - t0)
+                print(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.3f} "
+                      f"lr {optimizer.param_groups[0]['lr']:.4f} {rate:.0f} images/s", flush=True)
+            if args.checkpoint and step % args.checkpoint_every == 0:
+                save(args.checkpoint, model, optimizer, train, step, rank)
+            if args.max_steps and step >= args.max_steps:
+                break
+        if val is not None and not (args.max_steps and step >= args.max_steps):
+            top1 = evaluate(model, val, device, world)
+            if rank == 0:
+                print(f"epoch {epoch}: validation top-1 {top1 * 100:.2f} %", flush=True)
+    if args.checkpoint:
+        save(args.checkpoint, model, optimizer, train, step, rank)
+    train.close()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def save(path, model, optimizer, loader, step, rank):
+    """Rank 0 writes the model, the optimizer and the Loader's state (the same on every rank),
+    atomically: a crash while writing leaves the previous checkpoint."""
+    if rank != 0:
+        return
+    tmp = f"{path}.tmp"
+    torch.save({"model": getattr(model, "module", model).state_dict(), "optimizer": optimizer.state_dict(),
+                "loader": loader.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()
