@@ -14,7 +14,7 @@ def _run(args, tmp_path, torchrun=0):
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), ".."), "OMP_NUM_THREADS": "1"}
     prefix = [sys.executable]
     if torchrun:
-        prefix += ["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", "--master_port=0"]
+        prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
     done = subprocess.run(prefix + [EXAMPLE] + args, capture_output=True, text=True, timeout=600, env=env,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
