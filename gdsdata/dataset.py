@@ -11,14 +11,13 @@ staging buffer lives and who decodes (``reader_cpu``/``decode_cpu`` here, the GP
 import logging
 import os
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from . import index as index_io
-from . import settings
-from .decode_cpu import check_crc, decode
+from . import settings, stall
+from .decode_cpu import check_crc, cpu_pool, decode
 from .batch import PixelBatch, Staged
 from .errors import CorruptSampleError
 from .reader_cpu import CpuReader
@@ -34,14 +33,6 @@ class _CpuBackend:
         self.index = index
         self.reader = CpuReader(index)
         self.verify = verify
-        self._pool = None
-        self._pool_pid = None
-
-    def _executor(self):
-        if self._pool is None or self._pool_pid != os.getpid():
-            self._pool = ThreadPoolExecutor(settings.get("cpu_threads"), thread_name_prefix="gdsdata-cpu-decode")
-            self._pool_pid = os.getpid()
-        return self._pool
 
     def read(self, indices) -> Staged:
         buffer, plan = self.reader.read(indices)
@@ -76,15 +67,13 @@ class _CpuBackend:
         if len(indices) == 1:
             decode_one(0)
         else:
-            list(self._executor().map(decode_one, range(len(indices))))
+            with stall.native("CPU decode (libjpeg-turbo) on the cpu_threads pool"):
+                list(cpu_pool().map(decode_one, range(len(indices))))
         return PixelBatch(torch.from_numpy(arena), offsets, heights, widths, np.full(len(indices), 3),
                           errors, owned=True)
 
     def close(self):
         self.reader.close()
-        if self._pool is not None and self._pool_pid == os.getpid():
-            self._pool.shutdown(wait=True)
-        self._pool = None
 
     def __getstate__(self):
         return {"index": self.index, "verify": self.verify}
@@ -123,6 +112,7 @@ class GDSDataset(torch.utils.data.Dataset):
         else:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self._labels = self.index.samples["label"].astype(np.int64)
+        self._labels.flags.writeable = False
 
     def __len__(self):
         return len(self.index)
@@ -137,7 +127,18 @@ class GDSDataset(torch.utils.data.Dataset):
 
     @property
     def targets(self):
+        """Every sample's label, as torchvision's ImageFolder has them."""
         return self._labels.tolist()
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Every sample's label as an int64 array (read-only)."""
+        return self._labels
+
+    @property
+    def fingerprint(self) -> str:
+        """The dataset's identity (its pack id and index checksum): what a Loader state is valid for."""
+        return self.index.fingerprint
 
     @property
     def meta(self):
@@ -188,6 +189,15 @@ class GDSDataset(torch.utils.data.Dataset):
             batch.release(stream or self._stream())
             return self._backend.load_batch(indices, stream), indices
         return batch, indices
+
+    def release_staged(self, staged):
+        """Hand back the staging buffer of a batch from ``read_staged`` that will not be decoded."""
+        if staged.slot is not None:
+            self._backend.release(staged)
+
+    def register_pass(self, active):
+        """A Loader pass reading from this dataset: ``close()`` stops it."""
+        self._passes.add(active)
 
     def _replacement(self, index, error):
         self.skipped += 1

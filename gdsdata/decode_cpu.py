@@ -4,13 +4,32 @@ JPEGs are decoded with simplejpeg (libjpeg-turbo, releases the GIL): on our 2-co
 decoded 1.4x as many images per second as PIL and gave identical pixels (docs/benchmarks.md).
 """
 
+import os
+import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import simplejpeg
 
 from . import format as fmt
+from . import settings
 from .errors import CorruptSampleError
+
+_pool = {"executor": None, "pid": None, "size": None}
+_pool_lock = threading.Lock()
+
+
+def cpu_pool() -> ThreadPoolExecutor:
+    """The process's CPU worker threads (the cpu_threads setting), shared by CPU decoding and CPU
+    resampling, so that the two stages of a Loader share the cores; made again in a forked child
+    or when the setting changes."""
+    size = settings.get("cpu_threads")
+    with _pool_lock:
+        if _pool["executor"] is None or _pool["pid"] != os.getpid() or _pool["size"] != size:
+            _pool.update(executor=ThreadPoolExecutor(size, thread_name_prefix="gdsdata-cpu"), pid=os.getpid(),
+                         size=size)
+        return _pool["executor"]
 
 
 def check_crc(payload, record, name):

@@ -21,6 +21,12 @@ class Index:
     samples: np.ndarray  # SAMPLE_RECORD
     strings: bytes
     meta: dict
+    body_crc32: int = 0  # of the index body: changes with any sample, shard or class
+
+    @property
+    def fingerprint(self) -> str:
+        """The dataset's identity: its id (from packing) and its index's checksum."""
+        return f"{self.dataset_id.hex()}-{self.body_crc32:08x}"
 
     @property
     def classes(self):
@@ -133,7 +139,7 @@ def load(root) -> Index:
         raise FormatError(f"{path}: {len(classes)} class names, header says {header['num_classes']}")
     index = Index(root, int(header["alignment"]), bytes(header["dataset_id"]),
                   np.frombuffer(shards_raw, fmt.SHARD_RECORD).copy(),
-                  np.frombuffer(samples_raw, fmt.SAMPLE_RECORD).copy(), strings, meta)
+                  np.frombuffer(samples_raw, fmt.SAMPLE_RECORD).copy(), strings, meta, int(header["body_crc32"]))
     _check(index, path)
     return index
 

@@ -1,10 +1,9 @@
 """``Loader``: batches for a training loop, prefetched, sharded over ranks, resumable mid-epoch.
 
-    loader = gdsdata.Loader(ds, batch_size=256, shuffle="full", seed=0,
-                            transform=gdsdata.RandomResizedCrop(224))
+    loader = gdsdata.Loader(ds, batch_size=256, shuffle=True, transform=gdsdata.RandomResizedCrop(224))
     for epoch in range(epochs):
         loader.set_epoch(epoch)
-        for images, labels in loader:   # images: N x 3 x 224 x 224 float16 on ds.device
+        for images, labels in loader:   # images: N x 3 x 224 x 224, float16 on the GPU, float32 on the CPU
             ...
     state = loader.state_dict()         # save with the checkpoint; load_state_dict() resumes
 
@@ -17,6 +16,7 @@ by that stream. Breaking out of the loop, an exception, or ``close()`` stops the
 their buffers.
 """
 
+import hashlib
 import logging
 import queue
 import threading
@@ -43,84 +43,172 @@ def _distributed_rank():
 
 
 class Loader:
-    """Iterates ``(images, labels)`` over a ``GDSDataset`` on its device.
+    """Iterates ``(images, labels)`` over a ``GDSDataset`` on its device, as torch's DataLoader does
+    (with torchdata ``StatefulDataLoader``'s resume).
 
-    ``shuffle``: "full" (a seeded permutation per epoch), "block" (locality-friendly, see
-    ``sampler``) or None. ``rank``/``world_size``: default from ``torch.distributed`` when it is
-    initialised. ``drop_last``: drop the uneven tail (per rank and the last partial batch) instead of
-    padding. ``transform``: a ``RandomResizedCrop`` or ``CenterCrop``; without one, images is a
-    list of uint8 CHW tensors, or with ``pixels=True`` the ``PixelBatch`` itself (decoded pixels of
-    every size in one buffer, for custom GPU transforms; valid until the next batch is asked for).
+    Parameters
+    ----------
+    dataset : GDSDataset or torch.utils.data.Subset of one
+        What to read; a Subset (``random_split`` gives those) reads only its samples.
+    batch_size : int
+        Samples per batch.
+    shuffle : bool or str
+        True or "full": a seeded permutation per epoch (the default; torch's DataLoader defaults to
+        False); "block": locality-friendly runs of ``block_size`` samples shuffled within windows of
+        ``window`` blocks (``sampler``); False or None: dataset order.
+    seed : int
+        The epoch orders, crops and flips are functions of (seed, epoch, sample).
+    drop_last : bool
+        Drop the uneven tail (per rank, and the last partial batch) instead of padding it.
+    transform : RandomResizedCrop or CenterCrop, optional
+        The crop done inside the pipeline, on the dataset's device. Without one, ``images`` is a
+        list of uint8 CHW tensors of each image's size.
+    batch_transform : callable, optional
+        ``batch_transform(images, labels) -> (images, labels)`` on each batch after the crop, on
+        the pipeline's transform thread (and CUDA stream): torchvision v2 transforms, CutMix or
+        MixUp, kornia (``lambda x, y: (aug(x), y)``), anything torch-like.
+    indices : sequence of int, optional
+        Read only these samples of ``dataset`` (as ``torch.utils.data.Subset``).
+    prefetch : int
+        Batches prepared ahead of the training loop.
+    rank, world_size : int, optional
+        This process's share under DDP; by default from ``torch.distributed`` when initialised.
+    pixels : bool
+        Hand on the decoded ``PixelBatch`` itself (every image's pixels in one buffer), for custom
+        GPU transforms; valid until the next batch is asked for.
+
+    Notes
+    -----
+    ``len(loader)`` is the number of batches of an epoch for this rank. Each ``iter(loader)`` starts
+    a pass at the beginning of the current epoch, except right after ``load_state_dict``, where it
+    continues at the saved batch (``batches_left()`` says how many remain). After a full epoch the
+    loader is at the next one (``epoch``), whose first batches are already being read; ``set_epoch``
+    picks an epoch explicitly.
     """
 
-    def __init__(self, dataset, batch_size, *, shuffle="full", seed=0, drop_last=False, transform=None,
-                 prefetch=2, rank=None, world_size=None, block_size=64, window=16, pixels=False):
+    def __init__(self, dataset, batch_size=1, *, shuffle=True, seed=0, drop_last=False, transform=None,
+                 batch_transform=None, indices=None, prefetch=2, rank=None, world_size=None, block_size=64,
+                 window=16, pixels=False):
+        dataset, self._indices = _source(dataset, indices)
+        batch_size = _count("batch_size", batch_size)
+        seed = _count("seed", seed, minimum=0)
+        if seed >= 2**63:
+            raise ValueError(f"seed must be below 2**63, got {seed}")
         if rank is None or world_size is None:
             detected_rank, detected_world = _distributed_rank()
             rank = detected_rank if rank is None else rank
             world_size = detected_world if world_size is None else world_size
+        world_size = _count("world_size", world_size)
+        rank = _count("rank", rank, minimum=0)
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if not isinstance(drop_last, (bool, np.bool_)):
+            raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
         self.dataset = dataset
-        self.spec = ShardSpec(len(dataset), world_size, rank, batch_size, drop_last, shuffle, seed,
-                              block_size, window)
+        size = len(dataset) if self._indices is None else len(self._indices)
+        self.spec = ShardSpec(size, world_size, rank, batch_size, bool(drop_last), _shuffle(shuffle), seed,
+                              _count("block_size", block_size), _count("window", window))
+        if transform is not None and not isinstance(transform, (T.RandomResizedCrop, T.CenterCrop)):
+            raise TypeError(
+                f"transform= takes gdsdata.RandomResizedCrop or gdsdata.CenterCrop (the crop done inside the "
+                f"pipeline), got {type(transform).__name__}; pass torchvision v2 transforms and other callables as "
+                f"batch_transform=(images, labels) -> (images, labels), after the crop, or per sample as "
+                f"GDSDataset(..., transform=) with torch's DataLoader")
+        if batch_transform is not None and not callable(batch_transform):
+            raise TypeError(f"batch_transform must be a callable (images, labels) -> (images, labels), got "
+                            f"{type(batch_transform).__name__}")
         self.transform = transform
+        self.batch_transform = batch_transform
         self.pixels = bool(pixels)
-        if self.pixels and transform is not None:
-            raise ValueError("pixels=True hands on decoded pixels; it takes no transform")
-        self.prefetch = max(1, int(prefetch))
+        if self.pixels and (transform is not None or batch_transform is not None):
+            raise ValueError("pixels=True hands on decoded pixels; it takes no transform or batch_transform")
+        self.prefetch = _count("prefetch", prefetch)
         self.epoch = 0
         self._consumed = None  # mask of samples delivered by earlier segments of this epoch
         self._done = 0  # batches delivered in the current segment
+        self._resume = False  # a state was loaded: the next pass continues it
         self._active = None  # weak reference to the pass being iterated
         self._carry = None  # a pass that finished an epoch and already reads the next one
+        self._fingerprint = None
 
     # --- epochs and state -------------------------------------------------------------------
     def set_epoch(self, epoch: int):
-        """Start ``epoch`` from its beginning (as ``DistributedSampler.set_epoch``). After a full
-        epoch the loader is already at the next one, whose first batches are being prefetched."""
-        epoch = int(epoch)
-        if epoch != self.epoch or self._done or self._consumed is not None:
+        """Make the next pass read ``epoch`` (as ``DistributedSampler.set_epoch``). Setting the epoch
+        a loaded state is in keeps the resume; another epoch starts from its beginning."""
+        epoch = _count("epoch", epoch, minimum=0)
+        if epoch != self.epoch:
             self.epoch = epoch
-            self._consumed, self._done = None, 0
+            self._consumed, self._done, self._resume = None, 0, False
 
     def __len__(self):
-        if self._consumed is None and self._done == 0:
-            return batches_per_epoch(self.spec)
+        """Batches per epoch for this rank."""
+        return batches_per_epoch(self.spec)
+
+    def batches_left(self) -> int:
+        """Batches the pass being iterated (or, after ``load_state_dict``, the next one) still delivers."""
+        active = self._active() if self._active is not None else None
+        if active is None and not self._resume:
+            return len(self)
         return len(rank_batches(self.spec, self.epoch, self._consumed)) - self._done
 
     def state_dict(self) -> dict:
+        """Where the epoch stands (the same on every rank): save it with the checkpoint."""
         consumed = None if self._consumed is None else np.packbits(self._consumed).tobytes()
-        return {"epoch": self.epoch, "batches_done": self._done, "consumed": consumed,
-                "size": self.spec.size, "seed": self.spec.seed, "shuffle": self.spec.shuffle,
-                "block_size": self.spec.block_size, "window": self.spec.window,
-                "world_size": self.spec.world_size, "batch_size": self.spec.batch_size,
-                "drop_last": self.spec.drop_last}
+        return {"version": _STATE_VERSION, "dataset": self._dataset_fingerprint(), "epoch": self.epoch,
+                "batches_done": self._done, "consumed": consumed, "size": self.spec.size,
+                "seed": self.spec.seed, "shuffle": self.spec.shuffle, "block_size": self.spec.block_size,
+                "window": self.spec.window, "world_size": self.spec.world_size,
+                "batch_size": self.spec.batch_size, "drop_last": self.spec.drop_last}
 
     def load_state_dict(self, state: dict):
+        """Continue where ``state`` (from ``state_dict``) stood: the next pass resumes there. With
+        another world size, batch size or drop_last, the samples the old ranks had not yet delivered
+        are split over the new ones, so the epoch still delivers each sample once."""
         self.close()
-        for key in ("size", "seed", "shuffle", "block_size", "window"):
-            if state[key] != getattr(self.spec, key):
-                raise ValueError(f"cannot resume: the saved loader had {key}={state[key]!r}, this one has "
-                                 f"{getattr(self.spec, key)!r}")
+        state = _checked_state(state, self.spec, self._dataset_fingerprint())
         consumed = None
         if state["consumed"] is not None:
             consumed = np.unpackbits(np.frombuffer(state["consumed"], np.uint8), count=self.spec.size).astype(bool)
-        self.epoch = state["epoch"]
         same = all(state[k] == getattr(self.spec, k) for k in ("world_size", "batch_size", "drop_last"))
         if same:
+            left = len(rank_batches(self.spec, state["epoch"], consumed))
+            if state["batches_done"] > left:
+                raise ValueError(f"cannot resume: the state says {state['batches_done']} batches of the epoch were "
+                                 f"delivered, but it has {left}")
             self._consumed, self._done = consumed, state["batches_done"]
         else:  # another topology: what the old ranks delivered is out, the rest is re-split
             old = ShardSpec(**{**self.spec.__dict__, "rank": 0, "world_size": state["world_size"],
                                "batch_size": state["batch_size"], "drop_last": state["drop_last"]})
-            self._consumed = consumed_after(old, self.epoch, consumed, state["batches_done"])
+            self._consumed = consumed_after(old, state["epoch"], consumed, state["batches_done"])
             self._done = 0
+        self.epoch = state["epoch"]
+        self._resume = True
+
+    def _dataset_fingerprint(self) -> str:
+        """What a state is valid for: the dataset's identity and the samples this loader reads."""
+        if self._fingerprint is None:
+            digest = hashlib.blake2b(self.dataset.fingerprint.encode(), digest_size=16)
+            if self._indices is not None:
+                digest.update(self._indices.tobytes())
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     def indices(self):
-        """The sample indices of this rank's remaining batches in the current epoch, one array per
-        batch: what iterating will read (with ``on_error="skip"`` a bad sample is replaced)."""
-        return rank_batches(self.spec, self.epoch, self._consumed)[self._done:]
+        """The dataset indices of this rank's batches still to come in the current epoch (after
+        ``load_state_dict``: of the resumed pass), one array per batch: what iterating reads (with
+        ``on_error="skip"`` a bad sample is replaced)."""
+        if not self._resume and (self._active is None or self._active() is None):
+            return self._mapped(rank_batches(self.spec, self.epoch))
+        return self._mapped(rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
+
+    def _mapped(self, batches):
+        return batches if self._indices is None else [self._indices[b] for b in batches]
 
     # --- iteration ----------------------------------------------------------------------------
     def __iter__(self):
+        if not self._resume:  # a new pass starts its epoch from the beginning
+            self._consumed, self._done = None, 0
+        self._resume = False
         carry, self._carry = self._carry, None
         if carry is not None and carry.epoch == self.epoch and not self._done and self._consumed is None:
             self._active = weakref.ref(carry)  # the pipeline runs on into this epoch
@@ -128,21 +216,26 @@ class Loader:
         if carry is not None:
             carry.close()
         self.close()
-        active = _Prefetcher(self, self.epoch, self.indices())
+        batches = self._mapped(rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
+        active = _Prefetcher(self, self.epoch, batches)
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
         return active
 
     def stats(self) -> dict:
-        """Where the current pass (since the first epoch it served) spent its time: a
-        ``PipelineStats`` as a dict, or None before iterating. The stage that is never blocked
-        or idle is the one that sets the pace."""
+        """Where the last pass (since the first epoch it served) spent its time: a ``PipelineStats``
+        as a dict, or None before the first pass. The stage that is never blocked or idle is the one
+        that sets the pace."""
         active = (self._active() if self._active is not None else None) or self._carry
-        return None if active is None else asdict(active.stats)
+        if active is not None:
+            self._last_stats = active.stats
+        stats = getattr(self, "_last_stats", None)
+        return None if stats is None else asdict(stats)
 
     def close(self):
         """Stop the prefetch threads, if any (also those already reading the next epoch)."""
         for active in (self._active() if self._active is not None else None, self._carry):
             if active is not None:
+                self._last_stats = active.stats
                 active.close()
         self._active = self._carry = None
 
@@ -154,6 +247,104 @@ class Loader:
         else:
             self._done += 1
 
+    def __repr__(self):
+        return (f"Loader({self.dataset!r}, batch_size={self.spec.batch_size}, shuffle={self.spec.shuffle!r}, "
+                f"samples={self.spec.size}, rank={self.spec.rank}/{self.spec.world_size})")
+
+
+_STATE_VERSION = 2
+_STATE_KEYS = {"epoch": int, "batches_done": int, "size": int, "seed": int, "block_size": int, "window": int,
+               "world_size": int, "batch_size": int, "drop_last": bool}
+
+
+def _checked_state(state, spec, fingerprint) -> dict:
+    """``state`` checked against this loader (one clear line for anything foreign or corrupted)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"load_state_dict takes the dict that Loader.state_dict() returned, got "
+                        f"{type(state).__name__}")
+    missing = [k for k in (*_STATE_KEYS, "shuffle", "consumed") if k not in state]
+    if missing:
+        raise ValueError(f"cannot resume: the state lacks {', '.join(missing)} (not a gdsdata Loader state)")
+    for key, kind in _STATE_KEYS.items():
+        value = state[key]
+        if isinstance(value, (bool, np.bool_)) != (kind is bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"cannot resume: the state's {key} is {value!r}, not {kind.__name__}")
+        if kind is int and value < 0:
+            raise ValueError(f"cannot resume: the state's {key} is {value}, below 0")
+    if state.get("dataset") is not None and state["dataset"] != fingerprint:
+        raise ValueError("cannot resume: the state was saved by a Loader over another dataset or other samples "
+                         "(its fingerprint differs)")
+    for key in ("size", "seed", "shuffle", "block_size", "window"):
+        if state[key] != getattr(spec, key):
+            raise ValueError(f"cannot resume: the saved loader had {key}={state[key]!r}, this one has "
+                             f"{getattr(spec, key)!r}")
+    consumed = state["consumed"]
+    if consumed is not None and (not isinstance(consumed, (bytes, bytearray)) or len(consumed) != -(-spec.size // 8)):
+        raise ValueError(f"cannot resume: the state's mask of delivered samples does not fit {spec.size} samples")
+    if state["world_size"] == 0 or state["batch_size"] == 0:
+        raise ValueError("cannot resume: the state's world_size and batch_size must be positive")
+    return state
+
+
+def _count(name, value, minimum=1) -> int:
+    """An integer argument, checked: one clear line for a float, a string or a value out of range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return int(value)
+
+
+def _shuffle(shuffle):
+    if shuffle is True:
+        return "full"
+    if shuffle is False or shuffle is None:
+        return None
+    if isinstance(shuffle, str) and shuffle in ("full", "block"):
+        return shuffle
+    raise ValueError(f"shuffle must be True, False, 'full', 'block' or None, got {shuffle!r}")
+
+
+# What the Loader uses of a dataset (GDSDataset has it all): its device, length, labels and identity,
+# and the two halves of loading a batch, which the pipeline runs on different threads.
+_PROTOCOL = ("device", "__len__", "labels", "fingerprint", "read_staged", "decode_staged", "release_staged")
+
+
+def _source(dataset, indices):
+    """(GDSDataset, indices or None) from a dataset, a torch Subset of one (nested too) and ``indices``."""
+    from .dataset import GDSDataset
+
+    picked = None
+    if indices is not None:
+        picked = _index_array(indices, "indices")
+    while isinstance(dataset, torch.utils.data.Subset):
+        outer = _index_array(dataset.indices, "Subset.indices")
+        if picked is not None:
+            _in_range(picked, len(outer), "indices")
+        picked = outer if picked is None else outer[picked]
+        dataset = dataset.dataset
+    if not isinstance(dataset, GDSDataset) and not all(hasattr(dataset, a) for a in _PROTOCOL):
+        raise TypeError(f"gdsdata.Loader reads a gdsdata.GDSDataset or a torch Subset of one, got "
+                        f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
+    if picked is not None:
+        picked = _in_range(picked, len(dataset), "indices") % len(dataset)
+        if not len(picked):
+            raise ValueError("indices is empty: a Loader needs at least one sample")
+    return dataset, picked
+
+
+def _index_array(values, name) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        raise TypeError(f"{name} must be a 1-D sequence of integers, got {array.dtype} of shape {array.shape}")
+    return array.astype(np.int64)
+
+
+def _in_range(picked, n, name):
+    if len(picked) and (picked.min() < -n or picked.max() >= n):
+        bad = picked[(picked < -n) | (picked >= n)][0]
+        raise IndexError(f"{name} holds {bad}, out of range for {n} samples")
+    return picked
 
 
 def _epochs(spec, first_epoch, first_batches):
@@ -171,6 +362,7 @@ class _BatchMaker:
 
     def __init__(self, loader):
         self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
+        self.batch_transform = loader.batch_transform
 
     def decode(self, staged, stream, epoch):
         """Staged payloads -> a PixelBatch and its sample indices (after any replacement). Nothing
@@ -181,7 +373,7 @@ class _BatchMaker:
         """One decoded batch -> (images, labels): its transform, or with ``pixels=True`` the
         PixelBatch itself."""
         batch, indices = decoded
-        labels = upload(torch.from_numpy(self.dataset._labels[indices]), self.dataset.device)
+        labels = upload(torch.from_numpy(self.dataset.labels[indices]), self.dataset.device)
         if self.pixels:
             return batch, labels  # released by the consumer's next step
         if stream is not None and batch.owned:  # allocated on the decode stream; this one reads it last
@@ -193,6 +385,12 @@ class _BatchMaker:
         else:
             images = [batch.image(k) for k in range(len(batch))]
         batch.release(stream)
+        if self.batch_transform is not None:
+            out = self.batch_transform(images, labels)
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(f"batch_transform must return (images, labels), got {type(out).__name__}; wrap a "
+                                f"transform of images alone as lambda images, labels: (t(images), labels)")
+            images, labels = out
         return images, labels
 
 
@@ -210,8 +408,7 @@ def _release(dataset, kind, payload):
     """Hand back what a queued item holds that would otherwise wait for a consumer: the staging slot
     of a staged batch, or the buffer of a decoded one (raw samples used in their staging slot)."""
     if kind == "staged":
-        if payload.slot is not None:
-            dataset._backend.release(payload)
+        dataset.release_staged(payload)
     elif kind == "decoded" or (kind == "batch" and isinstance(payload[0], PixelBatch)):
         payload[0].release(None)
 
@@ -349,9 +546,9 @@ class _Prefetcher:
                  (self.decoded, self.queue), self.streams, self.activities[1:])]
         for thread, activity in zip(self.threads, self.activities):
             activity.thread = thread
-        passes = getattr(loader.dataset, "_passes", None)  # GDSDataset.close() stops its passes
-        if passes is not None:
-            passes.add(self)
+        register = getattr(loader.dataset, "register_pass", None)  # GDSDataset.close() stops its passes
+        if register is not None:
+            register(self)
         for thread in self.threads:
             thread.start()
 

@@ -5,10 +5,14 @@ The random parameters follow torchvision's ``RandomResizedCrop`` (scale, ratio, 
 centre crop with the ratio clamped) and are drawn from a counter-based hash of (seed, epoch, sample
 index): the same sample gets the same crop and flip on any device, in any batch, on any rank.
 
-The pixels are resampled bilinearly (half-pixel centres, clamped to the crop box: torchvision's crop
-then ``interpolate(mode="bilinear", align_corners=False, antialias=False)``). On the GPU one Triton kernel
-does the whole batch (``transforms_triton``); on the CPU, and as the reference the GPU is tested
-against, torch's own crop and interpolate run image by image (``_resample_torch``).
+The pixels are resampled as torchvision v2's ``resized_crop`` does: the crop box, then bilinear
+``interpolate(align_corners=False)``, antialiased by default (``antialias=False``: plain bilinear with
+half-pixel centres clamped to the box). On the GPU one Triton kernel does the whole batch
+(``transforms_triton``). On the CPU each image is cropped and resized on uint8 by torch's own kernel,
+the images of a batch in parallel on the CPU threads (``settings`` cpu_threads), then the batch is
+flipped, converted and normalised at once; that is also the reference the GPU is tested against.
+
+``dtype=None`` gives float16 on the GPU and float32 on the CPU (what a model there takes).
 """
 
 import math
@@ -18,6 +22,7 @@ import numpy as np
 import torch
 
 from .batch import upload
+from .decode_cpu import cpu_pool
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -55,22 +60,55 @@ class CropParams:
 
 @dataclass(frozen=True)
 class RandomResizedCrop:
-    """torchvision's RandomResizedCrop(size, scale, ratio) + RandomHorizontalFlip(p) + Normalize,
-    batched. ``mean``/``std`` are on the 0-255 scale; None skips normalisation. ``dtype``: float16,
-    bfloat16, float32 or uint8 (uint8 never normalises). ``layout``: NCHW or NHWC."""
+    """torchvision's ``RandomResizedCrop(size, scale, ratio, antialias)`` + ``RandomHorizontalFlip(p)``
+    + ``Normalize``, batched.
 
-    size: int = 224
+    Parameters
+    ----------
+    size : int or (height, width)
+        Output size.
+    scale, ratio : (float, float)
+        As torchvision's: the crop's share of the image area and its aspect ratio range.
+    flip_p : float
+        Probability of a horizontal flip.
+    mean, std : 3 floats or None
+        Per-channel normalisation on the 0-255 scale; None skips it.
+    dtype : str or None
+        "float16", "bfloat16", "float32" or "uint8" (uint8 is never normalised); None: float16 on the
+        GPU, float32 on the CPU.
+    layout : str
+        "NCHW" or "NHWC".
+    antialias : bool
+        Antialiased downscaling, torchvision v2's default.
+    seed : int
+        Crops and flips are a function of (seed, epoch, sample index).
+    """
+
+    size: object = 224
     scale: tuple = (0.08, 1.0)
     ratio: tuple = (3 / 4, 4 / 3)
     flip_p: float = 0.5
     mean: tuple = IMAGENET_MEAN
     std: tuple = IMAGENET_STD
-    dtype: str = "float16"
+    dtype: str = None
     layout: str = "NCHW"
+    antialias: bool = True
     seed: int = 0
 
     def __post_init__(self):
         _validate(self)
+        if not (0 < self.scale[0] <= self.scale[1]) or not (0 < self.ratio[0] <= self.ratio[1]):
+            raise ValueError(f"scale and ratio must be increasing positive ranges, got scale={self.scale} "
+                             f"ratio={self.ratio}")
+        if not 0 <= self.flip_p <= 1:
+            raise ValueError(f"flip_p must lie in [0, 1], got {self.flip_p}")
+        if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def output_size(self) -> tuple:
+        """(height, width) of the output images."""
+        return _pair(self.size)
 
     def params(self, heights, widths, indices, epoch: int = 0) -> CropParams:
         heights = np.asarray(heights, np.float64)
@@ -107,41 +145,82 @@ class RandomResizedCrop:
 
 @dataclass(frozen=True)
 class CenterCrop:
-    """Evaluation: resize the shorter side to ``resize`` and take the centre ``size`` x ``size``
-    (torchvision's Resize(resize) + CenterCrop(size)), normalised, as one resampling pass."""
+    """Evaluation: torchvision's ``Resize(resize)`` (the shorter side) + ``CenterCrop(size)`` +
+    ``Normalize``, as one resampling pass.
 
-    size: int = 224
+    Parameters
+    ----------
+    size : int or (height, width)
+        Output size.
+    resize : int
+        The shorter side before the centre crop (torchvision's ImageNet evaluation: 256 for 224).
+    mean, std, dtype, layout, antialias
+        As for ``RandomResizedCrop``.
+    """
+
+    size: object = 224
     resize: int = 256
     mean: tuple = IMAGENET_MEAN
     std: tuple = IMAGENET_STD
-    dtype: str = "float16"
+    dtype: str = None
     layout: str = "NCHW"
+    antialias: bool = True
 
     def __post_init__(self):
         _validate(self)
+        if not isinstance(self.resize, (int, np.integer)) or isinstance(self.resize, bool) or self.resize <= 0:
+            raise ValueError(f"resize must be a positive integer, got {self.resize!r}")
+
+    @property
+    def output_size(self) -> tuple:
+        return _pair(self.size)
 
     def params(self, heights, widths, indices=None, epoch: int = 0) -> CropParams:
         heights = np.asarray(heights, np.float64)
         widths = np.asarray(widths, np.float64)
-        side = np.minimum(heights, widths) * self.size / self.resize  # source pixels the crop covers
-        h = np.minimum(np.round(side), heights)
-        w = np.minimum(np.round(side), widths)
+        out_h, out_w = self.output_size
+        shorter = np.minimum(heights, widths) / self.resize  # source pixels per resized pixel
+        h = np.minimum(np.round(shorter * out_h), heights)
+        w = np.minimum(np.round(shorter * out_w), widths)
         return CropParams(((heights - h) // 2).astype(np.int64), ((widths - w) // 2).astype(np.int64),
                           h.astype(np.int64), w.astype(np.int64), np.zeros(len(heights), bool))
 
 
+def _pair(size) -> tuple:
+    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+        return int(size), int(size)
+    if isinstance(size, (tuple, list)) and len(size) == 2 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in size):
+        return int(size[0]), int(size[1])
+    raise TypeError(f"size must be an int or a (height, width) pair of ints, got {size!r}")
+
+
 def _validate(t):
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {t.dtype!r}")
+    if t.dtype is not None and t.dtype not in _DTYPES:
+        raise ValueError(f"dtype must be None or one of {', '.join(_DTYPES)}, got {t.dtype!r}")
     if t.layout not in ("NCHW", "NHWC"):
         raise ValueError(f"layout must be NCHW or NHWC, got {t.layout!r}")
-    if t.size <= 0:
+    height, width = _pair(t.size)
+    if height <= 0 or width <= 0:
         raise ValueError(f"size must be positive, got {t.size}")
+    if not isinstance(t.antialias, bool):
+        raise TypeError(f"antialias must be True or False, got {t.antialias!r}")
+    for name in ("mean", "std"):
+        value = getattr(t, name)
+        if value is not None and len(value) != 3:
+            raise ValueError(f"{name} must hold 3 values (R, G, B on the 0-255 scale) or be None, got {value!r}")
 
 
-def _norm(transform):
+def output_dtype(transform, device) -> torch.dtype:
+    """The dtype ``transform`` produces on ``device``: its own, or float16 on CUDA, float32 elsewhere."""
+    if transform.dtype is not None:
+        return _DTYPES[transform.dtype]
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _norm(transform, dtype):
     """(scale, shift) per channel so that out = v * scale + shift; identity for uint8 or no mean/std."""
-    if transform.dtype == "uint8" or transform.mean is None or transform.std is None:
+    if dtype == torch.uint8 or transform.mean is None or transform.std is None:
         return (1.0, 1.0, 1.0), (0.0, 0.0, 0.0)
     scale = tuple(1.0 / s for s in transform.std)
     return scale, tuple(-m / s for m, s in zip(transform.mean, transform.std))
@@ -150,65 +229,59 @@ def _norm(transform):
 def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, params: CropParams):
     """Resample every image of a batch (interleaved uint8 pixels at ``offsets`` in the flat
     ``buffer``) into one output tensor, on the buffer's device."""
-    n, size = len(offsets), transform.size
+    n = len(offsets)
+    out_h, out_w = transform.output_size
     device = buffer.device
-    meta = upload(torch.from_numpy(np.stack([np.asarray(offsets, np.int64), np.asarray(heights, np.int64),
-                                             np.asarray(widths, np.int64), np.asarray(channels, np.int64),
-                                             params.top, params.left, params.height, params.width,
-                                             params.flip.astype(np.int64)], axis=1)), device)
-    dtype = _DTYPES[transform.dtype]
-    shape = (n, 3, size, size) if transform.layout == "NCHW" else (n, size, size, 3)
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if n == 0:
-        return out
-    scale, shift = _norm(transform)
+    dtype = output_dtype(transform, device)
+    nchw = transform.layout == "NCHW"
+    meta = np.stack([np.asarray(offsets, np.int64), np.asarray(heights, np.int64), np.asarray(widths, np.int64),
+                     np.asarray(channels, np.int64), params.top, params.left, params.height, params.width,
+                     params.flip.astype(np.int64)], axis=1)
+    scale, shift = _norm(transform, dtype)
     if device.type == "cuda" and _triton_ready():
-        _resample_triton(buffer, meta, out, size, scale, shift, transform.layout == "NCHW")
-    else:
-        _resample_torch(buffer, meta, out, size, scale, shift, transform.layout == "NCHW")
-    return out
+        out = torch.empty((n, 3, out_h, out_w) if nchw else (n, out_h, out_w, 3), dtype=dtype, device=device)
+        if n:
+            _resample_triton(buffer, upload(torch.from_numpy(meta), device), out, (out_h, out_w), scale, shift,
+                             nchw, transform.antialias)
+        return out
+    return _resample_torch(buffer, meta, (out_h, out_w), dtype, scale, shift, nchw, transform.antialias)
 
 
-def _resample_torch(buffer, meta, out, size, scale, shift, nchw):
-    """Per image: crop, ``interpolate(bilinear, align_corners=False, antialias=False)``, flip,
-    normalise; torch's own kernels, exactly torchvision's crop-then-resize."""
-    rows = meta.cpu().tolist()
-    scale_t = torch.tensor(scale, dtype=torch.float32, device=buffer.device).view(3, 1, 1)
-    shift_t = torch.tensor(shift, dtype=torch.float32, device=buffer.device).view(3, 1, 1)
-    for k, (off, height, width, chans, top, left, crop_h, crop_w, flip) in enumerate(rows):
+def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
+    """Per image, on uint8: crop, ``interpolate(bilinear, align_corners=False, antialias)`` (torch's
+    own kernel, torchvision v2's ``resized_crop``), flip; the images on the CPU threads in parallel
+    (torch's kernels release the GIL). Then the whole batch converted and normalised at once."""
+    n = len(meta)
+    resized = torch.empty((n, 3, *size), dtype=torch.uint8, device=buffer.device)
+
+    def one(k):
+        off, height, width, chans, top, left, crop_h, crop_w, flip = (int(v) for v in meta[k])
         pixels = buffer[off:off + height * width * chans].view(height, width, chans)
-        crop = pixels[top:top + crop_h, left:left + crop_w].permute(2, 0, 1).to(torch.float32)
-        if chans == 1:
-            crop = crop.expand(3, crop_h, crop_w)
-        value = torch.nn.functional.interpolate(crop[None], size=(size, size), mode="bilinear",
-                                                align_corners=False, antialias=False)[0]
+        crop = pixels[top:top + crop_h, left:left + crop_w].permute(2, 0, 1)[None]
+        value = torch.nn.functional.interpolate(crop, size=size, mode="bilinear", align_corners=False,
+                                                antialias=antialias)[0]
         if flip:
             value = value.flip(-1)
-        if out.dtype != torch.uint8:
-            value = value * scale_t + shift_t
-        if out.dtype == torch.uint8:
-            value = torch.clamp(torch.floor(value + 0.5), 0, 255)
-        out[k] = value if nchw else value.permute(1, 2, 0)
+        resized[k] = value  # a gray image's one channel fills all three
+
+    with torch.no_grad():
+        if buffer.device.type == "cpu" and n > 1:
+            list(cpu_pool().map(one, range(n)))
+        else:
+            for k in range(n):
+                one(k)
+        if dtype == torch.uint8:
+            out = resized
+        else:
+            out = resized.to(dtype)
+            if scale != (1.0, 1.0, 1.0) or shift != (0.0, 0.0, 0.0):
+                scale_t = torch.tensor(scale, dtype=dtype, device=buffer.device).view(1, 3, 1, 1)
+                shift_t = torch.tensor(shift, dtype=dtype, device=buffer.device).view(1, 3, 1, 1)
+                out = out.mul_(scale_t).add_(shift_t)
+    return out if nchw else out.permute(0, 2, 3, 1).contiguous()
 
 
-_TRITON = None
-
-
-def _triton_ready() -> bool:
-    global _TRITON
-    if _TRITON is None:
-        try:
-            import triton  # noqa: F401
-
-            from . import transforms_triton  # noqa: F401
-
-            _TRITON = True
-        except ImportError:
-            _TRITON = False
-    return _TRITON
-
-
-def _resample_triton(buffer, meta, out, size, scale, shift, nchw):
+def _resample_triton(buffer, meta, out, size, scale, shift, nchw, antialias):
     from .transforms_triton import resample
 
-    resample(buffer, meta, out, size, scale, shift, nchw)
+    resample(buffer, meta, out, size, scale, shift, nchw, antialias)

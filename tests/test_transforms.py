@@ -41,27 +41,56 @@ def test_center_crop_geometry():
     assert p.top.tolist() == [30, 19] and p.left.tolist() == [110, 19] and not p.flip.any()
 
 
-@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_output_matches_torch_crop_then_interpolate(layout):
+def _images():
     rng = np.random.default_rng(1)
-    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((61, 90), (120, 47), (33, 33))]
+    images = [rng.integers(0, 256, (h, w, c), dtype=np.uint8) for h, w, c in
+              ((61, 90, 3), (120, 47, 3), (33, 33, 1), (300, 410, 3))]
     buffer = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))
     offsets = np.cumsum([0] + [im.size for im in images[:-1]])
-    heights, widths = [im.shape[0] for im in images], [im.shape[1] for im in images]
-    t = gdsdata.RandomResizedCrop(40, seed=2, dtype="float32", layout=layout)
-    p = t.params(heights, widths, [0, 1, 2])
-    out = T.apply(t, buffer, offsets, heights, widths, [3, 3, 3], p)
-    mean = torch.tensor(t.mean).view(3, 1, 1)
-    std = torch.tensor(t.std).view(3, 1, 1)
+    return images, buffer, offsets, [im.shape[0] for im in images], [im.shape[1] for im in images], \
+        [im.shape[2] for im in images]
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("antialias", [True, False])
+@pytest.mark.parametrize("size", [40, (30, 52)])
+def test_output_equals_torchvision_v2_resized_crop(layout, antialias, size):
+    """uint8 crop + resize exactly as torchvision v2's resized_crop, then flip, to_dtype, normalize."""
+    from torchvision.transforms.v2 import functional as F
+
+    images, buffer, offsets, heights, widths, chans = _images()
+    t = gdsdata.RandomResizedCrop(size, seed=2, dtype="float32", layout=layout, antialias=antialias)
+    p = t.params(heights, widths, [0, 1, 2, 3])
+    out = T.apply(t, buffer, offsets, heights, widths, chans, p)
+    raw = T.apply(gdsdata.RandomResizedCrop(size, seed=2, dtype="uint8", layout=layout, antialias=antialias),
+                  buffer, offsets, heights, widths, chans, p)
+    assert out.shape == ((4, 3, *t.output_size) if layout == "NCHW" else (4, *t.output_size, 3))
+    mean = [m / 255 for m in t.mean]
+    std = [s / 255 for s in t.std]
     for k, im in enumerate(images):
-        crop = torch.from_numpy(im[p.top[k]:p.top[k] + p.height[k], p.left[k]:p.left[k] + p.width[k]])
-        ref = torch.nn.functional.interpolate(crop.permute(2, 0, 1)[None].float(), size=(40, 40),
-                                              mode="bilinear", align_corners=False, antialias=False)[0]
+        chw = torch.from_numpy(im).permute(2, 0, 1).expand(3, -1, -1)
+        ref = F.resized_crop(chw.contiguous(), int(p.top[k]), int(p.left[k]), int(p.height[k]), int(p.width[k]),
+                             list(t.output_size), antialias=antialias)
         if p.flip[k]:
-            ref = ref.flip(-1)
-        ref = (ref - mean) / std
+            ref = F.horizontal_flip(ref)
+        got_u8 = raw[k] if layout == "NCHW" else raw[k].permute(2, 0, 1)
+        assert torch.equal(got_u8, ref), (k, (got_u8.int() - ref.int()).abs().max())
+        ref = F.normalize(F.to_dtype(ref, torch.float32, scale=True), mean, std)
         got = out[k] if layout == "NCHW" else out[k].permute(2, 0, 1)
         assert torch.allclose(got, ref, atol=1e-4)
+
+
+def test_dtype_follows_the_device_by_default():
+    images, buffer, offsets, heights, widths, chans = _images()
+    t = gdsdata.RandomResizedCrop(24)
+    out = T.apply(t, buffer, offsets, heights, widths, chans, t.params(heights, widths, [0, 1, 2, 3]))
+    assert out.dtype == torch.float32  # float16 on the GPU
+    assert T.output_dtype(t, "cuda") == torch.float16
+
+
+def test_center_crop_of_a_rectangle():
+    p = gdsdata.CenterCrop((224, 112), 256).params(np.array([512]), np.array([1024]))
+    assert (p.height[0], p.width[0]) == (448, 224) and (p.top[0], p.left[0]) == (32, 400)
 
 
 def test_invalid_options_are_refused():
@@ -69,3 +98,13 @@ def test_invalid_options_are_refused():
         gdsdata.RandomResizedCrop(224, dtype="int8")
     with pytest.raises(ValueError, match="layout"):
         gdsdata.CenterCrop(224, layout="CHWN")
+    with pytest.raises(TypeError, match="size"):
+        gdsdata.RandomResizedCrop((32, 48, 3))
+    with pytest.raises(TypeError, match="size"):
+        gdsdata.RandomResizedCrop(22.4)
+    with pytest.raises(ValueError, match="scale"):
+        gdsdata.RandomResizedCrop(224, scale=(1.0, 0.5))
+    with pytest.raises(TypeError, match="antialias"):
+        gdsdata.RandomResizedCrop(224, antialias="yes")
+    with pytest.raises(ValueError, match="seed"):
+        gdsdata.RandomResizedCrop(224, seed=-1)
