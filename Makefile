@@ -1,8 +1,9 @@
 # gdsdata: make demo | make test | make bench | make bench-gpu
 PYTHON ?= python3
 VENV ?= .venv
-# torch and torchvision for the CPU machine; override for another CUDA or platform, e.g.
-#   make TORCH="torch==2.11.0 torchvision==0.26.0" test
+# torch and torchvision from PyPI: on Linux x86_64 these are the CUDA 13 builds, which also run on a
+# machine without a GPU (CI's). Override for another build, e.g. a CPU-only one from PyTorch's index:
+#   make TORCH="torch torchvision --index-url https://download.pytorch.org/whl/cpu" test
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= test,bench
 PY := $(VENV)/bin/python

@@ -300,6 +300,7 @@ def main(argv=None):
     parser.add_argument("--soak", type=int, default=0,
                         help="instead of the table: N fresh processes per row, --epochs epochs each, hangs counted")
     parser.add_argument("--out", default="bench-results", help="folder for train.json")
+    parser.add_argument("--chart", nargs=2, metavar=("JSON", "PNG"), help="draw train.json as a chart and exit")
     parser.add_argument("--row", nargs=3, metavar=("MODEL", "INPUT", "STREAM"), help=argparse.SUPPRESS)
     parser.add_argument("--src", help=argparse.SUPPRESS)
     parser.add_argument("--jpeg", help=argparse.SUPPRESS)
@@ -308,6 +309,8 @@ def main(argv=None):
     if args.row:
         args.model, args.input, args.stream = args.row
         return run_row(args)
+    if args.chart:
+        return chart(*args.chart)
 
     from common import print_system_block, system_block
 
@@ -373,6 +376,41 @@ def main(argv=None):
         print(f"{r['model']:<9} {r['stream']:<7} {r['input']:<10} {r['images_per_s']:>9.0f} {fraction:>13} "
               f"{r['cpu_s_per_1k']:>9.2f} {r['gpu_mib']:>8.0f}")
     _write(args, system, results)
+    try:
+        chart(os.path.join(args.out, "train.json"), os.path.join(args.out, "train.png"))
+    except ImportError:
+        print("chart skipped (matplotlib missing)")
+
+
+def chart(path_json, path_png):
+    """Bars of each input's training images/s as a fraction of the synthetic rate, per model and stream."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path_json) as f:
+        data = json.load(f)
+    rows = [r for r in data["results"] if not r.get("failed") and r["input"] != "synthetic"]
+    ceilings = {(r["model"], r["stream"]): r["images_per_s"] for r in data["results"]
+                if r["input"] == "synthetic" and not r.get("failed")}
+    labels = [f"{r['model']} {r['input']}" + (" (side stream)" if r["stream"] == "side" else "") for r in rows]
+    fractions = [r["images_per_s"] / ceilings[(r["model"], r["stream"])] for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
+    bars = ax.barh(labels[::-1], fractions[::-1], color=["#76b900" if "gdsdata" in label or " raw" in label
+                                                          else "#888888" for label in labels[::-1]])
+    for bar, r in zip(bars, rows[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {bar.get_width():.3f} ({r['images_per_s']:,.0f}/s)", va="center", fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlim(0, 1.25)
+    ax.set_xlabel("training images/s as a fraction of the same model on synthetic GPU input")
+    system = data["system"]
+    ax.set_title(f"{system.get('gpu', '?')}, {system.get('io mode', '').split(':')[0]} mode, batch 256, "
+                 f"commit {system.get('commit', '?')}, {system.get('date', '')}", fontsize=9, loc="right")
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+    plt.close(fig)
 
 
 def _write(args, system, results):

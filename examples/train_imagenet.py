@@ -85,17 +85,17 @@ def main(argv=None):
     rank, world, device = setup()
     torch.manual_seed(args.seed)
     torch.backends.cudnn.benchmark = True
-    dtype = "float16" if device.type == "cuda" else "float32"
 
+    # images come as float16 on the GPU, float32 on the CPU; labels as int64, on the same device
     train_ds = gdsdata.GDSDataset(args.train, device=device)
-    train = gdsdata.Loader(train_ds, args.batch_size, shuffle="full", seed=args.seed, drop_last=True,
-                           transform=gdsdata.RandomResizedCrop(args.size, dtype=dtype, seed=args.seed))
+    train = gdsdata.Loader(train_ds, args.batch_size, shuffle=True, seed=args.seed, drop_last=True,
+                           transform=gdsdata.RandomResizedCrop(args.size, seed=args.seed))
     val = None
     if args.val:
         val_ds = gdsdata.GDSDataset(args.val, device=device)
-        val = gdsdata.Loader(val_ds, args.batch_size, shuffle=None,
-                             transform=gdsdata.CenterCrop(args.size, resize=round(args.size / 0.875), dtype=dtype))
-    steps_per_epoch = len(train)  # per rank, before any resume
+        val = gdsdata.Loader(val_ds, args.batch_size, shuffle=False,
+                             transform=gdsdata.CenterCrop(args.size, resize=round(args.size / 0.875)))
+    steps_per_epoch = len(train)  # batches per epoch for this rank
     total_steps = args.epochs * steps_per_epoch
 
     model = getattr(torchvision.models, args.arch)(num_classes=len(train_ds.classes))
@@ -121,7 +121,7 @@ def main(argv=None):
     warmup = int(args.warmup_epochs * steps_per_epoch)
     t0, seen = time.perf_counter(), 0
     while step < total_steps and not (args.max_steps and step >= args.max_steps):
-        epoch = train.epoch  # set_epoch is done by the loader itself after a full epoch or a resume
+        epoch = train.epoch  # after a full epoch the loader is at the next one; a resume sets it too
         for images, labels in train:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, warmup, base_lr)

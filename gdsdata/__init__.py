@@ -18,11 +18,11 @@ from .errors import (  # noqa: E402
 __all__ = [
     "BadImageError", "CorruptSampleError", "FormatError", "GDSDataset", "GdsDataError",
     "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "StallError", "pack", "settings",
-    "RandomResizedCrop", "CenterCrop",
+    "RandomResizedCrop", "CenterCrop", "PixelBatch", "collate",
 ]
 _LAZY = {  # name -> module; torch is imported only when these are used, so `gdsdata pack` starts fast
     "GDSDataset": "dataset", "Loader": "loader", "pack": "packer", "PackOptions": "normalize",
-    "RandomResizedCrop": "transforms", "CenterCrop": "transforms",
+    "RandomResizedCrop": "transforms", "CenterCrop": "transforms", "PixelBatch": "batch", "collate": "batch",
 }
 
 

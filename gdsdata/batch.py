@@ -76,3 +76,19 @@ class Staged:
     failed: dict  # position -> CorruptSampleError found before decoding (checksums)
     ready: object = None  # GPU path: a CUDA event the staged bytes wait on (reads still in flight), or None
     job: object = None  # GPU path: the decode's host half (``decode_gpu.DecodeJob``), prepared as it was read
+
+
+def collate(samples):
+    """torch DataLoader's ``collate_fn`` for a GDSDataset: ``(images, labels)`` with images stacked
+    into one tensor when they all have the same shape (after a transform that resizes), else a
+    list, and labels as an int64 tensor. A module-level function, so it pickles for worker
+    processes under fork, spawn and forkserver."""
+    images = [image for image, _ in samples]
+    labels = [label for _, label in samples]
+    if images and all(isinstance(im, torch.Tensor) for im in images) and len({tuple(im.shape) for im in images}) == 1:
+        images = torch.stack(images)
+    if labels and all(isinstance(label, (int, np.integer)) for label in labels):
+        labels = torch.tensor(labels, dtype=torch.int64)
+    elif labels and all(isinstance(label, torch.Tensor) for label in labels):
+        labels = torch.stack(labels)
+    return images, labels

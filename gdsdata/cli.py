@@ -129,7 +129,7 @@ def _cmd_doctor(args):
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="gdsdata", description="Pack images into GPU-ready shards, "
-                                     "merge and check them.")
+                                     "merge, inspect and verify them, and check what this machine's GPU path is.")
     parser.add_argument("--version", action="version", version=f"gdsdata {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -174,18 +174,27 @@ def build_parser():
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.set_defaults(run=_cmd_merge)
 
-    p = sub.add_parser("inspect", help="show what a dataset holds")
-    p.add_argument("dataset")
+    p = sub.add_parser("inspect", help="show what a dataset holds",
+                       description="Show what DATASET holds: samples and classes, shards, payload and alignment "
+                       "overhead, image sizes, codecs and chroma subsampling, what was converted at pack time, "
+                       "where it came from (parts, merges, appends) and the count per class.")
+    p.add_argument("dataset", help="a packed dataset folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_cmd_inspect)
 
-    p = sub.add_parser("verify", help="check checksums and decodability of every sample")
-    p.add_argument("dataset")
+    p = sub.add_parser("verify", help="check checksums and decodability of every sample",
+                       description="Check DATASET's index, every shard and every sample's CRC-32, and decode "
+                       "every sample on the CPU. Each problem is one line on stderr naming the sample; the exit "
+                       "status is 1 when any is found.")
+    p.add_argument("dataset", help="a packed dataset folder")
     p.add_argument("--checksums-only", action="store_true", help="skip decoding")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_cmd_verify)
 
-    p = sub.add_parser("doctor", help="show GPU, driver, kvikio/GDS and nvJPEG status")
+    p = sub.add_parser("doctor", help="show GPU, driver, kvikio/GDS and nvJPEG status",
+                       description="Show what this machine gives the GPU path: the GPU and driver, torch and "
+                       "kvikio, whether cuFile runs GPUDirect Storage or compatibility mode (and why), nvJPEG and "
+                       "its hardware engines, and the settings in effect.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_cmd_doctor)
     return parser

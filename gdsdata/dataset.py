@@ -83,17 +83,40 @@ class _CpuBackend:
 
 
 class GDSDataset(torch.utils.data.Dataset):
-    """A packed dataset as a torch map-style Dataset.
+    """A packed dataset as a torch map-style Dataset, on the CPU or the GPU.
 
-    ``device``: "cpu", or "cuda"/"cuda:N" for the GPU path. ``on_error``: "raise" (default) raises
-    ``CorruptSampleError`` naming the sample, its shard, offset and source path; "skip" replaces a
-    bad sample by the next good one (deterministically) and counts it in ``skipped``.
-    ``verify_checksums``: check each sample's CRC-32 as it loads (default: the setting).
+    Parameters
+    ----------
+    root : str or os.PathLike
+        The dataset folder (``gdsdata pack SRC root``).
+    device : str or torch.device
+        "cpu", or "cuda" / "cuda:N" for the GPU path (cuFile reads, nvJPEG decode).
+    transform : callable, optional
+        Applied to each image (a uint8 CHW tensor) by ``ds[i]`` and ``__getitems__``, as
+        torchvision datasets do: torchvision v2 transforms and other callables.
+    target_transform : callable, optional
+        Applied to each label.
+    on_error : str
+        "raise" (default): a bad sample raises ``CorruptSampleError`` naming it, its shard, offset and
+        source path; "skip": it is replaced by the next good one, deterministically, and counted in
+        ``skipped``.
+    verify_checksums : bool, optional
+        Check each sample's CRC-32 as it loads (default: the ``verify_checksums`` setting).
+
+    Notes
+    -----
+    ``gdsdata.Loader`` (batched, prefetched, on the device) is the fast way to train; with torch's
+    ``DataLoader`` use ``collate_fn=gdsdata.collate`` when image sizes differ.
     """
 
-    def __init__(self, root, device="cpu", *, on_error="raise", verify_checksums=None):
+    def __init__(self, root, device="cpu", *, transform=None, target_transform=None, on_error="raise",
+                 verify_checksums=None):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+        for name, value in (("transform", transform), ("target_transform", target_transform)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be a callable, got {type(value).__name__}")
+        self.transform, self.target_transform = transform, target_transform
         self.root = os.fspath(root)
         self.index = index_io.load(self.root)
         self.device = torch.device(device)
@@ -149,6 +172,12 @@ class GDSDataset(torch.utils.data.Dataset):
         return self.index.path(self._check(i))
 
     def _check(self, i):
+        if isinstance(i, slice):
+            raise TypeError("GDSDataset takes one sample index, not a slice; for a range of samples use "
+                            "ds.__getitems__(range(...)) or a torch Subset")
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) and not (
+                isinstance(i, torch.Tensor) and i.ndim == 0 and not i.is_floating_point()):
+            raise TypeError(f"sample index must be an integer, got {i!r} ({type(i).__name__})")
         i = int(i)
         n = len(self)
         if not -n <= i < n:
@@ -164,7 +193,15 @@ class GDSDataset(torch.utils.data.Dataset):
         batch, indices = self.load_batch(indices)
         images = [batch.image(k) for k in range(len(batch))]
         batch.release(self._stream())
-        return [(image, int(self._labels[i])) for image, i in zip(images, indices)]
+        out = []
+        for image, i in zip(images, indices):
+            label = int(self._labels[i])
+            if self.transform is not None:
+                image = self.transform(image)
+            if self.target_transform is not None:
+                label = self.target_transform(label)
+            out.append((image, label))
+        return out
 
     def load_batch(self, indices, stream=None):
         """(PixelBatch, indices): decoded pixels of a batch, bad samples raised or replaced per

@@ -130,6 +130,7 @@ class Loader:
         self._active = None  # weak reference to the pass being iterated
         self._carry = None  # a pass that finished an epoch and already reads the next one
         self._fingerprint = None
+        self._last_stats = None  # the PipelineStats of the last pass
 
     # --- epochs and state -------------------------------------------------------------------
     def set_epoch(self, epoch: int):
@@ -212,6 +213,7 @@ class Loader:
         carry, self._carry = self._carry, None
         if carry is not None and carry.epoch == self.epoch and not self._done and self._consumed is None:
             self._active = weakref.ref(carry)  # the pipeline runs on into this epoch
+            self._last_stats = carry.stats
             return carry
         if carry is not None:
             carry.close()
@@ -219,23 +221,19 @@ class Loader:
         batches = self._mapped(rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
         active = _Prefetcher(self, self.epoch, batches)
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
+        self._last_stats = active.stats  # kept after the pass is gone
         return active
 
     def stats(self) -> dict:
         """Where the last pass (since the first epoch it served) spent its time: a ``PipelineStats``
         as a dict, or None before the first pass. The stage that is never blocked or idle is the one
         that sets the pace."""
-        active = (self._active() if self._active is not None else None) or self._carry
-        if active is not None:
-            self._last_stats = active.stats
-        stats = getattr(self, "_last_stats", None)
-        return None if stats is None else asdict(stats)
+        return None if self._last_stats is None else asdict(self._last_stats)
 
     def close(self):
         """Stop the prefetch threads, if any (also those already reading the next epoch)."""
         for active in (self._active() if self._active is not None else None, self._carry):
             if active is not None:
-                self._last_stats = active.stats
                 active.close()
         self._active = self._carry = None
 

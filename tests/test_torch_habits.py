@@ -1,0 +1,245 @@
+"""The habits torch users bring (DataLoader, StatefulDataLoader, Subset, torchvision transforms) work
+on gdsdata's Loader, or fail with one line that names the gdsdata way."""
+
+import numpy as np
+import pytest
+import torch
+
+import gdsdata
+
+
+@pytest.fixture
+def ds(photos_dataset):
+    dataset = gdsdata.GDSDataset(photos_dataset[2])
+    yield dataset
+    dataset.close()
+
+
+def labels_of(loader):
+    return [labels.tolist() for _, labels in loader]
+
+
+def test_shuffle_takes_booleans(ds):
+    on = labels_of(gdsdata.Loader(ds, 8, shuffle=True, seed=3))
+    assert on == labels_of(gdsdata.Loader(ds, 8, shuffle="full", seed=3))
+    off = labels_of(gdsdata.Loader(ds, 8, shuffle=False))
+    assert off == labels_of(gdsdata.Loader(ds, 8, shuffle=None))
+    assert sum(off, []) == ds.targets
+    with pytest.raises(ValueError, match="shuffle must be True, False"):
+        gdsdata.Loader(ds, 8, shuffle="yes")
+
+
+def test_len_is_batches_per_epoch_whatever_was_iterated(ds):
+    loader = gdsdata.Loader(ds, 8)  # 60 samples
+    assert len(loader) == 8
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    assert len(loader) == 8 and loader.batches_left() == 5
+    loader.close()
+
+
+def test_peek_then_loop_gives_a_whole_epoch(ds):
+    loader = gdsdata.Loader(ds, 8, seed=1, transform=gdsdata.CenterCrop(16))
+    first_images, _ = next(iter(loader))
+    batches = list(loader)
+    assert len(batches) == len(loader) == 8
+    assert torch.equal(batches[0][0], first_images)  # the loop started the epoch again
+    assert loader.epoch == 1
+
+
+def test_a_loop_broken_off_starts_again_at_the_epoch_start(ds):
+    loader = gdsdata.Loader(ds, 8, seed=1)
+    reference = labels_of(gdsdata.Loader(ds, 8, seed=1))
+    for k, _ in enumerate(loader):
+        if k == 2:
+            break
+    assert labels_of(loader) == reference
+
+
+def test_resume_continues_and_len_stays(ds):
+    make = lambda: gdsdata.Loader(ds, 8, seed=4)  # noqa: E731
+    reference = labels_of(make())
+    first = make()
+    it = iter(first)
+    head = [next(it)[1].tolist() for _ in range(3)]
+    state = first.state_dict()
+    first.close()
+    second = make()
+    second.load_state_dict(state)
+    second.set_epoch(0)  # the loop's usual set_epoch at the top keeps the resume of the same epoch
+    assert len(second) == 8 and second.batches_left() == 5
+    tail = labels_of(second)
+    assert head + tail == reference
+    assert len(labels_of(second)) == 8  # the next pass is a whole epoch again
+
+
+@pytest.mark.parametrize("how", ["subset", "indices", "nested", "random_split"])
+def test_subsets_read_only_their_samples(ds, how):
+    picked = list(range(10, 50, 3))
+    if how == "subset":
+        loader = gdsdata.Loader(torch.utils.data.Subset(ds, picked), 4, shuffle=False)
+    elif how == "indices":
+        loader = gdsdata.Loader(ds, 4, shuffle=False, indices=picked)
+    elif how == "nested":
+        outer = torch.utils.data.Subset(ds, list(range(10, 60)))
+        loader = gdsdata.Loader(torch.utils.data.Subset(outer, [p - 10 for p in picked]), 4, shuffle=False)
+    else:
+        train, val = torch.utils.data.random_split(ds, [0.8, 0.2], generator=torch.Generator().manual_seed(0))
+        picked = list(val.indices)
+        loader = gdsdata.Loader(val, 4, shuffle=False)
+    assert sum(labels_of(loader), []) == [ds.targets[i] for i in picked]
+    assert len(loader) == -(-len(picked) // 4)
+    planned = np.concatenate(loader.indices()).tolist()
+    assert planned == picked
+
+
+def test_train_and_val_splits_resume_and_shard_like_a_whole_dataset(ds):
+    train, _ = torch.utils.data.random_split(ds, [0.75, 0.25], generator=torch.Generator().manual_seed(1))
+    ranks = [gdsdata.Loader(train, 4, seed=2, rank=r, world_size=2) for r in range(2)]
+    seen = [i for loader in ranks for batch in loader.indices() for i in batch.tolist()]
+    assert set(seen) == set(train.indices) and len(seen) - len(set(seen)) < 2  # padding repeats one
+    first = gdsdata.Loader(train, 4, seed=2)
+    it = iter(first)
+    head = [next(it)[1].tolist() for _ in range(2)]
+    state = first.state_dict()
+    first.close()
+    again = gdsdata.Loader(train, 4, seed=2)
+    again.load_state_dict(state)
+    assert head + labels_of(again) == labels_of(gdsdata.Loader(train, 4, seed=2))
+    other = gdsdata.Loader(torch.utils.data.Subset(ds, list(range(len(train)))), 4, seed=2)
+    with pytest.raises(ValueError, match="fingerprint"):
+        other.load_state_dict(state)
+
+
+def test_batch_transform_takes_torchvision_v2_and_mixup(ds):
+    from torchvision.transforms import v2
+
+    mixup = v2.MixUp(num_classes=3)
+    loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32),
+                            batch_transform=v2.Compose([v2.RandomGrayscale(p=1.0), mixup]))
+    images, labels = next(iter(loader))
+    assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
+    assert labels.shape == (8, 3) and torch.allclose(labels.sum(1), torch.ones(8))  # soft labels
+    assert torch.allclose(images[:, 0], images[:, 1])  # gray
+    loader.close()
+    loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32),
+                            batch_transform=lambda x, y: (x.flip(-1), y + 1))
+    images, labels = next(iter(loader))
+    assert labels.min() >= 1
+    loader.close()
+
+
+def test_unusable_transforms_get_one_clear_error(ds):
+    from torchvision.transforms import v2
+
+    with pytest.raises(TypeError, match="batch_transform="):
+        gdsdata.Loader(ds, 8, transform=v2.Compose([v2.RandomResizedCrop(224)]))
+    with pytest.raises(TypeError, match="batch_transform="):
+        gdsdata.Loader(ds, 8, transform=lambda x: x)
+    with pytest.raises(TypeError, match="callable"):
+        gdsdata.Loader(ds, 8, batch_transform="flip")
+    loader = gdsdata.Loader(ds, 8, transform=gdsdata.CenterCrop(16), batch_transform=lambda x, y: x)
+    with pytest.raises(TypeError, match="must return \\(images, labels\\)"):
+        next(iter(loader))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(batch_size=1.5), TypeError, "batch_size must be an integer, got 1.5"),
+    (dict(batch_size="8"), TypeError, "batch_size must be an integer"),
+    (dict(batch_size=0), ValueError, "batch_size must be at least 1"),
+    (dict(batch_size=4, seed=-1), ValueError, "seed must be at least 0"),
+    (dict(batch_size=4, seed=0.5), TypeError, "seed must be an integer"),
+    (dict(batch_size=4, prefetch=0), ValueError, "prefetch"),
+    (dict(batch_size=4, drop_last="no"), TypeError, "drop_last"),
+    (dict(batch_size=4, rank=2, world_size=2), ValueError, "rank 2 is outside"),
+    (dict(batch_size=4, indices=[0, 99]), IndexError, "99, out of range for 60"),
+    (dict(batch_size=4, indices=[]), ValueError, "empty"),
+    (dict(batch_size=4, indices=[0.5]), TypeError, "indices must be a 1-D sequence of integers"),
+])
+def test_arguments_are_checked_in_one_line(ds, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gdsdata.Loader(ds, **kwargs)
+
+
+def test_other_datasets_are_pointed_to_the_dataloader():
+    with pytest.raises(TypeError, match="torch.utils.data.DataLoader"):
+        gdsdata.Loader(list(range(10)), 2)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda s: {}, "lacks"),
+    (lambda s: {**s, "batches_done": -3}, "below 0"),
+    (lambda s: {**s, "batches_done": 1000}, "delivered, but it has"),
+    (lambda s: {**s, "epoch": "1"}, "not int"),
+    (lambda s: {**s, "consumed": b"\x00"}, "mask"),
+    (lambda s: {**s, "dataset": "another"}, "fingerprint"),
+    (lambda s: [1, 2], "takes the dict"),
+])
+def test_corrupted_or_foreign_states_are_refused(ds, change, match):
+    loader = gdsdata.Loader(ds, 8, seed=1)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    loader.close()
+    with pytest.raises((ValueError, TypeError), match=match):
+        gdsdata.Loader(ds, 8, seed=1).load_state_dict(change(state))
+
+
+def test_stats_survive_a_break(ds):
+    loader = gdsdata.Loader(ds, 8)
+    for k, _ in enumerate(loader):
+        if k == 1:
+            break
+    del _
+    assert loader.stats() is not None and loader.stats()["batches"] == 2
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_the_dataloader_route_with_workers(photos_dataset, context):
+    """Per-sample transforms as torchvision datasets take them, the module-level collate for images
+    of different sizes, two workers under each start method."""
+    from torchvision.transforms import v2
+
+    root = photos_dataset[2]
+    resized = gdsdata.GDSDataset(root, transform=v2.Compose([v2.RandomResizedCrop(32), v2.ToDtype(torch.float32,
+                                                                                               scale=True)]))
+    loader = torch.utils.data.DataLoader(resized, batch_size=8, shuffle=True, num_workers=2,
+                                         multiprocessing_context=context, collate_fn=gdsdata.collate)
+    batches = list(loader)
+    images, labels = batches[0]
+    assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
+    assert labels.dtype == torch.int64 and sum(len(b[1]) for b in batches) == 60
+    plain = gdsdata.GDSDataset(root)
+    images, labels = next(iter(torch.utils.data.DataLoader(plain, batch_size=4, num_workers=2,
+                                                           multiprocessing_context=context,
+                                                           collate_fn=gdsdata.collate)))
+    assert isinstance(images, list) and len(images) == 4  # sizes differ: a list, as the Loader gives
+    assert all(im.dtype == torch.uint8 for im in images)
+
+
+def test_dataset_transforms_and_indices(photos_dataset):
+    ds = gdsdata.GDSDataset(photos_dataset[2], transform=lambda im: im.float() / 255,
+                            target_transform=lambda y: y + 10)
+    image, label = ds[3]
+    assert image.dtype == torch.float32 and label == ds.targets[3] + 10
+    assert torch.equal(ds[np.int64(3)][0], image) and torch.equal(ds[torch.tensor(3)][0], image)
+    with pytest.raises(TypeError, match="must be an integer, got 1.7"):
+        ds[1.7]
+    with pytest.raises(TypeError, match="not a slice"):
+        ds[0:3]
+    with pytest.raises(IndexError, match="out of range"):
+        ds[60]
+    with pytest.raises(TypeError, match="transform must be a callable"):
+        gdsdata.GDSDataset(photos_dataset[2], transform="resize")
+
+
+def test_python_dash_m_and_help_for_every_command():
+    import subprocess
+    import sys
+
+    for command in ("pack", "merge", "inspect", "verify", "doctor"):
+        done = subprocess.run([sys.executable, "-m", "gdsdata", command, "--help"], capture_output=True, text=True)
+        assert done.returncode == 0
+        described = done.stdout.split("\n\n")[1]
+        assert not described.startswith(("positional", "options")), (command, done.stdout[:300])
