@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 from . import settings  # noqa: E402
 from .errors import (  # noqa: E402
     BadImageError,
+    BusyError,
     CorruptSampleError,
     FormatError,
     GdsDataError,
@@ -16,7 +17,7 @@ from .errors import (  # noqa: E402
 )
 
 __all__ = [
-    "BadImageError", "CorruptSampleError", "FormatError", "GDSDataset", "GdsDataError",
+    "BadImageError", "BusyError", "CorruptSampleError", "FormatError", "GDSDataset", "GdsDataError",
     "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "StallError", "pack", "settings",
     "RandomResizedCrop", "CenterCrop", "PixelBatch", "collate",
 ]

@@ -31,3 +31,7 @@ class GpuUnavailableError(GdsDataError):
 
 class StallError(GdsDataError):
     """A Loader stage made no progress within the ``stall_timeout`` setting (a hung read or decode)."""
+
+
+class BusyError(GdsDataError):
+    """Another gdsdata process is writing the same dataset folder (one writer at a time)."""

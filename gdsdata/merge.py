@@ -18,14 +18,23 @@ from . import __version__
 from . import format as fmt
 from . import index as index_io
 from .errors import SourceError
-from .packer import prepare_output
+from .lock import writer_lock
+from .packer import into
 
 log = logging.getLogger(__name__)
 
 
 def _place(src, dst, copy):
-    if copy:
-        shutil.copyfile(src, dst)
+    if copy:  # under a temporary name until complete: a full disk leaves no truncated shard
+        try:
+            shutil.copyfile(src, dst + fmt.TMP_SUFFIX)
+        except OSError as e:
+            try:
+                os.unlink(dst + fmt.TMP_SUFFIX)
+            except FileNotFoundError:
+                pass
+            raise OSError(e.errno, f"{e.strerror or e} while copying {src}", dst) from e
+        os.replace(dst + fmt.TMP_SUFFIX, dst)
         return "copied"
     try:
         os.link(src, dst)
@@ -37,31 +46,72 @@ def _place(src, dst, copy):
         return "symlinked"
 
 
-def merge(parts, out, *, copy=False, overwrite=False) -> dict:
-    """Merge the datasets ``parts`` into ``out``; returns a summary."""
-    if not parts:
-        raise SourceError("merge needs at least one part")
-    out = os.path.abspath(os.fspath(out))
-    indexes = [index_io.load(p) for p in parts]
+def _check_parts(parts, indexes):
+    """Parts of one pack, each once, all of them, in order; else one line saying what is wrong.
+    Returns the parts in part order."""
     first = indexes[0]
     for part, index in zip(parts, indexes):
         if index.classes != first.classes:
             raise SourceError(f"{part}: its class list differs from {parts[0]}'s; parts must be packed from "
                               f"the same source (pack --num-parts N --part K)")
-        codec, first_codec = index.meta.get("options", {}).get("codec"), first.meta.get("options", {}).get("codec")
-        if codec != first_codec:
-            raise SourceError(f"{part}: packed with codec {codec}, {parts[0]} with {first_codec}")
+        if index.meta.get("options") != first.meta.get("options"):  # (the source path may differ per machine)
+            raise SourceError(f"{part}: packed with other options than {parts[0]} ({index.meta.get('options')!r} "
+                              f"against {first.meta.get('options')!r}); its parts must come from one pack command")
         if index.alignment != first.alignment:
             raise SourceError(f"{part}: alignment {index.alignment}, {parts[0]} has {first.alignment}")
+    infos = [index.meta.get("part") for index in indexes]
+    if not any(infos):
+        return list(zip(parts, indexes))  # whole datasets of the same source and options, joined in order
+    missing = [p for p, info in zip(parts, infos) if not info]
+    if missing:
+        raise SourceError(f"{missing[0]}: a whole dataset, not a part (the others were packed with --num-parts)")
+    counts = {info["num_parts"] for info in infos}
+    if len(counts) > 1:
+        raise SourceError(f"the parts come from packs of different --num-parts ({', '.join(map(str, sorted(counts)))})")
+    total = counts.pop()
+    seen = {}
+    for part, info in zip(parts, infos):
+        if info["part"] in seen:
+            raise SourceError(f"{part}: part {info['part']} of {total} given twice (also {seen[info['part']]})")
+        seen[info["part"]] = part
+    absent = [k for k in range(total) if k not in seen]
+    if absent:
+        raise SourceError(f"part {absent[0]} of {total} is missing ({len(seen)} of {total} parts given); "
+                          f"merge needs all of them")
+    ordered = sorted(zip(parts, indexes, infos), key=lambda t: t[2]["part"])
+    for (_, _, before), (part, _, info) in zip(ordered, ordered[1:]):
+        if info["first_item"] != before["first_item"] + before["items"]:
+            raise SourceError(f"{part}: part {info['part']} does not start where part {before['part']} ends "
+                              f"(items {info['first_item']} against {before['first_item'] + before['items']})")
+    return [(part, index) for part, index, _ in ordered]
+
+
+def merge(parts, out, *, copy=False, overwrite=False) -> dict:
+    """Merge the datasets ``parts`` (all parts of one ``pack --num-parts N``, in any order) into
+    ``out``; returns a summary. One writer at a time per ``out``; an existing ``out`` is replaced
+    only once the merged dataset is complete."""
+    if not parts:
+        raise SourceError("merge needs at least one part")
+    out = os.path.abspath(os.fspath(out))
+    indexes = [index_io.load(p) for p in parts]
+    for part, index in zip(parts, indexes):
         if os.path.abspath(index.root) == out:
             raise SourceError(f"{part}: a part cannot be merged into itself")
-    prepare_output(out, overwrite)
+    ordered = _check_parts(parts, indexes)
+    with writer_lock(out, f"merge of {len(parts)} part(s)"):
+        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy))
+
+
+def _merge(ordered, folder, out, copy):
+    parts = [part for part, _ in ordered]
+    indexes = [index for _, index in ordered]
+    first = indexes[0]
     shard_rows, sample_tables, strings, how = [], [], bytearray(), set()
     sample_base = 0
     for index in indexes:
         shard_base = len(shard_rows)
         for s in range(len(index.shards)):
-            how.add(_place(index.shard_path(s), os.path.join(out, fmt.shard_name(shard_base + s)), copy))
+            how.add(_place(index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s)), copy))
             row = index.shards[s].copy()
             row["first_sample"] += sample_base
             shard_rows.append(row)
@@ -86,7 +136,7 @@ def merge(parts, out, *, copy=False, overwrite=False) -> dict:
                    "per_class": np.bincount(samples["label"], minlength=len(first.classes)).tolist()},
     }
     shards = np.array(shard_rows, dtype=fmt.SHARD_RECORD)
-    index_io.write(out, first.alignment, os.urandom(16), shards, samples, bytes(strings), meta)
+    index_io.write(folder, first.alignment, os.urandom(16), shards, samples, bytes(strings), meta)
     log.info("merged %d parts: %d samples, %d shards (%s)", len(parts), len(samples), len(shards), ", ".join(how))
     return {"out": out, "parts": len(parts), "samples": len(samples), "shards": len(shards),
             "shards_placed": sorted(how)}

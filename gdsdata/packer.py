@@ -12,16 +12,19 @@ part of the source, with labels from the full class list, for ``merge.merge`` to
 """
 
 import datetime
+import errno
 import itertools
 import json
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import zlib
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -31,6 +34,7 @@ from . import __version__
 from . import format as fmt
 from . import index as index_io
 from .errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
+from .lock import aside, remove_quietly, swap_in, writer_lock
 from .normalize import PackOptions, prepare
 from .shards import ShardWriter, data_crc32
 from .sources import open_source
@@ -80,9 +84,10 @@ def gdsdata_owned(name):
             or (name.startswith("shard-") and name.endswith(".gds")))
 
 
-def prepare_output(out, overwrite):
-    """Make ``out`` an empty folder, or refuse: never touch a dataset without ``overwrite``, never
-    delete files gdsdata did not write."""
+def check_output(out, overwrite) -> bool:
+    """Refuse an ``out`` that must not be written: a dataset (or any other file) without
+    ``overwrite``, files gdsdata did not write even with it. Returns whether ``out`` holds anything
+    (then an overwrite builds the new dataset aside and swaps it in when complete)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputExistsError(f"{out}: exists and is not a folder")
     existing = sorted(os.listdir(out)) if os.path.isdir(out) else []
@@ -94,42 +99,113 @@ def prepare_output(out, overwrite):
     if foreign:
         raise OutputExistsError(f"{out}: refusing to overwrite, it holds files gdsdata did not write "
                                 f"(e.g. {foreign[0]})")
-    if fmt.INDEX_NAME in existing:  # the dataset stops being one before anything else goes
-        os.unlink(os.path.join(out, fmt.INDEX_NAME))
-    for name in existing:
-        if name != fmt.INDEX_NAME:
-            os.unlink(os.path.join(out, name))
-    os.makedirs(out, exist_ok=True)
+    return bool(existing)
+
+
+def into(out, overwrite, build):
+    """Run ``build(folder)`` to make a complete dataset for ``out``: in ``out`` itself when it is
+    empty or new, else (an overwrite) in a sibling folder swapped in once ``build`` returns; a
+    failed build leaves the old dataset as it was and nothing of the new one."""
+    if not check_output(out, overwrite):
+        os.makedirs(out, exist_ok=True)
+        return build(out)
+    staging = aside(out, "new")
+    try:
+        result = build(staging)
+        swap_in(staging, out)
+    except BaseException:
+        remove_quietly(staging)
+        raise
+    return result
 
 
 def _prepare_chunk(jobs):
     return [_prepare_item(job) for job in jobs]
 
 
-def _ordered(pool, jobs, window, chunk=8):
-    """``pool.map`` in order, in chunks of ``chunk`` jobs (fewer round trips to the workers), with
-    at most ``window`` jobs submitted ahead (bounded memory for sources read in this process)."""
-    pending = deque()
+def _quiet_worker():
+    """Packing workers leave Ctrl-C to the parent, which stops them and reports once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _isolated(job, context):
+    """Prepare one job in a process of its own: what killed a pool's worker shows up here as the
+    item that kills its process."""
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_send_result, args=(job, send), daemon=True)
+    process.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:
+        result = None
+    process.join()
+    if result is not None:
+        return result
+    code = process.exitcode
+    how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}")
+    hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+    return job[0], None, f"the packing worker died preparing it: {how}{hint}"
+
+
+def _send_result(job, send):
+    _quiet_worker()
+    send.send(_prepare_item(job))
+    send.close()
+
+
+def _ordered(pool_factory, jobs, window, context, chunk=8):
+    """Prepared items in source order, computed in chunks of ``chunk`` (fewer round trips to the
+    workers) with at most ``window`` jobs submitted ahead (bounded memory for sources read in this
+    process). A worker that dies (killed by the kernel's OOM killer, say) breaks the pool: the
+    chunk it was working on is redone one item per process, so that the item that kills its
+    process is reported as bad and everything else is packed; later chunks go to a new pool."""
     jobs = iter(jobs)
-    while True:
-        batch = list(itertools.islice(jobs, chunk))
-        if batch:
-            pending.append(pool.submit(_prepare_chunk, batch))
-        if pending and (not batch or len(pending) * chunk >= window):
-            yield from pending.popleft().result()
-        if not batch and not pending:
-            return
+    pending = deque()  # (future, chunk of jobs)
+    redo = deque()  # chunks of a broken pool, to submit again
+    pool = pool_factory()
+    try:
+        while True:
+            batch = redo.popleft() if redo else list(itertools.islice(jobs, chunk))
+            if batch:
+                pending.append((pool.submit(_prepare_chunk, batch), batch))
+            if pending and (not batch or len(pending) * chunk >= window):
+                future, done = pending.popleft()
+                try:
+                    results = future.result()
+                except BrokenProcessPool:
+                    log.warning("a packing worker died; finding the item that killed it")
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    redo.extend(b for _, b in pending)
+                    pending.clear()
+                    results = [_isolated(job, context) for job in done]
+                    pool = pool_factory()
+                yield from results
+            if not batch and not pending and not redo:
+                return
+    finally:
+        _stop(pool)
+
+
+def _stop(pool):
+    """Shut a pool down without waiting on work nobody will collect (Ctrl-C, an error)."""
+    processes = list(getattr(pool, "_processes", {}).values())  # to make sure none outlives the pack
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(5)
 
 
 def _results(jobs, workers):
     if workers <= 1:
         yield from map(_prepare_item, jobs)
         return
-    # fork: workers start at once and need not re-import __main__; a worker that dies raises
-    # BrokenProcessPool here instead of hanging the pack.
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
-        yield from _ordered(pool, jobs, workers * _WINDOW_PER_WORKER)
+    # fork: workers start at once and need not re-import __main__
+    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    yield from _ordered(lambda: ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker),
+                        jobs, workers * _WINDOW_PER_WORKER, context)
 
 
 def _write_json(path, payload):
@@ -191,12 +267,24 @@ def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
         raise ValueError(f"part must be between 0 and num_parts - 1 ({num_parts - 1}), got {part}")
     if append and (resume or overwrite or num_parts > 1):
         raise ValueError("append goes with none of resume, overwrite or parts")
+    if alignment < 64 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
     workers = workers or os.cpu_count() or 1
     started = time.perf_counter()
     source = open_source(src)
     try:
-        return _pack(source, src, out, options, shard_size, alignment, workers, strict, overwrite,
-                     progress, num_parts, part, resume, append, started)
+        if os.path.isdir(src) and os.path.commonpath([src, out]) == src:
+            raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it (its "
+                              f"shards would be read as images of a class)")
+        what = "append" if append else "resume" if resume else "pack"
+        with writer_lock(out, f"{what} of {src}"):
+            def build(folder):
+                return _pack(source, src, folder, out, options, shard_size, alignment, workers, strict,
+                             progress, num_parts, part, resume, append, started)
+
+            if resume or append:
+                return build(out)
+            return into(out, overwrite, build)
     finally:
         source.close()
 
@@ -215,8 +303,10 @@ def _appendable(out, source, alignment):
     return base, items, classes
 
 
-def _pack(source, src, out, options, shard_size, alignment, workers, strict, overwrite, progress,
+def _pack(source, src, folder, out, options, shard_size, alignment, workers, strict, progress,
           num_parts, part, resume, append, started):
+    """Pack into ``folder`` (``out`` itself, or where an overwrite builds its replacement); messages
+    and the report name ``out``."""
     classes, everything = source.classes, source.items
     if append:
         base, everything, classes = _appendable(out, source, alignment)
@@ -227,8 +317,6 @@ def _pack(source, src, out, options, shard_size, alignment, workers, strict, ove
                  "part": [part, num_parts], "items": len(items),
                  "ends": [items[0].rel, items[-1].rel] if items else []}
     journals = _resume_state(out, signature) if resume else []
-    if not resume and not append:
-        prepare_output(out, overwrite)
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped = [], bytearray(), []
     shard_rows = []
@@ -251,14 +339,14 @@ def _pack(source, src, out, options, shard_size, alignment, workers, strict, ove
     def write_journal(shard, record):
         mine = range(position["shard_start"], len(records))
         position["shard_start"] = len(records)
-        _write_json(_journal_path(out, shard), {
+        _write_json(_journal_path(folder, shard), {
             "signature": signature, "dataset_id": dataset_id.hex(),
             "shard": [int(v) if not isinstance(v, bytes) else v.hex() for v in record],
             "samples": [list(records[k]) for k in mine],
             "paths": [strings[records[k][1]:records[k][1] + records[k][8]].decode("utf-8") for k in mine],
             "skipped": skipped, "converted": converted, "resized": resized, "items_done": position["item"]})
 
-    writer = ShardWriter(out, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
+    writer = ShardWriter(folder, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
                          first_sample=len(records), on_close=write_journal)
     report = {"source": src, "out": out, "status": "failed", "classes": len(classes),
               "ignored": ignored, "skipped": skipped}
@@ -289,18 +377,31 @@ def _pack(source, src, out, options, shard_size, alignment, workers, strict, ove
                 position["item"] += 1
         if not records or (append and len(records) == len(base)):
             what = "new image files" if append else "image files"
-            raise SourceError(f"{src}: none of its {len(items)} {what} could be packed "
-                              f"(reasons in {os.path.join(out, fmt.REPORT_NAME)})")
+            reasons = "; ".join(f"{item['path']}: {item['reason']}" for item in skipped[:3])
+            raise SourceError(f"{src}: none of its {len(items)} {what} could be packed ({reasons}"
+                              f"{' ...' if len(skipped) > 3 else ''})")
         writer.close_shard()
     except BaseException as e:
-        writer.abort()
-        if not isinstance(e, KeyboardInterrupt):  # a clean failure removes what this run wrote
+        writer.abort()  # the shard being written, never finished, goes
+        finished = writer.next_shard - len(shard_rows) - (1 if writer.aborted else 0)
+        keep = isinstance(e, (KeyboardInterrupt, OSError))  # resumable: finished shards stay
+        if not keep:  # a clean failure removes what this run wrote
             for shard in range(len(shard_rows), writer.next_shard):
                 for name in (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.JOURNAL_SUFFIX):
-                    if os.path.exists(os.path.join(out, name)):
-                        os.unlink(os.path.join(out, name))
-        report["error"] = str(e) if isinstance(e, GdsDataError) else repr(e)
-        _write_json(os.path.join(out, fmt.REPORT_NAME), report)
+                    if os.path.exists(os.path.join(folder, name)):
+                        os.unlink(os.path.join(folder, name))
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        report.update(status=status, error=str(e) if isinstance(e, (GdsDataError, OSError)) else repr(e),
+                      finished_shards=finished if keep else 0)
+        try:
+            _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
+        except OSError:  # the disk may be full: the error says what happened
+            pass
+        if isinstance(e, OSError) and folder == out:
+            hint = (f"; {finished + len(journals)} finished shard(s) kept: free space, then run the same command "
+                    f"with --resume" if finished + len(journals) else "")
+            raise OSError(e.errno, f"{e.strerror or e} while writing {e.filename or out}{hint}",
+                          out) from e
         raise
     samples = np.array(records, dtype=fmt.SAMPLE_RECORD)
     shard_table = np.array(shard_rows + writer.records, dtype=fmt.SHARD_RECORD)
@@ -324,11 +425,20 @@ def _pack(source, src, out, options, shard_size, alignment, workers, strict, ove
     report.update(status="complete", packed=len(samples), converted=converted, resized=resized,
                   shards=len(shard_table), bytes=total, seconds=round(seconds, 3), resumed_shards=len(journals),
                   empty_classes=[c for c, n in zip(classes, per_class) if n == 0])
-    report_path = _write_json(os.path.join(out, fmt.REPORT_NAME), report)
-    index_io.write(out, alignment, dataset_id, shard_table, samples, bytes(strings), meta)
+    try:
+        index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta)
+    except OSError as e:  # finished shards and journals stay: --resume writes the index
+        report.update(status="failed", error=f"{e.strerror or e} while writing the index")
+        try:
+            _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
+        except OSError:
+            pass
+        raise
+    report_path = _write_json(os.path.join(folder, fmt.REPORT_NAME), report)  # complete: the index exists
+    report_path = os.path.join(out, fmt.REPORT_NAME)
     for shard in range(len(shard_table)):  # the index is authoritative now
         try:
-            os.unlink(_journal_path(out, shard))
+            os.unlink(_journal_path(folder, shard))
         except FileNotFoundError:
             pass
     log.info("packed %d images into %d shards in %.1f s", len(samples), len(shard_table), seconds)

@@ -33,10 +33,14 @@ class ShardWriter:
         self.records = []  # one SHARD_RECORD row per shard finished by this writer
         self.samples_written = first_sample
         self.on_close = on_close  # called with each finished shard's index and record
+        self.aborted = False  # abort() dropped a shard that was being written
         self._file = None
 
     def _write(self, data):
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as e:  # name the file: "No space left on device" alone says nothing of where
+            raise OSError(e.errno, e.strerror, self._path + fmt.TMP_SUFFIX) from e
         self._crc = zlib.crc32(data, self._crc)  # the shard's CRC covers everything after the header block
         self._size += len(data)
 
@@ -81,10 +85,13 @@ class ShardWriter:
         header["num_samples"] = self._count
         header["dataset_id"] = self.dataset_id
         head = header.tobytes() + bytes(self.alignment - fmt.SHARD_HEADER.itemsize)
-        self._file.seek(0)
-        self._file.write(head)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.seek(0)
+            self._file.write(head)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self._path + fmt.TMP_SUFFIX) from e
         self._file.close()
         self._file = None
         os.replace(self._path + fmt.TMP_SUFFIX, self._path)
@@ -96,7 +103,11 @@ class ShardWriter:
 
     def abort(self):
         if self._file is not None:
-            self._file.close()
+            self.aborted = True
+            try:
+                self._file.close()
+            except OSError:  # buffered bytes that do not fit on a full disk
+                pass
             self._file = None
             try:
                 os.unlink(self._path + fmt.TMP_SUFFIX)

@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""The CPU path beside the CPU loaders people use, on the same cores, in one run.
+
+Every pipeline produces antialiased random-resized-crop 224 training batches with a horizontal flip
+(uint8, or float32 normalised with --float) from the same JPEGs:
+
+  gdsdata       gdsdata.Loader on the CPU (its cpu_threads pool)
+  imagefolder   torchvision ImageFolder + PIL + DataLoader(--workers) + transforms.v2
+  litdata       litdata's optimize() of the same files, StreamingDataset + StreamingDataLoader(--workers),
+                torchvision decode_jpeg + transforms.v2 (when litdata imports)
+  ffcv          an FFCV .beton of the same files, RandomResizedCropRGBImageDecoder (when ffcv imports)
+
+Modes: the loader alone, and feeding a small convolutional model's train step on the CPU (--model),
+which takes its share of the same cores. Rows are interleaved over --rounds rounds; the figure is the
+median epoch over rounds, CPU-seconds per 1,000 images count the process and its workers.
+
+    python bench/cpu.py --dir /tmp/cpu-bench --count 2000 --out results/
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import cpu_seconds, print_system_block, system_block  # noqa: E402
+
+import gdsdata  # noqa: E402
+
+SIZE = 224
+MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+
+
+def _v2(float_out):
+    from torchvision.transforms import v2
+
+    # on the PIL image, then to a tensor: torchvision's fast order (on a tensor first it took twice as long)
+    steps = [v2.RandomResizedCrop(SIZE, antialias=True), v2.RandomHorizontalFlip(), v2.ToImage()]
+    if float_out:
+        steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize([m / 255 for m in MEAN], [s / 255 for s in STD])]
+    return v2.Compose(steps)
+
+
+def gdsdata_pipeline(args, root, float_out):
+    ds = gdsdata.GDSDataset(root)
+    loader = gdsdata.Loader(ds, args.batch, shuffle=True, drop_last=True,
+                            transform=gdsdata.RandomResizedCrop(SIZE, dtype="float32" if float_out else "uint8"))
+    return lambda: iter(loader)
+
+
+def imagefolder_pipeline(args, src, float_out):
+    from torchvision.datasets import ImageFolder
+
+    loader = torch.utils.data.DataLoader(ImageFolder(src, transform=_v2(float_out)), batch_size=args.batch,
+                                         shuffle=True, drop_last=True, num_workers=args.workers,
+                                         persistent_workers=True, prefetch_factor=4)
+    return lambda: iter(loader)
+
+
+try:  # at module level, so that the StreamingDataLoader's spawned workers can unpickle it
+    import litdata
+
+    class LitJpegs(litdata.StreamingDataset):
+        """litdata's usual recipe: JPEG bytes and label per sample, torchvision decode + v2 on read."""
+
+        def __init__(self, root, transform):
+            super().__init__(root, shuffle=True, drop_last=True)
+            self.augment = transform  # not "transform": StreamingDataset applies that one to the raw item
+
+        def __getitem__(self, index):
+            from torchvision.io import decode_jpeg
+
+            data, label = super().__getitem__(index)
+            return self.augment(decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))), label
+except ImportError:
+    litdata = None
+
+
+def _lit_item(path_label):
+    path, label = path_label
+    with open(path, "rb") as f:
+        return f.read(), label
+
+
+def litdata_pipeline(args, src, float_out):
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms import v2
+
+    if litdata is None:
+        raise ImportError("litdata is not installed")
+    root = os.path.join(args.dir, "litdata")
+    if not os.path.exists(os.path.join(root, "index.json")):
+        samples = ImageFolder(src).samples
+        litdata.optimize(fn=_lit_item, inputs=samples, output_dir=root, chunk_bytes="64MB",
+                         num_workers=args.workers, mode="overwrite")
+    # decode_jpeg gives a tensor: the crop then runs on the tensor, antialiased
+    steps = [v2.RandomResizedCrop(SIZE, antialias=True), v2.RandomHorizontalFlip()]
+    if float_out:
+        steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize([m / 255 for m in MEAN], [s / 255 for s in STD])]
+    dataset = LitJpegs(root, v2.Compose(steps))
+    loader = litdata.StreamingDataLoader(dataset, batch_size=args.batch, num_workers=args.workers,
+                                         drop_last=True, persistent_workers=True)
+    return lambda: iter(loader)
+
+
+def ffcv_pipeline(args, src, float_out):
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import NormalizeImage, RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
+    from ffcv.writer import DatasetWriter
+    from torchvision.datasets import ImageFolder
+
+    path = os.path.join(args.dir, "images.beton")
+    if not os.path.exists(path):
+        DatasetWriter(path, {"image": RGBImageField(write_mode="raw_jpg" if hasattr(RGBImageField, "RAW_JPG")
+                                                    else "jpg", jpeg_quality=95),
+                             "label": IntField()}, num_workers=args.workers).from_indexed_dataset(ImageFolder(src))
+    image = [RandomResizedCropRGBImageDecoder((SIZE, SIZE)), RandomHorizontalFlip()]
+    if float_out:
+        image += [NormalizeImage(np.array(MEAN), np.array(STD), np.float32)]
+    image += [ToTensor(), ToTorchImage()]
+    loader = Loader(path, batch_size=args.batch, num_workers=args.workers, order=OrderOption.RANDOM,
+                    drop_last=True, pipelines={"image": image, "label": [IntDecoder(), ToTensor(), Squeeze()]})
+    return lambda: iter(loader)
+
+
+PIPELINES = {"gdsdata": gdsdata_pipeline, "imagefolder": imagefolder_pipeline, "litdata": litdata_pipeline,
+             "ffcv": ffcv_pipeline}
+
+
+def small_model():
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 5, stride=4, padding=2), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 100))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def epoch(make, model):
+    n, t0, c0 = 0, time.perf_counter(), cpu_seconds()
+    for images, labels in make():
+        if model is not None:
+            net, optimizer = model
+            x = images if images.dtype == torch.float32 else images.float().div_(255)
+            loss = torch.nn.functional.cross_entropy(net(x), labels.long())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        n += len(labels)
+    return n / (time.perf_counter() - t0), (cpu_seconds() - c0) / n * 1000
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="bench-data/cpu", help="working folder")
+    parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers (= cores)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds after a warm-up")
+    parser.add_argument("--pipelines", default=",".join(PIPELINES))
+    parser.add_argument("--float", action="store_true", help="float32 normalised output instead of uint8")
+    parser.add_argument("--model", action="store_true", help="also time each pipeline feeding a small CPU model")
+    parser.add_argument("--out", default="bench-results")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    system = system_block()
+    print_system_block(system)
+    from make_images import generate
+
+    src = os.path.join(args.dir, "images")
+    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
+        generate(src, args.count, classes=10)
+        open(os.path.join(src, f".complete-{args.count}"), "w").close()
+    root = os.path.join(args.dir, "jpeg.gds")
+    if not os.path.exists(os.path.join(root, "index.gdsi")):
+        gdsdata.pack(src, root, overwrite=True)
+    pipelines = {}
+    for name in args.pipelines.split(","):
+        try:
+            pipelines[name] = PIPELINES[name](args, root if name == "gdsdata" else src, args.float)
+        except ImportError as e:
+            print(f"{name}: not installed ({e}); skipped")
+        except Exception:  # noqa: BLE001 - one peer failing must not hide the others
+            print(f"{name}: FAILED to build\n{traceback.format_exc()}")
+    modes = [("alone", None)] + ([("with a small CPU model", small_model())] if args.model else [])
+    results = {(name, mode): [] for name in pipelines for mode, _ in modes}
+    for round_ in range(1 + args.rounds):
+        for mode, model in modes:
+            for name, make in pipelines.items():
+                try:
+                    rate, cpu = epoch(make, model)
+                except Exception:  # noqa: BLE001
+                    print(f"{name} {mode}: FAILED\n{traceback.format_exc()}")
+                    continue
+                if round_:
+                    results[(name, mode)].append((rate, cpu))
+                print(f"  round {round_}{' (warm-up)' if not round_ else ''}: {name:<12} {mode:<24} "
+                      f"{rate:7.0f} images/s  {cpu:5.2f} CPU-s/1k", flush=True)
+    print(f"\n== {args.count} JPEGs, batch {args.batch}, RandomResizedCrop {SIZE} antialiased + flip, "
+          f"{'float32 normalised' if args.float else 'uint8'}, {os.cpu_count()} cores ==")
+    table = []
+    for (name, mode), runs in results.items():
+        if not runs:
+            continue
+        rate = statistics.median(r for r, _ in runs)
+        cpu = statistics.median(c for _, c in runs)
+        table.append({"pipeline": name, "mode": mode, "images_per_s": rate, "cpu_s_per_1k": cpu,
+                      "rates": [r for r, _ in runs]})
+    for row in table:
+        peers = [r for r in table if r["mode"] == row["mode"] and r["pipeline"] != "gdsdata"]
+        best = max((r["images_per_s"] for r in peers), default=None)
+        ratio = f"{row['images_per_s'] / best:.2f}x the best peer" if best and row["pipeline"] == "gdsdata" else ""
+        print(f"{row['pipeline']:<12} {row['mode']:<24} {row['images_per_s']:7.0f} images/s "
+              f"({min(row['rates']):.0f}-{max(row['rates']):.0f})  {row['cpu_s_per_1k']:5.2f} CPU-s/1k  {ratio}")
+    with open(os.path.join(args.out, "cpu.json"), "w") as f:
+        json.dump({"system": system, "args": vars(args), "results": table}, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

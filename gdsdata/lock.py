@@ -1,0 +1,125 @@
+"""One writer at a time per dataset folder, and whole datasets swapped in only when complete.
+
+``writer_lock(out, what)`` holds an advisory ``flock`` on a small file beside ``out``
+(``.NAME.gdsdata-lock`` in its parent) for the whole of a pack, append, resume, merge or overwrite;
+a second writer gets ``BusyError`` naming the holder (its command, process and host, and since
+when). The lock goes with the process: a writer killed with SIGKILL holds nothing. Readers take no
+lock. (``flock`` is advisory and local: writers on different hosts of a network filesystem that
+does not forward it are not kept apart.)
+
+``aside(out)`` gives the folder a replacement is built in (a sibling, so that the swap is a rename
+on one filesystem) and ``swap_in`` exchanges it with ``out`` in one step where the kernel has
+``renameat2(RENAME_EXCHANGE)``, else with two renames; the old dataset stays whole until the new
+one is.
+"""
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+
+from .errors import BusyError
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _lock_path(out: str) -> str:
+    parent, name = os.path.split(os.path.abspath(out))
+    return os.path.join(parent, f".{name}.gdsdata-lock")
+
+
+@contextlib.contextmanager
+def writer_lock(out, what: str):
+    """Hold ``out``'s writer lock for the block, or raise ``BusyError`` at once."""
+    import fcntl
+
+    path = _lock_path(os.fspath(out))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise BusyError(f"{out}: another gdsdata {holder} is writing it; wait for it to finish "
+                            f"(one writer at a time per dataset)") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a file a finished writer unlinked
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"what": what, "pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                 "command": " ".join(sys.argv[:4])}).encode())
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # releases the lock
+
+
+def _holder(fd) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info:
+        return "writer"
+    return f"{info.get('what', 'writer')} (pid {info.get('pid')} on {info.get('host')}, since {info.get('since')})"
+
+
+def aside(out: str, tag: str) -> str:
+    """A new empty sibling folder of ``out`` for a replacement to be built in."""
+    parent, name = os.path.split(os.path.abspath(out))
+    path = os.path.join(parent, f".{name}.gdsdata-{tag}-{os.getpid()}-{os.urandom(4).hex()}")
+    os.makedirs(path)
+    return path
+
+
+def swap_in(new: str, out: str):
+    """Make the complete dataset ``new`` the folder ``out``, then remove what ``out`` held."""
+    if not os.path.exists(out):
+        os.rename(new, out)
+        return
+    if _exchange(new, out):
+        shutil.rmtree(new)  # the old dataset, now under the temporary name
+        return
+    old = aside(out, "old")
+    os.rmdir(old)
+    os.rename(out, old)  # a reader opening the dataset in between finds no folder, never a mix
+    os.rename(new, out)
+    shutil.rmtree(old)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically exchange two paths (Linux renameat2); False where the call is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), b)
+
+
+def remove_quietly(path: str):
+    shutil.rmtree(path, ignore_errors=True)
