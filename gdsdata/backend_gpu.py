@@ -59,7 +59,10 @@ def choose_path(gds: bool, prefer_mapped: bool = False):
 
 
 class GpuBackend:
-    def __init__(self, index, device: torch.device, verify: bool):
+    """``verify``: True (checksums where the bytes are in host memory, pinned staging), "always"
+    (also GPU staging, through a copy to the host), or False."""
+
+    def __init__(self, index, device: torch.device, verify):
         if not torch.cuda.is_available():
             raise GpuUnavailableError("device='cuda' was asked for, but torch sees no CUDA device")
         if device.index is None:
@@ -77,6 +80,10 @@ class GpuBackend:
         self.reader = GpuReader(index, device, engine, fallback="kvikio" if prefer_mapped else None)
         self.decoder = GpuDecoder(index, device, self.backend)
         self._slots = SlotPool(self.staging_kind, device, _SLOTS)
+        if verify is True and self.staging_kind == "device":
+            self.verify = False  # the bytes never pass a CPU; verify_checksums=True asks for the copy
+            log.info("GPU staging: checksums are not checked (GDSDataset(verify_checksums=True) checks them "
+                     "through a copy to the host)")
         log.info("GPU path on %s: I/O %s (%s), reads %s, staging %s, nvJPEG %s", device, self.io_mode,
                  self.io_reason, self.engine, self.staging_kind, self.backend)
 

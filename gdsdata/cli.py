@@ -6,6 +6,7 @@ Every error gdsdata raises on purpose becomes one line on stderr and exit status
 import argparse
 import json
 import logging
+import os
 import sys
 
 from . import __version__
@@ -37,11 +38,12 @@ def _cmd_pack(args):
     from .packer import pack
 
     options = PackOptions(codec=args.codec, quality=args.quality, max_side=args.max_side,
-                          raw_size=args.size)
+                          raw_size=args.size, max_pixels=args.max_pixels)
     result = pack(args.src, args.out, options=options, shard_size=args.shard_size,
                   alignment=args.alignment, workers=args.workers, strict=args.strict,
                   overwrite=args.overwrite, progress=not args.quiet, num_parts=args.num_parts,
-                  part=args.part, resume=args.resume, append=args.append)
+                  part=args.part, resume=args.resume, append=args.append,
+                  allow_empty_classes=args.allow_empty_classes)
     rate = result.packed / result.seconds if result.seconds else 0.0
     print(f"packed {result.packed} images into {result.shards} shard(s), {_human(result.bytes)}, "
           f"in {result.seconds:.1f} s ({rate:.0f} images/s)")
@@ -57,6 +59,11 @@ def _cmd_pack(args):
             print(f"    ... {len(result.skipped) - 10} more")
     if result.ignored:
         print(f"  ignored {len(result.ignored)} non-image file(s)")
+    for what, entries in (("could not read", result.unreadable), ("skipped unopened", result.special)):
+        if entries:
+            print(f"  {what} {len(entries)} folder(s) or file(s):")
+            for item in entries[:10]:
+                print(f"    {item['path']}: {item['reason']}")
     print(f"  report: {result.report_path}")
     return 0
 
@@ -127,6 +134,17 @@ def _cmd_doctor(args):
     return 0
 
 
+class _Defaults:
+    """PackOptions' defaults without importing PIL at start-up."""
+
+    @property
+    def max_pixels(self):
+        return 89_478_485  # PIL.Image.MAX_IMAGE_PIXELS
+
+
+PACK_DEFAULTS = _Defaults()
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="gdsdata", description="Pack images into GPU-ready shards, "
                                      "merge, inspect and verify them, and check what this machine's GPU path is.")
@@ -153,7 +171,13 @@ def build_parser():
                    help="downscale images whose longer side exceeds PX (default: keep)")
     p.add_argument("--size", type=int, default=0, metavar="PX",
                    help="raw codec: downscale so the shorter side is PX (default: keep)")
-    p.add_argument("--strict", action="store_true", help="stop at the first bad file instead of skipping it")
+    p.add_argument("--strict", action="store_true",
+                   help="stop at the first bad or unreadable file or folder instead of skipping it")
+    p.add_argument("--max-pixels", type=int, default=PACK_DEFAULTS.max_pixels, metavar="N",
+                   help=f"refuse images that declare more pixels, before decoding them "
+                        f"(default {PACK_DEFAULTS.max_pixels:,}, Pillow's; 0: no limit)")
+    p.add_argument("--allow-empty-classes", action="store_true",
+                   help="keep class folders without images as classes (torchvision's ImageFolder refuses them)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("--resume", action="store_true",
                    help="finish an interrupted pack into OUT, keeping its finished shards (same options)")
@@ -215,9 +239,28 @@ def main(argv=None):
         message = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         print(f"gdsdata: error: {where}{message}", file=sys.stderr)
     except KeyboardInterrupt:
-        print("gdsdata: interrupted", file=sys.stderr)
+        print(f"gdsdata: interrupted{_left_behind(args)}", file=sys.stderr)
         return 130
     return 1
+
+
+def _left_behind(args) -> str:
+    """What an interrupted pack or merge left in OUT, in a few words."""
+    out = getattr(args, "out", None)
+    if not out or args.command not in ("pack", "merge"):
+        return ""
+    from . import format as fmt
+
+    try:
+        names = os.listdir(out)
+    except OSError:
+        return f"; {out} was not written"
+    if fmt.INDEX_NAME in names and not getattr(args, "append", False):
+        return f"; {out} is as it was"
+    journals = sum(name.endswith(fmt.JOURNAL_SUFFIX) for name in names)
+    if journals and args.command == "pack":
+        return f"; {journals} finished shard(s) kept in {out}: run the same command with --resume to finish"
+    return f"; {out} holds no dataset"
 
 
 if __name__ == "__main__":

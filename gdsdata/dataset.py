@@ -101,7 +101,9 @@ class GDSDataset(torch.utils.data.Dataset):
         source path; "skip": it is replaced by the next good one, deterministically, and counted in
         ``skipped``.
     verify_checksums : bool, optional
-        Check each sample's CRC-32 as it loads (default: the ``verify_checksums`` setting).
+        Check each sample's CRC-32 as it loads. Default (the ``verify_checksums`` setting, on):
+        wherever the bytes pass through host memory (the CPU path, the GPU path's pinned staging);
+        True: also GPU staging, through a copy to the host; False: never.
 
     Notes
     -----
@@ -123,9 +125,11 @@ class GDSDataset(torch.utils.data.Dataset):
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.on_error = on_error
-        self.skipped = 0
+        self.skipped = 0  # samples replaced (on_error="skip") since the dataset was opened
+        self._bad, self._good = set(), set()  # samples found bad, and good replacements
         self._passes = weakref.WeakSet()  # Loader passes reading from this dataset (close() stops them)
-        verify = settings.get("verify_checksums") if verify_checksums is None else bool(verify_checksums)
+        verify = settings.get("verify_checksums") if verify_checksums is None else (
+            "always" if verify_checksums else False)
         if self.device.type == "cpu":
             self._backend = _CpuBackend(self.index, verify)
         elif self.device.type == "cuda":
@@ -237,14 +241,23 @@ class GDSDataset(torch.utils.data.Dataset):
         self._passes.add(active)
 
     def _replacement(self, index, error):
+        """The next sample after ``index`` that decodes. Samples found bad are remembered, so a run
+        of bad samples is probed once, not once per sample before it (linear, not quadratic)."""
         self.skipped += 1
+        self._bad.add(index)
         log.warning("%s; replaced by the next good sample", error)
         for step in range(1, len(self)):
             candidate = (index + step) % len(self)
+            if candidate in self._bad:
+                continue
+            if candidate in self._good:
+                return candidate
             probe = self._backend.load_batch([candidate])
             probe.release(self._stream())
             if not probe.errors:
+                self._good.add(candidate)
                 return candidate
+            self._bad.add(candidate)
         raise CorruptSampleError(f"{self.root}: no sample of the dataset decodes") from error
 
     def _stream(self):
@@ -260,7 +273,7 @@ class GDSDataset(torch.utils.data.Dataset):
             except RuntimeError:  # a Loader started a pass on another thread meanwhile: look again
                 continue
         for active in passes:
-            active.close()
+            active.close(reason=f"GDSDataset({self.root!r}).close()")
         self._backend.close()
 
     def __getstate__(self):  # DataLoader workers get the dataset, not the Loaders over it

@@ -43,7 +43,7 @@ class Index:
     def path(self, i: int) -> str:
         record = self.samples[i]
         start = int(record["path_offset"])
-        return self.strings[start:start + int(record["path_length"])].decode("utf-8")
+        return self.strings[start:start + int(record["path_length"])].decode("utf-8", "surrogateescape")
 
     def shard_path(self, shard: int) -> str:
         return os.path.join(self.root, fmt.shard_name(shard))
@@ -59,7 +59,7 @@ def write(out_dir, alignment, dataset_id, shards, samples, strings: bytes, meta:
     """Write the index under a temporary name, then rename it: the dataset is complete from here."""
     shards = np.ascontiguousarray(shards, fmt.SHARD_RECORD)
     samples = np.ascontiguousarray(samples, fmt.SAMPLE_RECORD)
-    meta_bytes = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
+    meta_bytes = json.dumps(meta, sort_keys=True).encode("utf-8")  # ASCII escapes: any class name survives
     header = np.zeros((), fmt.INDEX_HEADER)
     header["magic"] = fmt.INDEX_MAGIC
     header["version"] = fmt.FORMAT_VERSION
@@ -130,7 +130,6 @@ def load(root) -> Index:
     try:
         meta = json.loads(meta_raw.decode("utf-8"))
         classes = meta["classes"]
-        strings.decode("utf-8")
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise FormatError(f"{path}: unreadable metadata or source paths ({e})") from e
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):

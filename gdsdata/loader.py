@@ -30,6 +30,7 @@ import torch
 from . import settings, stall
 from . import transforms as T
 from .batch import PixelBatch, upload
+from .errors import GdsDataError
 from .sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class Loader:
         self._carry = None  # a pass that finished an epoch and already reads the next one
         self._fingerprint = None
         self._last_stats = None  # the PipelineStats of the last pass
+        self.skipped = {}  # epoch -> bad samples replaced (on_error="skip") in the batches delivered
 
     # --- epochs and state -------------------------------------------------------------------
     def set_epoch(self, epoch: int):
@@ -237,7 +239,9 @@ class Loader:
                 active.close()
         self._active = self._carry = None
 
-    def _delivered(self, finished_epoch: bool, prefetcher=None):
+    def _delivered(self, finished_epoch: bool, prefetcher=None, replaced=0):
+        if replaced:
+            self.skipped[self.epoch] = self.skipped.get(self.epoch, 0) + replaced
         if finished_epoch:
             self.epoch += 1
             self._consumed, self._done = None, 0
@@ -365,15 +369,16 @@ class _BatchMaker:
     def decode(self, staged, stream, epoch):
         """Staged payloads -> a PixelBatch and its sample indices (after any replacement). Nothing
         else: on the GPU this thread keeps the JPEG engines fed."""
-        return self.dataset.decode_staged(staged, stream)
+        batch, indices = self.dataset.decode_staged(staged, stream)
+        return batch, indices, sum(a != b for a, b in zip(staged.indices, indices))
 
     def finish(self, decoded, stream, epoch):
         """One decoded batch -> (images, labels): its transform, or with ``pixels=True`` the
         PixelBatch itself."""
-        batch, indices = decoded
+        batch, indices, replaced = decoded
         labels = upload(torch.from_numpy(self.dataset.labels[indices]), self.dataset.device)
         if self.pixels:
-            return batch, labels  # released by the consumer's next step
+            return batch, labels, replaced  # released by the consumer's next step
         if stream is not None and batch.owned:  # allocated on the decode stream; this one reads it last
             batch.buffer.record_stream(stream)
         if self.transform is not None:
@@ -389,7 +394,7 @@ class _BatchMaker:
                 raise TypeError(f"batch_transform must return (images, labels), got {type(out).__name__}; wrap a "
                                 f"transform of images alone as lambda images, labels: (t(images), labels)")
             images, labels = out
-        return images, labels
+        return images, labels, replaced
 
 
 def _put(q, stop, item) -> bool:
@@ -526,6 +531,7 @@ class _Prefetcher:
         self.staged = queue.Queue(maxsize=2)
         self.decoded = queue.Queue(maxsize=1)
         self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step
+        self.closed_by = None  # why the dataset closed this pass under a running loop
         self.stats = PipelineStats()
         # The threads hold no reference to this object, so dropping the iterator stops them.
         self.dataset = loader.dataset
@@ -565,6 +571,8 @@ class _Prefetcher:
 
     def __next__(self):
         if self.threads is None:
+            if self.closed_by is not None:
+                raise GdsDataError(f"the Loader's dataset was closed while it was reading ({self.closed_by})")
             raise StopIteration
         self._release_held()
         t0 = time.perf_counter()
@@ -590,7 +598,7 @@ class _Prefetcher:
         if kind == "error":
             self.close()
             raise payload
-        images, labels = payload
+        images, labels, replaced = payload
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
@@ -605,12 +613,15 @@ class _Prefetcher:
         elif isinstance(images, PixelBatch):
             self.held = images
         self.stats.batches += 1
-        self._tell_loader(finished_epoch=False)
+        self._tell_loader(finished_epoch=False, replaced=replaced)
         return images, labels
 
-    def close(self):
+    def close(self, reason=None):
+        """Stop the threads; with ``reason`` (the dataset was closed under the loop) the next
+        ``next()`` raises instead of ending the epoch quietly."""
         if self.threads is None:
             return
+        self.closed_by = reason
         self.stop.set()
         self._release_held()
         me = threading.current_thread()  # the garbage collector may run this in a prefetch thread

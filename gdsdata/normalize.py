@@ -31,6 +31,7 @@ class PackOptions:
     quality: int = 95  # JPEG quality of re-encoded images (4:4:4 chroma)
     max_side: int = 0  # downscale so the longer side is at most this (0: keep)
     raw_size: int = 0  # raw codec: downscale so the shorter side is this (0: keep)
+    max_pixels: int = Image.MAX_IMAGE_PIXELS  # larger declared sizes are refused before decoding (0: no limit)
 
     def __post_init__(self):
         if self.codec not in ("jpeg", "raw"):
@@ -39,6 +40,16 @@ class PackOptions:
             raise ValueError(f"JPEG quality must be between 1 and 100, got {self.quality}")
         if self.max_side < 0 or self.raw_size < 0:
             raise ValueError("max side and raw size must be positive (or 0 to keep the size)")
+        if self.max_pixels < 0:
+            raise ValueError(f"max pixels must be positive (or 0 for no limit), got {self.max_pixels}")
+
+
+def _check_pixels(width, height, options):
+    """Refuse a declared size over the limit before anything is decoded (a few hundred bytes can
+    declare 65500x65500 pixels, 12.9 GB of RGB)."""
+    if options.max_pixels and width * height > options.max_pixels:
+        raise BadImageError(f"declares {width}x{height} = {width * height / 1e6:.1f} M pixels, over the limit of "
+                            f"{options.max_pixels / 1e6:.1f} M (--max-pixels; 0 lifts it)")
 
 
 @dataclass(frozen=True)
@@ -52,13 +63,21 @@ class Prepared:
     flags: int
 
 
-def _open(data: bytes) -> Image.Image:
-    """Decode fully with PIL, turning every failure into a one-line reason."""
+def _open(data: bytes, options) -> Image.Image:
+    """Decode fully with PIL, after checking the declared size, turning every failure into a
+    one-line reason."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            image.load()
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is ours
+            previous, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+            try:
+                image = Image.open(io.BytesIO(data))
+                _check_pixels(image.width, image.height, options)
+                image.load()
+            finally:
+                Image.MAX_IMAGE_PIXELS = previous
+    except BadImageError:
+        raise
     except Image.UnidentifiedImageError as e:
         raise BadImageError("not an image PIL can identify") from e
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -103,6 +122,7 @@ def _as_is(data: bytes, options: PackOptions):
         info = probe(data)
     except NotJpeg:
         return None
+    _check_pixels(info.width, info.height, options)
     if not info.gpu_ready or _target_size(info.width, info.height, options) is not None:
         return None
     try:
@@ -122,7 +142,7 @@ def prepare(data: bytes, options: PackOptions) -> Prepared:
         stored = _as_is(data, options)
         if stored is not None:
             return stored
-    image = _open(data)
+    image = _open(data, options)
     size = _target_size(image.width, image.height, options)
     gray = image.mode in _GRAY_MODES
     rgb = _to_rgb(image)

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import stat
 import sys
 import time
 import zlib
@@ -37,7 +38,7 @@ from .errors import BadImageError, FormatError, GdsDataError, OutputExistsError,
 from .lock import aside, remove_quietly, swap_in, writer_lock
 from .normalize import PackOptions, prepare
 from .shards import ShardWriter, data_crc32
-from .sources import open_source
+from .sources import display, open_source
 
 log = logging.getLogger(__name__)
 _WINDOW_PER_WORKER = 16  # images in flight per worker: bounds memory for sources read here
@@ -54,6 +55,8 @@ class PackResult:
     seconds: float
     skipped: list = field(default_factory=list)  # [{"path", "reason"}]
     ignored: list = field(default_factory=list)  # relative paths of non-image files
+    unreadable: list = field(default_factory=list)  # [{"path", "reason"}]: folders or files that could not be read
+    special: list = field(default_factory=list)  # [{"path", "reason"}]: FIFOs, devices, sockets named like images
     report_path: str = ""
     resumed_shards: int = 0  # shards kept from an interrupted pack (resume=True)
 
@@ -66,16 +69,45 @@ def scan(src):
 
 
 def _prepare_item(job):
-    rel, path, data, options = job
+    rel, path, data, options, error = job
+    if error is not None:
+        return rel, None, error
     try:
         if data is None:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = _read_regular(path)
         return rel, prepare(data, options), None
     except BadImageError as e:
         return rel, None, str(e)
     except OSError as e:
         return rel, None, f"cannot read: {e.strerror or e}"
+
+
+def _read_regular(path) -> bytes:
+    """A regular file's bytes; anything else (a FIFO or device swapped in since the scan) is refused
+    without blocking on it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadImageError("not a regular file (any more): skipped unopened")
+        chunks, size = [], 0
+        while size <= info.st_size:  # a file that grows is read as far as it went when scanned, plus one byte
+            chunk = os.read(fd, info.st_size + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _job(source, item, options):
+    """What a packing worker gets for ``item``: its path, or the bytes the source read here."""
+    try:
+        return item.rel, item.path, source.read(item), options, None
+    except BadImageError as e:
+        return item.rel, None, None, options, str(e)
 
 
 def gdsdata_owned(name):
@@ -210,7 +242,7 @@ def _results(jobs, workers):
 
 def _write_json(path, payload):
     with open(path + fmt.TMP_SUFFIX, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1, ensure_ascii=False)
+        json.dump(payload, f, indent=1)  # ASCII with escapes: names that are not UTF-8 survive
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + fmt.TMP_SUFFIX, path)
@@ -255,7 +287,7 @@ def _resume_state(out, signature):
 def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
          alignment: int = fmt.DEFAULT_ALIGNMENT, workers: int = 0, strict: bool = False,
          overwrite: bool = False, progress: bool = False, num_parts: int = 1, part: int = 0,
-         resume: bool = False, append: bool = False) -> PackResult:
+         resume: bool = False, append: bool = False, allow_empty_classes: bool = False) -> PackResult:
     """Pack the source ``src`` (ImageFolder tree, LMDB or tar shards) into the dataset folder ``out``.
     ``append=True`` adds the source's images that ``out`` does not hold yet (new classes get the
     next labels) as new shards of the existing dataset."""
@@ -271,7 +303,7 @@ def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
         raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
     workers = workers or os.cpu_count() or 1
     started = time.perf_counter()
-    source = open_source(src)
+    source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
     try:
         if os.path.isdir(src) and os.path.commonpath([src, out]) == src:
             raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it (its "
@@ -328,7 +360,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         resized = int(((base.samples["flags"] & fmt.FLAG_RESIZED) != 0).sum())
     for journal in journals:
         for row, rel in zip(journal["samples"], journal["paths"]):
-            path_bytes = rel.encode("utf-8")
+            path_bytes = rel.encode("utf-8", "surrogateescape")
             records.append(tuple(row[:1]) + (len(strings),) + tuple(row[2:]))
             strings += path_bytes
         shard_rows.append(tuple(journal["shard"][:4]) + (dataset_id, journal["shard"][5], 0))
@@ -343,16 +375,19 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             "signature": signature, "dataset_id": dataset_id.hex(),
             "shard": [int(v) if not isinstance(v, bytes) else v.hex() for v in record],
             "samples": [list(records[k]) for k in mine],
-            "paths": [strings[records[k][1]:records[k][1] + records[k][8]].decode("utf-8") for k in mine],
+            "paths": [strings[records[k][1]:records[k][1] + records[k][8]].decode("utf-8", "surrogateescape")
+                      for k in mine],
             "skipped": skipped, "converted": converted, "resized": resized, "items_done": position["item"]})
 
     writer = ShardWriter(folder, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
                          first_sample=len(records), on_close=write_journal)
-    report = {"source": src, "out": out, "status": "failed", "classes": len(classes),
-              "ignored": ignored, "skipped": skipped}
+    unreadable = getattr(source, "unreadable", []) if part == 0 else []
+    special = getattr(source, "special", []) if part == 0 else []
+    report = {"source": display(src), "out": display(out), "status": "failed", "classes": len(classes),
+              "ignored": ignored, "skipped": skipped, "unreadable": unreadable, "special": special}
     if num_parts > 1:
         report["part"] = {"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
-    jobs = ((item.rel, item.path, source.read(item), options) for item in items[done:])
+    jobs = (_job(source, item, options) for item in items[done:])
     labels = {item.rel: item.label for item in items}
     try:
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
@@ -361,13 +396,13 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 bar.update()
                 if prepared is None:
                     if strict:
-                        raise BadImageError(f"{os.path.join(src, rel)}: {reason}")
-                    skipped.append({"path": rel, "reason": reason})
-                    log.warning("skipped %s: %s", rel, reason)
+                        raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
+                    skipped.append({"path": display(rel), "reason": reason})
+                    log.warning("skipped %s: %s", display(rel), reason)
                     position["item"] += 1
                     continue
                 shard, offset = writer.add(prepared.payload)  # may close a shard: its journal ends here
-                path_bytes = rel.encode("utf-8")
+                path_bytes = rel.encode("utf-8", "surrogateescape")  # the name's bytes, whatever they are
                 records.append((offset, len(strings), len(prepared.payload), shard, labels[rel],
                                 prepared.width, prepared.height, zlib.crc32(prepared.payload), len(path_bytes),
                                 prepared.codec, prepared.components, prepared.subsampling, prepared.flags))
@@ -443,4 +478,4 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             pass
     log.info("packed %d images into %d shards in %.1f s", len(samples), len(shard_table), seconds)
     return PackResult(out, len(samples), converted, resized, len(shard_table), total, seconds,
-                      skipped, ignored, report_path, len(journals))
+                      skipped, ignored, unreadable, special, report_path, len(journals))

@@ -1,33 +1,91 @@
 """Storage -> host staging buffer on the CPU path: coalesced ``os.preadv`` reads of a batch."""
 
+import collections
+import contextlib
 import os
+import resource
 import threading
 
 import numpy as np
 
 from . import settings, stall
 from .errors import FormatError
+from .shards import check_opened
 from .plan import Plan, plan_reads
+
+
+def open_files_budget() -> int:
+    """How many shard files one reader keeps open: a quarter of the process's descriptor limit, at
+    most 256 (a dataset of thousands of shards must not run a process out of descriptors)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 256
+    return max(4, min(256, soft // 4))
+
+
+class OpenShards:
+    """Shard files a reader holds open, at most ``max_open`` of them: opening one more closes the
+    least recently used one that no read is using (reads may hold a few more for a moment). Each
+    file is checked against the index when it is opened (``check(head, path, shard)``)."""
+
+    def __init__(self, index, opener, closer, max_open=None):
+        self.index, self._opener, self._closer = index, opener, closer
+        self.max_open = max_open or open_files_budget()
+        self._open = collections.OrderedDict()  # shard -> handle, least recently used first
+        self._busy = collections.Counter()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def use(self, shard):
+        with self._lock:
+            handle = self._open.get(shard)
+            if handle is None:
+                for old in [k for k in self._open if not self._busy[k]][:max(0, len(self._open) + 1 - self.max_open)]:
+                    self._closer(self._open.pop(old))
+                handle = self._open[shard] = self._opener(self.index.shard_path(shard), shard)
+            self._open.move_to_end(shard)
+            self._busy[shard] += 1
+        try:
+            yield handle
+        finally:
+            with self._lock:
+                self._busy[shard] -= 1
+
+    def __len__(self):
+        return len(self._open)
+
+    def close(self):
+        with self._lock:
+            handles, self._open = list(self._open.values()), collections.OrderedDict()
+        for handle in handles:
+            self._closer(handle)
 
 
 class CpuReader:
     """Reads the payloads of a batch of samples into one host buffer. Safe across ``fork``: file
-    descriptors are reopened in a child process."""
+    descriptors are reopened in a child process. A bounded number of shard files is open at once
+    (``OpenShards``), each checked against the index when opened."""
 
-    def __init__(self, index):
+    def __init__(self, index, max_open=None):
         self.index = index
-        self._fds = {}
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
+        self._max_open = max_open
+        self._files = None
+        self._pid = None
 
-    def _fd(self, shard):
-        with self._lock:
-            if self._pid != os.getpid():
-                self._fds, self._pid = {}, os.getpid()
-            fd = self._fds.get(shard)
-            if fd is None:
-                fd = self._fds[shard] = os.open(self.index.shard_path(shard), os.O_RDONLY)
-            return fd
+    def _opener(self, path, shard):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            check_opened(os.pread(fd, 4096, 0), path, self.index, shard)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @property
+    def files(self) -> OpenShards:
+        if self._files is None or self._pid != os.getpid():  # a forked child opens its own
+            self._files, self._pid = OpenShards(self.index, self._opener, os.close, self._max_open), os.getpid()
+        return self._files
 
     def plan(self, indices) -> Plan:
         return plan_reads(self.index.samples, indices, self.index.alignment,
@@ -40,19 +98,23 @@ class CpuReader:
         buffer = np.empty(plan.total, np.uint8)
         for read in plan.reads:
             view = memoryview(buffer[read.buffer_offset:read.buffer_offset + read.size])
-            with stall.native("preadv"):
-                got = os.preadv(self._fd(read.shard), [view], read.offset)
+            with self.files.use(read.shard) as fd, stall.native("preadv"):
+                got = os.preadv(fd, [view], read.offset)
             if got != read.size:
                 raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset "
                                   f"{read.offset} ({got} of {read.size} bytes): truncated shard")
         return buffer, plan
 
     def close(self):
-        with self._lock:
-            if self._pid == os.getpid():
-                for fd in self._fds.values():
-                    os.close(fd)
-            self._fds = {}
+        if self._files is not None and self._pid == os.getpid():
+            self._files.close()
+        self._files = None
+
+    def __del__(self):  # a dataset dropped without close() gives its descriptors back
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def __getstate__(self):
         return {"index": self.index}

@@ -38,6 +38,7 @@ Staging buffers are allocated once per slot and grown only when a batch needs mo
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
 """
 
+import contextlib
 import logging
 import mmap
 import os
@@ -50,6 +51,8 @@ import numpy as np
 import torch
 
 from . import settings, stall
+from .reader_cpu import OpenShards
+from .shards import check_opened
 from .errors import FormatError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
@@ -210,11 +213,12 @@ class ShardMaps:
                 try:
                     fd = os.open(path, os.O_RDONLY)
                     try:
-                        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)  # the map outlives the descriptor
                     finally:
                         os.close(fd)
                 except (OSError, ValueError) as e:  # ValueError: an empty file
                     raise FormatError(f"{path}: cannot map the shard ({e})") from e
+                check_opened(mapped[:4096], path, self.index, shard)
                 with warnings.catch_warnings():  # read-only memory: nothing here ever writes to it
                     warnings.simplefilter("ignore", UserWarning)
                     whole = torch.frombuffer(mapped, dtype=torch.uint8)
@@ -427,7 +431,7 @@ class GpuReader:
         self.index = index
         self.device = device
         self.fallback = fallback
-        self._files = {}
+        self._files = OpenShards(index, self._open_cufile, lambda handle: handle.close())
         self._lock = threading.Lock()
         self._retired = []
         self._start(engine)
@@ -459,12 +463,10 @@ class GpuReader:
             self._retired.append(self.maps)  # another thread may still be gathering from it: closed with the reader
             self._start(self.fallback)
 
-    def _file(self, shard):
-        with self._lock:
-            handle = self._files.get(shard)
-            if handle is None:
-                handle = self._files[shard] = self.kvikio.CuFile(self.index.shard_path(shard), "r")
-            return handle
+    def _open_cufile(self, path, shard):
+        with open(path, "rb") as f:
+            check_opened(f.read(4096), path, self.index, shard)
+        return self.kvikio.CuFile(path, "r")
 
     def read(self, plan, staging: StagingBuffer):
         """Issue every read of ``plan`` in parallel into ``staging``; returns ``(tensor, ready)``:
@@ -484,25 +486,24 @@ class GpuReader:
             return target, None
         host = None if staging.kind == "device" else target.numpy()
         futures = []
-        for read in plan.reads:
-            if host is not None:
-                dest = host[read.buffer_offset:read.buffer_offset + read.size]
-            else:
-                dest = target[read.buffer_offset:read.buffer_offset + read.size]
-            futures.append((read, self._file(read.shard).pread(dest, read.size, read.offset)))
-        for read, future in futures:
-            with stall.native("kvikio CuFile.pread"):
-                got = future.get()
-            if got != read.size:
-                raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset {read.offset} "
-                                  f"({got} of {read.size} bytes): truncated shard")
+        with contextlib.ExitStack() as held:  # the handles stay open until their reads are done
+            for read in plan.reads:
+                if host is not None:
+                    dest = host[read.buffer_offset:read.buffer_offset + read.size]
+                else:
+                    dest = target[read.buffer_offset:read.buffer_offset + read.size]
+                handle = held.enter_context(self._files.use(read.shard))
+                futures.append((read, handle.pread(dest, read.size, read.offset)))
+            for read, future in futures:
+                with stall.native("kvikio CuFile.pread"):
+                    got = future.get()
+                if got != read.size:
+                    raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset {read.offset} "
+                                      f"({got} of {read.size} bytes): truncated shard")
         return target, None
 
     def close(self):
-        with self._lock:
-            for handle in self._files.values():
-                handle.close()
-            self._files = {}
+        self._files.close()
         for maps in [self.maps, *self._retired]:
             if maps is not None:
                 maps.close()

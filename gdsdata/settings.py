@@ -19,7 +19,8 @@
 | staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
 | | | | gpu_hybrid, gpu_hybrid_device |
-| verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 0 | check every sample's CRC-32 at load time |
+| verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 1 | check every sample's CRC-32 where its bytes pass through |
+| | | | host memory (the CPU path, pinned GPU staging); 0: never |
 | stall_timeout | GDSDATA_STALL_TIMEOUT | 60 | seconds a Loader stage may spend on one batch before the |
 | | | | training loop gets a ``StallError`` naming the stage, the batch and the call it is stuck in |
 
@@ -41,7 +42,7 @@ _DEFAULTS = {
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",
     "decode_backend": "auto",
-    "verify_checksums": False,
+    "verify_checksums": True,
     "stall_timeout": 60.0,
 }
 _CHOICES = {

@@ -149,3 +149,17 @@ def read_header(path, expected_index: int, dataset_id: bytes, alignment: int):
         raise FormatError(f"{path}: shard header says index {header['shard_index']}, alignment "
                           f"{header['alignment']}; the index expects {expected_index}, {alignment}")
     return header
+
+
+def check_opened(head: bytes, path, index, shard: int):
+    """Check the first bytes of a shard file just opened against the index the reader holds: a
+    dataset replaced while it was open (packed again with ``--overwrite``) has shards of another id,
+    and reading them under the old index would hand out other images' pixels under the old labels."""
+    record = index.shards[shard]
+    if len(head) >= fmt.SHARD_HEADER.itemsize:
+        header = np.frombuffer(head[:fmt.SHARD_HEADER.itemsize], fmt.SHARD_HEADER)[0]
+        if (header["magic"] == fmt.SHARD_MAGIC and header["dataset_id"] == bytes(record["origin_id"])
+                and header["shard_index"] == int(record["origin_index"])):
+            return
+    raise FormatError(f"{path}: not the shard this dataset's index was loaded with (the dataset was replaced "
+                      f"or rewritten while open): open the dataset again")

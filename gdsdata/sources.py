@@ -16,10 +16,11 @@ Label conventions:
 
 import os
 import pickle
+import stat
 import tarfile
 from dataclasses import dataclass
 
-from .errors import SourceError
+from .errors import BadImageError, SourceError
 
 # The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -33,29 +34,90 @@ class Item:
     ref: object = None  # how the source finds the bytes otherwise (LMDB key, tar member)
 
 
+def display(name: str) -> str:
+    """A path as reports print it: bytes that are not UTF-8 as \\xNN escapes, faithfully."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+_SPECIAL = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+            (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
 class FolderSource:
-    def __init__(self, src):
+    """An ImageFolder tree, scanned so that nothing is lost or invented: folders that cannot be
+    read are reported (``unreadable``; fatal with ``strict``), links are followed but a folder is
+    visited once (by device and inode, so a link loop cannot repeat samples), files that are not
+    regular files are skipped unopened with a reason, names may hold any bytes (kept as they are:
+    ``os.fsencode`` of the path), and an empty class folder is refused, as torchvision's
+    ImageFolder does, unless ``allow_empty``."""
+
+    def __init__(self, src, strict=False, allow_empty=False):
         self.root = src
         if not os.path.exists(src):
-            raise SourceError(f"{src}: no such folder")
+            raise SourceError(f"{display(src)}: no such folder")
         if not os.path.isdir(src):
-            raise SourceError(f"{src}: not a folder (expected one subfolder per class)")
-        self.classes = sorted(entry.name for entry in os.scandir(src) if entry.is_dir())
+            raise SourceError(f"{display(src)}: not a folder (expected one subfolder per class)")
+        self.items, self.ignored, self.unreadable, self.special = [], [], [], []
+        try:
+            entries = sorted(os.scandir(src), key=lambda e: e.name)
+        except OSError as e:
+            raise SourceError(f"{display(src)}: cannot list it ({e.strerror or e})") from e
+        self.classes = [entry.name for entry in entries if _is_dir(entry)]
         if not self.classes:
-            raise SourceError(f"{src}: no class subfolders (expected the ImageFolder layout SRC/CLASS/IMAGE)")
-        self.items, self.ignored = [], []
+            raise SourceError(f"{display(src)}: no class subfolders (expected the ImageFolder layout SRC/CLASS/IMAGE)")
+        seen = {}
         for label, name in enumerate(self.classes):
-            for root, _, names in sorted(os.walk(os.path.join(src, name), followlinks=True)):
-                for fname in sorted(names):
-                    path = os.path.join(root, fname)
-                    rel = os.path.relpath(path, src)
-                    if fname.lower().endswith(IMAGE_EXTENSIONS):
-                        self.items.append(Item(rel, label, path=path))
-                    else:
-                        self.ignored.append(rel)
+            before, unreadable = len(self.items), len(self.unreadable)
+            self._walk(os.path.join(src, name), label, seen)
+            if len(self.items) == before and not allow_empty and len(self.unreadable) == unreadable:
+                raise SourceError(f"{display(os.path.join(src, name))}: class folder with no image files (torchvision's "
+                                  f"ImageFolder refuses such a tree; pass --allow-empty-classes to keep it as a class "
+                                  f"without samples)")
+        if strict and self.unreadable:
+            raise SourceError(f"{self.unreadable[0]['path']}: {self.unreadable[0]['reason']} (--strict)")
         if not self.items:
-            raise SourceError(f"{src}: no image files in its {len(self.classes)} class folders "
+            raise SourceError(f"{display(src)}: no image files in its {len(self.classes)} class folders "
                               f"(extensions: {' '.join(IMAGE_EXTENSIONS)})")
+
+    def _walk(self, top, label, seen):
+        """Depth-first, in sorted order, each real folder once."""
+        stack = [top]
+        while stack:
+            folder = stack.pop()
+            rel_folder = os.path.relpath(folder, self.root)
+            try:
+                info = os.stat(folder)
+                key = (info.st_dev, info.st_ino)
+                if key in seen:
+                    self.unreadable.append({"path": display(rel_folder),
+                                            "reason": f"the same folder as {display(seen[key])} (a link loop or a "
+                                                      f"second link to it): not read twice"})
+                    continue
+                seen[key] = rel_folder
+                entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            except OSError as e:
+                self.unreadable.append({"path": display(rel_folder), "reason": f"cannot read: {e.strerror or e}"})
+                continue
+            subfolders = []
+            for entry in entries:
+                rel = os.path.join(rel_folder, entry.name)
+                if _is_dir(entry):
+                    subfolders.append(entry.path)
+                    continue
+                if not entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                    self.ignored.append(display(rel))
+                    continue
+                try:
+                    mode = entry.stat(follow_symlinks=True).st_mode
+                except OSError as e:
+                    self.unreadable.append({"path": display(rel), "reason": f"cannot read: {e.strerror or e}"})
+                    continue
+                if not stat.S_ISREG(mode):
+                    kind = next((what for test, what in _SPECIAL if test(mode)), "not a regular file")
+                    self.special.append({"path": display(rel), "reason": f"{kind}, not a file: skipped unopened"})
+                    continue
+                self.items.append(Item(rel, label, path=entry.path))
+            stack.extend(reversed(subfolders))
 
     def read(self, item):
         return None  # the worker reads item.path
@@ -64,9 +126,19 @@ class FolderSource:
         pass
 
 
+def _is_dir(entry) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=True)
+    except OSError:
+        return False
+
+
 class LmdbSource:
     def __init__(self, src):
-        import lmdb
+        try:
+            import lmdb
+        except ImportError:
+            raise SourceError(f"{display(src)}: an LMDB; packing it needs the lmdb package (pip install lmdb)") from None
 
         self.root = src
         try:
@@ -119,8 +191,9 @@ class TarSource:
             try:
                 tar = self.tars[path] = tarfile.open(path)
                 members = tar.getmembers()
-            except (tarfile.TarError, OSError) as e:
-                raise SourceError(f"{path}: not a readable tar file ({e})") from e
+            except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise SourceError(f"{display(path)}: not a readable tar file ({reason})") from None
             for member in members:
                 if not member.isfile():
                     continue
@@ -151,14 +224,18 @@ class TarSource:
 
     def read(self, item):
         path, member = item.ref
-        return self.tars[path].extractfile(member).read()
+        try:
+            return self.tars[path].extractfile(member).read()
+        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+            raise BadImageError(f"cannot read it from {display(os.path.basename(path))} "
+                                f"({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
 
     def close(self):
         for tar in self.tars.values():
             tar.close()
 
 
-def open_source(src):
+def open_source(src, strict=False, allow_empty=False):
     """The source at ``src``: an LMDB (a folder holding data.mdb, or an .lmdb/.mdb file), tar shards
     (a .tar file, or a folder of them and no class folders), else an ImageFolder tree."""
     src = os.fspath(src)
@@ -170,4 +247,4 @@ def open_source(src):
         entries = list(os.scandir(src))
         if entries and not any(e.is_dir() for e in entries) and any(e.name.endswith(".tar") for e in entries):
             return TarSource(src)
-    return FolderSource(src)
+    return FolderSource(src, strict=strict, allow_empty=allow_empty)
