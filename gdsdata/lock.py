@@ -72,10 +72,15 @@ def writer_lock(out, what: str):
 
 
 def _holder(fd) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError):
-        info = {}
+    info = {}
+    for _ in range(20):  # the holder writes who it is right after taking the lock
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (OSError, ValueError):
+            info = {}
+        if info:
+            break
+        time.sleep(0.025)
     if not info:
         return "writer"
     return f"{info.get('what', 'writer')} (pid {info.get('pid')} on {info.get('host')}, since {info.get('since')})"

@@ -18,7 +18,7 @@ from . import __version__
 from . import format as fmt
 from . import index as index_io
 from .errors import SourceError
-from .lock import writer_lock
+from .lock import remove_quietly, writer_lock
 from .packer import into
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,13 @@ def merge(parts, out, *, copy=False, overwrite=False) -> dict:
             raise SourceError(f"{part}: a part cannot be merged into itself")
     ordered = _check_parts(parts, indexes)
     with writer_lock(out, f"merge of {len(parts)} part(s)"):
-        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy))
+        fresh = not (os.path.isdir(out) and os.listdir(out))
+        try:
+            return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy))
+        except BaseException:
+            if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
+                remove_quietly(out)
+            raise
 
 
 def _merge(ordered, folder, out, copy):

@@ -48,8 +48,8 @@ def _check_pixels(width, height, options):
     """Refuse a declared size over the limit before anything is decoded (a few hundred bytes can
     declare 65500x65500 pixels, 12.9 GB of RGB)."""
     if options.max_pixels and width * height > options.max_pixels:
-        raise BadImageError(f"declares {width}x{height} = {width * height / 1e6:.1f} M pixels, over the limit of "
-                            f"{options.max_pixels / 1e6:.1f} M (--max-pixels; 0 lifts it)")
+        raise BadImageError(f"declares {width}x{height} = {width * height:,} pixels, over the limit of "
+                            f"{options.max_pixels:,} (--max-pixels; 0 lifts it)")
 
 
 @dataclass(frozen=True)

@@ -437,6 +437,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                     f"with --resume" if finished + len(journals) else "")
             raise OSError(e.errno, f"{e.strerror or e} while writing {e.filename or out}{hint}",
                           out) from e
+        if isinstance(e, OSError):  # an overwrite's replacement, built aside: removed, the old one stays
+            raise OSError(e.errno, f"{e.strerror or e} while writing the replacement dataset; the dataset there "
+                                   f"is unchanged", out) from e
         raise
     samples = np.array(records, dtype=fmt.SAMPLE_RECORD)
     shard_table = np.array(shard_rows + writer.records, dtype=fmt.SHARD_RECORD)

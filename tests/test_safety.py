@@ -1,0 +1,519 @@
+"""Data safety under hostile conditions: concurrent writers, decompression bombs, dead workers,
+hostile source trees, bit flips, a dataset replaced under a reader, merge sets, a full disk, Ctrl-C,
+corrupted states, many shards under a low descriptor limit. One test (or a few) per class of fault;
+the heaviest repeat more under ``-m slow``."""
+
+import json
+import os
+import random
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import jpeg_bytes, photo, write_photos
+
+import gdsdata
+from gdsdata import format as fmt
+from gdsdata.errors import (BusyError, CorruptSampleError, FormatError, GdsDataError, OutputExistsError,
+                            SourceError)
+from gdsdata.index import load
+from gdsdata.merge import merge
+from gdsdata.packer import pack
+from gdsdata.verify import verify
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def cli(*args, env=None, timeout=300, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "gdsdata", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+                            **kwargs)
+
+
+def run_cli(*args, timeout=300, **kwargs):
+    process = cli(*args, **kwargs)
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+def one_line(err):
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def samples_of(root):
+    index = load(root)
+    return sorted(index.path(i) for i in range(len(index)))
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("safety_src"))
+    write_photos(root, 48, classes=3, start_seed=3000)
+    return root
+
+
+# --- concurrent writers ---------------------------------------------------------------------
+@pytest.mark.parametrize("trial", range(3))
+def test_two_packs_into_one_out_never_break_the_winner(src, tmp_path, trial):
+    out = str(tmp_path / "ds")
+    first, second = cli("pack", src, out, "-q", "--workers", "2"), cli("pack", src, out, "-q", "--workers", "2")
+    results = [(p.wait(120), *p.communicate()) for p in (first, second)]
+    winners = [r for r in results if r[0] == 0]
+    assert len(winners) >= 1
+    for code, _, err in results:
+        if code:
+            line = one_line(err)
+            assert "another gdsdata pack" in line or "holds a gdsdata dataset" in line
+    assert samples_of(out) == sorted(os.path.relpath(os.path.join(d, f), src)
+                                     for d, _, fs in os.walk(src) for f in fs)
+    assert verify(out) == []
+
+
+def test_a_second_writer_is_refused_naming_the_holder(src, tmp_path):
+    from gdsdata.lock import writer_lock
+
+    out = str(tmp_path / "ds")
+    with writer_lock(out, "pack of somewhere"):
+        with pytest.raises(BusyError, match=r"another gdsdata pack of somewhere \(pid \d+ on .*since"):
+            pack(src, out, workers=1)
+        code, _, err = run_cli("pack", src, out, "-q")
+        assert code == 1 and "another gdsdata pack of somewhere" in one_line(err)
+    assert not os.path.exists(out) or not os.listdir(out)
+    pack(src, out, workers=1)  # free again once the holder is done
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_two_appends_never_lose_images(src, tmp_path, trial):
+    appends = []
+    for tag in ("a", "b"):
+        root = tmp_path / f"more-{tag}"
+        for k in range(12):
+            (root / f"class{k % 3}").mkdir(parents=True, exist_ok=True)
+            (root / f"class{k % 3}" / f"{tag}{k:03d}.jpg").write_bytes(jpeg_bytes(photo(7000 + k + 100 * trial)))
+        appends.append(str(root))
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    runs = [cli("pack", root, out, "--append", "-q", "--workers", "1") for root in appends]
+    results = [(p.wait(120), *p.communicate()) for p in runs]
+    held = set(samples_of(out))
+    for root, (code, _, err) in zip(appends, results):
+        mine = {os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs}
+        if code == 0:
+            assert mine <= held, "an append that exited 0 lost images"
+        else:
+            assert "another gdsdata append" in one_line(err)
+    assert any(code == 0 for code, _, _ in results)
+    assert verify(out) == []
+
+
+def test_overwrite_keeps_the_old_dataset_when_the_new_pack_fails(src, tmp_path):
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    before = samples_of(out)
+    empty_src = tmp_path / "nothing"
+    (empty_src / "a").mkdir(parents=True)
+    (empty_src / "a" / "x.jpg").write_bytes(b"not an image at all")
+    with pytest.raises(SourceError):
+        pack(str(empty_src), out, overwrite=True, workers=1)
+    with pytest.raises(ValueError, match="alignment"):
+        pack(src, out, overwrite=True, alignment=1000)
+    assert samples_of(out) == before and verify(out) == []
+    assert not [n for n in os.listdir(tmp_path) if ".gdsdata-" in n]  # nothing of the failed build left
+
+
+def test_overwrite_swaps_in_a_complete_dataset(src, tmp_path):
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    old_id = load(out).dataset_id
+    pack(src, out, overwrite=True, workers=1, shard_size=1 << 20)
+    assert load(out).dataset_id != old_id and verify(out) == []
+    assert sorted(os.listdir(tmp_path)) == ["ds"]
+
+
+def test_a_dataset_replaced_under_a_reader_raises(src, tmp_path):
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=200_000)
+    ds = gdsdata.GDSDataset(out)
+    ds.__getitems__([0])  # shard 0 opened before the replacement
+    pack(src, out, overwrite=True, workers=1, shard_size=200_000)
+    image, _ = ds[1]  # still from the old, open shard: the old pixels
+    with pytest.raises(FormatError, match="replaced or rewritten while open"):
+        ds[len(ds) - 1]  # a shard opened after the replacement
+    ds.close()
+
+
+# --- decompression bombs, dead workers ---------------------------------------------------------
+def bomb(width=65500, height=65500) -> bytes:
+    """A small baseline JPEG whose frame header declares ``width`` x ``height``."""
+    data = bytearray(jpeg_bytes(photo(1, scale=0.1), quality=50))
+    at = data.index(b"\xff\xc0")
+    struct.pack_into(">HH", data, at + 5, height, width)
+    return bytes(data)
+
+
+def test_bombs_are_refused_before_decoding_under_a_memory_limit(tmp_path):
+    src = tmp_path / "src"
+    for k in range(16):
+        (src / f"c{k % 2}").mkdir(parents=True, exist_ok=True)
+        (src / f"c{k % 2}" / f"bomb{k}.jpg").write_bytes(bomb())
+    (src / "c0" / "fine.jpg").write_bytes(jpeg_bytes(photo(2, scale=0.3)))
+    (src / "c1" / "fine.jpg").write_bytes(jpeg_bytes(photo(3, scale=0.3)))
+    out = str(tmp_path / "ds")
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", limit + "from gdsdata.cli import main; import sys; "
+                           f"sys.exit(main(['pack', {str(src)!r}, {out!r}, '--workers', '2', '-q']))"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - t0 < 60
+    report = json.load(open(os.path.join(out, fmt.REPORT_NAME)))
+    reasons = {item["path"]: item["reason"] for item in report["skipped"]}
+    assert len(reasons) == 16 and all("65500x65500" in r and "--max-pixels" in r for r in reasons.values())
+    assert len(load(out)) == 2
+
+
+def test_the_pixel_limit_applies_to_every_codec(tmp_path):
+    from PIL import Image
+
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    Image.new("RGB", (400, 300)).save(src / "a" / "big.png")
+    (src / "a" / "big.jpg").write_bytes(jpeg_bytes(photo(4, scale=1.5)))
+    (src / "a" / "small.jpg").write_bytes(jpeg_bytes(photo(5, scale=0.2)))
+    result = pack(str(src), str(tmp_path / "ds"), workers=1, options=gdsdata.PackOptions(max_pixels=100_000))
+    skipped = {item["path"]: item["reason"] for item in result.skipped}
+    assert set(skipped) == {"a/big.png", "a/big.jpg"} and all("over the limit" in r for r in skipped.values())
+
+
+def test_a_worker_killed_mid_pack_becomes_one_skipped_file(tmp_path):
+    src = tmp_path / "src"
+    write_photos(str(src), 30, classes=2, start_seed=50)
+    victim = sorted(os.listdir(src / "class1"))[3]
+    out = str(tmp_path / "ds")
+    script = (f"import os, signal, sys; sys.path.insert(0, {ROOT!r}); import gdsdata.packer as p\n"
+              "real = p._prepare_item\n"
+              f"def item(job):\n    if job[0].endswith({victim!r}): os.kill(os.getpid(), signal.SIGKILL)\n"
+              "    return real(job)\n"
+              "p._prepare_item = item\n"
+              f"r = p.pack({str(src)!r}, {out!r}, workers=2)\n"
+              "print(r.packed, r.skipped)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("29 ")
+    assert f"class1/{victim}" in done.stdout and "killed by SIGKILL" in done.stdout
+    assert verify(out) == []
+
+
+# --- hostile source trees ---------------------------------------------------------------------
+def test_unreadable_folders_are_reported_and_fatal_with_strict(tmp_path, monkeypatch):
+    import gdsdata.sources as sources
+
+    src = tmp_path / "src"
+    write_photos(str(src), 12, classes=2, start_seed=70)
+    (src / "class1" / "sub").mkdir()
+    (src / "class1" / "sub" / "x.jpg").write_bytes(jpeg_bytes(photo(71)))
+    real = os.scandir
+
+    def scandir(path):  # root ignores chmod 000, so the refusal is played here
+        if str(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(sources.os, "scandir", scandir)
+    result = pack(str(src), str(tmp_path / "ds"), workers=1)
+    assert result.unreadable == [{"path": "class1/sub", "reason": "cannot read: Permission denied"}]
+    assert json.load(open(tmp_path / "ds" / fmt.REPORT_NAME))["unreadable"] == result.unreadable
+    with pytest.raises(SourceError, match="class1/sub: cannot read: Permission denied \\(--strict\\)"):
+        pack(str(src), str(tmp_path / "strict"), workers=1, strict=True)
+
+
+def test_a_link_loop_neither_repeats_nor_mislabels(tmp_path):
+    src = tmp_path / "src"
+    write_photos(str(src), 5, classes=2, start_seed=80)
+    os.symlink("..", src / "class0" / "loop")
+    os.symlink(str(src / "class1"), src / "class0" / "other")
+    result = pack(str(src), str(tmp_path / "ds"), workers=1)
+    ds = gdsdata.GDSDataset(str(tmp_path / "ds"))
+    assert len(ds) == 5
+    assert all(ds.source(i).startswith(ds.classes[ds.targets[i]] + "/") for i in range(len(ds))), \
+        [(ds.source(i), ds.targets[i]) for i in range(len(ds))]
+    assert any("link loop" in item["reason"] for item in result.unreadable)
+
+
+def test_special_files_named_like_images_are_skipped_unopened(tmp_path):
+    src = tmp_path / "src"
+    write_photos(str(src), 4, classes=1, start_seed=90)
+    os.mkfifo(src / "class0" / "pipe.jpg")
+    os.symlink("/dev/zero", src / "class0" / "zero.jpg")
+    t0 = time.monotonic()
+    result = pack(str(src), str(tmp_path / "ds"), workers=2)
+    assert time.monotonic() - t0 < 60 and result.packed == 4
+    kinds = {item["path"]: item["reason"] for item in result.special}
+    assert "a FIFO" in kinds["class0/pipe.jpg"] and "a character device" in kinds["class0/zero.jpg"]
+
+
+def test_names_that_are_not_utf8_are_kept_byte_for_byte(tmp_path):
+    src = tmp_path / "src"
+    weird_class = os.fsdecode(b"caf\xe9")  # latin-1, not UTF-8
+    os.makedirs(src / weird_class)
+    (src / "plain").mkdir()
+    name = os.fsdecode(b"img-\xff\xfe.jpg")
+    (src / weird_class / name).write_bytes(jpeg_bytes(photo(95)))
+    (src / "plain" / "ok.jpg").write_bytes(jpeg_bytes(photo(96)))
+    (src / "plain" / os.fsdecode(b"notes-\xff.txt")).write_bytes(b"not an image")
+    code, out, err = run_cli("pack", str(src), str(tmp_path / "ds"), "-q")
+    assert code == 0, err
+    ds = gdsdata.GDSDataset(str(tmp_path / "ds"))
+    assert os.fsencode(ds.classes[0]) == b"caf\xe9"
+    path = next(ds.source(i) for i in range(len(ds)) if ds.targets[i] == 0)
+    assert os.fsencode(path) == b"caf\xe9/img-\xff\xfe.jpg"
+    assert os.path.exists(src / path)  # the stored name finds the file again
+    report = json.load(open(tmp_path / "ds" / fmt.REPORT_NAME))
+    assert report["ignored"] == ["plain/notes-\\xff.txt"]
+
+
+def test_empty_class_folders_are_refused_as_torchvision_does(tmp_path):
+    src = tmp_path / "src"
+    write_photos(str(src), 4, classes=2, start_seed=97)
+    (src / "zzz-empty").mkdir()
+    with pytest.raises(SourceError, match="zzz-empty: class folder with no image files.*--allow-empty-classes"):
+        pack(str(src), str(tmp_path / "ds"), workers=1)
+    pack(str(src), str(tmp_path / "ds"), workers=1, allow_empty_classes=True)
+    assert gdsdata.GDSDataset(str(tmp_path / "ds")).classes == ["class0", "class1", "zzz-empty"]
+
+
+def test_out_inside_src_is_refused(src, tmp_path):
+    with pytest.raises(SourceError, match="inside the source folder"):
+        pack(src, os.path.join(src, "packed"), workers=1)
+    assert not os.path.exists(os.path.join(src, "packed"))
+
+
+def test_broken_sources_give_one_line(tmp_path):
+    bad_tar = tmp_path / "bad.tar"
+    bad_tar.write_bytes(b"\x00" * 100 + b"garbage" * 1000)
+    code, _, err = run_cli("pack", str(bad_tar), str(tmp_path / "ds"), "-q")
+    assert code == 1 and "not a readable tar file" in one_line(err)
+
+
+# --- silently wrong pixels ------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["jpeg", "raw"])
+def test_every_bit_flip_is_caught_by_default(tmp_path, codec):
+    src = tmp_path / "src"
+    write_photos(str(src), 6, classes=2, start_seed=110)
+    out = str(tmp_path / "ds")
+    pack(str(src), out, workers=1, options=gdsdata.PackOptions(codec=codec, raw_size=48))
+    index = load(out)
+    rng = random.Random(7)
+    for trial in range(20):
+        k = rng.randrange(len(index))
+        record = index.samples[k]
+        at = int(record["offset"]) + rng.randrange(int(record["length"]))
+        path = index.shard_path(int(record["shard"]))
+        with open(path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ (1 << rng.randrange(8))]))
+        ds = gdsdata.GDSDataset(out)
+        with pytest.raises(CorruptSampleError, match=f"sample {k} .*checksum mismatch"):
+            ds[k]
+        ds.close()
+        with open(path, "r+b") as f:  # put it back for the next trial
+            f.seek(at)
+            f.write(bytes([byte]))
+
+
+# --- merge ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def parts(src, tmp_path_factory):
+    root = tmp_path_factory.mktemp("parts")
+    made = [str(root / f"p{k}") for k in range(3)]
+    for k, out in enumerate(made):
+        pack(src, out, workers=1, num_parts=3, part=k)
+    other = str(root / "other-of-2")
+    pack(src, other, workers=1, num_parts=2, part=1)
+    return made, other
+
+
+def test_merge_refuses_incomplete_repeated_or_foreign_parts(parts, tmp_path):
+    (p0, p1, p2), other = parts
+    with pytest.raises(SourceError, match="part 1 of 3 is missing"):
+        merge([p0, p2], str(tmp_path / "a"))
+    with pytest.raises(SourceError, match="part 0 of 3 given twice"):
+        merge([p0, p0, p1, p2], str(tmp_path / "b"))
+    with pytest.raises(SourceError, match="different --num-parts"):
+        merge([p0, p1, p2, other], str(tmp_path / "c"))
+    merged = merge([p2, p0, p1], str(tmp_path / "d"))  # any order: put in part order
+    assert merged["samples"] == 48 and verify(str(tmp_path / "d")) == []
+
+
+# --- a full disk -----------------------------------------------------------------------------------
+class SmallDisk(type(__import__("pathlib").Path())):
+    def grow(self):
+        subprocess.run(["mount", "-o", "remount,size=16m", str(self)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 400 KB tmpfs (needs the right to mount; CI's machine has it), grown by ``grow()``."""
+    where = SmallDisk(tmp_path / "disk")
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield where
+    subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_a_full_disk_names_the_file_and_the_pack_resumes(src, small_disk, tmp_path):
+    out = str(small_disk / "ds")
+    code, _, err = run_cli("pack", src, out, "-q", "--workers", "1", "--shard-size", "100000")
+    assert code == 1
+    line = one_line(err)
+    assert out in line and "No space left on device while writing" in line and ".gds" in line and "--resume" in line
+    names = os.listdir(out)
+    assert fmt.INDEX_NAME not in names and not [n for n in names if n.endswith(fmt.TMP_SUFFIX)]
+    report = json.load(open(os.path.join(out, fmt.REPORT_NAME)))
+    assert report["status"] == "failed" and report["finished_shards"] >= 1
+    small_disk.grow()
+    pack(src, out, resume=True, workers=1, shard_size=100_000)
+    reference = str(tmp_path / "reference")
+    pack(src, reference, workers=1, shard_size=100_000)
+    assert load(out).samples["crc32"].tolist() == load(reference).samples["crc32"].tolist()
+    assert verify(out) == []
+
+
+def test_a_full_disk_during_merge_copy_leaves_no_truncated_shard(parts, small_disk):
+    (p0, p1, p2), _ = parts
+    out = str(small_disk / "m")
+    code, _, err = run_cli("merge", p0, p1, p2, out, "--copy")
+    assert code == 1
+    line = one_line(err)
+    assert "while copying" in line and "--resume" not in line
+    assert not os.path.exists(out)  # built aside: nothing of it is left to fill the disk
+    assert not os.listdir(small_disk)
+
+
+def test_a_full_disk_during_overwrite_keeps_the_old_dataset(src, small_disk):
+    out = str(small_disk / "ds")
+    few = small_disk.parent / "few"
+    write_photos(str(few), 6, classes=2, start_seed=8000)
+    pack(str(few), out, workers=1)
+    before = samples_of(out)
+    code, _, err = run_cli("pack", src, out, "-q", "--overwrite", "--workers", "1")
+    assert code == 1 and "No space left on device" in one_line(err)
+    assert samples_of(out) == before and verify(out) == []
+    assert sorted(os.listdir(small_disk)) == ["ds"]
+
+
+# --- Ctrl-C -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bigger_src(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("sigint_src"))
+    write_photos(root, 160, classes=4, start_seed=4000, scale=0.8)
+    return root
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0, 2.0])
+def test_sigint_at_any_point_exits_130_in_one_line_and_resumes(bigger_src, tmp_path, delay):
+    out = str(tmp_path / "ds")
+    process = cli("pack", bigger_src, out, "-q", "--workers", "2", "--shard-size", "1000000")
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=30)
+    if process.returncode == 0:  # finished before the signal
+        return
+    assert process.returncode == 130
+    assert "interrupted" in one_line(err)
+    time.sleep(0.2)
+    assert not [p for p in subprocess.run(["pgrep", "-f", f"gdsdata pack {bigger_src}"], capture_output=True,
+                                          text=True).stdout.split()]
+    if os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
+        return
+    if os.path.isdir(out):  # else the signal came before anything was written
+        pack(bigger_src, out, resume=True, workers=2, shard_size=1_000_000)
+    else:
+        pack(bigger_src, out, workers=2, shard_size=1_000_000)
+    assert len(load(out)) == 160 and verify(out) == []
+
+
+# --- readers: closing, descriptors, skips ---------------------------------------------------------
+def test_closing_the_dataset_under_a_running_loader_raises_in_the_loop(src, tmp_path):
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    ds = gdsdata.GDSDataset(out)
+    loader = gdsdata.Loader(ds, 4)
+    it = iter(loader)
+    next(it)
+    threading.Thread(target=ds.close).start()
+    time.sleep(0.5)
+    with pytest.raises(GdsDataError, match="dataset was closed while it was reading"):
+        for _ in it:
+            pass
+
+
+def test_thousands_of_shards_under_a_low_descriptor_limit(tmp_path):
+    src = tmp_path / "src"
+    write_photos(str(src), 300, classes=2, start_seed=5000, scale=0.3)
+    out = str(tmp_path / "ds")
+    pack(str(src), out, workers=2, shard_size=8192, alignment=4096)  # about one sample per shard
+    assert len(load(out).shards) >= 290
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)); import gdsdata, os; "
+            f"ds = gdsdata.GDSDataset({out!r}); n = sum(len(y) for _, y in gdsdata.Loader(ds, 32)); "
+            "print(n, len(os.listdir('/proc/self/fd')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr
+    count, fds = map(int, done.stdout.split())
+    assert count == 300 and fds < 64
+
+
+def test_a_dropped_dataset_gives_its_descriptors_back(src, tmp_path):
+    import gc
+
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=200_000)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        ds = gdsdata.GDSDataset(out)
+        ds.__getitems__(range(len(ds)))
+        del ds
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before + 1
+
+
+def test_skipping_is_linear_and_counted_per_epoch(tmp_path):
+    src = tmp_path / "src"
+    write_photos(str(src), 120, classes=2, start_seed=6000, scale=0.3)
+    out = str(tmp_path / "ds")
+    pack(str(src), out, workers=2)
+    index = load(out)
+    for k in range(20, 100):  # a long run of bad samples: each probed once, not once per sample before it
+        record = index.samples[k]
+        with open(index.shard_path(int(record["shard"])), "r+b") as f:
+            f.seek(int(record["offset"]))
+            f.write(b"\x00" * 64)
+    ds = gdsdata.GDSDataset(out, on_error="skip")
+    probes = {"n": 0}
+    real = ds._backend.load_batch
+
+    def counted(indices, stream=None):
+        probes["n"] += 1
+        return real(indices, stream)
+
+    ds._backend.load_batch = counted
+    loader = gdsdata.Loader(ds, 16, shuffle=False)
+    batches = list(loader)
+    assert sum(len(y) for _, y in batches) == 120
+    assert loader.skipped == {0: 80}
+    assert probes["n"] < 2 * 120  # linear in the bad samples
+    list(loader)
+    assert loader.skipped == {0: 80, 1: 80}
