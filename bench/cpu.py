@@ -4,7 +4,8 @@
 Every pipeline produces antialiased random-resized-crop 224 training batches with a horizontal flip
 (uint8, or float32 normalised with --float) from the same JPEGs:
 
-  gdsdata       gdsdata.Loader on the CPU (its cpu_threads pool)
+  gdsdata       gdsdata.Loader on the CPU (its cpu_threads pool), checksums checked (the default)
+  gdsdata-nocrc the same with verify_checksums=False: what the checksums cost
   imagefolder   torchvision ImageFolder + PIL + DataLoader(--workers) + transforms.v2
   litdata       litdata's optimize() of the same files, StreamingDataset + StreamingDataLoader(--workers),
                 torchvision decode_jpeg + transforms.v2 (when litdata imports)
@@ -50,8 +51,8 @@ def _v2(float_out):
     return v2.Compose(steps)
 
 
-def gdsdata_pipeline(args, root, float_out):
-    ds = gdsdata.GDSDataset(root)
+def gdsdata_pipeline(args, root, float_out, verify=None):
+    ds = gdsdata.GDSDataset(root, verify_checksums=verify)
     loader = gdsdata.Loader(ds, args.batch, shuffle=True, drop_last=True,
                             transform=gdsdata.RandomResizedCrop(SIZE, dtype="float32" if float_out else "uint8"))
     return lambda: iter(loader)
@@ -134,8 +135,9 @@ def ffcv_pipeline(args, src, float_out):
     return lambda: iter(loader)
 
 
-PIPELINES = {"gdsdata": gdsdata_pipeline, "imagefolder": imagefolder_pipeline, "litdata": litdata_pipeline,
-             "ffcv": ffcv_pipeline}
+PIPELINES = {"gdsdata": gdsdata_pipeline,
+             "gdsdata-nocrc": lambda args, root, float_out: gdsdata_pipeline(args, root, float_out, verify=False),
+             "imagefolder": imagefolder_pipeline, "litdata": litdata_pipeline, "ffcv": ffcv_pipeline}
 
 
 def small_model():
@@ -187,7 +189,7 @@ def main(argv=None):
     pipelines = {}
     for name in args.pipelines.split(","):
         try:
-            pipelines[name] = PIPELINES[name](args, root if name == "gdsdata" else src, args.float)
+            pipelines[name] = PIPELINES[name](args, root if name.startswith("gdsdata") else src, args.float)
         except ImportError as e:
             print(f"{name}: not installed ({e}); skipped")
         except Exception:  # noqa: BLE001 - one peer failing must not hide the others
@@ -217,9 +219,10 @@ def main(argv=None):
         table.append({"pipeline": name, "mode": mode, "images_per_s": rate, "cpu_s_per_1k": cpu,
                       "rates": [r for r, _ in runs]})
     for row in table:
-        peers = [r for r in table if r["mode"] == row["mode"] and r["pipeline"] != "gdsdata"]
+        peers = [r for r in table if r["mode"] == row["mode"] and not r["pipeline"].startswith("gdsdata")]
         best = max((r["images_per_s"] for r in peers), default=None)
         ratio = f"{row['images_per_s'] / best:.2f}x the best peer" if best and row["pipeline"] == "gdsdata" else ""
+        row["vs_best_peer"] = row["images_per_s"] / best if best else None
         print(f"{row['pipeline']:<12} {row['mode']:<24} {row['images_per_s']:7.0f} images/s "
               f"({min(row['rates']):.0f}-{max(row['rates']):.0f})  {row['cpu_s_per_1k']:5.2f} CPU-s/1k  {ratio}")
     with open(os.path.join(args.out, "cpu.json"), "w") as f:
