@@ -39,6 +39,8 @@ def _cmd_pack(args):
 
     options = PackOptions(codec=args.codec, quality=args.quality, max_side=args.max_side,
                           raw_size=args.size, max_pixels=args.max_pixels)
+    if args.ray is not None:
+        return _pack_on_ray(args, options)
     result = pack(args.src, args.out, options=options, shard_size=args.shard_size,
                   alignment=args.alignment, workers=args.workers, strict=args.strict,
                   overwrite=args.overwrite, progress=not args.quiet, num_parts=args.num_parts,
@@ -65,6 +67,25 @@ def _cmd_pack(args):
             for item in entries[:10]:
                 print(f"    {item['path']}: {item['reason']}")
     print(f"  report: {result.report_path}")
+    return 0
+
+
+def _pack_on_ray(args, options):
+    from .ray_pack import pack_on_ray
+
+    if args.resume or args.append or args.part:
+        raise ValueError("--ray packs every part itself (and retries them); it goes with none of --resume, "
+                         "--append or --part")
+    summary = pack_on_ray(args.src, args.out, address=args.ray or None,
+                          num_parts=args.num_parts if args.num_parts > 1 else 0, options=options,
+                          shard_size=args.shard_size, alignment=args.alignment, strict=args.strict,
+                          overwrite=args.overwrite, progress=not args.quiet,
+                          allow_empty_classes=args.allow_empty_classes)
+    print(f"packed {summary['samples']} images in {summary['parts']} part(s) on Ray ({summary['cpus']} CPUs), "
+          f"{summary['shards']} shard(s), in {summary['seconds']:.1f} s into {summary['out']}")
+    if summary["skipped"]:
+        print(f"  skipped {summary['skipped']} file(s) that cannot be decoded (reasons: each part's pack_report.json "
+              f"before the merge; run without --ray for one report)")
     return 0
 
 
@@ -156,7 +177,8 @@ def build_parser():
                        description="Validate, normalise and pack SRC into OUT. SRC: an ImageFolder tree "
                        "(one subfolder per class), an LMDB of (image bytes, label) pickles, or WebDataset-style "
                        "tar shards (image + .cls per sample).")
-    p.add_argument("src", help="ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards")
+    p.add_argument("src", help="ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards; a path or an fsspec "
+                   "URL (s3://, gs://, az://, ...)")
     p.add_argument("out", help="dataset folder to create")
     p.add_argument("--shard-size", type=_size, default=1 << 30, metavar="SIZE",
                    help="target shard size (default 1G)")
@@ -186,6 +208,10 @@ def build_parser():
     p.add_argument("--num-parts", type=int, default=1, metavar="N",
                    help="split the source into N contiguous parts (for packing on many machines) ...")
     p.add_argument("--part", type=int, default=0, metavar="K", help="... and pack part K (0-based); join with merge")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="pack the parts as Ray tasks (retried when they fail), then merge them: on the cluster at "
+                        "ADDRESS, or a local Ray without one; --num-parts overrides the part count chosen from the "
+                        "source size and the cluster's CPUs. OUT must be on a filesystem every node sees")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_cmd_pack)
 

@@ -90,6 +90,13 @@ def merge(parts, out, *, copy=False, overwrite=False) -> dict:
     """Merge the datasets ``parts`` (all parts of one ``pack --num-parts N``, in any order) into
     ``out``; returns a summary. One writer at a time per ``out``; an existing ``out`` is replaced
     only once the merged dataset is complete."""
+    out = os.path.abspath(os.fspath(out))
+    with writer_lock(out, f"merge of {len(parts)} part(s)"):
+        return merge_checked(parts, out, copy=copy, overwrite=overwrite)
+
+
+def merge_checked(parts, out, *, copy=False, overwrite=False) -> dict:
+    """``merge`` for a caller that holds ``out``'s writer lock already (``pack --ray``)."""
     if not parts:
         raise SourceError("merge needs at least one part")
     out = os.path.abspath(os.fspath(out))
@@ -98,14 +105,13 @@ def merge(parts, out, *, copy=False, overwrite=False) -> dict:
         if os.path.abspath(index.root) == out:
             raise SourceError(f"{part}: a part cannot be merged into itself")
     ordered = _check_parts(parts, indexes)
-    with writer_lock(out, f"merge of {len(parts)} part(s)"):
-        fresh = not (os.path.isdir(out) and os.listdir(out))
-        try:
-            return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy))
-        except BaseException:
-            if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
-                remove_quietly(out)
-            raise
+    fresh = not (os.path.isdir(out) and os.listdir(out))
+    try:
+        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy))
+    except BaseException:
+        if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
+            remove_quietly(out)
+        raise
 
 
 def _merge(ordered, folder, out, copy):

@@ -38,7 +38,7 @@ from .errors import BadImageError, FormatError, GdsDataError, OutputExistsError,
 from .lock import aside, remove_quietly, swap_in, writer_lock
 from .normalize import PackOptions, prepare
 from .shards import ShardWriter, data_crc32
-from .sources import display, open_source
+from .sources import Listing, display, is_url, open_source, read_url
 
 log = logging.getLogger(__name__)
 _WINDOW_PER_WORKER = 16  # images in flight per worker: bounds memory for sources read here
@@ -72,14 +72,19 @@ def _prepare_item(job):
     rel, path, data, options, error = job
     if error is not None:
         return rel, None, error
+    if data is None:
+        try:
+            data = read_url(path) if is_url(path) else _read_regular(path)
+        except BadImageError as e:
+            return rel, None, str(e)
+        except OSError as e:
+            return rel, None, f"cannot read: {e.strerror or e}"
+        except Exception as e:  # noqa: BLE001 - a remote read's failure, whatever its library raises
+            return rel, None, f"cannot read: {type(e).__name__}: {e}"
     try:
-        if data is None:
-            data = _read_regular(path)
         return rel, prepare(data, options), None
     except BadImageError as e:
         return rel, None, str(e)
-    except OSError as e:
-        return rel, None, f"cannot read: {e.strerror or e}"
 
 
 def _read_regular(path) -> bytes:
@@ -287,12 +292,16 @@ def _resume_state(out, signature):
 def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
          alignment: int = fmt.DEFAULT_ALIGNMENT, workers: int = 0, strict: bool = False,
          overwrite: bool = False, progress: bool = False, num_parts: int = 1, part: int = 0,
-         resume: bool = False, append: bool = False, allow_empty_classes: bool = False) -> PackResult:
-    """Pack the source ``src`` (ImageFolder tree, LMDB or tar shards) into the dataset folder ``out``.
-    ``append=True`` adds the source's images that ``out`` does not hold yet (new classes get the
-    next labels) as new shards of the existing dataset."""
+         resume: bool = False, append: bool = False, allow_empty_classes: bool = False,
+         on_progress=None) -> PackResult:
+    """Pack the source ``src`` (ImageFolder tree, LMDB or tar shards, a local path or an fsspec URL)
+    into the dataset folder ``out``. ``append=True`` adds the source's images that ``out`` does not
+    hold yet (new classes get the next labels) as new shards of the existing dataset.
+    ``on_progress(n)`` is called as images are done (besides the progress bar, ``progress``)."""
     options = options or PackOptions()
-    src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
+    if not isinstance(src, Listing) and not is_url(src):
+        src = os.path.abspath(os.fspath(src))
+    out = os.path.abspath(os.fspath(out))
     if shard_size < alignment * 2:
         raise ValueError(f"shard size must be at least twice the alignment ({alignment * 2} bytes)")
     if not 0 <= part < num_parts:
@@ -304,15 +313,16 @@ def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
     workers = workers or os.cpu_count() or 1
     started = time.perf_counter()
     source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
+    name = src if isinstance(src, str) else source.root
     try:
-        if os.path.isdir(src) and os.path.commonpath([src, out]) == src:
+        if isinstance(src, str) and os.path.isdir(src) and os.path.commonpath([src, out]) == src:
             raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it (its "
                               f"shards would be read as images of a class)")
         what = "append" if append else "resume" if resume else "pack"
-        with writer_lock(out, f"{what} of {src}"):
+        with writer_lock(out, f"{what} of {name}"):
             def build(folder):
-                return _pack(source, src, folder, out, options, shard_size, alignment, workers, strict,
-                             progress, num_parts, part, resume, append, started)
+                return _pack(source, name, folder, out, options, shard_size, alignment, workers, strict,
+                             progress, num_parts, part, resume, append, started, on_progress)
 
             if resume or append:
                 return build(out)
@@ -336,7 +346,7 @@ def _appendable(out, source, alignment):
 
 
 def _pack(source, src, folder, out, options, shard_size, alignment, workers, strict, progress,
-          num_parts, part, resume, append, started):
+          num_parts, part, resume, append, started, on_progress=None):
     """Pack into ``folder`` (``out`` itself, or where an overwrite builds its replacement); messages
     and the report name ``out``."""
     classes, everything = source.classes, source.items
@@ -394,6 +404,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         with bar:
             for rel, prepared, reason in _results(jobs, workers):
                 bar.update()
+                if on_progress is not None:
+                    on_progress(1)
                 if prepared is None:
                     if strict:
                         raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")

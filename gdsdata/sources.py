@@ -235,9 +235,104 @@ class TarSource:
             tar.close()
 
 
+def is_url(src) -> bool:
+    """Whether ``src`` names a source through fsspec (``s3://``, ``gs://``, ``az://``, ``http://``...)."""
+    return isinstance(src, str) and "://" in src and not src.startswith("file://")
+
+
+class RemoteFolderSource:
+    """An ImageFolder tree on object storage or any fsspec filesystem: class folders under the URL,
+    listed in parallel (a thread per class folder); items are URLs the packing workers read
+    themselves. Credentials come from the usual environment of the filesystem (AWS_*, GOOGLE_*,
+    AZURE_* ...)."""
+
+    def __init__(self, url, allow_empty=False, threads=16):
+        from concurrent.futures import ThreadPoolExecutor
+
+        fs, root = _filesystem(url)
+        self.root, self.fs, self._url = url, fs, url.rstrip("/")
+        try:
+            entries = fs.ls(root, detail=True)
+        except (OSError, ValueError) as e:
+            raise SourceError(f"{url}: cannot list it ({e})") from e
+        self.classes = sorted(os.path.basename(e["name"].rstrip("/")) for e in entries if e["type"] == "directory")
+        if not self.classes:
+            raise SourceError(f"{url}: no class folders (expected the ImageFolder layout URL/CLASS/IMAGE)")
+        base = root.rstrip("/")
+
+        def listing(name):
+            return sorted(fs.find(f"{base}/{name}"))
+
+        with ThreadPoolExecutor(min(threads, len(self.classes))) as pool:
+            found = list(pool.map(listing, self.classes))
+        protocol = url.split("://", 1)[0]
+        self.items, self.ignored, self.unreadable, self.special = [], [], [], []
+        for label, (name, paths) in enumerate(zip(self.classes, found)):
+            images = 0
+            for path in paths:
+                rel = os.path.relpath(path, base)
+                if path.lower().endswith(IMAGE_EXTENSIONS):
+                    self.items.append(Item(rel, label, path=f"{protocol}://{path}"))
+                    images += 1
+                else:
+                    self.ignored.append(rel)
+            if not images and not allow_empty:
+                raise SourceError(f"{url}/{name}: class folder with no image files (pass --allow-empty-classes "
+                                  f"to keep it as a class without samples)")
+        if not self.items:
+            raise SourceError(f"{url}: no image files in its {len(self.classes)} class folders")
+
+    def read(self, item):
+        return None  # the worker reads item.path through fsspec
+
+    def close(self):
+        pass
+
+
+def _filesystem(url):
+    try:
+        import fsspec
+    except ImportError:
+        raise SourceError(f"{url}: a URL; reading it needs fsspec and its filesystem (pip install "
+                          f"'gdsdata[remote]', or s3fs / gcsfs / adlfs)") from None
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:
+        raise SourceError(f"{url}: no fsspec filesystem for it ({e})") from None
+
+
+def read_url(url) -> bytes:
+    """A packing worker's read of one object (fsspec)."""
+    fs, path = _filesystem(url)
+    return fs.cat_file(path)
+
+
+def _fetched(url, where) -> str:
+    """Tar shards and LMDBs at a URL are fetched to a local folder first (both need seeks)."""
+    fs, path = _filesystem(url)
+    local = os.path.join(where, os.path.basename(path.rstrip("/")) or "source")
+    if fs.isdir(path):
+        fs.get(path.rstrip("/") + "/", local.rstrip("/") + "/", recursive=True)
+    else:
+        fs.get(path, local)
+    return local
+
+
 def open_source(src, strict=False, allow_empty=False):
     """The source at ``src``: an LMDB (a folder holding data.mdb, or an .lmdb/.mdb file), tar shards
-    (a .tar file, or a folder of them and no class folders), else an ImageFolder tree."""
+    (a .tar file, or a folder of them and no class folders), else an ImageFolder tree; a URL reads
+    through fsspec (an ImageFolder tree in place; tar shards and LMDBs fetched to a temporary folder)."""
+    if isinstance(src, Listing):
+        return src
+    if is_url(src):
+        if src.rstrip("/").endswith((".tar", ".tar.gz", ".tgz", ".lmdb", ".mdb")) or _remote_kind(src) != "folder":
+            import tempfile
+
+            where = tempfile.mkdtemp(prefix="gdsdata-fetch-")
+            source = open_source(_fetched(src, where), strict, allow_empty)
+            source.root = src
+            return source
+        return RemoteFolderSource(src, allow_empty=allow_empty)
     src = os.fspath(src)
     if os.path.isfile(os.path.join(src, "data.mdb")) or (os.path.isfile(src) and src.endswith((".lmdb", ".mdb"))):
         return LmdbSource(src)
@@ -248,3 +343,29 @@ def open_source(src, strict=False, allow_empty=False):
         if entries and not any(e.is_dir() for e in entries) and any(e.name.endswith(".tar") for e in entries):
             return TarSource(src)
     return FolderSource(src, strict=strict, allow_empty=allow_empty)
+
+
+def _remote_kind(url) -> str:
+    fs, path = _filesystem(url)
+    names = [os.path.basename(n.rstrip("/")) for n in fs.ls(path, detail=False)]
+    if "data.mdb" in names:
+        return "lmdb"
+    if names and all(n.endswith((".tar", ".tar.gz", ".tgz")) for n in names):
+        return "tar"
+    return "folder"
+
+
+class Listing:
+    """A listed folder source (local or remote), to hand to workers elsewhere (Ray tasks) without
+    listing it again: its classes and items, read the way the source reads them."""
+
+    def __init__(self, source):
+        self.root, self.classes, self.items = source.root, source.classes, source.items
+        self.ignored = getattr(source, "ignored", [])
+        self.unreadable, self.special = getattr(source, "unreadable", []), getattr(source, "special", [])
+
+    def read(self, item):
+        return None
+
+    def close(self):
+        pass

@@ -1,0 +1,203 @@
+"""Packing on Ray and from object storage: a local Ray packs a source in parts, survives a killed
+worker and gives the dataset a single process gives; a local S3 server (moto) serves a source that
+packs into the dataset the same files give from disk."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import jpeg_bytes, photo, write_photos
+
+from gdsdata import format as fmt
+from gdsdata.index import load
+from gdsdata.packer import pack
+from gdsdata.verify import verify
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def same_dataset(a, b):
+    """Samples, labels and payload bytes equal (shard boundaries may differ: parts have their own)."""
+    ia, ib = load(a), load(b)
+    assert [ia.path(i) for i in range(len(ia))] == [ib.path(i) for i in range(len(ib))]
+    assert ia.samples["label"].tolist() == ib.samples["label"].tolist()
+    assert ia.samples["crc32"].tolist() == ib.samples["crc32"].tolist()
+    assert ia.classes == ib.classes
+    for i in range(len(ia)):
+        assert payload(ia, i) == payload(ib, i)
+
+
+def payload(index, i):
+    record = index.samples[i]
+    with open(index.shard_path(int(record["shard"])), "rb") as f:
+        f.seek(int(record["offset"]))
+        return f.read(int(record["length"]))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ray_src"))
+    write_photos(root, 64, classes=4, start_seed=9000, scale=0.6)
+    reference = str(tmp_path_factory.mktemp("ray_ref") / "ds")
+    pack(root, reference, workers=1)
+    return root, reference
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def _ray_workers():
+    """PIDs of Ray worker processes running a part (their process title names the task)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"ray::_pack_part" in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def test_a_local_ray_packs_in_parts_and_survives_a_killed_worker(source, local_ray, tmp_path):
+    from gdsdata.ray_pack import pack_on_ray
+
+    src, reference = source
+    out = str(tmp_path / "ds")
+    killed = []
+
+    def kill_one():  # once a part has finished a shard, kill the worker packing it
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            parts = [d for d in os.listdir(tmp_path) if ".gdsdata-parts-" in d]
+            for d in parts:
+                folders = [tmp_path / d / p for p in os.listdir(tmp_path / d) if p.startswith("part-")]
+                for part in folders:
+                    if part.is_dir() and any(n.endswith(fmt.JOURNAL_SUFFIX) for n in os.listdir(part)):
+                        for pid in _ray_workers():
+                            os.kill(pid, signal.SIGKILL)
+                            killed.append(pid)
+                            return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_one, daemon=True)
+    killer.start()
+    summary = pack_on_ray(src, out, num_parts=4, shard_size=64 * 1024, max_retries=5)
+    killer.join(1)
+    assert killed, "no worker was killed: the test did not exercise a retry"
+    assert summary["parts"] == 4 and summary["samples"] == 64
+    assert summary["resumed_shards"] >= 1  # the killed part went on from the shards it had finished
+    same_dataset(out, reference)
+    assert verify(out) == []
+    assert sorted(os.listdir(tmp_path)) == ["ds"]  # the part folders are gone
+
+
+def test_the_part_count_follows_size_and_cpus():
+    from gdsdata.ray_pack import choose_parts
+
+    assert choose_parts(64, 2) == 1
+    assert choose_parts(100_000, 2) == 4
+    assert choose_parts(100_000_000, 512) == 1024
+
+
+def test_without_ray_the_option_says_how_to_install(source, tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray":
+            raise ImportError("no ray")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    from gdsdata.cli import main
+
+    assert main(["pack", source[0], str(tmp_path / "ds"), "--ray", "-q"]) == 1
+
+
+# --- object storage -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3(source):
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="images")
+    src = source[0]
+    for folder, _, names in os.walk(src):
+        for name in names:
+            path = os.path.join(folder, name)
+            client.upload_file(path, "images", "train/" + os.path.relpath(path, src))
+    client.put_object(Bucket="images", Key="train/class0/README.txt", Body=b"not an image")
+    yield env
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def test_a_source_on_s3_packs_into_the_dataset_its_files_give(source, s3, tmp_path):
+    src, reference = source
+    out = str(tmp_path / "ds")
+    result = pack("s3://images/train", out, workers=2)
+    assert result.packed == 64 and result.ignored == ["class0/README.txt"]
+    same_dataset(out, reference)
+
+
+def test_the_command_line_packs_from_s3(source, s3, tmp_path):
+    out = str(tmp_path / "ds")
+    done = subprocess.run([sys.executable, "-m", "gdsdata", "pack", "s3://images/train", out, "-q"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    same_dataset(out, source[1])
+
+
+def test_tar_shards_on_s3_are_fetched_and_packed(source, s3, tmp_path):
+    import tarfile
+
+    import boto3
+
+    src, _ = source
+    shard = tmp_path / "shard.tar"
+    with tarfile.open(shard, "w") as tar:
+        for k, name in enumerate(sorted(os.listdir(os.path.join(src, "class1")))[:5]):
+            tar.add(os.path.join(src, "class1", name), arcname=f"s{k:03d}.jpg")
+            label = tmp_path / f"s{k:03d}.cls"
+            label.write_text("1")
+            tar.add(label, arcname=f"s{k:03d}.cls")
+    boto3.client("s3").upload_file(str(shard), "images", "wds/shard-0.tar")
+    result = pack("s3://images/wds", str(tmp_path / "ds"), workers=1)
+    assert result.packed == 5
+
+
+def test_a_missing_bucket_is_one_line(s3, tmp_path):
+    from gdsdata.cli import main
+
+    assert main(["pack", "s3://no-such-bucket/train", str(tmp_path / "ds"), "-q"]) == 1
