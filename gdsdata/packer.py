@@ -201,6 +201,7 @@ def _ordered(pool_factory, jobs, window, context, chunk=8):
     pending = deque()  # (future, chunk of jobs)
     redo = deque()  # chunks of a broken pool, to submit again
     pool = pool_factory()
+    finished = False
     try:
         while True:
             batch = redo.popleft() if redo else list(itertools.islice(jobs, chunk))
@@ -219,9 +220,13 @@ def _ordered(pool_factory, jobs, window, context, chunk=8):
                     pool = pool_factory()
                 yield from results
             if not batch and not pending and not redo:
+                finished = True
                 return
     finally:
-        _stop(pool)
+        if finished:
+            pool.shutdown(wait=True)
+        else:  # Ctrl-C or an error: nobody will collect the work in flight
+            _stop(pool)
 
 
 def _stop(pool):

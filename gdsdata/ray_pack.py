@@ -10,7 +10,6 @@ into OUT (their shards hard-linked), and the part folders go.
 """
 
 import logging
-import math
 import os
 import sys
 import time
@@ -23,14 +22,14 @@ from .lock import aside, remove_quietly, writer_lock
 from .sources import Listing, FolderSource, RemoteFolderSource, display, open_source
 
 log = logging.getLogger(__name__)
-_IMAGES_PER_PART = 5000  # below this a part's fixed costs (a task, a process, its shards) dominate
+_IMAGES_PER_PART = 500  # below this a part's fixed costs (a task, a process, its shards) dominate
 _PARTS_PER_CPU = 2  # a few parts per CPU, so that a retried part does not leave the others idle
 
 
 def choose_parts(items: int, cpus: int) -> int:
     """Parts for ``items`` images on a cluster of ``cpus`` CPUs: enough for every CPU and a retry to
     overlap with others, no part much under ``_IMAGES_PER_PART`` images."""
-    return max(1, min(_PARTS_PER_CPU * max(1, cpus), math.ceil(items / _IMAGES_PER_PART)))
+    return max(1, min(_PARTS_PER_CPU * max(1, cpus), items // _IMAGES_PER_PART))
 
 
 def _import_ray():
