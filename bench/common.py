@@ -177,6 +177,22 @@ def chart(results, path, title):
     plt.close(fig)
 
 
+def image_set(folder, count, classes, **options) -> str:
+    """``folder`` holding ``count`` generated photographic JPEGs in ``classes`` class folders
+    (``tools/make_images.py``), made once; returns ``folder``."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    from make_images import generate
+
+    marker = os.path.join(folder, f".complete-{count}")
+    if not os.path.exists(marker):
+        t0 = time.perf_counter()
+        total = generate(folder, count, classes=classes, **options)
+        open(marker, "w").close()
+        print(f"generated {count} images, mean {total / count / 1e3:.0f} KB, in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    return folder
+
+
 # --- the GPU benchmarks' shared pieces ---------------------------------------------------------
 def warm(paths):
     """Read ``paths`` into the page cache, after writing back every dirty page: freshly generated and

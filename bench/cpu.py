@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import cpu_seconds, print_system_block, system_block  # noqa: E402
+from common import cpu_seconds, image_set, print_system_block, system_block  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -177,12 +177,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     system = system_block()
     print_system_block(system)
-    from make_images import generate
-
-    src = os.path.join(args.dir, "images")
-    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
-        generate(src, args.count, classes=10)
-        open(os.path.join(src, f".complete-{args.count}"), "w").close()
+    src = image_set(os.path.join(args.dir, "images"), args.count, classes=10)
     root = os.path.join(args.dir, "jpeg.gds")
     if not os.path.exists(os.path.join(root, "index.gdsi")):
         gdsdata.pack(src, root, overwrite=True)

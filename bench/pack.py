@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 sys.path.insert(0, HERE)
 
-from common import print_system_block, system_block, warm  # noqa: E402
+from common import image_set, print_system_block, system_block, warm  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -36,12 +36,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     system = system_block()
     print_system_block(system)
-    from make_images import generate
-
-    src = os.path.join(args.dir, "images")
-    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
-        generate(src, args.count, classes=20)
-        open(os.path.join(src, f".complete-{args.count}"), "w").close()
+    src = image_set(os.path.join(args.dir, "images"), args.count, classes=20)
     warm([os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs])
     cores = os.cpu_count()
     out = os.path.join(args.dir, "out.gds")

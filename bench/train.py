@@ -237,15 +237,10 @@ def run_row(args):
 # --- the run ----------------------------------------------------------------------------------------
 def prepare(args):
     import gdsdata
-    from make_images import generate
+    from common import image_set
 
-    src = os.path.join(args.dir, f"images-n{args.noise:g}")
-    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
-        t0 = time.perf_counter()
-        total = generate(src, args.count, classes=100, noise=args.noise, quality=92)
-        open(os.path.join(src, f".complete-{args.count}"), "w").close()
-        print(f"generated {args.count} images, mean {total / args.count / 1e3:.0f} KB, "
-              f"in {time.perf_counter() - t0:.0f} s", flush=True)
+    src = image_set(os.path.join(args.dir, f"images-n{args.noise:g}"), args.count, classes=100, noise=args.noise,
+                    quality=92)
     jpeg, raw = os.path.join(args.dir, f"jpeg-n{args.noise:g}.gds"), os.path.join(args.dir, f"raw-n{args.noise:g}.gds")
     for root, options in ((jpeg, None), (raw, gdsdata.PackOptions(codec="raw", raw_size=256))):
         if not os.path.exists(os.path.join(root, "index.gdsi")):

@@ -44,19 +44,21 @@ def _store(out, n, idx, area, c, value, mask, scale, shift, NCHW: tl.constexpr, 
 
 
 @triton.jit
+def _image(meta, n):
+    """Image ``n``'s row of ``meta``: offset, width, channels, crop top, left, height, width, flip."""
+    row = meta + n * 9
+    return (tl.load(row + 0), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), tl.load(row + 5),
+            tl.load(row + 6).to(tl.float32), tl.load(row + 7).to(tl.float32), tl.load(row + 8))
+
+
+@triton.jit
 def _bilinear(src, meta, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
               NCHW: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.program_id(0)
     pid = tl.program_id(1)
-    row_meta = meta + n * 9
-    off = tl.load(row_meta + 0)
-    width = tl.load(row_meta + 2)
-    chans = tl.load(row_meta + 3)
-    top = tl.load(row_meta + 4).to(tl.float32)
-    left = tl.load(row_meta + 5).to(tl.float32)
-    crop_h = tl.load(row_meta + 6).to(tl.float32)
-    crop_w = tl.load(row_meta + 7).to(tl.float32)
-    flip = tl.load(row_meta + 8)
+    off, width, chans, top, left, crop_h, crop_w, flip = _image(meta, n)
+    top = top.to(tl.float32)
+    left = left.to(tl.float32)
     area = out_h * out_w
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < area
@@ -110,15 +112,7 @@ def _antialiased(src, meta, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
                  NCHW: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.program_id(0)
     pid = tl.program_id(1)
-    row_meta = meta + n * 9
-    off = tl.load(row_meta + 0)
-    width = tl.load(row_meta + 2)
-    chans = tl.load(row_meta + 3)
-    top = tl.load(row_meta + 4)
-    left = tl.load(row_meta + 5)
-    crop_h = tl.load(row_meta + 6).to(tl.float32)
-    crop_w = tl.load(row_meta + 7).to(tl.float32)
-    flip = tl.load(row_meta + 8)
+    off, width, chans, top, left, crop_h, crop_w, flip = _image(meta, n)
     area = out_h * out_w
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < area

@@ -1,5 +1,7 @@
 """Batched transforms on the CPU: torchvision's parameter semantics, determinism, exact resampling."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -108,3 +110,40 @@ def test_invalid_options_are_refused():
         gdsdata.RandomResizedCrop(224, antialias="yes")
     with pytest.raises(ValueError, match="seed"):
         gdsdata.RandomResizedCrop(224, seed=-1)
+
+
+def test_the_gpu_kernels_compute_what_the_cpu_path_does(tmp_path):
+    """The Triton kernels (plain and antialiased bilinear) run in Triton's interpreter on the CPU:
+    within one level of the CPU path, which rounds to uint8 before normalising."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = tmp_path / "kernels.py"
+    script.write_text(f"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
+import numpy as np, torch, gdsdata
+from gdsdata import transforms as T
+from gdsdata.transforms_triton import resample
+rng = np.random.default_rng(1)
+images = [rng.integers(0, 256, s, dtype=np.uint8) for s in ((61, 90, 3), (120, 47, 3), (33, 33, 1))]
+buffer = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))
+offsets = np.cumsum([0] + [im.size for im in images[:-1]])
+h, w, c = ([im.shape[k] for im in images] for k in range(3))
+for aa in (True, False):
+    for size in (24, (20, 36)):
+        t = gdsdata.RandomResizedCrop(size, seed=2, dtype="float32", antialias=aa, mean=None, std=None)
+        p = t.params(h, w, [0, 1, 2])
+        ref = T.apply(t, buffer, offsets, h, w, c, p)
+        meta = torch.from_numpy(np.stack([offsets, h, w, c, p.top, p.left, p.height, p.width,
+                                          p.flip.astype(np.int64)], 1).astype(np.int64))
+        out = torch.full((3, 3, *t.output_size), float("nan"))
+        resample(buffer, meta, out, t.output_size, (1.0,) * 3, (0.0,) * 3, True, aa)
+        assert not out.isnan().any()
+        assert (out - ref).abs().max() <= 1.0, (aa, size, (out - ref).abs().max())
+print("ok")
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
