@@ -201,3 +201,22 @@ def test_a_missing_bucket_is_one_line(s3, tmp_path):
     from gdsdata.cli import main
 
     assert main(["pack", "s3://no-such-bucket/train", str(tmp_path / "ds"), "-q"]) == 1
+
+
+def test_an_lmdb_on_s3_is_fetched_and_packs_as_from_disk(source, s3, tmp_path):
+    pytest.importorskip("lmdb")
+    import boto3
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_lmdb import build
+
+    src, _ = source
+    local = str(tmp_path / "images.lmdb")
+    build(src, local)
+    client = boto3.client("s3")
+    for name in os.listdir(local):
+        client.upload_file(os.path.join(local, name), "images", f"lmdb/images.lmdb/{name}")
+    from_s3, from_disk = str(tmp_path / "a"), str(tmp_path / "b")
+    pack("s3://images/lmdb/images.lmdb", from_s3, workers=1)
+    pack(local, from_disk, workers=1)
+    same_dataset(from_s3, from_disk)
