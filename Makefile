@@ -21,6 +21,7 @@ demo: $(VENV)/.installed
 	$(PY) bench/demo.py
 
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check gdsdata bench tests tools examples
 	$(PY) -m pytest -q
 
 test-gpu: $(VENV)/.installed

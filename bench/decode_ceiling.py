@@ -203,7 +203,7 @@ def main():
                 alone = [measured(lambda job=job: run_jobs([job])) for job in (("hardware", engines),
                                                                                  (backend, sms))]
                 print(f"hardware {256 - share} alone {alone[0]}; {backend} {share} alone {alone[1]}", flush=True)
-                together = measured(lambda: run_jobs([("hardware", engines), (backend, sms)]))
+                together = measured(lambda e=engines, s=sms, b=backend: run_jobs([("hardware", e), (b, s)]))
                 print(f"hardware {256 - share} + {backend} {share} of each batch, at once {together}", flush=True)
         del on_gpu
     del held

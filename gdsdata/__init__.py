@@ -18,7 +18,8 @@ from .errors import (  # noqa: E402
 
 __all__ = [
     "BadImageError", "BusyError", "CorruptSampleError", "FormatError", "GDSDataset", "GdsDataError",
-    "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "StallError", "pack", "settings",
+    "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "StallError", "pack",
+    "settings",
     "RandomResizedCrop", "CenterCrop", "PixelBatch", "collate",
 ]
 _LAZY = {  # name -> module; torch is imported only when these are used, so `gdsdata pack` starts fast

@@ -590,7 +590,7 @@ class _Prefetcher:
                 if error is not None:
                     log.error("%s", error)
                     self.close()
-                    raise error
+                    raise error from None
         if kind == "end":
             self.epoch += 1
             self._tell_loader(finished_epoch=True, prefetcher=self)

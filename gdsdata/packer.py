@@ -12,7 +12,6 @@ part of the source, with labels from the full class list, for ``merge.merge`` to
 """
 
 import datetime
-import errno
 import itertools
 import json
 import logging

@@ -70,9 +70,9 @@ class FolderSource:
             before, unreadable = len(self.items), len(self.unreadable)
             self._walk(os.path.join(src, name), label, seen)
             if len(self.items) == before and not allow_empty and len(self.unreadable) == unreadable:
-                raise SourceError(f"{display(os.path.join(src, name))}: class folder with no image files (torchvision's "
-                                  f"ImageFolder refuses such a tree; pass --allow-empty-classes to keep it as a class "
-                                  f"without samples)")
+                raise SourceError(f"{display(os.path.join(src, name))}: class folder with no image files "
+                                  f"(torchvision's ImageFolder refuses such a tree; pass --allow-empty-classes to keep "
+                                  f"it as a class without samples)")
         if strict and self.unreadable:
             raise SourceError(f"{self.unreadable[0]['path']}: {self.unreadable[0]['reason']} (--strict)")
         if not self.items:
@@ -138,7 +138,8 @@ class LmdbSource:
         try:
             import lmdb
         except ImportError:
-            raise SourceError(f"{display(src)}: an LMDB; packing it needs the lmdb package (pip install lmdb)") from None
+            raise SourceError(f"{display(src)}: an LMDB; packing it needs the lmdb package "
+                              f"(pip install lmdb)") from None
 
         self.root = src
         try:

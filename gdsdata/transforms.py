@@ -281,6 +281,24 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
     return out if nchw else out.permute(0, 2, 3, 1).contiguous()
 
 
+_TRITON = None
+
+
+def _triton_ready() -> bool:
+    """Whether the GPU kernel can run (Triton importable); looked up once."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+
+            from . import transforms_triton  # noqa: F401
+
+            _TRITON = True
+        except ImportError:
+            _TRITON = False
+    return _TRITON
+
+
 def _resample_triton(buffer, meta, out, size, scale, shift, nchw, antialias):
     from .transforms_triton import resample
 

@@ -6,7 +6,6 @@ the heaviest repeat more under ``-m slow``."""
 import json
 import os
 import random
-import resource
 import signal
 import struct
 import subprocess
@@ -14,15 +13,12 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
-import torch
 from conftest import jpeg_bytes, photo, write_photos
 
 import gdsdata
 from gdsdata import format as fmt
-from gdsdata.errors import (BusyError, CorruptSampleError, FormatError, GdsDataError, OutputExistsError,
-                            SourceError)
+from gdsdata.errors import (BusyError, CorruptSampleError, FormatError, GdsDataError, SourceError)
 from gdsdata.index import load
 from gdsdata.merge import merge
 from gdsdata.packer import pack

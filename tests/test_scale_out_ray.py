@@ -10,9 +10,8 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
-from conftest import jpeg_bytes, photo, write_photos
+from conftest import write_photos
 
 from gdsdata import format as fmt
 from gdsdata.index import load
