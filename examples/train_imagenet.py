@@ -38,8 +38,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", help="path to write every --checkpoint-every steps and resume from")
     parser.add_argument("--checkpoint-every", type=int, default=1000, help="steps")
-    parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all epochs)")
-    parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--max-steps", type=int, default=0,
+                        help="stop once this many steps are done in all, resumed ones included (0: all epochs)")
+    parser.add_argument("--log-every", type=int, default=100, help="print a line every this many steps")
     return parser.parse_args(argv)
 
 
@@ -146,6 +147,9 @@ def main(argv=None):
                 print(f"epoch {epoch}: validation top-1 {top1 * 100:.2f} %", flush=True)
     if args.checkpoint:
         save(args.checkpoint, model, optimizer, train, step, rank)
+    if rank == 0:
+        print(f"stopped at step {step}/{total_steps} (epoch {train.epoch})" +
+              (f", checkpoint {args.checkpoint}" if args.checkpoint else ""), flush=True)
     train.close()
     if world > 1:
         dist.destroy_process_group()

@@ -2,6 +2,9 @@
 
 import sys
 
-from .cli import main
-
-sys.exit(main())
+try:
+    from .cli import run
+except KeyboardInterrupt:  # Ctrl-C before the command's own handler is in place (while starting)
+    print("gdsdata: interrupted while starting; nothing was written", file=sys.stderr)
+    sys.exit(130)
+run()

@@ -270,6 +270,18 @@ def main(argv=None):
     return 1
 
 
+def run():
+    """The ``gdsdata`` command itself: ``main``, then the exit. After Ctrl-C the process ends at once
+    (everything is written and closed by then): waiting at exit for the pool's helper threads, which
+    a killed worker can leave blocked on a pipe, could hang."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 def _left_behind(args) -> str:
     """What an interrupted pack or merge left in OUT, in a few words."""
     out = getattr(args, "out", None)
@@ -290,4 +302,4 @@ def _left_behind(args) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

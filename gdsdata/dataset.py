@@ -177,8 +177,8 @@ class GDSDataset(torch.utils.data.Dataset):
 
     def _check(self, i):
         if isinstance(i, slice):
-            raise TypeError("GDSDataset takes one sample index, not a slice; for a range of samples use "
-                            "ds.__getitems__(range(...)) or a torch Subset")
+            raise TypeError("GDSDataset takes one sample index, not a slice (as torch datasets do); for a range "
+                            "use [ds[i] for i in range(...)] or torch.utils.data.Subset(ds, range(...))")
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) and not (
                 isinstance(i, torch.Tensor) and i.ndim == 0 and not i.is_floating_point()):
             raise TypeError(f"sample index must be an integer, got {i!r} ({type(i).__name__})")

@@ -105,7 +105,8 @@ def load(root) -> Index:
         raise FormatError(f"{root}: no such dataset folder")
     if not os.path.exists(path):
         hint = (" (an unfinished pack: finish it with --resume, or pack again with --overwrite)"
-                if any(n.endswith(fmt.TMP_SUFFIX) or n.endswith(".gds") for n in os.listdir(root)) else "")
+                if any(n.endswith(fmt.TMP_SUFFIX) or n.endswith(".gds") for n in os.listdir(root))
+                else " (an image folder? pack it first: gdsdata pack SRC OUT)")
         raise FormatError(f"{path}: no index, so {root} is not a finished gdsdata dataset{hint}")
     with open(path, "rb") as f:
         raw = f.read()

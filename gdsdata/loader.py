@@ -16,6 +16,7 @@ by that stream. Breaking out of the loop, an exception, or ``close()`` stops the
 their buffers.
 """
 
+import atexit
 import hashlib
 import logging
 import queue
@@ -511,6 +512,24 @@ def _stage(step, work, dataset, in_q, out_q, stop, stream, device, stats, activi
         _put(out_q, stop, ("error", e, None, None, None))
 
 
+_LIVE = weakref.WeakSet()  # passes whose threads may be running
+_EXIT_GRACE_S = 5.0
+
+
+def _close_at_exit():
+    """Stop every Loader pass before the interpreter finalises: a daemon thread still inside a torch
+    call when Python tears itself down makes torch call std::terminate (exit status 134). Bounded: a
+    thread stuck in a call is left behind after a few seconds."""
+    for active in list(_LIVE):
+        try:
+            active.close(grace=_EXIT_GRACE_S)
+        except Exception:  # noqa: BLE001 - at exit, nothing more to do
+            pass
+
+
+atexit.register(_close_at_exit)
+
+
 class _Prefetcher:
     """The iterator of a pass: an I/O thread, a decode thread and a transform thread filling bounded
     queues, and clean shutdown. At the end of an epoch it stops iterating but its threads read on into the next
@@ -553,6 +572,7 @@ class _Prefetcher:
         register = getattr(loader.dataset, "register_pass", None)  # GDSDataset.close() stops its passes
         if register is not None:
             register(self)
+        _LIVE.add(self)
         for thread in self.threads:
             thread.start()
 
@@ -616,16 +636,17 @@ class _Prefetcher:
         self._tell_loader(finished_epoch=False, replaced=replaced)
         return images, labels
 
-    def close(self, reason=None):
-        """Stop the threads; with ``reason`` (the dataset was closed under the loop) the next
-        ``next()`` raises instead of ending the epoch quietly."""
+    def close(self, reason=None, grace=None):
+        """Stop the threads, waiting for them at most ``grace`` seconds (default: the stall_timeout
+        setting); with ``reason`` (the dataset was closed under the loop) the next ``next()`` raises
+        instead of ending the epoch quietly."""
         if self.threads is None:
             return
         self.closed_by = reason
         self.stop.set()
         self._release_held()
         me = threading.current_thread()  # the garbage collector may run this in a prefetch thread
-        deadline = time.monotonic() + settings.get("stall_timeout")
+        deadline = time.monotonic() + (settings.get("stall_timeout") if grace is None else grace)
         while True:  # drain while the threads wind down: a thread may wait for a slot or a place
             self._drain()
             alive = [t for t in self.threads if t.is_alive() and t is not me]

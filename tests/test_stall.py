@@ -76,3 +76,27 @@ def test_stall_timeout_setting_is_validated():
     for bad in (0, -1, "soon"):
         with pytest.raises(ValueError, match="stall_timeout"):
             gdsdata.settings.set(stall_timeout=bad)
+
+
+def test_a_script_that_never_closes_its_loader_exits_cleanly(photos_dataset, tmp_path):
+    """The Loader reads on into the next epoch; at exit its threads are stopped before the
+    interpreter finalises (a daemon thread inside a torch call then made torch abort: exit 134)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+import torch, gdsdata
+ds = gdsdata.GDSDataset({photos_dataset[2]!r})
+loader = gdsdata.Loader(ds, 8, shuffle=True, transform=gdsdata.RandomResizedCrop(32))
+model = torch.nn.Conv2d(3, 4, 3)
+for epoch in range(2):
+    for images, labels in loader:
+        model(images).sum().backward()
+print("done")
+""")
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
+    for _ in range(6):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0 and "done" in done.stdout, (done.returncode, done.stderr[-2000:])
