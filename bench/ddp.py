@@ -98,7 +98,7 @@ def train(args):
         aggregate = sum(e["images"] for e in timed) / sum(e["seconds"] for e in timed)
         print(json.dumps({"aggregate_images_per_s_after_epoch_0": aggregate}), flush=True)
         result = {"world_size": world, "gpu": torch.cuda.get_device_name(device), "epochs": epochs,
-                  "aggregate_images_per_s": aggregate, "io": ds._backend.describe(),
+                  "aggregate_images_per_s": aggregate, "io": ds.load_path.describe(),
                   "torch_threads_per_rank": torch.get_num_threads()}
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

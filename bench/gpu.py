@@ -30,7 +30,6 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import peers  # noqa: E402
-from decode_ceiling import staged_batches  # noqa: E402
 from common import (kvikio_pread_epoch, loader_epoch, measure, print_system_block, print_table,  # noqa: E402
                     shard_paths, system_block, warm, write_json)
 from make_images import generate  # noqa: E402
@@ -54,6 +53,28 @@ def drop_caches() -> bool:
 
 
 # --- ceilings ---------------------------------------------------------------------------------
+def staged_batches(ds, batch, device_bitstreams):
+    """Every payload of the CPU dataset ``ds`` read once into pinned memory (and copied to the GPU
+    for the device-bitstream backends), cut into batches with their output arenas allocated."""
+    import numpy as np
+
+    samples = ds.index.samples
+    buffer, plan = ds._backend.reader.read(list(range(len(samples))))
+    host = torch.from_numpy(buffer).pin_memory()
+    staged = host.cuda() if device_bitstreams else host
+    sizes = samples["height"].astype(np.int64) * samples["width"].astype(np.int64) * 3
+    out = []
+    for start in range(0, len(samples), batch):
+        k = slice(start, min(start + batch, len(samples)))
+        offsets = np.zeros(len(sizes[k]), np.int64)
+        np.cumsum(sizes[k][:-1], out=offsets[1:])
+        pixels = torch.empty(int(sizes[k].sum()), dtype=torch.uint8, device="cuda")
+        out.append(((staged.data_ptr() + plan.sample_offsets[k]).tolist(), plan.sample_lengths[k].tolist(),
+                    (pixels.data_ptr() + offsets).tolist(), (samples["width"][k].astype(np.int64) * 3).tolist(),
+                    pixels))
+    return staged, out
+
+
 def nvjpeg_ceiling_epoch(ds, backend):
     """A minimal batched nvJPEG loop over every payload of ``ds`` staged once, in batches of 256.
     ``epoch.close`` destroys its decoder and lets go of the staged bytes: no second nvJPEG handle
@@ -158,8 +179,8 @@ def main(argv=None):
     raw = None if "raw" in skip else gdsdata.GDSDataset(raw_dir, device="cuda")
     n, payload = len(jpeg), int(jpeg.index.samples["length"].sum())
     raw_payload = 0 if raw is None else int(raw.index.samples["length"].sum())
-    notes["gdsdata auto path"] = jpeg._backend.describe()
-    print(f"\ngdsdata auto path: {jpeg._backend.describe()}")
+    notes["gdsdata auto path"] = jpeg.load_path.describe()
+    print(f"\ngdsdata auto path: {jpeg.load_path.describe()}")
     warm(shard_paths(jpeg) + ([] if raw is None else shard_paths(raw)))
 
     def run(name, fn, images, nbytes=0, runs=args.runs, warmup=1):
@@ -207,7 +228,7 @@ def main(argv=None):
             with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
                               gather_pool=pool):
                 ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
-                tag = f"{ds._backend.describe()} io_threads={io_threads}" + gather_tag(ds, pool) + note
+                tag = f"{ds.load_path.describe()} io_threads={io_threads}" + gather_tag(ds, pool) + note
                 run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
                 run(f"gdsdata train batches [{tag}]", loader_epoch(ds, rrc), n, payload)
                 ds.close()

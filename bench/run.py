@@ -126,7 +126,7 @@ def main(argv=None):
         for staging, backend in (("auto", "auto"), ("device", "hardware_device")):
             with settings.set(staging=staging, decode_backend=backend):
                 ds = gdsdata.GDSDataset(os.path.join(work, "jpeg.gds"), device="cuda")
-                run(f"gdsdata GPU [{ds._backend.describe()}]", lambda ds=ds: gdsdata_epoch(ds, batch, gpu_rrc, cold))
+                run(f"gdsdata GPU [{ds.load_path.describe()}]", lambda ds=ds: gdsdata_epoch(ds, batch, gpu_rrc, cold))
                 ds.close()
     if wanted("gdsdata-cpu"):
         ds = gdsdata.GDSDataset(os.path.join(work, "jpeg.gds"))

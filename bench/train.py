@@ -110,7 +110,7 @@ def _gdsdata(root):
         state["epoch"] += 1
         yield from loader
 
-    epoch.path = ds.path.describe() if hasattr(ds, "path") else ds._backend.describe()
+    epoch.path = ds.path.describe() if hasattr(ds, "path") else ds.load_path.describe()
     epoch.stats = loader.stats
     return epoch
 

@@ -10,6 +10,7 @@ from .errors import (  # noqa: E402
     CorruptSampleError,
     FormatError,
     GdsDataError,
+    GpuError,
     GpuUnavailableError,
     OutputExistsError,
     SourceError,
@@ -18,13 +19,14 @@ from .errors import (  # noqa: E402
 
 __all__ = [
     "BadImageError", "BusyError", "CorruptSampleError", "FormatError", "GDSDataset", "GdsDataError",
-    "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "StallError", "pack",
-    "settings",
-    "RandomResizedCrop", "CenterCrop", "PixelBatch", "collate",
+    "GpuError", "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "StallError",
+    "pack", "settings",
+    "RandomResizedCrop", "CenterCrop", "PixelBatch", "collate", "LoadPath",
 ]
 _LAZY = {  # name -> module; torch is imported only when these are used, so `gdsdata pack` starts fast
     "GDSDataset": "dataset", "Loader": "loader", "pack": "packer", "PackOptions": "normalize",
     "RandomResizedCrop": "transforms", "CenterCrop": "transforms", "PixelBatch": "batch", "collate": "batch",
+    "LoadPath": "load_path",
 }
 
 

@@ -3,8 +3,8 @@
 Choosing the path (``gdsdata doctor`` shows the choice):
 - GPUDirect Storage available: bitstreams go storage -> GPU staging -> nvJPEG HARDWARE_DEVICE, no
   host copy at all.
-- kvikio compatibility mode (no GDS): pinned host staging and nvJPEG HARDWARE; on our H200 this
-  decoded 10-16 % faster than the device-bitstream path, which in compat mode only adds a copy.
+- kvikio compatibility mode (no GDS): pinned host staging and nvJPEG HARDWARE (the device-bitstream
+  path would only add a copy there).
 - A GPU without JPEG engines: the CUDA (GPU_HYBRID) backends instead.
 ``GDSDATA_STAGING`` and ``GDSDATA_DECODE_BACKEND`` override either choice.
 """
@@ -17,6 +17,7 @@ import torch
 from . import settings, stall
 from .batch import PixelBatch, Staged
 from .decode_gpu import GpuDecoder
+from .load_path import LoadPath
 from .errors import GpuUnavailableError
 from .plan import plan_reads
 from .reader_gpu import GpuReader, SlotPool, choose_engine, mapped_suits
@@ -42,8 +43,7 @@ def _has_hardware_decoder(device_index: int) -> bool:
 def choose_path(gds: bool, prefer_mapped: bool = False):
     """(staging, nvJPEG backend) from the settings and what the machine has. In compatibility mode
     JPEG datasets stage in pinned host memory; raw datasets that fit in memory stage on the GPU,
-    copied there by the ``mapped`` engine (``prefer_mapped``; on the H200, shuffled raw batches
-    ran at 163.7k images/s that way against 70.0k through pinned host staging)."""
+    copied there by the ``mapped`` engine (``prefer_mapped``)."""
     staging, backend = settings.get("staging"), settings.get("decode_backend")
     if backend != "auto":
         wanted = "device" if backend.endswith("_device") else "host"
@@ -91,8 +91,11 @@ class GpuBackend:
     def engine(self) -> str:
         return self.reader.engine
 
-    def describe(self) -> str:
-        return f"io={self.io_mode} reads={self.engine} staging={self.staging_kind} nvjpeg={self.backend}"
+    @property
+    def load_path(self) -> LoadPath:
+        return LoadPath(str(self.device), self.io_mode, self.io_reason, self.engine, self.staging_kind,
+                        f"nvJPEG {self.backend}", "all" if self.verify == "always" else
+                        "host-staged" if self.verify else "none")
 
     def read(self, indices) -> Staged:
         """Storage -> staging: plan and issue the batch's reads, and prepare its decode on the host

@@ -48,22 +48,6 @@ class PixelBatch:
             self.release_fn(stream)
             self.release_fn = None
 
-    def uniform_view(self):
-        """The whole batch as one N x H x W x 3 strided view of the buffer, when the samples are
-        equal-sized, 3-channel and evenly spaced (raw samples read in file order); else None."""
-        n = len(self)
-        if n == 0 or not (np.all(self.heights == self.heights[0]) and np.all(self.widths == self.widths[0])
-                          and np.all(self.channels == 3)):
-            return None
-        steps = np.diff(self.offsets)
-        if n > 1 and not np.all(steps == steps[0]):
-            return None
-        h, w = int(self.heights[0]), int(self.widths[0])
-        step = int(steps[0]) if n > 1 else h * w * 3
-        if step < h * w * 3:
-            return None
-        return self.buffer.as_strided((n, h, w, 3), (step, w * 3, 3, 1), int(self.offsets[0]))
-
 
 @dataclass
 class Staged:

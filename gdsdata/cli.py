@@ -147,6 +147,14 @@ def _cmd_doctor(args):
     from .doctor import report
 
     info = report()
+    if args.dataset:
+        from dataclasses import asdict
+
+        from .dataset import GDSDataset
+
+        with GDSDataset(args.dataset, device=args.device) as ds:
+            info["dataset"] = args.dataset
+            info.update({f"  {k.replace('_', ' ')}": v for k, v in asdict(ds.load_path).items()})
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -244,7 +252,10 @@ def build_parser():
     p = sub.add_parser("doctor", help="show GPU, driver, kvikio/GDS and nvJPEG status",
                        description="Show what this machine gives the GPU path: the GPU and driver, torch and "
                        "kvikio, whether cuFile runs GPUDirect Storage or compatibility mode (and why), nvJPEG and "
-                       "its hardware engines, and the settings in effect.")
+                       "its hardware engines, and the settings in effect; with DATASET, the path its samples take "
+                       "on DEVICE.")
+    p.add_argument("dataset", nargs="?", help="a packed dataset: show how it loads")
+    p.add_argument("--device", default="cuda", help="for DATASET: cpu or cuda (default)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_cmd_doctor)
     return parser

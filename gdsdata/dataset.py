@@ -20,6 +20,7 @@ from . import settings, stall
 from .decode_cpu import check_crc, cpu_pool, decode
 from .batch import PixelBatch, Staged
 from .errors import CorruptSampleError
+from .load_path import LoadPath
 from .reader_cpu import CpuReader
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,11 @@ class _CpuBackend:
         self.index = index
         self.reader = CpuReader(index)
         self.verify = verify
+
+    @property
+    def load_path(self) -> LoadPath:
+        return LoadPath("cpu", "cpu", "the CPU path", "preadv", "host", "libjpeg-turbo",
+                        "all" if self.verify else "none")
 
     def read(self, indices) -> Staged:
         buffer, plan = self.reader.read(indices)
@@ -161,6 +167,11 @@ class GDSDataset(torch.utils.data.Dataset):
     def labels(self) -> np.ndarray:
         """Every sample's label as an int64 array (read-only)."""
         return self._labels
+
+    @property
+    def load_path(self):
+        """How this dataset's samples travel from storage to pixels, and why (a ``LoadPath``)."""
+        return self._backend.load_path
 
     @property
     def fingerprint(self) -> str:

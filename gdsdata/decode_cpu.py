@@ -1,7 +1,7 @@
 """Staging buffer -> RGB pixels on the CPU path.
 
-JPEGs are decoded with simplejpeg (libjpeg-turbo, releases the GIL): on our 2-core machine it
-decoded 1.4x as many images per second as PIL and gave identical pixels (docs/benchmarks.md).
+JPEGs are decoded with simplejpeg (libjpeg-turbo, releases the GIL): faster than PIL, with
+identical pixels (docs/design.md).
 """
 
 import os

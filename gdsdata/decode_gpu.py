@@ -43,8 +43,8 @@ class DecodeJob:
 
 class _SharedDecoder:
     """The process's one nvJPEG decoder for a GPU and backend, shared by every dataset on it: the
-    hardware engines take one handle (on the H200 a second handle or state decoding at the same
-    time failed with NVJPEG_STATUS_ALLOCATOR_FAILURE or hung). Any thread may decode (two datasets,
+    hardware engines take one handle (a second handle or state decoding at the same time fails or
+    hangs: docs/design.md). Any thread may decode (two datasets,
     two Loaders over one dataset, ``__getitems__`` beside a Loader): calls take turns under
     ``lock``, and a call on another stream waits on the GPU for the previous one, whose work still
     uses the state's buffers. Destroyed when the last dataset using it closes."""

@@ -26,7 +26,11 @@ class BadImageError(GdsDataError):
 
 
 class GpuUnavailableError(GdsDataError):
-    """The GPU path was asked for but CUDA, kvikio, cupy or nvJPEG is missing."""
+    """The GPU path was asked for but CUDA, kvikio, cupy or nvJPEG is missing (an install matter)."""
+
+
+class GpuError(GdsDataError):
+    """A CUDA or nvJPEG call failed while running (``NvjpegError`` is one)."""
 
 
 class StallError(GdsDataError):

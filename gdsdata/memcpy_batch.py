@@ -3,9 +3,8 @@ CUDA 12.8 and later), through ctypes over ``libcuda.so.1``.
 
 The ``mapped`` engine moves a batch's reads from registered page-cache pages into GPU staging with
 one such call per batch: the copy engines take every read (no SM and no CPU core copies a byte) and
-the call returns at once. On the H200, shuffled batches of 256 raw samples (257 KB each) moved at
-53.4 GB/s queued back to back, where one ``cudaMemcpyAsync`` per read reached 23.4 GB/s and the SMs'
-page gather 47.7 GB/s (``bench/io_paths.py``, docs/benchmarks.md, 2026-11-30 morning).
+the call returns at once (faster than a ``cudaMemcpyAsync`` per read or the SMs' page gather for
+shuffled batches: docs/benchmarks.md).
 
 CUDA 13 drivers export ``cuMemcpyBatchAsync_v2``; CUDA 12.8 and 12.9 drivers export
 ``cuMemcpyBatchAsync``, which takes a failure index before the stream. Both are bound.
@@ -17,7 +16,7 @@ import threading
 
 import numpy as np
 
-from .errors import GpuUnavailableError
+from .errors import GpuError, GpuUnavailableError
 
 _ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # CUmemLocationType
@@ -64,7 +63,7 @@ def _check(lib, call, status):
     if status != 0:
         name = ctypes.c_char_p()
         lib.cuGetErrorName(status, ctypes.byref(name))
-        raise GpuUnavailableError(f"{call} failed: {(name.value or b'CUDA error').decode()} ({status})")
+        raise GpuError(f"{call} failed: {(name.value or b'CUDA error').decode()} ({status})")
 
 
 class BatchCopy:

@@ -8,9 +8,6 @@ Only what the batched flow needs is bound:
     nvjpegCreateEx -> nvjpegJpegStateCreate -> nvjpegDecodeBatchedInitialize (per batch size)
     -> nvjpegDecodeBatched(handle, state, data[], lengths[], images[], stream)
 
-and decoding a window of each image (``rois``: the hardware backend only; ``nvjpegDecodeParams*``,
-``nvjpegDecodeBatchedEx``; a probe of bench/decode_ceiling.py).
-
 Every status is checked and turned into ``NvjpegError`` with nvJPEG's name for it.
 """
 
@@ -23,11 +20,11 @@ import threading
 import numpy as np
 
 from . import stall
-from .errors import GpuUnavailableError
+from .errors import GpuError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = {"default": 0, "gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
+BACKENDS = {"gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
 DEVICE_BITSTREAM_BACKENDS = {"gpu_hybrid_device", "hardware_device"}
 OUTPUT_RGBI = 5
 # nvjpegCreateEx flags (nvjpeg.h):
@@ -57,7 +54,9 @@ _INSTALL_HINT = ("install nvJPEG: pip install nvidia-nvjpeg (CUDA 13) or nvidia-
                  "or gdsdata[cu13] / gdsdata[cu12]; GDSDATA_NVJPEG_LIBRARY may name the library file")
 
 
-class NvjpegError(RuntimeError):
+class NvjpegError(GpuError):
+    """An nvJPEG call returned a failure status."""
+
     def __init__(self, call, status):
         self.status = status
         super().__init__(f"{call} failed: NVJPEG_STATUS_{_STATUS.get(status, status)}")
@@ -101,21 +100,9 @@ def _bind(lib):
         "nvjpegGetHardwareDecoderInfo": (c.c_void_p, c.POINTER(c.c_uint), c.POINTER(c.c_uint)),
         "nvjpegDecodeBatchedInitialize": (c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int),
         "nvjpegDecodeBatched": (c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p),
-        "nvjpegSetDeviceMemoryPadding": (c.c_size_t, c.c_void_p),
-        "nvjpegSetPinnedMemoryPadding": (c.c_size_t, c.c_void_p),
     }
-    optional = {  # windows (ROI) of a batch; older libraries may lack them
-        "nvjpegDecodeParamsCreate": (c.c_void_p, handle_p),
-        "nvjpegDecodeParamsDestroy": (c.c_void_p,),
-        "nvjpegDecodeParamsSetOutputFormat": (c.c_void_p, c.c_int),
-        "nvjpegDecodeParamsSetROI": (c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int),
-        "nvjpegDecodeBatchedEx": (c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
-                                  c.POINTER(c.c_void_p), c.c_void_p),
-    }
-    for name, argtypes in [*signatures.items(), *optional.items()]:
+    for name, argtypes in signatures.items():
         fn = getattr(lib, name, None)
-        if fn is None and name in optional:
-            continue
         if fn is None:
             raise AttributeError(f"{name} missing from nvJPEG")
         fn.argtypes = list(argtypes)
@@ -166,17 +153,11 @@ def image_dtype() -> np.dtype:
 
 
 class BatchedDecoder:
-    """An nvJPEG handle and a decode state for one backend; decodes batches into RGB interleaved.
-    With ``share``, another decoder's handle and a state of its own (close the sharers before the
-    decoder whose handle they use). On the H200 two HARDWARE states of one handle decoding at the
-    same time failed (NVJPEG_STATUS_ALLOCATOR_FAILURE; ``bench/decode_ceiling.py`` section states):
-    the library decodes on one state at a time."""
+    """An nvJPEG handle and a decode state for one backend; decodes batches into RGB interleaved."""
 
-    def __init__(self, backend: str, share: "BatchedDecoder" = None):
+    def __init__(self, backend: str):
         if backend not in BACKENDS:
             raise ValueError(f"nvJPEG backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if share is not None and share.backend != backend:
-            raise ValueError(f"a {backend} decoder cannot share the handle of a {share.backend} one")
         self.lib = library()
         self.backend = backend
         self.device_bitstreams = backend in DEVICE_BITSTREAM_BACKENDS
@@ -184,17 +165,11 @@ class BatchedDecoder:
         self.state = ctypes.c_void_p()
         self._image_t = image_dtype()
         self._batch = 0
-        self._params = []  # nvjpegDecodeParams_t, one per image of a windowed batch
-        self._owner = share  # the decoder whose handle this one uses, or None: its own
-        if share is not None:
-            self.handle, self.interpolated = share.handle, share.interpolated
-        else:
-            self.interpolated = self._create(backend)
+        self.interpolated = self._create(backend)
         try:
             _check("nvjpegJpegStateCreate", self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)))
         except NvjpegError:
-            if share is None:
-                self.lib.nvjpegDestroy(self.handle)
+            self.lib.nvjpegDestroy(self.handle)
             raise
 
     def _create(self, backend) -> bool:
@@ -224,11 +199,9 @@ class BatchedDecoder:
                self.lib.nvjpegGetHardwareDecoderInfo(self.handle, ctypes.byref(engines), ctypes.byref(cores)))
         return engines.value, cores.value
 
-    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int, rois=None):
+    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int):
         """Decode ``len(data_ptrs)`` bitstreams (host or device pointers, per the backend) into the
-        RGB interleaved buffers at ``out_ptrs`` (row pitch ``pitches``), on CUDA ``stream``. With
-        ``rois`` (one ``(x, y, width, height)`` per image), only that window of each image, into
-        buffers of the window's size (``nvjpegDecodeBatchedEx``; the hardware backend)."""
+        RGB interleaved buffers at ``out_ptrs`` (row pitch ``pitches``), on CUDA ``stream``."""
         n = len(data_ptrs)
         if n != self._batch:
             _check("nvjpegDecodeBatchedInitialize",
@@ -240,41 +213,20 @@ class BatchedDecoder:
         images = np.zeros(n, self._image_t)
         images["channel"][:, 0] = out_ptrs
         images["pitch"][:, 0] = pitches
-        args = (self.handle, self.state, data.ctypes.data, sizes.ctypes.data, images.ctypes.data)
-        if rois is None:
-            call = "nvjpegDecodeBatched"
-            with stall.native(call):
-                status = self.lib.nvjpegDecodeBatched(*args, ctypes.c_void_p(stream))
-        else:
-            call = "nvjpegDecodeBatchedEx"
-            params = self._decode_params(n)
-            for k, (x, y, w, h) in enumerate(rois):
-                _check("nvjpegDecodeParamsSetROI", self.lib.nvjpegDecodeParamsSetROI(params[k], x, y, w, h))
-            status = self.lib.nvjpegDecodeBatchedEx(*args, params, ctypes.c_void_p(stream))
+        with stall.native("nvjpegDecodeBatched"):
+            status = self.lib.nvjpegDecodeBatched(self.handle, self.state, data.ctypes.data, sizes.ctypes.data,
+                                                  images.ctypes.data, ctypes.c_void_p(stream))
         if status != 0:
             self._batch = 0  # nvJPEG asks for a re-initialisation after a failed batch
-            raise NvjpegError(call, status)
-
-    def _decode_params(self, n):
-        if getattr(self.lib, "nvjpegDecodeBatchedEx", None) is None:
-            raise GpuUnavailableError(f"this nvJPEG ({self.lib.path}) cannot decode windows of a batch")
-        while len(self._params) < n:
-            params = ctypes.c_void_p()
-            _check("nvjpegDecodeParamsCreate", self.lib.nvjpegDecodeParamsCreate(self.handle, ctypes.byref(params)))
-            self._params.append(params)
-            _check("nvjpegDecodeParamsSetOutputFormat", self.lib.nvjpegDecodeParamsSetOutputFormat(params, OUTPUT_RGBI))
-        return (ctypes.c_void_p * n)(*[p.value for p in self._params[:n]])
+            raise NvjpegError("nvjpegDecodeBatched", status)
 
     def close(self):
-        for params in self._params:
-            self.lib.nvjpegDecodeParamsDestroy(params)
-        self._params = []
         if self.state:
             self.lib.nvjpegJpegStateDestroy(self.state)
             self.state = ctypes.c_void_p()
-        if self.handle and self._owner is None:
+        if self.handle:
             self.lib.nvjpegDestroy(self.handle)
-        self.handle, self._owner = ctypes.c_void_p(), None
+        self.handle = ctypes.c_void_p()
 
     def __del__(self):
         try:

@@ -19,20 +19,14 @@ I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
   waiting), or, with drivers older than CUDA 12.8, its SMs gather the pages over PCIe; no CPU core
   copies a byte.
 
-The pool is the default because of what torch's threads cost beside everything else (H200,
-docs/benchmarks.md): an OpenMP team waits for its slowest thread and spins between gathers, so
-the gather fell from 29.7 to 5.2-5.8 GB/s beside one busy thread (the pool of 8: 16.8 -> 14.0
-GB/s), and under torchrun two ranks of 16 threads reached 29.8-30.3k JPEG images/s at 0.6
-CPU-s/1k images against 39.9-41.8k at 0.10 with pools of 8. Alone, torch's team gathers faster
-(raw Loader, shuffled: 56.9k images/s against 50.9k).
+The pool is the default because an OpenMP team beside other busy threads waits for its slowest
+thread and spins between gathers; torch's threads gather faster only when nothing else runs
+(docs/design.md, docs/benchmarks.md).
 
 ``auto`` in compatibility mode with pinned staging reads each batch its way (``mixed``): batches of
-many small reads (shuffled) through the page gather (raw, 257 KB samples: 59-66k images/s against
-kvikio's 44-54k), batches of a few large reads (file order) through kvikio, which splits each read
-over its threads (82-104k against 66-85k). With ``gather_pool=0`` and fewer than 8 torch threads
-everything goes through kvikio; without kvikio installed, through the page gather. Raw datasets
-that fit in half the host's memory go through ``mapped`` instead (shuffled: 163.7k images/s against
-70.0k for ``mixed``, file order 168.6k against 87.7k; docs/benchmarks.md).
+many small reads (shuffled) through the page gather, batches of a few large reads (file order)
+through kvikio, which splits each read over its threads. Without kvikio installed, everything goes
+through the page gather. Raw datasets that fit in half the host's memory go through ``mapped``.
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
@@ -53,7 +47,7 @@ import torch
 from . import settings, stall
 from .reader_cpu import OpenShards
 from .shards import check_opened
-from .errors import FormatError, GpuUnavailableError
+from .errors import FormatError, GpuError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
 _GROWTH = 1.25
@@ -136,7 +130,7 @@ class SlotPool:
             slot.free()
 
 
-_MMAP_MIN_THREADS = 8  # below this many torch threads the page gather lost to kvikio (6: 62k vs 67k images/s)
+_MMAP_MIN_THREADS = 8  # with gather_pool=0, fewer torch threads than this read through kvikio instead
 _KVIKIO_READ = 4 << 20  # mixed engine: batches whose reads average this much go through kvikio
 
 
@@ -373,7 +367,7 @@ class MappedShards(ShardMaps):
                     try:
                         cupy.cuda.runtime.hostRegister(ptr, nbytes, _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY)
                     except cupy.cuda.runtime.CUDARuntimeError as e:
-                        raise GpuUnavailableError(f"{self.index.shard_path(shard)}: CUDA cannot register the mapped "
+                        raise GpuError(f"{self.index.shard_path(shard)}: CUDA cannot register the mapped "
                                                   f"shard ({e}); read with GDSDATA_IO_ENGINE=mixed") from e
                     self._registered.append(ptr)
                     pointer = cupy.cuda.runtime.pointerGetAttributes(ptr).devicePointer
@@ -476,7 +470,7 @@ class GpuReader:
         if self.engine == "mapped":
             try:
                 return target, self.maps.gather(plan, target)
-            except GpuUnavailableError as e:
+            except GpuError as e:  # the shards cannot be registered: the fallback engine reads them
                 if self.fallback is None:
                     raise
                 self._fall_back(e)

@@ -34,27 +34,6 @@ def test_demo_runs(tmp_path):
     assert "gdsdata GDSDataset (cpu)" in proc.stdout and "the images/s of the standard DataLoader" in proc.stdout
 
 
-def test_loader_drift_reports_every_epoch(tmp_path):
-    """bench/loader_drift.py on the CPU path: one JSON row per epoch with its stage times. An epoch
-    holds more batches (24) than a Loader's threads keep in flight ahead of the loop (about 9), so
-    every epoch decodes some of its own batches while it is timed."""
-    from conftest import write_photos
-
-    from gdsdata.packer import pack
-
-    src = str(tmp_path / "src")
-    write_photos(src, 48, classes=2)
-    pack(src, str(tmp_path / "ds"), workers=1)
-    out = tmp_path / "drift.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "loader_drift.py"), str(tmp_path / "ds"),
-                           "--device", "cpu", "--epochs", "3", "--batch", "2", "--train", "--gc-freeze",
-                           "--throwaway", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())
-    assert [r["epoch"] for r in rows] == [0, 1, 2]
-    assert all(r["decode"] > 0 and r["objects"] > 0 and r["threads"] >= 1 for r in rows)
-
-
 def _bench_common():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import common

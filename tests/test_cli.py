@@ -112,3 +112,11 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
     assert_one_line_error(*run("pack", small_src, merged, "--resume", "-q")[::2], "already a finished dataset")
     assert_one_line_error(*run("pack", small_src, str(tmp_path / "x"), "--num-parts", "2", "--part", "2")[::2],
                           "part must be between")
+
+
+def test_doctor_shows_how_a_dataset_loads(small_src, tmp_path):
+    out = str(tmp_path / "ds")
+    assert run("pack", small_src, out, "-q")[0] == 0
+    code, printed, _ = run("doctor", out, "--device", "cpu")
+    assert code == 0
+    assert "reads: preadv" in printed and "decoder: libjpeg-turbo" in printed and "checksums: all" in printed
