@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def system_block() -> dict:
-    from gdsdata.doctor import report
+    from gdsdata.commands.doctor import report
 
     info = report()
     try:

@@ -37,7 +37,7 @@ from make_images import generate  # noqa: E402
 import gdsdata  # noqa: E402
 from gdsdata import settings  # noqa: E402
 from gdsdata import transforms as T  # noqa: E402
-from gdsdata.nvjpeg import BatchedDecoder  # noqa: E402
+from gdsdata._native.nvjpeg import BatchedDecoder  # noqa: E402
 
 BATCH = 256
 

@@ -48,7 +48,7 @@ def main(argv=None):
     try:
         import ray
 
-        from gdsdata.ray_pack import pack_on_ray
+        from gdsdata.packing.ray import pack_on_ray
 
         ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False, configure_logging=False)
         rows.append((f"Ray, local, {cores} CPUs", lambda: pack_on_ray(src, out, num_parts=args.parts, overwrite=True)))

@@ -3,8 +3,8 @@ GPU (cuFile/kvikio reads, nvJPEG hardware decode) or on the CPU through one Data
 
 __version__ = "0.1.0"
 
-from . import settings  # noqa: E402
-from .errors import (  # noqa: E402
+from gdsdata import settings  # noqa: E402
+from gdsdata.errors import (  # noqa: E402
     BadImageError,
     BusyError,
     CorruptSampleError,
@@ -20,13 +20,13 @@ from .errors import (  # noqa: E402
 __all__ = [
     "BadImageError", "BusyError", "CorruptSampleError", "FormatError", "GDSDataset", "GdsDataError",
     "GpuError", "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "StallError",
-    "pack", "settings",
+    "pack", "merge", "verify", "info", "settings",
     "RandomResizedCrop", "CenterCrop", "PixelBatch", "collate", "LoadPath",
 ]
 _LAZY = {  # name -> module; torch is imported only when these are used, so `gdsdata pack` starts fast
-    "GDSDataset": "dataset", "Loader": "loader", "pack": "packer", "PackOptions": "normalize",
+    "GDSDataset": "dataset", "Loader": "loader", "pack": "packing.packer", "PackOptions": "packing.prepare",
     "RandomResizedCrop": "transforms", "CenterCrop": "transforms", "PixelBatch": "batch", "collate": "batch",
-    "LoadPath": "load_path",
+    "LoadPath": "io.path", "merge": "packing.merge", "verify": "commands.verify", "info": "commands.info",
 }
 
 

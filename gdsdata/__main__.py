@@ -3,7 +3,7 @@
 import sys
 
 try:
-    from .cli import run
+    from gdsdata.cli import run
 except KeyboardInterrupt:  # Ctrl-C before the command's own handler is in place (while starting)
     print("gdsdata: interrupted while starting; nothing was written", file=sys.stderr)
     sys.exit(130)

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from . import __version__
+from gdsdata import __version__
 
 _SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -34,8 +34,8 @@ def _human(n: float) -> str:
 
 
 def _cmd_pack(args):
-    from .normalize import PackOptions
-    from .packer import pack
+    from gdsdata.packing.prepare import PackOptions
+    from gdsdata.packing.packer import pack
 
     options = PackOptions(codec=args.codec, quality=args.quality, max_side=args.max_side,
                           raw_size=args.size, max_pixels=args.max_pixels)
@@ -71,7 +71,7 @@ def _cmd_pack(args):
 
 
 def _pack_on_ray(args, options):
-    from .ray_pack import pack_on_ray
+    from gdsdata.packing.ray import pack_on_ray
 
     if args.resume or args.append or args.part:
         raise ValueError("--ray packs every part itself (and retries them); it goes with none of --resume, "
@@ -90,7 +90,7 @@ def _pack_on_ray(args, options):
 
 
 def _cmd_merge(args):
-    from .merge import merge
+    from gdsdata.packing.merge import merge
 
     summary = merge(args.parts, args.out, copy=args.copy, overwrite=args.overwrite)
     print(f"merged {summary['parts']} part(s) into {summary['out']}: {summary['samples']} samples, "
@@ -99,9 +99,9 @@ def _cmd_merge(args):
 
 
 def _cmd_inspect(args):
-    from .inspect import inspect
+    from gdsdata.commands.info import info as describe
 
-    info = inspect(args.dataset)
+    info = describe(args.dataset)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -131,7 +131,7 @@ def _cmd_inspect(args):
 
 
 def _cmd_verify(args):
-    from .verify import verify
+    from gdsdata.commands.verify import verify
 
     problems = verify(args.dataset, decode_samples=not args.checksums_only, progress=not args.quiet)
     for line in problems:
@@ -144,13 +144,13 @@ def _cmd_verify(args):
 
 
 def _cmd_doctor(args):
-    from .doctor import report
+    from gdsdata.commands.doctor import report
 
     info = report()
     if args.dataset:
         from dataclasses import asdict
 
-        from .dataset import GDSDataset
+        from gdsdata.dataset import GDSDataset
 
         with GDSDataset(args.dataset, device=args.device) as ds:
             info["dataset"] = args.dataset
@@ -265,7 +265,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s")
-    from .errors import GdsDataError
+    from gdsdata.errors import GdsDataError
 
     try:
         return args.run(args)
@@ -298,7 +298,7 @@ def _left_behind(args) -> str:
     out = getattr(args, "out", None)
     if not out or args.command not in ("pack", "merge"):
         return ""
-    from . import format as fmt
+    from gdsdata.format import layout as fmt
 
     try:
         names = os.listdir(out)

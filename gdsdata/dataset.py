@@ -15,77 +15,13 @@ import weakref
 import numpy as np
 import torch
 
-from . import index as index_io
-from . import settings, stall
-from .decode_cpu import check_crc, cpu_pool, decode
-from .batch import PixelBatch, Staged
-from .errors import CorruptSampleError
-from .load_path import LoadPath
-from .reader_cpu import CpuReader
+from gdsdata.format import index as index_io
+from gdsdata import settings
+from gdsdata.backends.cpu import CpuBackend
+from gdsdata.errors import CorruptSampleError
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
-
-
-class _CpuBackend:
-    """Storage -> host buffer (``reader_cpu``) -> libjpeg-turbo in a thread pool -> one flat arena."""
-
-    def __init__(self, index, verify):
-        self.index = index
-        self.reader = CpuReader(index)
-        self.verify = verify
-
-    @property
-    def load_path(self) -> LoadPath:
-        return LoadPath("cpu", "cpu", "the CPU path", "preadv", "host", "libjpeg-turbo",
-                        "all" if self.verify else "none")
-
-    def read(self, indices) -> Staged:
-        buffer, plan = self.reader.read(indices)
-        return Staged(list(indices), plan, buffer, None, {})
-
-    def load_batch(self, indices, stream=None) -> PixelBatch:
-        return self.decode(self.read(indices), stream)
-
-    def decode(self, staged: Staged, stream=None) -> PixelBatch:
-        indices, buffer, plan = staged.indices, staged.tensor, staged.plan
-        records = self.index.samples[np.asarray(indices, dtype=np.int64)]
-        heights = records["height"].astype(np.int64)
-        widths = records["width"].astype(np.int64)
-        sizes = heights * widths * 3
-        offsets = np.zeros(len(indices), np.int64)
-        np.cumsum(sizes[:-1], out=offsets[1:])
-        arena = np.empty(int(sizes.sum()), np.uint8)
-        errors = {}
-
-        def decode_one(k):
-            sample = indices[k]
-            start, length = int(plan.sample_offsets[k]), int(plan.sample_lengths[k])
-            payload = buffer[start:start + length]
-            name = self.index.describe(sample)
-            try:
-                if self.verify:
-                    check_crc(payload, records[k], name)
-                decode(payload, records[k], name, out=arena[offsets[k]:offsets[k] + sizes[k]])
-            except CorruptSampleError as e:
-                errors[k] = e
-
-        if len(indices) == 1:
-            decode_one(0)
-        else:
-            with stall.native("CPU decode (libjpeg-turbo) on the cpu_threads pool"):
-                list(cpu_pool().map(decode_one, range(len(indices))))
-        return PixelBatch(torch.from_numpy(arena), offsets, heights, widths, np.full(len(indices), 3),
-                          errors, owned=True)
-
-    def close(self):
-        self.reader.close()
-
-    def __getstate__(self):
-        return {"index": self.index, "verify": self.verify}
-
-    def __setstate__(self, state):
-        self.__init__(state["index"], state["verify"])
 
 
 class GDSDataset(torch.utils.data.Dataset):
@@ -137,9 +73,9 @@ class GDSDataset(torch.utils.data.Dataset):
         verify = settings.get("verify_checksums") if verify_checksums is None else (
             "always" if verify_checksums else False)
         if self.device.type == "cpu":
-            self._backend = _CpuBackend(self.index, verify)
+            self._backend = CpuBackend(self.index, verify)
         elif self.device.type == "cuda":
-            from .backend_gpu import GpuBackend
+            from gdsdata.backends.gpu import GpuBackend  # imports CUDA-only libraries
 
             self._backend = GpuBackend(self.index, self.device, verify)
         else:

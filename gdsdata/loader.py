@@ -28,11 +28,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from . import settings, stall
-from . import transforms as T
-from .batch import PixelBatch, upload
-from .errors import GdsDataError
-from .sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches
+from gdsdata import settings
+from gdsdata import stall
+from gdsdata import transforms as T
+from gdsdata.batch import PixelBatch, upload
+from gdsdata.errors import GdsDataError
+from gdsdata.sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches
 
 log = logging.getLogger(__name__)
 _STOP_POLL_S = 0.1
@@ -315,7 +316,7 @@ _PROTOCOL = ("device", "__len__", "labels", "fingerprint", "read_staged", "decod
 
 def _source(dataset, indices):
     """(GDSDataset, indices or None) from a dataset, a torch Subset of one (nested too) and ``indices``."""
-    from .dataset import GDSDataset
+    from gdsdata.dataset import GDSDataset
 
     picked = None
     if indices is not None:

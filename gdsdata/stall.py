@@ -11,7 +11,7 @@ import contextlib
 import threading
 import time
 
-from .errors import StallError
+from gdsdata.errors import StallError
 
 _calls = {}  # thread ident -> (native call, monotonic start)
 
@@ -37,7 +37,7 @@ def wait(work, call: str, timeout: float = None):
     ``StallError`` naming ``call``."""
     if work.query():
         return
-    from . import settings
+    from gdsdata import settings
 
     timeout = settings.get("stall_timeout") if timeout is None else timeout
     with native(call):

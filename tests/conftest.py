@@ -130,7 +130,7 @@ def kinds_source(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def kinds_dataset(kinds_source, tmp_path_factory):
-    from gdsdata.packer import pack
+    from gdsdata.packing.packer import pack
 
     src, expected = kinds_source
     out = str(tmp_path_factory.mktemp("kinds") / "ds")
@@ -141,7 +141,7 @@ def kinds_dataset(kinds_source, tmp_path_factory):
 @pytest.fixture(scope="session")
 def photos_dataset(tmp_path_factory):
     """60 baseline JPEGs in 3 classes, packed into small shards so reads cross shard boundaries."""
-    from gdsdata.packer import pack
+    from gdsdata.packing.packer import pack
 
     src = str(tmp_path_factory.mktemp("photos_src"))
     paths = write_photos(src, 60)
@@ -155,7 +155,7 @@ def damaged_copy(dataset, out, sample, at, data) -> str:
     starting ``at`` bytes into it (negative: from its end). Returns ``out``."""
     import shutil
 
-    from gdsdata.index import load
+    from gdsdata.format.index import load
 
     shutil.copytree(dataset, out)
     index = load(out)

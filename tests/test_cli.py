@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import write_photos
 
-from gdsdata import format as fmt
+from gdsdata.format import layout as fmt
 
 
 def run(*args):
@@ -87,7 +87,7 @@ def test_doctor_reports_the_cpu_path():
 
 
 def test_doctor_says_what_the_automatic_reads_do():
-    from gdsdata.doctor import auto_reads
+    from gdsdata.commands.doctor import auto_reads
 
     assert "kvikio into GPU memory" in auto_reads("gds")
     compat = auto_reads("compat")

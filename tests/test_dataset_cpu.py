@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import damaged_copy, loader_threads, mean_abs_diff, pil_reference
 
-from gdsdata import format as fmt
+from gdsdata.format import layout as fmt
 from gdsdata import settings
 from gdsdata.dataset import GDSDataset
 from gdsdata.errors import CorruptSampleError
-from gdsdata.verify import verify
+from gdsdata.commands.verify import verify
 
 
 def test_getitems_equals_getitem_in_any_order(photos_dataset):
@@ -117,8 +117,8 @@ def test_verify_passes_a_sound_dataset(photos_dataset):
 def test_raw_gray_samples_expand_to_rgb(tmp_path):
     from PIL import Image
 
-    from gdsdata.normalize import PackOptions
-    from gdsdata.packer import pack
+    from gdsdata.packing.prepare import PackOptions
+    from gdsdata.packing.packer import pack
 
     src = tmp_path / "src" / "c"
     src.mkdir(parents=True)

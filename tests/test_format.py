@@ -9,11 +9,11 @@ import zlib
 import numpy as np
 import pytest
 
-from gdsdata import format as fmt
-from gdsdata import index as index_io
+from gdsdata.format import layout as fmt
+from gdsdata.format import index as index_io
 from gdsdata.dataset import GDSDataset
 from gdsdata.errors import FormatError
-from gdsdata.packer import pack
+from gdsdata.packing.packer import pack
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOC = os.path.join(HERE, "..", "docs", "format.md")

@@ -12,12 +12,12 @@ from conftest import jpeg_bytes, photo, png_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gdsdata import format as fmt
-from gdsdata import index as index_io
+from gdsdata.format import layout as fmt
+from gdsdata.format import index as index_io
 from gdsdata.errors import BadImageError, FormatError
-from gdsdata.jpeg import NotJpeg, probe
-from gdsdata.normalize import PackOptions, prepare
-from gdsdata.shards import read_header
+from gdsdata.packing.jpeg import NotJpeg, probe
+from gdsdata.packing.prepare import PackOptions, prepare
+from gdsdata.format.shards import read_header
 
 EXAMPLES = int(os.environ.get("GDSDATA_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

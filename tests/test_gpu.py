@@ -15,8 +15,8 @@ from conftest import damaged_copy, loader_threads, mean_abs_diff, pil_reference,
 import gdsdata
 from gdsdata import settings
 from gdsdata.errors import CorruptSampleError
-from gdsdata.normalize import PackOptions
-from gdsdata.packer import pack
+from gdsdata.packing.prepare import PackOptions
+from gdsdata.packing.packer import pack
 
 pytestmark = pytest.mark.gpu
 
@@ -115,7 +115,7 @@ def test_mapped_loader_equals_cpu_over_epochs(raw_shards, copy):
 def test_batched_copy_moves_every_range(entry):
     """Both driver entry points (CUDA 13's and 12.8's) copy scattered host ranges, pinned and
     registered, to their places in GPU memory."""
-    from gdsdata.memcpy_batch import BatchCopy, _driver
+    from gdsdata._native.cuda import BatchCopy, _driver
 
     if getattr(_driver(), entry, None) is None:
         pytest.skip(f"this driver has no {entry}")
@@ -164,7 +164,7 @@ def test_automatic_mapped_engine_falls_back_to_kvikio(raw_dataset, monkeypatch, 
     """Where CUDA cannot register the shards (a locked-memory limit, say), the automatic choice reads
     with kvikio into the same GPU staging and says why; an explicit io_engine=mapped raises."""
     from gdsdata.errors import GpuError
-    from gdsdata.reader_gpu import MappedShards
+    from gdsdata.io.gpu import MappedShards
 
     def refuse(self, shard):
         raise GpuError(f"{self.index.shard_path(shard)}: CUDA cannot register the mapped shard (test)")
@@ -190,7 +190,7 @@ def test_mixed_engine_reads_each_batch_its_way_and_equals_cpu(raw_dataset, monke
     """Compatibility mode, raw pixels: a batch of scattered samples (reads of ~40 KB) goes through the
     page gather, the whole set in file order (one ~1 MB read) through kvikio; the threshold is
     lowered to 256 KiB so that the small test set has both kinds."""
-    from gdsdata import reader_gpu
+    from gdsdata.io import gpu as reader_gpu
 
     monkeypatch.setattr(reader_gpu, "_KVIKIO_READ", 256 << 10)
     cpu = gdsdata.GDSDataset(raw_dataset)
@@ -295,7 +295,7 @@ def test_two_datasets_share_one_nvjpeg_decoder(photos_dataset):
     """Two datasets (a training and a validation set, say) decoding at the same time: one nvJPEG
     handle for both (the engines take one), the same pixels as each alone, and the handle released
     by both once they are closed."""
-    from gdsdata.decode_gpu import _SharedDecoder
+    from gdsdata.decode.gpu import _SharedDecoder
 
     def users(ds):
         shared = _SharedDecoder._open.get((ds.device.index, ds._backend.backend))
@@ -371,7 +371,7 @@ def test_memory_is_flat_over_epochs(photos_dataset):
 
 
 def test_doctor_names_the_io_mode():
-    from gdsdata.doctor import report
+    from gdsdata.commands.doctor import report
 
     info = report()
     assert info["io mode"].split(":")[0] in ("gds", "compat")

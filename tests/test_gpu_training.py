@@ -14,8 +14,9 @@ import torch
 from conftest import write_photos
 
 import gdsdata
-from gdsdata import settings, stall
-from gdsdata.packer import pack
+from gdsdata import settings
+from gdsdata import stall
+from gdsdata.packing.packer import pack
 
 pytestmark = pytest.mark.gpu
 PATHS = [("host", "hardware"), ("device", "hardware_device"), ("host", "gpu_hybrid")]
@@ -155,7 +156,8 @@ def test_the_interpreter_exits_after_a_stall_with_gpu_work_stuck(training_set, t
         import sys, torch
         sys.path.insert(0, {str(tmp_path)!r})
         import gdsdata
-        from gdsdata import settings, stall
+        from gdsdata import settings
+        from gdsdata import stall
         from spin_kernel import spin
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
         ds = gdsdata.GDSDataset({training_set!r}, device="cuda")

@@ -3,8 +3,8 @@
 import pytest
 from conftest import jpeg_bytes, photo
 
-from gdsdata import format as fmt
-from gdsdata.jpeg import NotJpeg, probe
+from gdsdata.format import layout as fmt
+from gdsdata.packing.jpeg import NotJpeg, probe
 
 
 @pytest.mark.parametrize("subsampling, expected", [(0, fmt.SUBSAMPLING_444), (1, fmt.SUBSAMPLING_422),

@@ -5,7 +5,7 @@ import ctypes
 
 import pytest
 
-from gdsdata import nvjpeg
+from gdsdata._native import nvjpeg
 from gdsdata.errors import GpuUnavailableError
 
 

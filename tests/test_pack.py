@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import mean_abs_diff, pil_reference, write_photos
 
-from gdsdata import format as fmt
+from gdsdata.format import layout as fmt
 from gdsdata.dataset import GDSDataset
 from gdsdata.errors import BadImageError, OutputExistsError, SourceError
-from gdsdata.normalize import PackOptions
-from gdsdata.packer import pack
+from gdsdata.packing.prepare import PackOptions
+from gdsdata.packing.packer import pack
 
 
 def test_every_kind_loads_like_pil(kinds_dataset):
@@ -177,7 +177,7 @@ def test_nothing_packable_leaves_no_dataset(tmp_path):
 
 def test_interrupted_pack_never_looks_finished(tmp_path, monkeypatch):
     """A crash after some shards were written leaves no index, so loading fails clearly."""
-    from gdsdata import index as index_io
+    from gdsdata.format import index as index_io
     from gdsdata.errors import FormatError
 
     src = str(tmp_path / "src")
@@ -210,6 +210,6 @@ def test_raw_codec_stores_pixels(tmp_path):
 
 def test_public_pack_is_the_function():
     import gdsdata
-    import gdsdata.packer  # noqa: F401 - importing the module must not shadow the function
+    import gdsdata.packing.packer  # noqa: F401 - importing the module must not shadow the function
 
-    assert callable(gdsdata.pack) and gdsdata.pack is gdsdata.packer.pack
+    assert callable(gdsdata.pack) and gdsdata.pack is gdsdata.packing.packer.pack

@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdsdata import format as fmt
-from gdsdata.plan import plan_reads
+from gdsdata.format import layout as fmt
+from gdsdata.io.plan import plan_reads
 
 ALIGN = 4096
 

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 import gdsdata
 from gdsdata.errors import FormatError
-from gdsdata.index import load as load_index
-from gdsdata.plan import plan_reads
-from gdsdata.reader_cpu import CpuReader
-from gdsdata.reader_gpu import ShardMaps
+from gdsdata.format.index import load as load_index
+from gdsdata.io.plan import plan_reads
+from gdsdata.io.cpu import CpuReader
+from gdsdata.io.gpu import ShardMaps
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_mmap_gather_names_a_truncated_shard(small_shards, tmp_path, pool):
     ("mixed", "host", "compat", 0, 1, "mixed"),
 ])
 def test_io_engine_choice(monkeypatch, setting, staging, io_mode, pool, threads, expected):
-    from gdsdata import reader_gpu
+    from gdsdata.io import gpu as reader_gpu
 
     monkeypatch.setattr(reader_gpu.torch, "get_num_threads", lambda: threads)
     with gdsdata.settings.set(io_engine=setting, gather_pool=pool):
@@ -86,7 +86,7 @@ def test_io_engine_choice(monkeypatch, setting, staging, io_mode, pool, threads,
 
 
 def test_mapped_suits_raw_datasets_that_fit_in_memory(photos_dataset, tmp_path, monkeypatch):
-    from gdsdata import reader_gpu
+    from gdsdata.io import gpu as reader_gpu
 
     src, _, jpeg = photos_dataset
     raw = str(tmp_path / "raw")
@@ -104,7 +104,7 @@ def test_mapped_suits_raw_datasets_that_fit_in_memory(photos_dataset, tmp_path, 
 
 
 def test_mapped_engine_needs_gpu_staging():
-    from gdsdata import reader_gpu
+    from gdsdata.io import gpu as reader_gpu
 
     with gdsdata.settings.set(io_engine="mapped"), pytest.raises(ValueError, match="it needs staging=device"):
         reader_gpu.choose_engine("host", "compat")
@@ -113,7 +113,7 @@ def test_mapped_engine_needs_gpu_staging():
 
 
 def test_mmap_engine_cannot_fill_gpu_staging():
-    from gdsdata import reader_gpu
+    from gdsdata.io import gpu as reader_gpu
 
     for engine in ("mmap", "mixed"):
         with gdsdata.settings.set(io_engine=engine), pytest.raises(ValueError, match="device staging needs kvikio"):
@@ -152,7 +152,8 @@ def test_an_emptied_shard_gives_a_one_line_error(small_shards, tmp_path):
 def test_batched_copy_says_what_is_missing(monkeypatch):
     """Without a driver that has cuMemcpyBatchAsync, asking for the batched copy names what it needs,
     and the mapped engine's automatic copy is the SMs' gather."""
-    from gdsdata import doctor, memcpy_batch
+    from gdsdata.commands import doctor
+    from gdsdata._native import cuda as memcpy_batch
     from gdsdata.errors import GpuUnavailableError
 
     monkeypatch.setattr(memcpy_batch, "entry_point", lambda: None)

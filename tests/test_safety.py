@@ -17,12 +17,12 @@ import pytest
 from conftest import jpeg_bytes, photo, write_photos
 
 import gdsdata
-from gdsdata import format as fmt
+from gdsdata.format import layout as fmt
 from gdsdata.errors import (BusyError, CorruptSampleError, FormatError, GdsDataError, SourceError)
-from gdsdata.index import load
-from gdsdata.merge import merge
-from gdsdata.packer import pack
-from gdsdata.verify import verify
+from gdsdata.format.index import load
+from gdsdata.packing.merge import merge
+from gdsdata.packing.packer import pack
+from gdsdata.commands.verify import verify
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -75,7 +75,7 @@ def test_two_packs_into_one_out_never_break_the_winner(src, tmp_path, trial):
 
 
 def test_a_second_writer_is_refused_naming_the_holder(src, tmp_path):
-    from gdsdata.lock import writer_lock
+    from gdsdata.format.lock import writer_lock
 
     out = str(tmp_path / "ds")
     with writer_lock(out, "pack of somewhere"):
@@ -195,7 +195,7 @@ def test_a_worker_killed_mid_pack_becomes_one_skipped_file(tmp_path):
     write_photos(str(src), 30, classes=2, start_seed=50)
     victim = sorted(os.listdir(src / "class1"))[3]
     out = str(tmp_path / "ds")
-    script = (f"import os, signal, sys; sys.path.insert(0, {ROOT!r}); import gdsdata.packer as p\n"
+    script = (f"import os, signal, sys; sys.path.insert(0, {ROOT!r}); import gdsdata.packing.packer as p\n"
               "real = p._prepare_item\n"
               f"def item(job):\n    if job[0].endswith({victim!r}): os.kill(os.getpid(), signal.SIGKILL)\n"
               "    return real(job)\n"
@@ -211,7 +211,7 @@ def test_a_worker_killed_mid_pack_becomes_one_skipped_file(tmp_path):
 
 # --- hostile source trees ---------------------------------------------------------------------
 def test_unreadable_folders_are_reported_and_fatal_with_strict(tmp_path, monkeypatch):
-    import gdsdata.sources as sources
+    import gdsdata.packing.sources as sources
 
     src = tmp_path / "src"
     write_photos(str(src), 12, classes=2, start_seed=70)

@@ -13,10 +13,10 @@ import time
 import pytest
 from conftest import write_photos
 
-from gdsdata import format as fmt
-from gdsdata.index import load
-from gdsdata.packer import pack
-from gdsdata.verify import verify
+from gdsdata.format import layout as fmt
+from gdsdata.format.index import load
+from gdsdata.packing.packer import pack
+from gdsdata.commands.verify import verify
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -73,7 +73,7 @@ def _ray_workers():
 
 
 def test_a_local_ray_packs_in_parts_and_survives_a_killed_worker(source, local_ray, tmp_path):
-    from gdsdata.ray_pack import pack_on_ray
+    from gdsdata.packing.ray import pack_on_ray
 
     src, reference = source
     out = str(tmp_path / "ds")
@@ -106,7 +106,7 @@ def test_a_local_ray_packs_in_parts_and_survives_a_killed_worker(source, local_r
 
 
 def test_the_part_count_follows_size_and_cpus():
-    from gdsdata.ray_pack import choose_parts
+    from gdsdata.packing.ray import choose_parts
 
     assert choose_parts(64, 2) == 1
     assert choose_parts(100_000, 2) == 4

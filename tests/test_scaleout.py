@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from conftest import jpeg_bytes, photo, write_photos
 
-from gdsdata import format as fmt
-from gdsdata import index as index_io
+from gdsdata.format import layout as fmt
+from gdsdata.format import index as index_io
 from gdsdata.dataset import GDSDataset
 from gdsdata.errors import FormatError, OutputExistsError, SourceError
-from gdsdata.merge import merge
-from gdsdata.packer import pack
+from gdsdata.packing.merge import merge
+from gdsdata.packing.packer import pack
 
 SHARD = 120_000  # small shards: many shard boundaries in a small set
 

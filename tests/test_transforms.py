@@ -126,7 +126,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
 import numpy as np, torch, gdsdata
 from gdsdata import transforms as T
-from gdsdata.transforms_triton import resample
+from gdsdata.transforms.kernels import resample
 rng = np.random.default_rng(1)
 images = [rng.integers(0, 256, s, dtype=np.uint8) for s in ((61, 90, 3), (120, 47, 3), (33, 33, 1))]
 buffer = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))

@@ -16,7 +16,7 @@ import sys
 import lmdb
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gdsdata.packer import scan  # noqa: E402
+from gdsdata.packing.packer import scan  # noqa: E402
 
 
 def build(src, out):

@@ -28,8 +28,8 @@ SOURCES = {  # relative path -> (seed, mode, subsampling)
 
 def main():
     sys.path.insert(0, os.path.join(HERE, "..", ".."))
-    from gdsdata.index import load
-    from gdsdata.packer import pack
+    from gdsdata.format.index import load
+    from gdsdata.packing.packer import pack
 
     shutil.rmtree(GOLDEN, ignore_errors=True)
     src = os.path.join(GOLDEN, "src")

@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from .errors import GpuError, GpuUnavailableError
+from gdsdata.errors import GpuError, GpuUnavailableError
 
 _ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # CUmemLocationType

@@ -6,8 +6,8 @@ import zlib
 
 import numpy as np
 
-from . import format as fmt
-from .errors import FormatError
+from gdsdata.format import layout as fmt
+from gdsdata.errors import FormatError
 
 log = logging.getLogger(__name__)
 _ZEROS = bytes(1 << 16)

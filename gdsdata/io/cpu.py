@@ -8,10 +8,11 @@ import threading
 
 import numpy as np
 
-from . import settings, stall
-from .errors import FormatError
-from .shards import check_opened
-from .plan import Plan, plan_reads
+from gdsdata import settings
+from gdsdata import stall
+from gdsdata.errors import FormatError
+from gdsdata.format.shards import check_opened
+from gdsdata.io.plan import Plan, plan_reads
 
 
 def open_files_budget() -> int:

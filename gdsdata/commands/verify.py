@@ -5,12 +5,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-from . import index as index_io
-from . import settings
-from .decode_cpu import check_crc, decode
-from .errors import GdsDataError
-from .reader_cpu import CpuReader
-from .shards import data_crc32
+from gdsdata.format import index as index_io
+from gdsdata import settings
+from gdsdata.decode.cpu import check_crc, decode
+from gdsdata.errors import GdsDataError
+from gdsdata.io.cpu import CpuReader
+from gdsdata.format.shards import data_crc32
 
 
 def verify(root, *, decode_samples=True, batch=256, progress=False) -> list:

@@ -14,12 +14,12 @@ import shutil
 
 import numpy as np
 
-from . import __version__
-from . import format as fmt
-from . import index as index_io
-from .errors import SourceError
-from .lock import remove_quietly, writer_lock
-from .packer import into
+from gdsdata import __version__
+from gdsdata.format import layout as fmt
+from gdsdata.format import index as index_io
+from gdsdata.errors import SourceError
+from gdsdata.format.lock import remove_quietly, writer_lock
+from gdsdata.packing.packer import into
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ import os
 
 import numpy as np
 
-from . import format as fmt
-from . import index as index_io
+from gdsdata.format import layout as fmt
+from gdsdata.format import index as index_io
 
 
 def _stats(values):
@@ -20,7 +20,7 @@ def _tally(values, names):
     return {names.get(int(k), f"unknown({int(k)})"): int(c) for k, c in zip(kinds, counts)}
 
 
-def inspect(root) -> dict:
+def info(root) -> dict:
     index = index_io.load(root)
     samples, shards = index.samples, index.shards
     payload = int(samples["length"].sum())

@@ -16,10 +16,10 @@ import time
 
 from tqdm import tqdm
 
-from . import format as fmt
-from .errors import GdsDataError, SourceError
-from .lock import aside, remove_quietly, writer_lock
-from .sources import Listing, FolderSource, RemoteFolderSource, display, open_source
+from gdsdata.format import layout as fmt
+from gdsdata.errors import GdsDataError, SourceError
+from gdsdata.format.lock import aside, remove_quietly, writer_lock
+from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, open_source
 
 log = logging.getLogger(__name__)
 _IMAGES_PER_PART = 500  # below this a part's fixed costs (a task, a process, its shards) dominate
@@ -45,8 +45,8 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                 allow_empty_classes=False, max_retries=3) -> dict:
     """Pack ``src`` into ``out`` with the parts as Ray tasks (``address``: a running cluster, None:
     start or join a local Ray). Returns the merge's summary plus ``parts`` and ``seconds``."""
-    from .merge import merge_checked
-    from .packer import check_output
+    from gdsdata.packing.merge import merge_checked
+    from gdsdata.packing.packer import check_output
 
     ray = _import_ray()
     started = time.perf_counter()
@@ -110,7 +110,7 @@ def _reason(error) -> str:
 
 def _pack_part(job_source, part_out, parts, k, kwargs, counter):
     """One part, in a Ray worker: packed, or (after a failure or a killed worker) resumed."""
-    from .packer import pack
+    from gdsdata.packing.packer import pack
 
     if os.path.exists(os.path.join(part_out, fmt.INDEX_NAME)):  # finished before the retry
         return {"skipped": [], "resumed_shards": 0}

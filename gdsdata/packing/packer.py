@@ -30,14 +30,14 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 from tqdm import tqdm
 
-from . import __version__
-from . import format as fmt
-from . import index as index_io
-from .errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
-from .lock import aside, remove_quietly, swap_in, writer_lock
-from .normalize import PackOptions, prepare
-from .shards import ShardWriter, data_crc32
-from .sources import Listing, display, is_url, open_source, read_url
+from gdsdata import __version__
+from gdsdata.format import layout as fmt
+from gdsdata.format import index as index_io
+from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
+from gdsdata.format.lock import aside, remove_quietly, swap_in, writer_lock
+from gdsdata.packing.prepare import PackOptions, prepare
+from gdsdata.format.shards import ShardWriter, data_crc32
+from gdsdata.packing.sources import Listing, display, is_url, open_source, read_url
 
 log = logging.getLogger(__name__)
 _WINDOW_PER_WORKER = 16  # images in flight per worker: bounds memory for sources read here

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import format as fmt
-from .errors import FormatError
-from .shards import read_header
+from gdsdata.format import layout as fmt
+from gdsdata.errors import FormatError
+from gdsdata.format.shards import read_header
 
 
 @dataclass

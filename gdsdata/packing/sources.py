@@ -20,7 +20,7 @@ import stat
 import tarfile
 from dataclasses import dataclass
 
-from .errors import BadImageError, SourceError
+from gdsdata.errors import BadImageError, SourceError
 
 # The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

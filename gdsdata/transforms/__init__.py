@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .batch import upload
-from .decode_cpu import cpu_pool
+from gdsdata.batch import upload
+from gdsdata.decode.cpu import cpu_pool
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -291,7 +291,7 @@ def _triton_ready() -> bool:
         try:
             import triton  # noqa: F401
 
-            from . import transforms_triton  # noqa: F401
+            from gdsdata.transforms import kernels as transforms_triton  # noqa: F401
 
             _TRITON = True
         except ImportError:
@@ -300,6 +300,6 @@ def _triton_ready() -> bool:
 
 
 def _resample_triton(buffer, meta, out, size, scale, shift, nchw, antialias):
-    from .transforms_triton import resample
+    from gdsdata.transforms.kernels import resample
 
     resample(buffer, meta, out, size, scale, shift, nchw, antialias)

@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 
-from .errors import BusyError
+from gdsdata.errors import BusyError
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import format as fmt
-from . import stall
-from .batch import PixelBatch
-from .errors import CorruptSampleError
-from .nvjpeg import BatchedDecoder, NvjpegError
+from gdsdata.format import layout as fmt
+from gdsdata import stall
+from gdsdata.batch import PixelBatch
+from gdsdata.errors import CorruptSampleError
+from gdsdata._native.nvjpeg import BatchedDecoder, NvjpegError
 
 log = logging.getLogger(__name__)
 

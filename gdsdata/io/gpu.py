@@ -44,10 +44,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import settings, stall
-from .reader_cpu import OpenShards
-from .shards import check_opened
-from .errors import FormatError, GpuError, GpuUnavailableError
+from gdsdata import settings
+from gdsdata import stall
+from gdsdata.io.cpu import OpenShards
+from gdsdata.format.shards import check_opened
+from gdsdata.errors import FormatError, GpuError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
 _GROWTH = 1.25
@@ -157,7 +158,7 @@ def mapped_suits(index) -> bool:
 def mapped_copy() -> str:
     """How the ``mapped`` engine moves bytes: the ``mapped_copy`` setting, ``auto`` resolved to
     ``dma`` where the driver has the batched copy and to ``gather`` elsewhere."""
-    from .memcpy_batch import entry_point
+    from gdsdata._native.cuda import entry_point
 
     copy = settings.get("mapped_copy")
     if copy == "auto":
@@ -347,7 +348,7 @@ class MappedShards(ShardMaps):
         self.copy = mapped_copy()
         self._batch_copy = None
         if self.copy == "dma":  # (forced without the batched copy in the driver: BatchCopy says so)
-            from .memcpy_batch import BatchCopy
+            from gdsdata._native.cuda import BatchCopy
 
             self._batch_copy = BatchCopy(device.index)
         self._device_pages = {}

@@ -7,7 +7,7 @@ reads the headers of a bitstream and says whether it qualifies and, if not, why.
 
 from dataclasses import dataclass
 
-from . import format as fmt
+from gdsdata.format import layout as fmt
 
 _SOF_BASELINE = 0xC0
 _SOF_MARKERS = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # DHT, JPG and DAC are not SOFs

@@ -7,7 +7,8 @@ compatibility mode (and why), nvJPEG and its hardware engines, and the thread co
 import os
 import platform
 
-from . import __version__, settings
+from gdsdata import __version__
+from gdsdata import settings
 
 
 def _torch_block():
@@ -66,7 +67,7 @@ def _kvikio_block():
 
 def _nvjpeg_block():
     try:
-        from .nvjpeg import library_info
+        from gdsdata._native.nvjpeg import library_info
     except ImportError as e:
         return {"nvjpeg": f"unavailable ({e})"}
     try:
@@ -77,8 +78,8 @@ def _nvjpeg_block():
 
 def mapped_copy() -> str:
     """How the ``mapped`` engine moves bytes here (``mapped_copy``), in words."""
-    from .memcpy_batch import entry_point
-    from .reader_gpu import mapped_copy as resolved
+    from gdsdata._native.cuda import entry_point
+    from gdsdata.io.gpu import mapped_copy as resolved
 
     if resolved() == "dma":
         return f"the copy engines ({entry_point() or 'cuMemcpyBatchAsync: missing from this driver'})"
@@ -90,7 +91,7 @@ def auto_reads(mode: str) -> str:
     if mode == "gds":
         return "kvikio into GPU memory"
     if mode == "compat":
-        from .reader_gpu import mapped_limit
+        from gdsdata.io.gpu import mapped_limit
 
         return (f"raw datasets up to {mapped_limit() / 1e9:.0f} GB: GPU staging, {mapped_copy()} from registered "
                 f"page-cache pages; others: pinned staging, page gather or kvikio per batch")

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import simplejpeg
 
-from . import format as fmt
-from . import settings
-from .errors import CorruptSampleError
+from gdsdata.format import layout as fmt
+from gdsdata import settings
+from gdsdata.errors import CorruptSampleError
 
 _pool = {"executor": None, "pid": None, "size": None}
 _pool_lock = threading.Lock()

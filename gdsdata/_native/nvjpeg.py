@@ -19,8 +19,8 @@ import threading
 
 import numpy as np
 
-from . import stall
-from .errors import GpuError, GpuUnavailableError
+from gdsdata import stall
+from gdsdata.errors import GpuError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
 

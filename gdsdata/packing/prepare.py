@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import simplejpeg
 from PIL import Image
 
-from . import format as fmt
-from .errors import BadImageError
-from .jpeg import NotJpeg, is_jpeg, probe
+from gdsdata.format import layout as fmt
+from gdsdata.errors import BadImageError
+from gdsdata.packing.jpeg import NotJpeg, is_jpeg, probe
 
 _GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
 

@@ -14,13 +14,14 @@ import logging
 
 import torch
 
-from . import settings, stall
-from .batch import PixelBatch, Staged
-from .decode_gpu import GpuDecoder
-from .load_path import LoadPath
-from .errors import GpuUnavailableError
-from .plan import plan_reads
-from .reader_gpu import GpuReader, SlotPool, choose_engine, mapped_suits
+from gdsdata import settings
+from gdsdata import stall
+from gdsdata.batch import PixelBatch, Staged
+from gdsdata.decode.gpu import GpuDecoder
+from gdsdata.io.path import LoadPath
+from gdsdata.errors import GpuUnavailableError
+from gdsdata.io.plan import plan_reads
+from gdsdata.io.gpu import GpuReader, SlotPool, choose_engine, mapped_suits
 
 log = logging.getLogger(__name__)
 _SLOTS = 6  # staging buffers: batches being read, queued for decode, decoding, queued for and in the
@@ -31,7 +32,7 @@ _SLOTS = 6  # staging buffers: batches being read, queued for decode, decoding, 
 def _has_hardware_decoder(device_index: int) -> bool:
     """Whether the GPU has nvJPEG's hardware engines: probed once per device and process (the probe
     creates and destroys a hardware decoder)."""
-    from .nvjpeg import BatchedDecoder, NvjpegError
+    from gdsdata._native.nvjpeg import BatchedDecoder, NvjpegError
 
     try:
         BatchedDecoder("hardware").close()
@@ -67,7 +68,7 @@ class GpuBackend:
             raise GpuUnavailableError("device='cuda' was asked for, but torch sees no CUDA device")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        from .doctor import io_mode
+        from gdsdata.commands.doctor import io_mode
 
         self.index = index
         self.device = device
@@ -141,8 +142,8 @@ class GpuBackend:
         return self.decode(self.read(indices), stream)
 
     def _verify(self, staging, plan, indices) -> dict:
-        from .decode_cpu import check_crc
-        from .errors import CorruptSampleError
+        from gdsdata.decode.cpu import check_crc
+        from gdsdata.errors import CorruptSampleError
 
         host = staging.cpu().numpy() if staging.is_cuda else staging.numpy()
         failed = {}

@@ -1,0 +1,73 @@
+"""The CPU path behind ``GDSDataset(device="cpu")``: storage -> host buffer (``io.cpu``) ->
+libjpeg-turbo on the cpu_threads pool (``decode.cpu``) -> one flat arena of pixels."""
+
+import numpy as np
+import torch
+
+from gdsdata import stall
+from gdsdata.batch import PixelBatch, Staged
+from gdsdata.decode.cpu import check_crc, cpu_pool, decode
+from gdsdata.errors import CorruptSampleError
+from gdsdata.io.cpu import CpuReader
+from gdsdata.io.path import LoadPath
+
+
+class CpuBackend:
+    """Storage -> host buffer (``reader_cpu``) -> libjpeg-turbo in a thread pool -> one flat arena."""
+
+    def __init__(self, index, verify):
+        self.index = index
+        self.reader = CpuReader(index)
+        self.verify = verify
+
+    @property
+    def load_path(self) -> LoadPath:
+        return LoadPath("cpu", "cpu", "the CPU path", "preadv", "host", "libjpeg-turbo",
+                        "all" if self.verify else "none")
+
+    def read(self, indices) -> Staged:
+        buffer, plan = self.reader.read(indices)
+        return Staged(list(indices), plan, buffer, None, {})
+
+    def load_batch(self, indices, stream=None) -> PixelBatch:
+        return self.decode(self.read(indices), stream)
+
+    def decode(self, staged: Staged, stream=None) -> PixelBatch:
+        indices, buffer, plan = staged.indices, staged.tensor, staged.plan
+        records = self.index.samples[np.asarray(indices, dtype=np.int64)]
+        heights = records["height"].astype(np.int64)
+        widths = records["width"].astype(np.int64)
+        sizes = heights * widths * 3
+        offsets = np.zeros(len(indices), np.int64)
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        arena = np.empty(int(sizes.sum()), np.uint8)
+        errors = {}
+
+        def decode_one(k):
+            sample = indices[k]
+            start, length = int(plan.sample_offsets[k]), int(plan.sample_lengths[k])
+            payload = buffer[start:start + length]
+            name = self.index.describe(sample)
+            try:
+                if self.verify:
+                    check_crc(payload, records[k], name)
+                decode(payload, records[k], name, out=arena[offsets[k]:offsets[k] + sizes[k]])
+            except CorruptSampleError as e:
+                errors[k] = e
+
+        if len(indices) == 1:
+            decode_one(0)
+        else:
+            with stall.native("CPU decode (libjpeg-turbo) on the cpu_threads pool"):
+                list(cpu_pool().map(decode_one, range(len(indices))))
+        return PixelBatch(torch.from_numpy(arena), offsets, heights, widths, np.full(len(indices), 3),
+                          errors, owned=True)
+
+    def close(self):
+        self.reader.close()
+
+    def __getstate__(self):
+        return {"index": self.index, "verify": self.verify}
+
+    def __setstate__(self, state):
+        self.__init__(state["index"], state["verify"])

@@ -1,0 +1,1 @@
+"""Staging -> pixels: libjpeg-turbo on the CPU (``cpu``), nvJPEG on the GPU (``gpu``)."""
