@@ -21,6 +21,9 @@ def _tally(values, names):
 
 
 def info(root) -> dict:
+    """What a dataset holds (what ``gdsdata inspect`` shows), as a dict: samples, classes and the
+    count per class, shards, payload and alignment overhead, image sizes, codecs and chroma
+    subsampling, what was converted at pack time, and where it came from (parts, merges, appends)."""
     index = index_io.load(root)
     samples, shards = index.samples, index.shards
     payload = int(samples["length"].sum())

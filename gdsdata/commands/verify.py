@@ -13,8 +13,15 @@ from gdsdata.io.cpu import CpuReader
 from gdsdata.format.shards import data_crc32
 
 
-def verify(root, *, decode_samples=True, batch=256, progress=False) -> list:
-    """Returns one line per problem found (empty when the dataset is sound)."""
+def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: bool = False) -> list:
+    """Check a dataset (what ``gdsdata verify`` does): the index, every shard's and every sample's
+    CRC-32, and (``decode_samples``) that every sample decodes on the CPU.
+
+    Returns
+    -------
+    list of str
+        One line per problem found, naming the shard or sample; empty when the dataset is sound.
+    """
     index = index_io.load(root)
     problems = []
     with ThreadPoolExecutor(settings.get("cpu_threads")) as pool:

@@ -86,10 +86,26 @@ def _check_parts(parts, indexes):
     return [(part, index) for part, index, _ in ordered]
 
 
-def merge(parts, out, *, copy=False, overwrite=False) -> dict:
-    """Merge the datasets ``parts`` (all parts of one ``pack --num-parts N``, in any order) into
-    ``out``; returns a summary. One writer at a time per ``out``; an existing ``out`` is replaced
-    only once the merged dataset is complete."""
+def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False) -> dict:
+    """Join the parts of one pack into one dataset (what ``gdsdata merge`` does).
+
+    Parameters
+    ----------
+    parts : list of str
+        Every part of one ``pack(..., num_parts=N, part=K)``, each once, in any order.
+    out : str or os.PathLike
+        The merged dataset folder (one writer at a time; an existing dataset needs ``overwrite``,
+        and is replaced only once the merged one is complete).
+    copy : bool
+        Copy shard data instead of hard-linking it (symbolic links across filesystems).
+    overwrite : bool
+        Replace a dataset in ``out``.
+
+    Returns
+    -------
+    dict
+        ``out``, ``parts``, ``samples``, ``shards`` and how the shards were placed.
+    """
     out = os.path.abspath(os.fspath(out))
     with writer_lock(out, f"merge of {len(parts)} part(s)"):
         return merge_checked(parts, out, copy=copy, overwrite=overwrite)

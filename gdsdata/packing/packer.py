@@ -26,6 +26,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
+from typing import Callable  # noqa: F401 - in annotations
 
 import numpy as np
 from tqdm import tqdm
@@ -293,15 +294,50 @@ def _resume_state(out, signature):
     return journals
 
 
-def pack(src, out, *, options: PackOptions = None, shard_size: int = 1 << 30,
-         alignment: int = fmt.DEFAULT_ALIGNMENT, workers: int = 0, strict: bool = False,
-         overwrite: bool = False, progress: bool = False, num_parts: int = 1, part: int = 0,
-         resume: bool = False, append: bool = False, allow_empty_classes: bool = False,
-         on_progress=None) -> PackResult:
-    """Pack the source ``src`` (ImageFolder tree, LMDB or tar shards, a local path or an fsspec URL)
-    into the dataset folder ``out``. ``append=True`` adds the source's images that ``out`` does not
-    hold yet (new classes get the next labels) as new shards of the existing dataset.
-    ``on_progress(n)`` is called as images are done (besides the progress bar, ``progress``)."""
+def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOptions = None,
+         shard_size: int = 1 << 30, alignment: int = fmt.DEFAULT_ALIGNMENT, workers: int = 0,
+         strict: bool = False, overwrite: bool = False, progress: bool = False, num_parts: int = 1,
+         part: int = 0, resume: bool = False, append: bool = False, allow_empty_classes: bool = False,
+         on_progress: "Callable[[int], None] | None" = None) -> PackResult:
+    """Pack an image source into a dataset folder (what ``gdsdata pack`` does).
+
+    Parameters
+    ----------
+    src : str or os.PathLike
+        An ImageFolder tree (one subfolder per class), an LMDB of (image bytes, label), WebDataset
+        tar shards; a local path or an fsspec URL (``s3://``, ``gs://``, ...).
+    out : str or os.PathLike
+        The dataset folder to write (one writer at a time; an existing dataset needs ``overwrite``).
+    options : PackOptions, optional
+        How images are stored: codec (jpeg or raw), quality of re-encoded images, downscaling, the
+        pixel limit checked before decoding.
+    shard_size, alignment : int
+        Target shard size and payload alignment in bytes.
+    workers : int
+        Processes preparing images (0: every core).
+    strict : bool
+        Stop at the first bad or unreadable file or folder instead of skipping it.
+    overwrite : bool
+        Replace a dataset in ``out``: the new one is built aside and swapped in when complete.
+    progress : bool
+        Show a progress bar on stderr.
+    num_parts, part : int
+        Pack contiguous part ``part`` of ``num_parts`` (for ``merge``).
+    resume : bool
+        Finish an interrupted pack into ``out`` with the same options, keeping its finished shards.
+    append : bool
+        Add the images of ``src`` that ``out`` does not hold yet (new classes get the next labels).
+    allow_empty_classes : bool
+        Keep class folders without images as classes (torchvision's ImageFolder refuses them).
+    on_progress : callable, optional
+        Called with a count as images are done.
+
+    Returns
+    -------
+    PackResult
+        Counts, sizes, time, and what was skipped, ignored or could not be read (also in
+        ``out/pack_report.json``).
+    """
     options = options or PackOptions()
     if not isinstance(src, Listing) and not is_url(src):
         src = os.path.abspath(os.fspath(src))
