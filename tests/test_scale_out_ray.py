@@ -3,17 +3,13 @@ worker and gives the dataset a single process gives; a local S3 server (moto) se
 packs into the dataset the same files give from disk."""
 
 import os
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 from conftest import write_photos
 
-from gdsdata.format import layout as fmt
 from gdsdata.format.index import load
 from gdsdata.packing.packer import pack
 from gdsdata.commands.verify import verify
@@ -49,57 +45,50 @@ def source(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def kill_marker(tmp_path_factory):
+    """Where the first Ray worker to finish a shard notes that it killed itself."""
+    return str(tmp_path_factory.mktemp("ray_kill") / "killed")
+
+
+@pytest.fixture(scope="module")
+def local_ray(kill_marker):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+    def kill_after_first_journal():  # runs in each Ray worker as it starts (pickled by value)
+        import os
+        import signal
+
+        from gdsdata.format import layout
+        from gdsdata.packing import packer
+
+        write_json = packer._write_json
+
+        def write_then_die(path, payload):
+            write_json(path, payload)
+            if path.endswith(layout.JOURNAL_SUFFIX):
+                try:
+                    os.close(os.open(kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    return
+                os.kill(os.getpid(), signal.SIGKILL)  # a worker killed between a finished shard and the next
+
+        packer._write_json = write_then_die
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"worker_process_setup_hook": kill_after_first_journal})
     yield ray
     ray.shutdown()
 
 
-def _ray_workers():
-    """PIDs of Ray worker processes running a part (their process title names the task)."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if b"ray::_pack_part" in cmdline:
-            pids.append(int(pid))
-    return pids
-
-
-def test_a_local_ray_packs_in_parts_and_survives_a_killed_worker(source, local_ray, tmp_path):
+def test_a_local_ray_packs_in_parts_and_survives_a_killed_worker(source, local_ray, kill_marker, tmp_path):
     from gdsdata.packing.ray import pack_on_ray
 
     src, reference = source
     out = str(tmp_path / "ds")
-    killed = []
-
-    def kill_one():  # once a part has finished a shard, kill the worker packing it
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not killed:
-            parts = [d for d in os.listdir(tmp_path) if ".gdsdata-parts-" in d]
-            for d in parts:
-                folders = [tmp_path / d / p for p in os.listdir(tmp_path / d) if p.startswith("part-")]
-                for part in folders:
-                    if part.is_dir() and any(n.endswith(fmt.JOURNAL_SUFFIX) for n in os.listdir(part)):
-                        for pid in _ray_workers():
-                            os.kill(pid, signal.SIGKILL)
-                            killed.append(pid)
-                            return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_one, daemon=True)
-    killer.start()
     summary = pack_on_ray(src, out, num_parts=4, shard_size=64 * 1024, max_retries=5)
-    killer.join(1)
-    assert killed, "no worker was killed: the test did not exercise a retry"
+    assert os.path.exists(kill_marker), "no worker was killed: the test did not exercise a retry"
     assert summary["parts"] == 4 and summary["samples"] == 64
-    assert summary["resumed_shards"] >= 1  # the killed part went on from the shards it had finished
+    assert summary["resumed_shards"] >= 1  # the killed part went on from the shard it had finished
     same_dataset(out, reference)
     assert verify(out) == []
     assert sorted(os.listdir(tmp_path)) == ["ds"]  # the part folders are gone
