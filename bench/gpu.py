@@ -125,11 +125,9 @@ def transform_compare(ds):
 
 
 # --- main -------------------------------------------------------------------------------------
-def gather_tag(ds, pool) -> str:
-    """Who runs the page gather, where a dataset's reads use it."""
-    if ds._backend.engine in ("kvikio", "mapped"):
-        return ""
-    return f" gather_pool={pool}" if pool else " gather=torch threads"
+def gather_tag(ds, threads) -> str:
+    """How many threads run the page gather, where a dataset's reads use it."""
+    return "" if ds.load_path.reads in ("kvikio", "mapped") else f" gather_threads={threads}"
 
 
 def main(argv=None):
@@ -211,22 +209,22 @@ def main(argv=None):
             pread_raw = run(f"kvikio pread raw shards -> GPU ({threads} threads)", fn, len(raw), nbytes)
         fn, nbytes = kvikio_pread_epoch(shard_paths(jpeg), threads)
         run(f"kvikio pread JPEG shards -> GPU ({threads} threads)", fn, n, nbytes)
-    for backend in ("hardware", "hardware_device"):  # run() closes each loop's decoder after its row
+    for backend in ("hardware", "hardware_device"):  # nvJPEG's names; run() closes each loop's decoder after its row
         run(f"nvJPEG batched loop, {backend}, staged bytes", nvjpeg_ceiling_epoch(jpeg, backend), n, payload)
 
     print("\n== gdsdata (page cache warm) ==")
     rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
-    user_pool = settings.get("gather_pool")  # GDSDATA_GATHER_POOL, for the automatic rows
-    # (staging, backend, reads, io threads, gather pool): the automatic choice first, then forced paths
+    user_pool = settings.get("gather_threads")  # GDSDATA_GATHER_THREADS, for the automatic rows
+    # (staging, backend, reads, io threads, gather threads): the automatic choice first, then forced paths
     auto = [("auto", "auto", "auto", 16, user_pool)]
     paths = auto if "paths" in skip else auto + [
-        ("host", "hardware", "mmap", 16, user_pool), ("host", "hardware", "mmap", 16, 0),
-        ("host", "hardware", "kvikio", 16, user_pool), ("device", "hardware_device", "kvikio", 16, user_pool)]
+        ("host", "hardware", "mmap", 16, user_pool), ("host", "hardware", "mmap", 16, 1),
+        ("host", "hardware", "kvikio", 16, user_pool), ("device", "hardware", "kvikio", 16, user_pool)]
 
     def jpeg_rows(paths, note=""):
         for staging, backend, engine, io_threads, pool in paths:
             with settings.set(staging=staging, decode_backend=backend, io_engine=engine, io_threads=io_threads,
-                              gather_pool=pool):
+                              gather_threads=pool):
                 ds = gdsdata.GDSDataset(jpeg_dir, device="cuda")
                 tag = f"{ds.load_path.describe()} io_threads={io_threads}" + gather_tag(ds, pool) + note
                 run(f"gdsdata decode only [{tag}]", loader_epoch(ds, None), n, payload)
@@ -237,9 +235,9 @@ def main(argv=None):
         """Shuffled and file-order raw train batches per path; returns the first path's shuffled row."""
         first = None
         for staging, engine, pool in () if raw is None else paths:
-            with settings.set(staging=staging, io_engine=engine, gather_pool=pool):
+            with settings.set(staging=staging, io_engine=engine, gather_threads=pool):
                 ds = gdsdata.GDSDataset(raw_dir, device="cuda")
-                tag = f"staging={ds._backend.staging_kind} reads={ds._backend.engine}{gather_tag(ds, pool)}"
+                tag = f"staging={ds.load_path.staging} reads={ds.load_path.reads}{gather_tag(ds, pool)}"
                 if staging == "auto":
                     tag = f"auto: {tag}"
                 for shuffle in ("full", None):
@@ -252,7 +250,7 @@ def main(argv=None):
     jpeg_rows(paths)
     jpeg_rows(auto, ", again")  # again, last: does a row's place in the run change it?
     raw_train = raw_rows((("auto", "auto", user_pool), ("host", "auto", user_pool), ("host", "mmap", user_pool),
-                          ("host", "mmap", 0), ("host", "kvikio", user_pool),
+                          ("host", "mmap", 1), ("host", "kvikio", user_pool),
                           ("device", "kvikio", user_pool)))  # first: the automatic choice, shuffled
     try:
         notes["transform_ms_per_batch"] = transform_compare(jpeg)
@@ -288,7 +286,7 @@ def main(argv=None):
             for name, root, count, nbytes, shuffle in rows:
                 drop_caches()
                 cold = gdsdata.GDSDataset(root, device="cuda")
-                run(f"gdsdata {name} [reads={cold._backend.engine}]", loader_epoch(cold, rrc, shuffle=shuffle),
+                run(f"gdsdata {name} [reads={cold.load_path.reads}]", loader_epoch(cold, rrc, shuffle=shuffle),
                     count, nbytes, runs=1, warmup=0)
                 cold.close()
         else:
@@ -299,7 +297,7 @@ def main(argv=None):
         print("\n== io_engine=mapped for JPEG: the GPU gathers bitstreams from registered page-cache pages ==")
         try:
             warm(shard_paths(jpeg))
-            jpeg_rows([("device", "hardware_device", "mapped", 16, 0)])
+            jpeg_rows([("device", "hardware", "mapped", 16, 1)])
         except Exception:  # noqa: BLE001 - the summary of everything else still follows
             print(f"  mapped engine FAILED\n{traceback.format_exc()}")
 

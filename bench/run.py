@@ -123,7 +123,7 @@ def main(argv=None):
     gpu_rrc = gdsdata.RandomResizedCrop(224, dtype="float16")
     cpu_rrc = gdsdata.RandomResizedCrop(224, dtype="float32")
     if cuda and wanted("gdsdata-gpu"):
-        for staging, backend in (("auto", "auto"), ("device", "hardware_device")):
+        for staging, backend in (("auto", "auto"), ("device", "hardware")):
             with settings.set(staging=staging, decode_backend=backend):
                 ds = gdsdata.GDSDataset(os.path.join(work, "jpeg.gds"), device="cuda")
                 run(f"gdsdata GPU [{ds.load_path.describe()}]", lambda ds=ds: gdsdata_epoch(ds, batch, gpu_rrc, cold))

@@ -6,7 +6,8 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
 
   synthetic   random GPU tensors made once: the model's own ceiling
   gdsdata     gdsdata.Loader over the packed JPEGs (RandomResizedCrop 224 + flip + normalise fp16);
-              gdsdata:BACKEND forces an nvJPEG backend (GDSDATA_DECODE_BACKEND), e.g. gdsdata:hardware_device
+              gdsdata:BACKEND forces an nvJPEG backend by nvJPEG's name: hardware, hardware_device,
+              gpu_hybrid or gpu_hybrid_device (GDSDATA_DECODE_BACKEND, GDSDATA_STAGING=device for *_device)
   raw         the same over a raw-pixel pack of the images (shorter side 256)
   dali        DALI's file reader + mixed random-crop decode + resize + crop_mirror_normalize fp16
               (when nvidia.dali imports)
@@ -194,10 +195,13 @@ def run_row(args):
         epoch = _synthetic(args.count)
     elif args.input.startswith("gdsdata"):
         if ":" in args.input:
-            os.environ["GDSDATA_DECODE_BACKEND"] = args.input.split(":", 1)[1]
             from gdsdata import settings
 
-            settings.set(decode_backend=args.input.split(":", 1)[1])
+            backend = args.input.split(":", 1)[1]
+            device = backend.endswith("_device")
+            family, staging = (backend.removesuffix("_device"), "device") if device else (backend, "host")
+            os.environ.update(GDSDATA_DECODE_BACKEND=family, GDSDATA_STAGING=staging)
+            settings.set(decode_backend=family, staging=staging)
         epoch = _gdsdata(args.jpeg)
     elif args.input == "raw":
         epoch = _gdsdata(args.raw)

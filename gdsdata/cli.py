@@ -144,17 +144,15 @@ def _cmd_verify(args):
 
 
 def _cmd_doctor(args):
-    from gdsdata.commands.doctor import report
+    from gdsdata.commands.doctor import path_fields, report
 
     info = report()
     if args.dataset:
-        from dataclasses import asdict
-
         from gdsdata.dataset import GDSDataset
 
         with GDSDataset(args.dataset, device=args.device) as ds:
             info["dataset"] = args.dataset
-            info.update({f"  {k.replace('_', ' ')}": v for k, v in asdict(ds.load_path).items()})
+            info.update(path_fields(ds.load_path))
     if args.json:
         print(json.dumps(info, indent=2))
     else:

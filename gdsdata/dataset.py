@@ -70,14 +70,15 @@ class GDSDataset(torch.utils.data.Dataset):
         self.skipped = 0  # samples replaced (on_error="skip") since the dataset was opened
         self._bad, self._good = set(), set()  # samples found bad, and good replacements
         self._passes = weakref.WeakSet()  # Loader passes reading from this dataset (close() stops them)
-        verify = settings.get("verify_checksums") if verify_checksums is None else (
+        config = settings.snapshot()  # a dataset keeps the settings it was built with
+        verify = config["verify_checksums"] if verify_checksums is None else (
             "always" if verify_checksums else False)
         if self.device.type == "cpu":
-            self._backend = CpuBackend(self.index, verify)
+            self._backend = CpuBackend(self.index, verify, config)
         elif self.device.type == "cuda":
             from gdsdata.backends.gpu import GpuBackend  # imports CUDA-only libraries
 
-            self._backend = GpuBackend(self.index, self.device, verify)
+            self._backend = GpuBackend(self.index, self.device, verify, config)
         else:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self._labels = self.index.samples["label"].astype(np.int64)

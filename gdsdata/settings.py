@@ -5,20 +5,26 @@
     with gdsdata.settings.set(cpu_threads=4, max_gap=0):
         ...
 
+Three settings choose the GPU path, one per decision (``auto`` lets ``gdsdata.io.path.resolve``
+decide from the machine and the dataset; ``GDSDataset.load_path`` says what it chose and why):
+``staging`` (where the bytes land), ``io_engine`` (who reads them), ``decode_backend`` (which nvJPEG
+backend decodes them). The others size or bound the work.
+
+A dataset takes a snapshot of the settings when it is built: changing them later does not touch a
+dataset already open. ``cpu_threads`` sizes the process's one CPU pool (read whenever the pool is
+made) and ``stall_timeout`` is read as each Loader pass starts.
+
 | name | variable | default | meaning |
 | --- | --- | --- | --- |
-| cpu_threads | GDSDATA_CPU_THREADS | cores | threads decoding JPEGs on the CPU path |
+| cpu_threads | GDSDATA_CPU_THREADS | cores | threads decoding JPEGs and resampling on the CPU |
 | io_threads | GDSDATA_IO_THREADS | 16 | kvikio threads issuing reads on the GPU path |
-| io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: auto, kvikio (CuFile.pread), mmap or mixed (pinned |
-| | | | staging only), mapped (the GPU copies from registered page-cache pages; device staging) |
-| gather_pool | GDSDATA_GATHER_POOL | min(8, cores) | page gather (mmap reads): N gdsdata threads; 0: torch's threads |
-| mapped_copy | GDSDATA_MAPPED_COPY | auto | mapped reads: dma (the copy engines, one cuMemcpyBatchAsync per |
-| | | | batch), gather (the SMs), auto (dma where the driver has it: CUDA 12.8+) |
+| gather_threads | GDSDATA_GATHER_THREADS | min(8, cores) | threads of the page gather (``mmap``, ``mixed``) |
+| staging | GDSDATA_STAGING | auto | GPU path: device (GPU memory) or host (pinned) |
+| io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: kvikio (CuFile.pread), mmap or mixed (page gather, per |
+| | | | batch or always; pinned staging), mapped (the GPU copies from registered pages; device staging) |
+| decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG: hardware (the JPEG engines) or gpu_hybrid (CUDA cores) |
 | max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
-| staging | GDSDATA_STAGING | auto | GPU path staging: auto, device (cuFile into GPU memory) or host (pinned) |
-| decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG backend: auto, hardware, hardware_device, |
-| | | | gpu_hybrid, gpu_hybrid_device |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 1 | check every sample's CRC-32 where its bytes pass through |
 | | | | host memory (the CPU path, pinned GPU staging); 0: never |
 | stall_timeout | GDSDATA_STALL_TIMEOUT | 60 | seconds a Loader stage may spend on one batch before the |
@@ -29,15 +35,16 @@ when it does not come from NVIDIA's wheels.
 """
 
 import contextlib
+import logging
 import os
 import threading
+import types
 
 _DEFAULTS = {
     "cpu_threads": os.cpu_count() or 1,
     "io_threads": 16,
     "io_engine": "auto",
-    "gather_pool": min(8, os.cpu_count() or 1),
-    "mapped_copy": "auto",
+    "gather_threads": min(8, os.cpu_count() or 1),
     "max_gap": 256 * 1024,
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",
@@ -48,8 +55,15 @@ _DEFAULTS = {
 _CHOICES = {
     "staging": ("auto", "device", "host"),
     "io_engine": ("auto", "kvikio", "mmap", "mixed", "mapped"),
-    "mapped_copy": ("auto", "dma", "gather"),
-    "decode_backend": ("auto", "hardware", "hardware_device", "gpu_hybrid", "gpu_hybrid_device"),
+    "decode_backend": ("auto", "hardware", "gpu_hybrid"),
+}
+_RENAMED = {  # earlier names, refused with the one that replaces them
+    "gather_pool": "gather_threads (a thread count, at least 1)",
+    "mapped_copy": "nothing: the mapped engine copies with the copy engines where the driver can",
+}
+_RENAMED_VALUES = {
+    ("decode_backend", "hardware_device"): "decode_backend=hardware with staging=device",
+    ("decode_backend", "gpu_hybrid_device"): "decode_backend=gpu_hybrid with staging=device",
 }
 _lock = threading.Lock()
 
@@ -80,12 +94,17 @@ def _parse(name, value):
             raise ValueError(f"setting {name}: must be positive, got {number}")
         return number
     value = str(value).strip().lower()
+    if (name, value) in _RENAMED_VALUES:
+        raise ValueError(f"setting {name}={value} is gone: use {_RENAMED_VALUES[name, value]}")
     if value not in _CHOICES[name]:
         raise ValueError(f"setting {name}: expected one of {', '.join(_CHOICES[name])}, got {value!r}")
     return value
 
 
 def _from_environment():
+    for old, new in _RENAMED.items():
+        if os.environ.get(f"GDSDATA_{old.upper()}"):
+            logging.getLogger(__name__).warning("GDSDATA_%s is ignored: it is gone; use %s", old.upper(), new)
     values = dict(_DEFAULTS)
     for name in _DEFAULTS:
         raw = os.environ.get(f"GDSDATA_{name.upper()}")
@@ -107,6 +126,11 @@ def as_dict():
     return dict(_values)
 
 
+def snapshot():
+    """The settings now, as a read-only mapping (what a dataset keeps when it is built)."""
+    return types.MappingProxyType(dict(_values))
+
+
 @contextlib.contextmanager
 def _restore(previous):
     try:
@@ -118,6 +142,9 @@ def _restore(previous):
 
 def set(**changes):  # noqa: A001 - mirrors kvikio.defaults.set
     """Change settings now; used as a context manager, restores them on exit."""
+    for old in changes:
+        if old in _RENAMED:
+            raise KeyError(f"setting {old} is gone: use {_RENAMED[old]}")
     unknown = sorted(k for k in changes if k not in _values)
     if unknown:
         raise KeyError(f"unknown gdsdata setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_values))}")

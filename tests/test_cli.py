@@ -86,15 +86,6 @@ def test_doctor_reports_the_cpu_path():
     assert rc == 0 and info["cpu cores"] == os.cpu_count() and "torch" in info
 
 
-def test_doctor_says_what_the_automatic_reads_do():
-    from gdsdata.commands.doctor import auto_reads
-
-    assert "kvikio into GPU memory" in auto_reads("gds")
-    compat = auto_reads("compat")
-    assert "registered page-cache pages" in compat and "pinned staging" in compat and " GB" in compat
-    assert "pinned" in auto_reads("unavailable")
-
-
 def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path):
     parts = [str(tmp_path / f"p{k}") for k in range(2)]
     for k, part in enumerate(parts):

@@ -20,8 +20,22 @@ from gdsdata.packing.packer import pack
 
 pytestmark = pytest.mark.gpu
 
-PATHS = [("host", "hardware"), ("device", "hardware_device"), ("host", "gpu_hybrid"),
-         ("device", "gpu_hybrid_device")]
+PATHS = [("host", "hardware"), ("device", "hardware"), ("host", "gpu_hybrid"), ("device", "gpu_hybrid")]
+PATH_IDS = [f"{b}-{s}" for s, b in PATHS]
+
+
+def copy_with(monkeypatch, copy):
+    """Make the resolver see a driver with (``dma``) or without (``gather``) the batched copy."""
+    import dataclasses
+
+    from gdsdata.io import path
+
+    real = path.probe_machine
+    machine = real(torch.cuda.current_device())
+    if copy == "dma" and not machine.batched_copy:
+        pytest.skip("this driver has no cuMemcpyBatchAsync")
+    batched = machine.batched_copy if copy == "dma" else ""
+    monkeypatch.setattr(path, "probe_machine", lambda index: dataclasses.replace(real(index), batched_copy=batched))
 
 
 def packed_raw(tmp_path_factory, name, seed, **pack_args) -> str:
@@ -45,7 +59,7 @@ def stored_payload(ds, i) -> bytes:
         return f.read(int(record["length"]))
 
 
-@pytest.mark.parametrize("staging, backend", PATHS, ids=[b for _, b in PATHS])
+@pytest.mark.parametrize("staging, backend", PATHS, ids=PATH_IDS)
 def test_every_kind_decodes_on_the_gpu_like_pil(kinds_dataset, staging, backend):
     """Each stored bitstream, decoded by nvJPEG, against PIL decoding the same bitstream."""
     _, _, out, _ = kinds_dataset
@@ -77,14 +91,16 @@ def raw_shards(tmp_path_factory):
     return packed_raw(tmp_path_factory, "raw_shards", 700, shard_size=160 << 10)
 
 
-@pytest.mark.parametrize("staging, engine, pool", [("host", "mmap", 0), ("host", "mmap", 4), ("host", "kvikio", 0),
-                                                   ("device", "kvikio", 0), ("device", "mapped:gather", 0),
-                                                   ("device", "mapped:dma", 0), ("auto", "auto", 8)])
-def test_raw_gpu_equals_cpu_exactly(raw_shards, staging, engine, pool):
+@pytest.mark.parametrize("staging, engine, threads", [("host", "mmap", 1), ("host", "mmap", 4), ("host", "kvikio", 1),
+                                                      ("device", "kvikio", 1), ("device", "mapped:gather", 1),
+                                                      ("device", "mapped:dma", 1), ("auto", "auto", 8)])
+def test_raw_gpu_equals_cpu_exactly(raw_shards, monkeypatch, staging, engine, threads):
     engine, _, copy = engine.partition(":")
+    if copy:
+        copy_with(monkeypatch, copy)
     cpu = gdsdata.GDSDataset(raw_shards)
     assert len(cpu.index.shards) > 2
-    with settings.set(staging=staging, io_engine=engine, max_gap=0, gather_pool=pool, mapped_copy=copy or "auto"):
+    with settings.set(staging=staging, io_engine=engine, max_gap=0, gather_threads=threads):
         gpu = gdsdata.GDSDataset(raw_shards, device="cuda")
         for order in ([5, 1, 2, 3, 20, 0], list(range(len(cpu)))[::-1]):
             for (a, la), (b, lb) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):
@@ -93,13 +109,14 @@ def test_raw_gpu_equals_cpu_exactly(raw_shards, staging, engine, pool):
 
 
 @pytest.mark.parametrize("copy", ["dma", "gather"])
-def test_mapped_loader_equals_cpu_over_epochs(raw_shards, copy):
+def test_mapped_loader_equals_cpu_over_epochs(raw_shards, monkeypatch, copy):
     """The mapped engine queues each batch's copy and hands on an event: with three batches read
     ahead into rotating staging slots, every epoch's pixels equal the CPU path's."""
     cpu = gdsdata.Loader(gdsdata.GDSDataset(raw_shards), 5, seed=4)
-    with settings.set(staging="device", io_engine="mapped", mapped_copy=copy):
+    copy_with(monkeypatch, copy)
+    with settings.set(staging="device", io_engine="mapped"):
         ds = gdsdata.GDSDataset(raw_shards, device="cuda")
-    assert ds._backend.reader.maps.copy == copy
+    assert ds.load_path.copy == copy and ds._backend.reader.maps.copy == copy
     gpu = gdsdata.Loader(ds, 5, seed=4, prefetch=3)
     for epoch in range(3):
         cpu.set_epoch(epoch)
@@ -138,10 +155,10 @@ def test_compat_mode_gathers_raw_datasets_on_the_gpu(raw_dataset, photos_dataset
     """Automatic choice in compatibility mode: raw pixels through the mapped engine into GPU
     staging, JPEG bitstreams through pinned host staging."""
     raw, jpeg = gdsdata.GDSDataset(raw_dataset, device="cuda"), gdsdata.GDSDataset(photos_dataset[2], device="cuda")
-    if raw._backend.io_mode != "compat":
+    if raw.load_path.io_mode != "compat":
         pytest.skip("the mapped engine is the automatic choice in compatibility mode only")
-    assert (raw._backend.engine, raw._backend.staging_kind) == ("mapped", "device")
-    assert (jpeg._backend.engine, jpeg._backend.staging_kind) == ("mixed", "host")
+    assert (raw.load_path.reads, raw.load_path.staging) == ("mapped", "device")
+    assert (jpeg.load_path.reads, jpeg.load_path.staging) == ("mixed", "host")
     raw.close()
     jpeg.close()
 
@@ -171,13 +188,14 @@ def test_automatic_mapped_engine_falls_back_to_kvikio(raw_dataset, monkeypatch, 
 
     monkeypatch.setattr(MappedShards, "device_pages", refuse)
     cpu, gpu = gdsdata.GDSDataset(raw_dataset), gdsdata.GDSDataset(raw_dataset, device="cuda")
-    if gpu._backend.engine != "mapped":
+    if gpu.load_path.reads != "mapped":
         pytest.skip("the mapped engine is the automatic choice in compatibility mode only")
     order = [3, 7, 1, 0]
     with caplog.at_level("WARNING", logger="gdsdata"):
         for (a, _), (b, _) in zip(cpu.__getitems__(order), gpu.__getitems__(order)):
             assert torch.equal(a, b.cpu())
-    assert gpu._backend.engine == "kvikio" and "CUDA cannot register" in caplog.text
+    assert gpu.load_path.reads == "kvikio" and "CUDA cannot register" in caplog.text
+    assert "could not register" in gpu.load_path.why[-1]
     gpu.close()
     with settings.set(io_engine="mapped"):
         explicit = gdsdata.GDSDataset(raw_dataset, device="cuda")
@@ -196,7 +214,7 @@ def test_mixed_engine_reads_each_batch_its_way_and_equals_cpu(raw_dataset, monke
     cpu = gdsdata.GDSDataset(raw_dataset)
     with settings.set(staging="host", io_engine="auto", max_gap=0):
         gpu = gdsdata.GDSDataset(raw_dataset, device="cuda")
-    if gpu._backend.io_mode != "compat":
+    if gpu.load_path.io_mode != "compat":
         pytest.skip("the mixed engine is the automatic choice in compatibility mode")
     reader, used = gpu._backend.reader, []
     assert reader.engine == "mixed"
@@ -242,13 +260,13 @@ def test_float16_gpu_batches_match_cpu(raw_dataset):
     assert (cpu.float() - gpu.cpu().float()).abs().max() < 0.02
 
 
-@pytest.mark.parametrize("backend, verify", [("hardware", False), ("hardware_device", True)])
-def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, backend, verify):
+@pytest.mark.parametrize("staging, verify", [("host", False), ("device", True)])
+def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, staging, verify):
     """HARDWARE parses bitstreams on the host and reports a bad one; the device-bitstream backend
     parses nothing on the host, so there the checksum is what catches a damaged sample."""
     out = damaged_copy(photos_dataset[2], str(tmp_path / "ds"), 7, 2, b"\x00" * 600)
     ds = gdsdata.GDSDataset(out)
-    with settings.set(decode_backend=backend):
+    with settings.set(decode_backend="hardware", staging=staging):
         gpu = gdsdata.GDSDataset(out, device="cuda", verify_checksums=verify)
         with pytest.raises(CorruptSampleError, match=r"sample 7 \("):
             gpu.__getitems__([6, 7, 8])
@@ -298,7 +316,7 @@ def test_two_datasets_share_one_nvjpeg_decoder(photos_dataset):
     from gdsdata.decode.gpu import _SharedDecoder
 
     def users(ds):
-        shared = _SharedDecoder._open.get((ds.device.index, ds._backend.backend))
+        shared = _SharedDecoder._open.get((ds.device.index, ds.load_path.backend))
         return 0 if shared is None else shared.users
 
     first = gdsdata.GDSDataset(photos_dataset[2], device="cuda")

@@ -19,7 +19,7 @@ from gdsdata import stall
 from gdsdata.packing.packer import pack
 
 pytestmark = pytest.mark.gpu
-PATHS = [("host", "hardware"), ("device", "hardware_device"), ("host", "gpu_hybrid")]
+PATHS = [("host", "hardware"), ("device", "hardware"), ("host", "gpu_hybrid")]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def small_convnet():
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(128, 4))
 
 
-@pytest.mark.parametrize("staging, backend", PATHS, ids=[b for _, b in PATHS])
+@pytest.mark.parametrize("staging, backend", PATHS, ids=[f"{b}-{s}" for s, b in PATHS])
 def test_a_model_trains_500_steps_on_loader_batches(training_set, staging, backend):
     """bf16 autocast, channels_last, SGD, no synchronisation per step: the loop the decoder hung
     beside. The watchdog is armed: a stall raises StallError and fails the test."""

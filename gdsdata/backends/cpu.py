@@ -9,21 +9,18 @@ from gdsdata.batch import PixelBatch, Staged
 from gdsdata.decode.cpu import check_crc, cpu_pool, decode
 from gdsdata.errors import CorruptSampleError
 from gdsdata.io.cpu import CpuReader
-from gdsdata.io.path import LoadPath
+from gdsdata.io.path import cpu_path
 
 
 class CpuBackend:
     """Storage -> host buffer (``reader_cpu``) -> libjpeg-turbo in a thread pool -> one flat arena."""
 
-    def __init__(self, index, verify):
+    def __init__(self, index, verify, config):
         self.index = index
-        self.reader = CpuReader(index)
+        self.config = config
+        self.reader = CpuReader(index, config=config)
         self.verify = verify
-
-    @property
-    def load_path(self) -> LoadPath:
-        return LoadPath("cpu", "cpu", "the CPU path", "preadv", "host", "libjpeg-turbo",
-                        "all" if self.verify else "none")
+        self.load_path = cpu_path(verify)
 
     def read(self, indices) -> Staged:
         buffer, plan = self.reader.read(indices)
@@ -67,7 +64,7 @@ class CpuBackend:
         self.reader.close()
 
     def __getstate__(self):
-        return {"index": self.index, "verify": self.verify}
+        return {"index": self.index, "verify": self.verify, "config": dict(self.config)}
 
     def __setstate__(self, state):
-        self.__init__(state["index"], state["verify"])
+        self.__init__(state["index"], state["verify"], state["config"])

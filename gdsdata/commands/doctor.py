@@ -6,9 +6,11 @@ compatibility mode (and why), nvJPEG and its hardware engines, and the thread co
 
 import os
 import platform
+from dataclasses import asdict
 
 from gdsdata import __version__
 from gdsdata import settings
+from gdsdata.errors import GdsDataError
 
 
 def _torch_block():
@@ -76,26 +78,32 @@ def _nvjpeg_block():
         return {"nvjpeg": f"unavailable ({e})"}
 
 
-def mapped_copy() -> str:
-    """How the ``mapped`` engine moves bytes here (``mapped_copy``), in words."""
-    from gdsdata._native.cuda import entry_point
-    from gdsdata.io.gpu import mapped_copy as resolved
-
-    if resolved() == "dma":
-        return f"the copy engines ({entry_point() or 'cuMemcpyBatchAsync: missing from this driver'})"
-    return "the SMs gather"
+def path_fields(path, prefix="  ") -> dict:
+    """A ``LoadPath`` as report lines: its fields, then one line per decision."""
+    fields = {f"{prefix}{k.replace('_', ' ')}": v for k, v in asdict(path).items() if k != "why" and v != ""}
+    fields.update({f"{prefix}why {k + 1}": line for k, line in enumerate(path.why)})
+    return fields
 
 
-def auto_reads(mode: str) -> str:
-    """What ``io_engine=auto`` does in I/O mode ``mode`` (with ``staging=auto``), in words."""
-    if mode == "gds":
-        return "kvikio into GPU memory"
-    if mode == "compat":
-        from gdsdata.io.gpu import mapped_limit
+def automatic_paths() -> dict:
+    """What the settings choose on this machine for a JPEG dataset and for a raw one that fits in
+    memory (``gdsdata.io.path.resolve``, the resolver datasets use)."""
+    import torch
 
-        return (f"raw datasets up to {mapped_limit() / 1e9:.0f} GB: GPU staging, {mapped_copy()} from registered "
-                f"page-cache pages; others: pinned staging, page gather or kvikio per batch")
-    return "page gather into pinned staging"
+    from gdsdata.io.path import probe_machine, resolve
+
+    try:
+        machine = probe_machine(torch.cuda.current_device())
+    except GdsDataError as e:  # doctor reports, never fails
+        return {"path": f"unavailable ({e})"}
+    info = {}
+    for kind, raw in (("JPEG", False), ("raw", True)):
+        try:
+            info[f"path ({kind} datasets)"] = resolve(machine, settings.snapshot(), all_raw=raw,
+                                                      shard_bytes=0).describe()
+        except (ValueError, GdsDataError) as e:
+            info[f"path ({kind} datasets)"] = f"refused: {e}"
+    return info
 
 
 def report() -> dict:
@@ -111,9 +119,9 @@ def report() -> dict:
         info.update(_nvjpeg_block())
     info["cpu decode threads"] = settings.get("cpu_threads")
     info["io threads"] = settings.get("io_threads")
-    info["io engine"] = settings.get("io_engine")
-    if info["io engine"] == "auto" and "io mode" in info:
-        info["io engine"] = f"auto ({auto_reads(info['io mode'].split(':')[0])})"
-    info["staging"] = settings.get("staging")
-    info["decode backend"] = settings.get("decode_backend")
+    info["gather threads"] = settings.get("gather_threads")
+    for name in ("staging", "io_engine", "decode_backend"):
+        info[name.replace("_", " ")] = settings.get(name)
+    if "io mode" in info:
+        info.update(automatic_paths())
     return info

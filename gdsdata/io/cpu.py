@@ -65,10 +65,12 @@ class OpenShards:
 class CpuReader:
     """Reads the payloads of a batch of samples into one host buffer. Safe across ``fork``: file
     descriptors are reopened in a child process. A bounded number of shard files is open at once
-    (``OpenShards``), each checked against the index when opened."""
+    (``OpenShards``), each checked against the index when opened. ``config``: a snapshot of the
+    settings (``max_gap``, ``max_read``; default: the settings now)."""
 
-    def __init__(self, index, max_open=None):
+    def __init__(self, index, max_open=None, config=None):
         self.index = index
+        self.config = settings.snapshot() if config is None else config
         self._max_open = max_open
         self._files = None
         self._pid = None
@@ -90,7 +92,7 @@ class CpuReader:
 
     def plan(self, indices) -> Plan:
         return plan_reads(self.index.samples, indices, self.index.alignment,
-                          settings.get("max_gap"), settings.get("max_read"))
+                          self.config["max_gap"], self.config["max_read"])
 
     def read(self, indices):
         """Returns (staging buffer, plan); sample k of ``indices`` is
@@ -118,7 +120,7 @@ class CpuReader:
             pass
 
     def __getstate__(self):
-        return {"index": self.index}
+        return {"index": self.index, "max_open": self._max_open, "config": dict(self.config)}
 
     def __setstate__(self, state):
-        self.__init__(state["index"])
+        self.__init__(state["index"], state.get("max_open"), state.get("config"))

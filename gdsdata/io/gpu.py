@@ -7,26 +7,19 @@ Two staging modes:
 - ``host``: reads into a pinned host buffer; nvJPEG's HARDWARE backend takes bitstreams from pinned
   memory directly, raw pixels go up in one asynchronous copy.
 
-I/O engines issue the reads (``GDSDATA_IO_ENGINE``):
+I/O engines issue the reads (``GDSDATA_IO_ENGINE``; ``gdsdata.io.path.resolve`` chooses one):
 - ``kvikio``: one ``CuFile.pread`` per planned read, run by kvikio's thread pool. Needed for device
   staging and GPUDirect Storage.
 - ``mmap``: every shard mapped read-only once; a batch is a gather of alignment-sized pages into
-  the pinned buffer, no Python call per read. By default (``gather_pool=N``, N = min(8, cores)) N
-  gdsdata threads each copy an equal span of the batch with one ``np.take`` (GIL released); with
-  ``gather_pool=0`` one ``torch.index_select`` per shard on torch's OpenMP threads.
+  the pinned buffer, no Python call per read: ``gather_threads`` gdsdata threads each copy an equal
+  span of the batch with one ``np.take`` (GIL released).
 - ``mapped``: the same maps registered with CUDA; the GPU's copy engines take every read of a batch
   from the page cache into GPU staging (one ``cuMemcpyBatchAsync`` per batch, queued without
   waiting), or, with drivers older than CUDA 12.8, its SMs gather the pages over PCIe; no CPU core
   copies a byte.
 
-The pool is the default because an OpenMP team beside other busy threads waits for its slowest
-thread and spins between gathers; torch's threads gather faster only when nothing else runs
-(docs/design.md, docs/benchmarks.md).
-
-``auto`` in compatibility mode with pinned staging reads each batch its way (``mixed``): batches of
-many small reads (shuffled) through the page gather, batches of a few large reads (file order)
-through kvikio, which splits each read over its threads. Without kvikio installed, everything goes
-through the page gather. Raw datasets that fit in half the host's memory go through ``mapped``.
+``mixed`` reads each batch its way: batches of many small reads (shuffled) through the page gather,
+batches of a few large reads (file order) through kvikio, which splits each read over its threads.
 
 Staging buffers are allocated once per slot and grown only when a batch needs more; callers rotate
 slots so that reading batch k+1 never overwrites what the GPU still reads of batch k.
@@ -44,7 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from gdsdata import settings
 from gdsdata import stall
 from gdsdata.io.cpu import OpenShards
 from gdsdata.format.shards import check_opened
@@ -97,14 +89,14 @@ class StagingBuffer:
 class SlotPool:
     """Reusable staging buffers. ``acquire`` hands out a free one, or makes one more when all are in
     use (several Loaders over one dataset each hold a few; waiting for one to come back could wait
-    forever). How far ahead a Loader reads is bounded by its queues, not here. ``release(slot,
+    forever). How far ahead a Loader reads is bounded by its queues, not here: the pool holds as
+    many buffers as were ever in use at once. ``release(slot,
     stream)`` hands it back once the GPU work queued on ``stream`` (the last reader of its bytes) is
     done."""
 
-    def __init__(self, kind: str, device: torch.device, count: int):
+    def __init__(self, kind: str, device: torch.device):
         self.kind, self.device = kind, device
-        self._free = [StagingBuffer(kind, device) for _ in range(count)]
-        self._all = list(self._free)
+        self._free, self._all = [], []
         self._lock = threading.Lock()
 
     def acquire(self) -> StagingBuffer:
@@ -113,7 +105,7 @@ class SlotPool:
                 return self._free.pop(0)
             slot = StagingBuffer(self.kind, self.device)
             self._all.append(slot)
-            log.debug("all %d staging buffers in use: one more", len(self._all) - 1)
+            log.debug("staging buffer %d made (all others in use)", len(self._all))
             return slot
 
     def release(self, slot: StagingBuffer, stream, event=None):
@@ -131,70 +123,16 @@ class SlotPool:
             slot.free()
 
 
-_MMAP_MIN_THREADS = 8  # with gather_pool=0, fewer torch threads than this read through kvikio instead
 _KVIKIO_READ = 4 << 20  # mixed engine: batches whose reads average this much go through kvikio
-
-
-def mapped_limit() -> int:
-    """The most shard bytes that ``auto`` registers for the ``mapped`` engine: half the host's memory."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-
-
-def mapped_suits(index) -> bool:
-    """Whether ``auto`` reads this dataset with the ``mapped`` engine in compatibility mode: raw
-    pixels only (JPEG bitstreams decode faster from pinned host memory, which ``mapped`` cannot
-    feed), shards that fit in half the host's memory (registering pins them) and cupy present."""
-    if not index.all_raw:
-        return False
-    if int(index.shards["size"].sum()) > mapped_limit():
-        return False
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def mapped_copy() -> str:
-    """How the ``mapped`` engine moves bytes: the ``mapped_copy`` setting, ``auto`` resolved to
-    ``dma`` where the driver has the batched copy and to ``gather`` elsewhere."""
-    from gdsdata._native.cuda import entry_point
-
-    copy = settings.get("mapped_copy")
-    if copy == "auto":
-        copy = "dma" if entry_point() else "gather"
-    return copy
-
-
-def choose_engine(staging: str, io_mode: str, prefer_mapped: bool = False) -> str:
-    """The I/O engine: "kvikio", "mmap", "mixed" (per batch: many small reads through the page
-    gather, a few large ones through kvikio) or "mapped", from the setting, the staging kind,
-    ``doctor.io_mode()`` ("gds", "compat", or "unavailable" without kvikio), ``prefer_mapped``
-    (compatibility mode and ``mapped_suits``) and how many threads the page gather gets (torchrun
-    sets ``OMP_NUM_THREADS=1`` for each rank unless told otherwise)."""
-    engine = settings.get("io_engine")
-    if engine == "auto":
-        if staging == "host" and io_mode == "unavailable":
-            engine = "mmap"
-        elif staging == "device" and prefer_mapped:
-            engine = "mapped"
-        else:
-            enough = settings.get("gather_pool") > 0 or torch.get_num_threads() >= _MMAP_MIN_THREADS
-            engine = "mixed" if staging == "host" and io_mode == "compat" and enough else "kvikio"
-    if engine in ("mmap", "mixed") and staging != "host":
-        raise ValueError(f"io_engine={engine} reads into host memory only; device staging needs kvikio or mapped")
-    if engine == "mapped" and staging != "device":
-        raise ValueError("io_engine=mapped gathers into GPU memory only; it needs staging=device")
-    return engine
 
 
 class ShardMaps:
     """Read-only memory maps of a dataset's shards, mapped on first use, and the gather of a planned
-    batch from them into a host buffer: on a pool of gdsdata threads (``gather_pool=N``) or on
-    torch's threads (``gather_pool=0``)."""
+    batch from them into a host buffer on ``threads`` threads (the caller and a pool)."""
 
-    def __init__(self, index):
+    def __init__(self, index, threads: int = 1):
         self.index = index
+        self.threads = threads
         self._pages = {}
         self._maps = []
         self._lock = threading.Lock()
@@ -228,14 +166,7 @@ class ShardMaps:
         if not len(plan.sizes):
             return
         runs, source = self.page_runs(plan)
-        dest = target.view(-1, self.index.alignment)
-        threads = settings.get("gather_pool")
-        if threads:
-            self._take_pooled(runs, source, dest.numpy(), threads)
-            return
-        source = torch.from_numpy(source)
-        for shard, p0, p1 in runs:
-            torch.index_select(self.pages(shard), 0, source[p0:p1], out=dest[p0:p1])
+        self._take_pooled(runs, source, target.view(-1, self.index.alignment).numpy(), self.threads)
 
     def page_runs(self, plan):
         """Page by page: which pages of which shard land on which pages of the staging buffer, as
@@ -336,18 +267,18 @@ class MappedShards(ShardMaps):
     shard, so it suits datasets that fit in host memory; CUDA reads a cold shard in as it registers
     it (faulting it in from 16 threads first was no faster).
 
-    How the bytes move (``mapped_copy``): ``dma`` queues every read of a batch on the copy engines
-    with one ``cuMemcpyBatchAsync`` call (memcpy_batch.py); ``gather`` has the SMs gather the pages
-    over PCIe (one ``torch.index_select`` per shard over 8-byte words); ``auto`` takes ``dma`` where
-    the driver has the batched copy (CUDA 12.8 and later). Either way ``gather()`` only queues the
-    copy on the engine's stream and returns an event that completes with it."""
+    How the bytes move (``copy``, from the ``LoadPath``): ``dma`` queues every read of a batch on the
+    copy engines with one ``cuMemcpyBatchAsync`` call (``_native/cuda.py``; drivers for CUDA 12.8 and
+    later); ``gather`` has the SMs gather the pages over PCIe (one ``torch.index_select`` per shard
+    over 8-byte words). Either way ``gather()`` only queues the copy on the engine's stream and
+    returns an event that completes with it."""
 
-    def __init__(self, index, device: torch.device):
+    def __init__(self, index, device: torch.device, copy: str = "dma"):
         super().__init__(index)
         self.device = device
-        self.copy = mapped_copy()
+        self.copy = copy
         self._batch_copy = None
-        if self.copy == "dma":  # (forced without the batched copy in the driver: BatchCopy says so)
+        if copy == "dma":
             from gdsdata._native.cuda import BatchCopy
 
             self._batch_copy = BatchCopy(device.index)
@@ -420,11 +351,14 @@ class GpuReader:
     """Reads planned batches into staging buffers, with kvikio, from memory maps, (``mixed``) each
     batch through whichever suits its reads, or (``mapped``) by the GPU from registered maps. With
     ``fallback``, a ``mapped`` reader whose shards CUDA cannot register (a locked-memory limit, say)
-    logs why and reads with the ``fallback`` engine from then on."""
+    logs why and reads with the ``fallback`` engine from then on. ``config``: the dataset's snapshot
+    of the settings (``io_threads``, ``gather_threads``); ``copy``: how ``mapped`` moves bytes."""
 
-    def __init__(self, index, device: torch.device, engine: str = "kvikio", fallback: str = None):
+    def __init__(self, index, device: torch.device, engine: str, config, copy: str = "", fallback: str = None):
         self.index = index
         self.device = device
+        self.config = config
+        self.copy = copy
         self.fallback = fallback
         self._files = OpenShards(index, self._open_cufile, lambda handle: handle.close())
         self._lock = threading.Lock()
@@ -436,7 +370,7 @@ class GpuReader:
         self.maps = None
         if engine in ("kvikio", "mixed"):
             self.kvikio = import_kvikio()
-            threads = settings.get("io_threads")
+            threads = self.config["io_threads"]
             if self.kvikio.defaults.get("num_threads") != threads:
                 self.kvikio.defaults.set({"num_threads": threads})
             # kvikio reads into GPU memory below its gds_threshold (1 MiB unless KVIKIO_GDS_THRESHOLD
@@ -446,9 +380,9 @@ class GpuReader:
             if "KVIKIO_GDS_THRESHOLD" not in os.environ and self.kvikio.defaults.get("gds_threshold") > alignment:
                 self.kvikio.defaults.set({"gds_threshold": alignment})
         if engine in ("mmap", "mixed"):
-            self.maps = ShardMaps(self.index)
+            self.maps = ShardMaps(self.index, self.config["gather_threads"])
         elif engine == "mapped":
-            self.maps = MappedShards(self.index, self.device)
+            self.maps = MappedShards(self.index, self.device, self.copy)
 
     def _fall_back(self, error):
         with self._lock:

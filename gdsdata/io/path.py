@@ -1,10 +1,81 @@
-"""``LoadPath``: how a dataset's samples travel from storage to pixels, and why, as one frozen value.
+"""The one place the load path is chosen: ``resolve`` turns what the machine offers (``Machine``),
+what the dataset holds and the settings into a frozen ``LoadPath``: how samples travel from
+storage to pixels, and why.
 
-``GDSDataset.load_path`` gives it; ``gdsdata doctor DATASET`` prints it; benchmarks label their
-rows with ``describe()``.
+``GDSDataset.load_path`` gives the dataset's; ``gdsdata doctor`` prints it (for a dataset, or for
+JPEG and raw datasets on this machine); the GPU backend builds its reader and decoder from it.
+
+The automatic choices:
+- GPUDirect Storage: kvikio reads into GPU staging, nvJPEG decodes from there (``hardware_device``):
+  no host copy at all.
+- kvikio's compatibility mode (no GDS): JPEG bitstreams stage in pinned host memory, read per batch
+  by the page gather (many small reads) or kvikio (a few large ones): the ``mixed`` engine; nvJPEG's
+  hardware backend takes them from there. Raw datasets that fit in half the host's memory stage on
+  the GPU, copied from registered page-cache pages by the GPU (``mapped``; kvikio if CUDA refuses to
+  register them).
+- No kvikio: the page gather into pinned staging.
+- A GPU without JPEG engines: nvJPEG's CUDA backend (``gpu_hybrid``).
 """
 
-from dataclasses import dataclass
+import functools
+import os
+from dataclasses import dataclass, field
+
+from gdsdata.errors import GpuUnavailableError
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a machine offers the GPU path.
+
+    Attributes
+    ----------
+    device : str
+        The CUDA device ("cuda:0").
+    io_mode : str
+        "gds", "compat" (kvikio's compatibility mode) or "unavailable" (no kvikio).
+    io_reason : str
+        Why, as cuFile or the machine says it.
+    jpeg_engines : bool
+        Whether the GPU has nvJPEG's hardware decode engines.
+    batched_copy : str
+        The driver's batched copy entry point ("cuMemcpyBatchAsync_v2"), or "" without one.
+    host_memory : int
+        Bytes of host memory.
+    cupy : bool
+        Whether cupy is installed (the ``mapped`` engine registers pages through it).
+    """
+
+    device: str
+    io_mode: str
+    io_reason: str
+    jpeg_engines: bool
+    batched_copy: str
+    host_memory: int
+    cupy: bool
+
+
+@functools.lru_cache(maxsize=None)
+def probe_machine(device_index: int) -> Machine:
+    """Probe the machine once per device and process (creating a hardware decoder tells whether
+    the GPU has JPEG engines)."""
+    from gdsdata._native.cuda import entry_point
+    from gdsdata._native.nvjpeg import BatchedDecoder, NvjpegError
+    from gdsdata.commands.doctor import io_mode
+
+    mode, reason = io_mode()
+    try:
+        BatchedDecoder("hardware").close()
+        engines = True
+    except NvjpegError:
+        engines = False
+    try:
+        import cupy  # noqa: F401
+        have_cupy = True
+    except ImportError:
+        have_cupy = False
+    return Machine(f"cuda:{device_index}", mode, reason, engines, entry_point() or "",
+                   os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), have_cupy)
 
 
 @dataclass(frozen=True)
@@ -29,6 +100,12 @@ class LoadPath:
         Who decodes JPEGs: "libjpeg-turbo" or "nvJPEG <backend>".
     checksums : str
         Which samples have their CRC-32 checked as they load: "all", "host-staged" or "none".
+    copy : str
+        How ``mapped`` reads move: "dma" (the copy engines) or "gather" (the SMs); "" otherwise.
+    fallback : str
+        The engine that takes over if CUDA cannot register the shards of an automatic ``mapped``.
+    why : tuple of str
+        One line per decision, in the order taken.
     """
 
     device: str
@@ -38,7 +115,126 @@ class LoadPath:
     staging: str
     decoder: str
     checksums: str
+    copy: str = ""
+    fallback: str = ""
+    why: tuple = field(default=(), compare=False)
+
+    @property
+    def backend(self) -> str:
+        """The nvJPEG backend ("hardware_device", ...), or "" on the CPU path."""
+        return self.decoder.split(" ", 1)[1] if self.decoder.startswith("nvJPEG ") else ""
 
     def describe(self) -> str:
-        return (f"io={self.io_mode} reads={self.reads} staging={self.staging} "
+        reads = f"{self.reads}:{self.copy}" if self.copy else self.reads
+        return (f"io={self.io_mode} reads={reads} staging={self.staging} "
                 f"decode={self.decoder.replace(' ', ':')} checksums={self.checksums}")
+
+
+def cpu_path(verify) -> LoadPath:
+    """The CPU path: preadv into host memory, libjpeg-turbo; checksums on every sample unless off."""
+    return LoadPath("cpu", "cpu", "the CPU path", "preadv", "host", "libjpeg-turbo",
+                    "all" if verify else "none")
+
+
+def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify=True) -> LoadPath:
+    """The GPU path for a dataset on ``machine`` under the settings ``config`` (a mapping: the
+    dataset's snapshot of ``gdsdata.settings``).
+
+    Parameters
+    ----------
+    machine : Machine
+        What the machine offers (``probe_machine``).
+    config : Mapping
+        ``staging``, ``io_engine`` and ``decode_backend``: "auto" or a forced choice.
+    all_raw : bool
+        Whether every sample of the dataset is raw pixels (nothing for nvJPEG to decode).
+    shard_bytes : int
+        The size of the dataset's shards together.
+    verify : bool or "always"
+        ``True``: check CRC-32s where the bytes are in host memory; ``"always"``: also on GPU
+        staging (through a copy to the host); ``False``: never.
+
+    Raises
+    ------
+    ValueError
+        For forced settings that cannot go together (one line naming them).
+    GpuUnavailableError
+        For a forced choice the machine does not have.
+    """
+    staging, engine, family = config["staging"], config["io_engine"], config["decode_backend"]
+    why = []
+    if engine in ("mmap", "mixed") and staging == "device":
+        raise ValueError(f"io_engine={engine} reads into host memory only; device staging needs kvikio or mapped")
+    if engine == "mapped" and staging == "host":
+        raise ValueError("io_engine=mapped gathers into GPU memory only; it needs staging=device")
+    if engine in ("kvikio", "mixed") and machine.io_mode == "unavailable":
+        raise GpuUnavailableError(f"io_engine={engine} needs kvikio: {machine.io_reason}")
+    if engine == "mapped" and not machine.cupy:
+        raise GpuUnavailableError("io_engine=mapped needs cupy (pip install cupy-cuda13x or cupy-cuda12x)")
+    fits = shard_bytes <= machine.host_memory // 2
+    prefer_mapped = (machine.io_mode == "compat" and engine == "auto" and staging != "host" and all_raw
+                     and fits and machine.cupy)
+
+    if staging == "auto":
+        if machine.io_mode == "gds":
+            staging = "device"
+            why.append("staging device: GPUDirect Storage reads straight into GPU memory")
+        elif engine == "mapped":
+            staging = "device"
+            why.append("staging device: io_engine=mapped copies into GPU memory")
+        elif prefer_mapped:
+            staging = "device"
+            why.append("staging device: raw pixels that fit in half the host's memory, copied by the GPU "
+                       "from registered page-cache pages")
+        else:
+            staging = "host"
+            why.append("staging host (pinned): without GPUDirect Storage, bitstreams decode from pinned memory"
+                       if machine.io_mode == "compat" else "staging host (pinned): kvikio is not installed")
+    else:
+        why.append(f"staging {staging}: GDSDATA_STAGING")
+
+    fallback = ""
+    if engine == "auto":
+        if staging == "host":
+            engine = {"unavailable": "mmap", "compat": "mixed"}.get(machine.io_mode, "kvikio")
+            why.append({"mmap": "reads mmap: the page gather (no kvikio)",
+                        "mixed": "reads mixed: many small reads through the page gather, a few large ones "
+                                 "through kvikio",
+                        "kvikio": "reads kvikio"}[engine])
+        elif prefer_mapped:
+            engine, fallback = "mapped", "kvikio"
+            why.append("reads mapped (kvikio if CUDA cannot register the shards)")
+        else:
+            if machine.io_mode == "unavailable":
+                raise GpuUnavailableError(f"staging=device needs kvikio or io_engine=mapped: {machine.io_reason}")
+            engine = "kvikio"
+            why.append("reads kvikio into GPU memory")
+    else:
+        why.append(f"reads {engine}: GDSDATA_IO_ENGINE")
+    copy = ("dma" if machine.batched_copy else "gather") if engine == "mapped" else ""
+    if copy == "dma":
+        why.append(f"mapped copies: the copy engines ({machine.batched_copy})")
+    elif copy == "gather":
+        why.append("mapped copies: the SMs gather (no batched copy in this driver)")
+
+    if family == "auto":
+        family = "hardware" if machine.jpeg_engines else "gpu_hybrid"
+        why.append("decode: nvJPEG's hardware engines" if machine.jpeg_engines else
+                   "decode: nvJPEG on CUDA cores (this GPU has no JPEG engines)")
+    else:
+        if family == "hardware" and not machine.jpeg_engines:
+            raise GpuUnavailableError("decode_backend=hardware: this GPU has no JPEG hardware engines")
+        why.append(f"decode: {family}: GDSDATA_DECODE_BACKEND")
+    backend = family + ("_device" if staging == "device" else "")
+
+    if verify == "always":
+        checksums = "all"
+    elif verify and staging == "host":
+        checksums = "host-staged"
+    else:
+        checksums = "none"
+        if verify:
+            why.append("checksums: none on GPU staging (the bytes never pass a CPU; "
+                       "GDSDataset(verify_checksums=True) checks them through a copy to the host)")
+    return LoadPath(machine.device, machine.io_mode, machine.io_reason, engine, staging, f"nvJPEG {backend}",
+                    checksums, copy, fallback, tuple(why))
