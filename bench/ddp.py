@@ -45,9 +45,8 @@ def train(args):
 
     import gdsdata
 
-    # torchrun gives every rank OMP_NUM_THREADS=1; share the cores out instead (gdsdata's page gather
-    # runs on its own pool by default, on torch's threads with GDSDATA_GATHER_POOL=0: docs/usage.md,
-    # "Several GPUs and nodes").
+    # torchrun gives every rank OMP_NUM_THREADS=1; share the cores out instead for torch's own work
+    # (gdsdata's page gather runs on its own GDSDATA_GATHER_THREADS: docs/usage.md, "Several GPUs and nodes").
     if "OMP_NUM_THREADS" not in os.environ or os.environ["OMP_NUM_THREADS"] == "1":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     dist.init_process_group("nccl")

@@ -37,6 +37,12 @@ def _cmd_pack(args):
     from gdsdata.packing.prepare import PackOptions
     from gdsdata.packing.packer import pack
 
+    wanted = 3 if args.format == "coco" else 2
+    if len(args.paths) != wanted:
+        raise ValueError("--format coco takes ANNOTATIONS.json IMAGES OUT" if args.format == "coco" else
+                         f"pack takes SRC OUT (got {len(args.paths)} paths; --format coco takes three)")
+    args.annotations = args.paths[0] if args.format == "coco" else None
+    args.src, args.out = args.paths[-2:]
     options = PackOptions(codec=args.codec, quality=args.quality, max_side=args.max_side,
                           raw_size=args.size, max_pixels=args.max_pixels)
     if args.ray is not None:
@@ -45,7 +51,8 @@ def _cmd_pack(args):
                   alignment=args.alignment, workers=args.workers, strict=args.strict,
                   overwrite=args.overwrite, progress=not args.quiet, num_parts=args.num_parts,
                   part=args.part, resume=args.resume, append=args.append,
-                  allow_empty_classes=args.allow_empty_classes)
+                  allow_empty_classes=args.allow_empty_classes, format=args.format, split=args.split,
+                  annotations=args.annotations)
     rate = result.packed / result.seconds if result.seconds else 0.0
     print(f"packed {result.packed} images into {result.shards} shard(s), {_human(result.bytes)}, "
           f"in {result.seconds:.1f} s ({rate:.0f} images/s)")
@@ -61,6 +68,8 @@ def _cmd_pack(args):
             print(f"    ... {len(result.skipped) - 10} more")
     if result.ignored:
         print(f"  ignored {len(result.ignored)} non-image file(s)")
+    if result.labels is not None:
+        _print_labels(result)
     for what, entries in (("could not read", result.unreadable), ("skipped unopened", result.special)):
         if entries:
             print(f"  {what} {len(entries)} folder(s) or file(s):")
@@ -68,6 +77,21 @@ def _cmd_pack(args):
                 print(f"    {item['path']}: {item['reason']}")
     print(f"  report: {result.report_path}")
     return 0
+
+
+def _print_labels(result):
+    labels = result.labels
+    print(f"  boxes: {result.boxes}, images without objects (kept as negatives): {labels['negatives']}")
+    for key, what in (("bad_labels", "images left out for their labels"), ("dropped", "boxes dropped"),
+                      ("clipped", "boxes clipped to the image"), ("duplicates", "duplicate boxes removed"),
+                      ("orphans", "labels without an image")):
+        entries = labels[key]
+        if entries:
+            print(f"  {what}: {len(entries)}")
+            for item in entries[:5]:
+                print(f"    {item.get('path') or item.get('label')}: {item['reason']}")
+            if len(entries) > 5:
+                print(f"    ... {len(entries) - 5} more (pack_report.json lists them all)")
 
 
 def _pack_on_ray(args, options):
@@ -80,7 +104,8 @@ def _pack_on_ray(args, options):
                           num_parts=args.num_parts if args.num_parts > 1 else 0, options=options,
                           shard_size=args.shard_size, alignment=args.alignment, strict=args.strict,
                           overwrite=args.overwrite, progress=not args.quiet,
-                          allow_empty_classes=args.allow_empty_classes)
+                          allow_empty_classes=args.allow_empty_classes, format=args.format, split=args.split,
+                          annotations=args.annotations)
     print(f"packed {summary['samples']} images in {summary['parts']} part(s) on Ray ({summary['cpus']} CPUs), "
           f"{summary['shards']} shard(s), in {summary['seconds']:.1f} s into {summary['out']}")
     if summary["skipped"]:
@@ -179,13 +204,20 @@ def build_parser():
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("pack", help="pack an image folder, LMDB or tar shards into a dataset",
+    p = sub.add_parser("pack", help="pack an image folder, LMDB, tar shards or a detection set into a dataset",
+                       usage="gdsdata pack [options] SRC OUT\n       gdsdata pack --format yolo [--split S] SRC OUT\n"
+                             "       gdsdata pack --format coco [options] ANNOTATIONS.json IMAGES OUT",
                        description="Validate, normalise and pack SRC into OUT. SRC: an ImageFolder tree "
                        "(one subfolder per class), an LMDB of (image bytes, label) pickles, or WebDataset-style "
-                       "tar shards (image + .cls per sample).")
-    p.add_argument("src", help="ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards; a path or an fsspec "
-                   "URL (s3://, gs://, az://, ...)")
-    p.add_argument("out", help="dataset folder to create")
+                       "tar shards (image + .cls per sample); with --format yolo an Ultralytics data YAML or "
+                       "dataset folder (images/<split>, labels/<split>); with --format coco the instances JSON "
+                       "and the images folder.")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="SRC OUT: an ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards (a path or an fsspec "
+                   "URL: s3://, gs://, az://, ...), and the dataset folder to create")
+    p.add_argument("--format", choices=("folder", "yolo", "coco"), default="folder",
+                   help="folder (classification, default), yolo or coco (detection: boxes packed with the images)")
+    p.add_argument("--split", default="train", help="--format yolo: the split to pack (default train)")
     p.add_argument("--shard-size", type=_size, default=1 << 30, metavar="SIZE",
                    help="target shard size (default 1G)")
     p.add_argument("--alignment", type=_size, default=4096, metavar="BYTES",

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gdsdata.format import index as index_io
+from gdsdata.format import layout as fmt
 from gdsdata import settings
 from gdsdata.backends.cpu import CpuBackend
 from gdsdata.errors import CorruptSampleError
@@ -139,15 +140,38 @@ class GDSDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return self.__getitems__([i])[0]
 
+    @property
+    def task(self) -> str:
+        """"classify" (a label per image) or "detect" (boxes per image: ``ds[i]`` gives a target dict)."""
+        return self.index.task
+
+    def target(self, i) -> dict:
+        """Sample i's objects as torchvision's detection models take them: ``{"boxes": float32 [K, 4]
+        XYXY in pixels of the decoded image, "labels": int64 [K], "iscrowd": uint8 [K]}``, on the
+        dataset's device. Detection datasets only."""
+        i = self._check(i)
+        if self.task != "detect":
+            raise TypeError(f"{self.root} is a classification dataset: ds.labels[i] is its label")
+        rows = self.index.sample_boxes(i)
+        record = self.index.samples[i]
+        scale = np.array([record["width"], record["height"]] * 2, np.float32)
+        corners = np.stack([rows[k] for k in ("x0", "y0", "x1", "y1")], axis=1).astype(np.float32) \
+            if len(rows) else np.zeros((0, 4), np.float32)
+        return {"boxes": torch.from_numpy(corners * scale).to(self.device),
+                "labels": torch.from_numpy(rows["label"].astype(np.int64)).to(self.device),
+                "iscrowd": torch.from_numpy((rows["flags"] & fmt.BOX_CROWD).astype(np.uint8)).to(self.device)}
+
     def __getitems__(self, indices):
-        """[(image, label)] for ``indices``: uint8 CHW RGB tensors on the dataset's device."""
+        """[(image, label)] for ``indices``: uint8 CHW RGB tensors on the dataset's device; for a
+        detection dataset [(image, target)] (``target(i)``)."""
         indices = [self._check(i) for i in indices]
         batch, indices = self.load_batch(indices)
         images = [batch.image(k) for k in range(len(batch))]
         batch.release(self._stream())
         out = []
+        detect = self.task == "detect"
         for image, i in zip(images, indices):
-            label = int(self._labels[i])
+            label = self.target(i) if detect else int(self._labels[i])
             if self.transform is not None:
                 image = self.transform(image)
             if self.target_transform is not None:

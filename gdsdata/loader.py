@@ -330,6 +330,11 @@ def _source(dataset, indices):
     if not isinstance(dataset, GDSDataset) and not all(hasattr(dataset, a) for a in _PROTOCOL):
         raise TypeError(f"gdsdata.Loader reads a gdsdata.GDSDataset or a torch Subset of one, got "
                         f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
+    if getattr(dataset, "task", "classify") != "classify":
+        raise TypeError(f"gdsdata.Loader batches classification datasets (one label per image); "
+                        f"{getattr(dataset, 'root', 'this')} is a {dataset.task} dataset: read it with "
+                        f"torch.utils.data.DataLoader(ds, collate_fn=gdsdata.collate), which gives (images, "
+                        f"targets) with a target dict per image")
     if picked is not None:
         picked = _in_range(picked, len(dataset), "indices") % len(dataset)
         if not len(picked):

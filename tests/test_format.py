@@ -18,7 +18,7 @@ from gdsdata.packing.packer import pack
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOC = os.path.join(HERE, "..", "docs", "format.md")
 GOLDEN = os.path.join(HERE, "data", "golden")
-_TYPES = {"u8": "|u1", "u16": "<u2", "u32": "<u4", "u64": "<u8"}  # numpy's dtype.str
+_TYPES = {"u8": "|u1", "u16": "<u2", "u32": "<u4", "u64": "<u8", "f32": "<f4"}  # numpy's dtype.str
 
 
 def _doc_tables():
@@ -38,7 +38,7 @@ def _doc_tables():
     return tables
 
 
-@pytest.mark.parametrize("name", ["INDEX_HEADER", "SHARD_RECORD", "SAMPLE_RECORD", "SHARD_HEADER"])
+@pytest.mark.parametrize("name", ["INDEX_HEADER", "SHARD_RECORD", "SAMPLE_RECORD", "SHARD_HEADER", "BOX_RECORD"])
 def test_dtype_matches_the_documented_byte_table(name):
     dtype = getattr(fmt, name)
     size, rows = _doc_tables()[name]
@@ -56,7 +56,7 @@ def test_dtype_matches_the_documented_byte_table(name):
 
 
 def test_every_multibyte_field_is_little_endian():
-    for dtype in (fmt.INDEX_HEADER, fmt.SHARD_RECORD, fmt.SAMPLE_RECORD, fmt.SHARD_HEADER):
+    for dtype in (fmt.INDEX_HEADER, fmt.SHARD_RECORD, fmt.SAMPLE_RECORD, fmt.SHARD_HEADER, fmt.BOX_RECORD):
         for name in dtype.names:
             field = dtype.fields[name][0]
             if field.kind in "iu" and field.itemsize > 1:

@@ -218,9 +218,9 @@ def test_mixed_engine_reads_each_batch_its_way_and_equals_cpu(raw_dataset, monke
         pytest.skip("the mixed engine is the automatic choice in compatibility mode")
     reader, used = gpu._backend.reader, []
     assert reader.engine == "mixed"
-    gather, open_file = reader.maps.gather, reader._file
+    gather, use = reader.maps.gather, reader._files.use
     monkeypatch.setattr(reader.maps, "gather", lambda *a: used.append("gather") or gather(*a))
-    monkeypatch.setattr(reader, "_file", lambda *a: used.append("kvikio") or open_file(*a))
+    monkeypatch.setattr(reader._files, "use", lambda *a: used.append("kvikio") or use(*a))
     for order, engine in (([5, 1, 20, 0, 9], "gather"), (list(range(len(cpu))), "kvikio")):
         used.clear()
         with settings.set(max_gap=0):

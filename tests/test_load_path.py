@@ -68,7 +68,10 @@ def test_mapped_copies_with_the_copy_engines_where_the_driver_can():
     ({"io_engine": "mapped"}, ("device", "mapped", "hardware_device")),
 ])
 def test_one_setting_per_decision(forced, expected):
+    """(Also on a GDS machine, where the page gather engines still take pinned staging.)"""
     p = path(**forced)
+    if forced.get("io_engine") in ("mmap", "mixed"):
+        assert triple(path(GDS, **forced))[:2] == ("host", forced["io_engine"])
     assert triple(p) == expected
     assert any("GDSDATA_" in line for line in p.why)
 

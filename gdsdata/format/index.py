@@ -21,7 +21,20 @@ class Index:
     samples: np.ndarray  # SAMPLE_RECORD
     strings: bytes
     meta: dict
-    body_crc32: int = 0  # of the index body: changes with any sample, shard or class
+    body_crc32: int = 0  # of the index body: changes with any sample, shard, class or box
+    box_start: np.ndarray = None  # BOX_START x (samples + 1), detection datasets only
+    boxes: np.ndarray = None  # BOX_RECORD x boxes
+
+    @property
+    def task(self) -> str:
+        """"classify" (one label per sample) or "detect" (boxes per sample)."""
+        return self.meta.get("task", "classify")
+
+    def sample_boxes(self, i: int) -> np.ndarray:
+        """Sample i's boxes (BOX_RECORD rows; empty for a negative or a classification sample)."""
+        if self.boxes is None:
+            return np.zeros(0, fmt.BOX_RECORD)
+        return self.boxes[int(self.box_start[i]):int(self.box_start[i + 1])]
 
     @property
     def fingerprint(self) -> str:
@@ -55,10 +68,22 @@ class Index:
                 f"offset {int(record['offset'])})")
 
 
-def write(out_dir, alignment, dataset_id, shards, samples, strings: bytes, meta: dict) -> str:
-    """Write the index under a temporary name, then rename it: the dataset is complete from here."""
+def write(out_dir, alignment, dataset_id, shards, samples, strings: bytes, meta: dict, boxes=None,
+          box_start=None) -> str:
+    """Write the index under a temporary name, then rename it: the dataset is complete from here.
+    ``boxes`` and ``box_start`` (detection datasets, ``meta["task"] == "detect"``): every sample's
+    boxes in sample order, and where each sample's run starts (``len(samples) + 1`` entries)."""
     shards = np.ascontiguousarray(shards, fmt.SHARD_RECORD)
     samples = np.ascontiguousarray(samples, fmt.SAMPLE_RECORD)
+    if (meta.get("task") == "detect") != (boxes is not None):
+        raise ValueError("a detection index has boxes and box starts; a classification index has neither")
+    annotations = b""
+    if boxes is not None:
+        boxes = np.ascontiguousarray(boxes, fmt.BOX_RECORD)
+        box_start = np.ascontiguousarray(box_start, fmt.BOX_START)
+        if len(box_start) != len(samples) + 1 or int(box_start[-1]) != len(boxes):
+            raise ValueError("box starts must have one entry per sample and end at the number of boxes")
+        annotations = box_start.tobytes() + boxes.tobytes()
     meta_bytes = json.dumps(meta, sort_keys=True).encode("utf-8")  # ASCII escapes: any class name survives
     header = np.zeros((), fmt.INDEX_HEADER)
     header["magic"] = fmt.INDEX_MAGIC
@@ -78,7 +103,11 @@ def write(out_dir, alignment, dataset_id, shards, samples, strings: bytes, meta:
     offset += len(strings)
     header["meta_offset"] = offset
     header["meta_size"] = len(meta_bytes)
-    body = shards.tobytes() + samples.tobytes() + strings + meta_bytes
+    offset += len(meta_bytes)
+    if boxes is not None:
+        header["annotations_offset"] = offset
+        header["num_boxes"] = len(boxes)
+    body = shards.tobytes() + samples.tobytes() + strings + meta_bytes + annotations
     header["body_crc32"] = zlib.crc32(body)
     path = os.path.join(str(out_dir), fmt.INDEX_NAME)
     with open(path + fmt.TMP_SUFFIX, "wb") as f:
@@ -115,9 +144,9 @@ def load(root) -> Index:
     header = np.frombuffer(raw, fmt.INDEX_HEADER, count=1)[0]
     if header["magic"] != fmt.INDEX_MAGIC:
         raise FormatError(f"{path}: not a gdsdata index (bad magic)")
-    if header["version"] != fmt.FORMAT_VERSION:
-        raise FormatError(f"{path}: format version {header['version']}; this gdsdata reads version "
-                          f"{fmt.FORMAT_VERSION} (upgrade gdsdata, or pack again)")
+    if header["version"] not in fmt.READABLE_VERSIONS:
+        raise FormatError(f"{path}: format version {header['version']}; this gdsdata reads versions "
+                          f"{', '.join(map(str, fmt.READABLE_VERSIONS))} (upgrade gdsdata, or pack again)")
     num_shards, num_samples = int(header["num_shards"]), int(header["num_samples"])
     shards_raw = _section(raw, path, "shard table", int(header["shards_offset"]),
                           num_shards * fmt.SHARD_RECORD.itemsize)
@@ -137,9 +166,19 @@ def load(root) -> Index:
         raise FormatError(f"{path}: the metadata's class list is not a list of names")
     if len(classes) != int(header["num_classes"]):
         raise FormatError(f"{path}: {len(classes)} class names, header says {header['num_classes']}")
+    box_start = boxes = None
+    if meta.get("task") == "detect":
+        if header["version"] < 3 or not int(header["annotations_offset"]):
+            raise FormatError(f"{path}: a detection dataset without its annotation table (corrupt index)")
+        starts_size = (num_samples + 1) * fmt.BOX_START.itemsize
+        annotations = _section(raw, path, "annotation table", int(header["annotations_offset"]),
+                               starts_size + int(header["num_boxes"]) * fmt.BOX_RECORD.itemsize)
+        box_start = np.frombuffer(annotations[:starts_size], fmt.BOX_START).copy()
+        boxes = np.frombuffer(annotations[starts_size:], fmt.BOX_RECORD).copy()
     index = Index(root, int(header["alignment"]), bytes(header["dataset_id"]),
                   np.frombuffer(shards_raw, fmt.SHARD_RECORD).copy(),
-                  np.frombuffer(samples_raw, fmt.SAMPLE_RECORD).copy(), strings, meta, int(header["body_crc32"]))
+                  np.frombuffer(samples_raw, fmt.SAMPLE_RECORD).copy(), strings, meta, int(header["body_crc32"]),
+                  box_start, boxes)
     _check(index, path)
     return index
 
@@ -170,7 +209,24 @@ def _check(index: Index, path: str):
             bad = int(np.flatnonzero(mine)[np.argmax(ends[mine])])
             raise FormatError(f"{path}: {index.describe(bad)} ends at byte {int(ends[bad])}, past the end "
                               f"of its shard ({size} bytes)")
+    if index.boxes is not None:
+        _check_boxes(index, path)
     unaligned = samples["offset"] % index.alignment != 0
     if unaligned.any():
         raise FormatError(f"{path}: {index.describe(int(np.argmax(unaligned)))} is not aligned to "
                           f"{index.alignment} bytes")
+
+
+def _check_boxes(index: Index, path: str):
+    starts, boxes = index.box_start.astype(np.int64), index.boxes
+    if starts[0] != 0 or (np.diff(starts) < 0).any() or starts[-1] != len(boxes):
+        raise FormatError(f"{path}: the annotation table's box starts are not an increasing run from 0 to "
+                          f"{len(boxes)} (corrupt index)")
+    corners = np.stack([boxes[k] for k in ("x0", "y0", "x1", "y1")], axis=1) if len(boxes) else np.zeros((0, 4))
+    bad = ~np.isfinite(corners).all(1) | (corners < 0).any(1) | (corners > 1).any(1) | \
+        (corners[:, 2] <= corners[:, 0]) | (corners[:, 3] <= corners[:, 1]) | (boxes["label"] >= len(index.classes))
+    if bad.any():
+        row = int(np.argmax(bad))
+        sample = int(np.searchsorted(starts, row, side="right") - 1)
+        raise FormatError(f"{path}: box {row} of {index.describe(sample)} is not a box inside the image with a "
+                          f"known class ({corners[row].tolist()}, label {int(boxes['label'][row])})")

@@ -11,12 +11,16 @@ each starting at a multiple of ``alignment`` and followed by zero padding up to 
 
 Index file: an ``INDEX_HEADER``, then the shard table (``SHARD_RECORD`` x num_shards), the sample
 table (``SAMPLE_RECORD`` x num_samples), the strings blob (UTF-8 relative source paths, addressed by
-``path_offset``/``path_length``) and the metadata blob (UTF-8 JSON: class names, creation info).
+``path_offset``/``path_length``), the metadata blob (UTF-8 JSON: class names, creation info) and,
+for detection datasets, the annotation table: ``BOX_START`` x (num_samples + 1) (sample i's boxes
+are rows ``box_start[i]`` to ``box_start[i + 1]``), then ``BOX_RECORD`` x num_boxes.
 """
 
 import numpy as np
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # of the index; version 2 indexes (no annotation table) read the same
+READABLE_VERSIONS = (2, 3)
+SHARD_VERSION = 2  # shards have not changed since version 2
 INDEX_MAGIC = b"GDSINDEX"
 SHARD_MAGIC = b"GDSSHARD"
 INDEX_NAME = "index.gdsi"
@@ -70,7 +74,9 @@ INDEX_HEADER = np.dtype([
     ("meta_offset", "<u8"),
     ("meta_size", "<u8"),
     ("body_crc32", "<u4"),
-    ("reserved", "V28"),
+    ("annotations_offset", "<u8"),
+    ("num_boxes", "<u8"),
+    ("reserved", "V12"),
 ])
 
 SHARD_RECORD = np.dtype([
@@ -97,6 +103,20 @@ SAMPLE_RECORD = np.dtype([
     ("components", "u1"),
     ("subsampling", "u1"),
     ("flags", "u1"),
+])
+
+# Box flags (BOX_RECORD.flags, a bit set).
+BOX_CROWD = 1  # COCO's iscrowd: a region of many objects (kept, marked; detection losses usually skip it)
+
+BOX_START = np.dtype("<u8")
+
+BOX_RECORD = np.dtype([  # one object of a detection sample, in the stored image's frame
+    ("x0", "<f4"),  # left, as a fraction of the image width
+    ("y0", "<f4"),  # top, of the height
+    ("x1", "<f4"),  # right
+    ("y1", "<f4"),  # bottom
+    ("label", "<u4"),  # class index into the metadata's classes
+    ("flags", "<u4"),
 ])
 
 SHARD_HEADER = np.dtype([

@@ -79,7 +79,7 @@ class ShardWriter:
             return
         header = np.zeros((), fmt.SHARD_HEADER)
         header["magic"] = fmt.SHARD_MAGIC
-        header["version"] = fmt.FORMAT_VERSION
+        header["version"] = fmt.SHARD_VERSION
         header["alignment"] = self.alignment
         header["shard_index"] = self._index
         header["num_samples"] = self._count
@@ -139,9 +139,9 @@ def read_header(path, expected_index: int, dataset_id: bytes, alignment: int):
     header = np.frombuffer(raw, fmt.SHARD_HEADER)[0]
     if header["magic"] != fmt.SHARD_MAGIC:
         raise FormatError(f"{path}: not a gdsdata shard (bad magic)")
-    if header["version"] != fmt.FORMAT_VERSION:
+    if header["version"] != fmt.SHARD_VERSION:
         raise FormatError(f"{path}: shard format version {header['version']}, this gdsdata reads "
-                          f"version {fmt.FORMAT_VERSION}")
+                          f"version {fmt.SHARD_VERSION}")
     if header["dataset_id"] != dataset_id:
         raise FormatError(f"{path}: shard belongs to another dataset (its id differs from the one the index "
                           f"records for it)")

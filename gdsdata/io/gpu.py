@@ -100,8 +100,14 @@ class SlotPool:
         self._lock = threading.Lock()
 
     def acquire(self) -> StagingBuffer:
+        """A free buffer the GPU has finished reading; while fewer than ``_SPARE`` exist, a new one
+        rather than one the GPU still reads (reading the next batch then never waits for the GPU);
+        beyond, the longest free one (``ensure`` waits for the GPU to finish with it)."""
         with self._lock:
-            if self._free:
+            for k, slot in enumerate(self._free):
+                if slot.busy is None or slot.busy.query():
+                    return self._free.pop(k)
+            if self._free and len(self._all) >= _SPARE:
                 return self._free.pop(0)
             slot = StagingBuffer(self.kind, self.device)
             self._all.append(slot)
@@ -124,6 +130,7 @@ class SlotPool:
 
 
 _KVIKIO_READ = 4 << 20  # mixed engine: batches whose reads average this much go through kvikio
+_SPARE = 8  # staging buffers made before a reader waits for the GPU: a Loader holds at most 6 (prefetch 2)
 
 
 class ShardMaps:

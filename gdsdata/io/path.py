@@ -63,11 +63,14 @@ def probe_machine(device_index: int) -> Machine:
     from gdsdata._native.nvjpeg import BatchedDecoder, NvjpegError
     from gdsdata.commands.doctor import io_mode
 
+    import torch
+
     mode, reason = io_mode()
     try:
-        BatchedDecoder("hardware").close()
+        with torch.cuda.device(device_index):
+            BatchedDecoder("hardware").close()
         engines = True
-    except NvjpegError:
+    except (NvjpegError, GpuUnavailableError):  # no engines, or an nvJPEG that cannot drive them safely
         engines = False
     try:
         import cupy  # noqa: F401
@@ -176,7 +179,10 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
                      and fits and machine.cupy)
 
     if staging == "auto":
-        if machine.io_mode == "gds":
+        if engine in ("mmap", "mixed"):
+            staging = "host"
+            why.append(f"staging host (pinned): io_engine={engine} reads into host memory")
+        elif machine.io_mode == "gds":
             staging = "device"
             why.append("staging device: GPUDirect Storage reads straight into GPU memory")
         elif engine == "mapped":

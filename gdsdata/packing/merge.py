@@ -19,6 +19,7 @@ from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import SourceError
 from gdsdata.format.lock import remove_quietly, writer_lock
+from gdsdata.packing.detection import detection_meta
 from gdsdata.packing.packer import into
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ def _check_parts(parts, indexes):
                               f"against {first.meta.get('options')!r}); its parts must come from one pack command")
         if index.alignment != first.alignment:
             raise SourceError(f"{part}: alignment {index.alignment}, {parts[0]} has {first.alignment}")
+        if index.task != first.task:
+            raise SourceError(f"{part}: a {index.task} dataset, {parts[0]} is a {first.task} dataset")
     infos = [index.meta.get("part") for index in indexes]
     if not any(infos):
         return list(zip(parts, indexes))  # whole datasets of the same source and options, joined in order
@@ -163,8 +166,17 @@ def _merge(ordered, folder, out, copy):
                    **{k: sum(c.get(k, 0) for c in counts) for k in ("skipped", "converted", "resized", "ignored")},
                    "per_class": np.bincount(samples["label"], minlength=len(first.classes)).tolist()},
     }
+    box_args = {}
+    if first.task == "detect":
+        per_sample = [index.sample_boxes(i) for index in indexes for i in range(len(index))]
+        meta["task"] = "detect"
+        meta["detection"] = detection_meta(first.classes, first.meta["detection"].get("format", ""),
+                                           first.meta["detection"].get("category_ids"), per_sample)
+        meta["counts"]["per_class"] = meta["detection"]["per_class_boxes"]
+        box_args = dict(boxes=np.concatenate([index.boxes for index in indexes]),
+                        box_start=np.concatenate([[0], np.cumsum([len(b) for b in per_sample])]))
     shards = np.array(shard_rows, dtype=fmt.SHARD_RECORD)
-    index_io.write(folder, first.alignment, os.urandom(16), shards, samples, bytes(strings), meta)
+    index_io.write(folder, first.alignment, os.urandom(16), shards, samples, bytes(strings), meta, **box_args)
     log.info("merged %d parts: %d samples, %d shards (%s)", len(parts), len(samples), len(shards), ", ".join(how))
     return {"out": out, "parts": len(parts), "samples": len(samples), "shards": len(shards),
             "shards_placed": sorted(how)}

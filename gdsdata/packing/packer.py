@@ -38,6 +38,7 @@ from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExist
 from gdsdata.format.lock import aside, remove_quietly, swap_in, writer_lock
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32
+from gdsdata.packing.detection import detection_meta, open_detection
 from gdsdata.packing.sources import Listing, display, is_url, open_source, read_url
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class PackResult:
     special: list = field(default_factory=list)  # [{"path", "reason"}]: FIFOs, devices, sockets named like images
     report_path: str = ""
     resumed_shards: int = 0  # shards kept from an interrupted pack (resume=True)
+    labels: dict = None  # detection packs: what the labels got wrong (detection.LabelReport.as_dict())
+    boxes: int = 0  # detection packs: boxes packed
 
 
 def scan(src):
@@ -298,7 +301,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
          shard_size: int = 1 << 30, alignment: int = fmt.DEFAULT_ALIGNMENT, workers: int = 0,
          strict: bool = False, overwrite: bool = False, progress: bool = False, num_parts: int = 1,
          part: int = 0, resume: bool = False, append: bool = False, allow_empty_classes: bool = False,
-         on_progress: "Callable[[int], None] | None" = None) -> PackResult:
+         on_progress: "Callable[[int], None] | None" = None, format: str = "folder", split: str = "train",
+         annotations: "str | os.PathLike | None" = None) -> PackResult:
     """Pack an image source into a dataset folder (what ``gdsdata pack`` does).
 
     Parameters
@@ -331,6 +335,14 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         Keep class folders without images as classes (torchvision's ImageFolder refuses them).
     on_progress : callable, optional
         Called with a count as images are done.
+    format : str
+        "folder" (classification: ImageFolder, LMDB, tar), or a detection source: "yolo" (``src``:
+        an Ultralytics data YAML, a dataset folder with ``images/<split>``, or an images folder) or
+        "coco" (``src``: the images folder; ``annotations``: the instances JSON).
+    split : str
+        YOLO: the split to pack ("train", "val", "test").
+    annotations : str or os.PathLike, optional
+        COCO: the instances JSON.
 
     Returns
     -------
@@ -352,7 +364,12 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
     workers = workers or os.cpu_count() or 1
     started = time.perf_counter()
-    source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
+    if format == "folder" or isinstance(src, Listing):
+        source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
+    else:
+        source = open_detection(format, src, split=split, annotations=annotations, strict=strict)
+    if getattr(source, "format", "") == "yolo" and not options.exif_transpose:
+        options = replace(options, exif_transpose=True)  # YOLO labels are in the EXIF-oriented frame
     name = src if isinstance(src, str) else source.root
     try:
         if isinstance(src, str) and os.path.isdir(src) and os.path.commonpath([src, out]) == src:
@@ -376,6 +393,12 @@ def _appendable(out, source, alignment):
     base = index_io.load(out)
     if base.alignment != alignment:
         raise SourceError(f"{out}: alignment {base.alignment}; append with --alignment {base.alignment}")
+    task = getattr(source, "task", "classify")
+    if base.task != task:
+        raise SourceError(f"{out}: a {base.task} dataset; {source.root} is a {task} source")
+    if task == "detect" and source.classes != base.classes:
+        raise SourceError(f"{out}: appending detection images needs the same class names ({len(base.classes)} in "
+                          f"the dataset, {len(source.classes)} in {source.root})")
     known = {base.path(i) for i in range(len(base))}
     classes = base.classes + sorted(set(source.classes) - set(base.classes))
     label = {name: k for k, name in enumerate(classes)}
@@ -439,6 +462,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         report["part"] = {"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
     jobs = (_job(source, item, options) for item in items[done:])
     labels = {item.rel: item.label for item in items}
+    task = getattr(source, "task", "classify")
+    sizes = {item.rel: item.size for item in items if item.size is not None}
     try:
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
@@ -447,6 +472,16 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 if on_progress is not None:
                     on_progress(1)
                 if prepared is None:
+                    if strict:
+                        raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
+                    skipped.append({"path": display(rel), "reason": reason})
+                    log.warning("skipped %s: %s", display(rel), reason)
+                    position["item"] += 1
+                    continue
+                declared = sizes.get(rel)
+                if declared and not prepared.flags & fmt.FLAG_RESIZED and (prepared.width, prepared.height) != declared:
+                    reason = (f"the image is {prepared.width}x{prepared.height}, its annotations were made for "
+                              f"{declared[0]}x{declared[1]}")
                     if strict:
                         raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
                     skipped.append({"path": display(rel), "reason": reason})
@@ -508,6 +543,16 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     }
     if num_parts > 1:
         meta["part"] = report["part"]
+    box_args = {}
+    if task == "detect":
+        per_sample = _sample_boxes(records, strings, {item.rel: item.boxes for item in items},
+                                   base if append else None)
+        meta["task"] = "detect"
+        meta["detection"] = detection_meta(classes, source.format, source.category_ids, per_sample)
+        per_class = meta["counts"]["per_class"] = meta["detection"]["per_class_boxes"]  # boxes, not samples
+        report["labels"] = source.report.as_dict() if part == 0 or num_parts == 1 else None
+        box_args = dict(boxes=np.concatenate(per_sample) if per_sample else np.zeros(0, fmt.BOX_RECORD),
+                        box_start=np.concatenate([[0], np.cumsum([len(b) for b in per_sample])]))
     total = int(shard_table["size"].sum())
     if append:
         report["appended"] = len(samples) - len(base)
@@ -516,7 +561,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                   shards=len(shard_table), bytes=total, seconds=round(seconds, 3), resumed_shards=len(journals),
                   empty_classes=[c for c, n in zip(classes, per_class) if n == 0])
     try:
-        index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta)
+        index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
     except OSError as e:  # finished shards and journals stay: --resume writes the index
         report.update(status="failed", error=f"{e.strerror or e} while writing the index")
         try:
@@ -533,4 +578,18 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             pass
     log.info("packed %d images into %d shards in %.1f s", len(samples), len(shard_table), seconds)
     return PackResult(out, len(samples), converted, resized, len(shard_table), total, seconds,
-                      skipped, ignored, unreadable, special, report_path, len(journals))
+                      skipped, ignored, unreadable, special, report_path, len(journals), report.get("labels"),
+                      meta.get("detection", {}).get("boxes", 0))
+
+
+def _sample_boxes(records, strings, boxes_of, base=None) -> list:
+    """Every packed sample's boxes, in sample order: a base dataset's own (append), then the
+    source's, found by the sample's path."""
+    per_sample = []
+    for k, record in enumerate(records):
+        if base is not None and k < len(base):
+            per_sample.append(base.sample_boxes(k))
+            continue
+        rel = bytes(strings[record[1]:record[1] + record[8]]).decode("utf-8", "surrogateescape")
+        per_sample.append(boxes_of[rel])
+    return per_sample

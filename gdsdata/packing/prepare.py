@@ -3,12 +3,12 @@
 Every stored sample must decode on the GPU fast path. A JPEG that nvJPEG's hardware engines can
 decode (see ``jpeg.probe``) and that libjpeg-turbo decodes without a warning is stored byte for
 byte. Anything else PIL can
-open is converted once, exactly as ``PIL.Image.open(path).convert("RGB")`` sees it (EXIF orientation
-is not applied, alpha is dropped, 16-bit and palette images go through PIL's own conversion), and
-re-encoded as a baseline JPEG: quality 95 by default with 4:4:4 chroma, so that colour edges survive
-(a palette image kept a mean absolute difference near 2.5 where 4:2:0 at quality 90 gave 4);
-single-channel sources as a gray JPEG, the rest as YCbCr. A file that cannot be decoded raises
-``BadImageError`` with the reason.
+open is converted once, exactly as ``PIL.Image.open(path).convert("RGB")`` sees it (EXIF
+orientation is not applied unless ``exif_transpose``, as YOLO packs ask; alpha is dropped, 16-bit
+and palette images go through PIL's own conversion), and re-encoded as a baseline JPEG: quality 95
+by default with 4:4:4 chroma, so that colour edges survive (a palette image kept a mean absolute
+difference near 2.5 where 4:2:0 at quality 90 gave 4); single-channel sources as a gray JPEG, the
+rest as YCbCr. A file that cannot be decoded raises ``BadImageError`` with the reason.
 """
 
 import io
@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 
 import simplejpeg
-from PIL import Image
+from PIL import Image, ImageOps
 
 from gdsdata.format import layout as fmt
 from gdsdata.errors import BadImageError
@@ -32,6 +32,7 @@ class PackOptions:
     max_side: int = 0  # downscale so the longer side is at most this (0: keep)
     raw_size: int = 0  # raw codec: downscale so the shorter side is this (0: keep)
     max_pixels: int = Image.MAX_IMAGE_PIXELS  # larger declared sizes are refused before decoding (0: no limit)
+    exif_transpose: bool = False  # store images turned as their EXIF orientation says (detection: YOLO)
 
     def __post_init__(self):
         if self.codec not in ("jpeg", "raw"):
@@ -134,15 +135,27 @@ def _as_is(data: bytes, options: PackOptions):
     return Prepared(data, fmt.CODEC_JPEG, info.width, info.height, info.components, info.subsampling, 0)
 
 
+def _oriented(data: bytes) -> bool:
+    """Whether the image carries an EXIF orientation other than 'as stored' (1)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.getexif().get(0x0112, 1) not in (0, 1)
+    except Exception:  # noqa: BLE001 - an unreadable file fails later, with its reason
+        return False
+
+
 def prepare(data: bytes, options: PackOptions) -> Prepared:
     """Validate one image file's bytes and return what to store; raises ``BadImageError``."""
     if len(data) == 0:
         raise BadImageError("empty file")
-    if options.codec == "jpeg" and is_jpeg(data):
+    turned = options.exif_transpose and _oriented(data)
+    if options.codec == "jpeg" and is_jpeg(data) and not turned:
         stored = _as_is(data, options)
         if stored is not None:
             return stored
     image = _open(data, options)
+    if turned:
+        image = ImageOps.exif_transpose(image)
     size = _target_size(image.width, image.height, options)
     gray = image.mode in _GRAY_MODES
     rgb = _to_rgb(image)

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from gdsdata.format import layout as fmt
 from gdsdata.errors import GdsDataError, SourceError
 from gdsdata.format.lock import aside, remove_quietly, writer_lock
+from gdsdata.packing.detection import DetectionSource, open_detection
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, open_source
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def _import_ray():
 
 def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size=1 << 30,
                 alignment=fmt.DEFAULT_ALIGNMENT, strict=False, overwrite=False, progress=False,
-                allow_empty_classes=False, max_retries=3) -> dict:
+                allow_empty_classes=False, max_retries=3, format="folder", split="train", annotations=None) -> dict:
     """Pack ``src`` into ``out`` with the parts as Ray tasks (``address``: a running cluster, None:
     start or join a local Ray). Returns the merge's summary plus ``parts`` and ``seconds``."""
     from gdsdata.packing.merge import merge_checked
@@ -61,9 +62,12 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False,
                      configure_logging=False)
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
+        if format == "folder":
+            source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
+        else:
+            source = open_detection(format, src, split=split, annotations=annotations, strict=strict)
         try:
-            listed = isinstance(source, (FolderSource, RemoteFolderSource))
+            listed = isinstance(source, (FolderSource, RemoteFolderSource, DetectionSource))
             total = len(source.items)
             job_source = ray.put(Listing(source)) if listed else src
         finally:

@@ -18,7 +18,7 @@ import os
 import pickle
 import stat
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gdsdata.errors import BadImageError, SourceError
 
@@ -32,6 +32,8 @@ class Item:
     label: int
     path: str = None  # a file the worker reads (folder sources)
     ref: object = None  # how the source finds the bytes otherwise (LMDB key, tar member)
+    boxes: object = field(default=None, compare=False)  # detection sources: BOX_RECORD rows
+    size: tuple = None  # (width, height) the annotations were made for (COCO), checked when packed
 
 
 def display(name: str) -> str:
@@ -363,6 +365,8 @@ class Listing:
     def __init__(self, source):
         self.root, self.classes, self.items = source.root, source.classes, source.items
         self.ignored = getattr(source, "ignored", [])
+        self.task, self.format = getattr(source, "task", "classify"), getattr(source, "format", "")
+        self.report, self.category_ids = getattr(source, "report", None), getattr(source, "category_ids", None)
         self.unreadable, self.special = getattr(source, "unreadable", []), getattr(source, "special", [])
 
     def read(self, item):

@@ -1,0 +1,406 @@
+"""Detection sources: the Ultralytics YOLO layout and COCO instances JSON. Each lists its images
+with their boxes (``Item.boxes``: ``BOX_RECORD`` rows, corners as fractions of the image) and what
+it found wrong in the labels, in the words of the file and line it found it in.
+
+YOLO (``--format yolo``), as Ultralytics reads it:
+- SRC is a data YAML (``path``, ``train``/``val``/``test``, ``names``), a dataset folder holding
+  ``images/<split>/``, or an images folder itself. A split is a folder of images (searched
+  recursively), a ``.txt`` list of image paths, or a list of either.
+- The label file of ``.../images/.../name.jpg`` is ``.../labels/.../name.txt`` (the last ``images``
+  folder of the path becomes ``labels``). One object per line: ``class cx cy w h``, normalised to
+  the image, or ``class x1 y1 x2 y2 ...`` (a polygon, taken as its bounding box).
+- Class names: the YAML's ``names`` (a list or a {id: name} mapping); without a YAML, a
+  ``classes.txt`` (one name per line) beside ``images/`` or ``labels/``, else the ids as text.
+- Images are oriented by their EXIF tag before packing, as Ultralytics (OpenCV) reads them; the
+  labels are in that frame.
+
+COCO (``--format coco``), as torchvision's ``CocoDetection`` reads it: ``images``, ``annotations``
+(``bbox`` [x, y, w, h] in pixels, ``category_id``, ``iscrowd``) and ``categories``. Category ids are
+mapped to contiguous labels in id order (the mapping is kept in the metadata); images are stored
+as the file holds them (no EXIF rotation), in image id order.
+
+What the labels may get wrong, and what packing does (each case named in ``pack_report.json``):
+- a box that reaches outside the image: clipped to it (``clipped``); one with no area left inside
+  it, or with no width or height to begin with: dropped with the reason (``dropped``);
+- the same object twice (identical rows): kept once (``duplicates``);
+- a line that is not numbers, a class id that is not in the names, coordinates that are not
+  normalised (YOLO): the image is left out with the reason (``bad_labels``), as Ultralytics
+  ignores such an image;
+- labels without an image (YOLO label files, COCO annotations of unknown images): reported
+  (``orphans``); images without labels: kept as negatives (``negatives``).
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gdsdata.errors import SourceError
+from gdsdata.format import layout as fmt
+from gdsdata.packing.sources import IMAGE_EXTENSIONS, Item, display
+
+_NOT_NORMALISED = 2.0  # YOLO coordinates above this are pixels, not fractions: the label file is refused
+_SLACK = 1e-4  # a corner this far outside the image is the rounding of the label text: clipped without a word
+
+
+@dataclass
+class LabelReport:
+    """What a detection source found in its labels."""
+
+    negatives: int = 0
+    clipped: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)
+    duplicates: list = field(default_factory=list)
+    bad_labels: list = field(default_factory=list)
+    orphans: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"negatives": self.negatives, "clipped": self.clipped, "dropped": self.dropped,
+                "duplicates": self.duplicates, "bad_labels": self.bad_labels, "orphans": self.orphans}
+
+
+def boxes_from_xyxy(xyxy, labels, flags, where, report) -> np.ndarray:
+    """``BOX_RECORD`` rows from corners as fractions (N x 4): clipped to the image, degenerate and
+    duplicate boxes out, each change noted in ``report`` under ``where`` (a file and line, or an
+    annotation id)."""
+    xyxy = np.asarray(xyxy, np.float64).reshape(-1, 4)
+    labels, flags = np.asarray(labels, np.int64), np.asarray(flags, np.int64)
+    keep, seen = [], set()
+    for k in range(len(xyxy)):
+        x0, y0, x1, y1 = xyxy[k]
+        name = where(k)
+        if not (x1 > x0 and y1 > y0):
+            report.dropped.append({"label": name, "reason": f"degenerate box (no width or height): "
+                                                            f"{_coords(xyxy[k])}"})
+            continue
+        clipped = np.clip(xyxy[k], 0.0, 1.0)
+        if not (clipped[2] > clipped[0] and clipped[3] > clipped[1]):
+            report.dropped.append({"label": name, "reason": f"box outside the image: {_coords(xyxy[k])}"})
+            continue
+        if np.abs(clipped - xyxy[k]).max() > _SLACK:
+            report.clipped.append({"label": name, "reason": f"box reaches outside the image: {_coords(xyxy[k])} "
+                                                            f"clipped to {_coords(clipped)}"})
+        key = (int(labels[k]), *np.float32(clipped).tolist())
+        if key in seen:
+            report.duplicates.append({"label": name, "reason": "the same box and class again: kept once"})
+            continue
+        seen.add(key)
+        keep.append((*np.float32(clipped).tolist(), int(labels[k]), int(flags[k])))
+    return np.array(keep, dtype=fmt.BOX_RECORD)
+
+
+def _coords(values) -> str:
+    return "[" + ", ".join(f"{v:.4g}" for v in values) + "]"
+
+
+class DetectionSource:
+    """Common ground of the detection sources: items with boxes, classes, a label report."""
+
+    task = "detect"
+    format = ""
+
+    def __init__(self):
+        self.items, self.ignored, self.unreadable, self.special = [], [], [], []
+        self.report = LabelReport()
+        self.category_ids = None
+
+    def read(self, item):
+        return None  # the packing workers read the image files
+
+    def close(self):
+        pass
+
+
+
+def detection_meta(classes, format, category_ids, per_sample_boxes) -> dict:
+    """The metadata's ``detection`` entry for the boxes actually packed."""
+    counts = np.zeros(len(classes), np.int64)
+    for boxes in per_sample_boxes:
+        np.add.at(counts, boxes["label"].astype(np.int64), 1)
+    meta = {"format": format, "boxes": int(counts.sum()), "per_class_boxes": counts.tolist(),
+            "negatives": sum(1 for boxes in per_sample_boxes if not len(boxes))}
+    if category_ids is not None:
+        meta["category_ids"] = list(category_ids)
+    return meta
+
+
+# --- YOLO ---------------------------------------------------------------------------------------
+def label_path(image_path: str) -> str:
+    """Ultralytics' rule: the last ``/images/`` of the path becomes ``/labels/``, the extension ``.txt``."""
+    sa, sb = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
+    head, sep, tail = image_path.rpartition(sa)
+    base = (head + sb + tail) if sep else image_path
+    return os.path.splitext(base)[0] + ".txt"
+
+
+def _load_yaml(path):
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise SourceError(f"{display(path)}: cannot read the data YAML ({e.strerror or e})") from e
+    except yaml.YAMLError as e:
+        raise SourceError(f"{display(path)}: not a readable YAML file ({str(e).splitlines()[0]})") from e
+    if not isinstance(data, dict):
+        raise SourceError(f"{display(path)}: a data YAML is a mapping (path, train, val, names)")
+    return data
+
+
+def _names(raw, where) -> list:
+    if isinstance(raw, dict):
+        try:
+            ids = sorted(int(k) for k in raw)
+        except (TypeError, ValueError) as e:
+            raise SourceError(f"{where}: names must map class ids (0, 1, ...) to names") from e
+        if ids != list(range(len(ids))):
+            raise SourceError(f"{where}: class ids in names must be 0..{len(ids) - 1} without gaps, got {ids}")
+        return [str(raw[k] if k in raw else raw[str(k)]) for k in ids]
+    if isinstance(raw, list) and raw:
+        return [str(name) for name in raw]
+    raise SourceError(f"{where}: no class names (names: a list, or a mapping from id to name)")
+
+
+def _images_under(top) -> list:
+    found = []
+    for folder, dirs, files in os.walk(top, followlinks=True):
+        dirs.sort()
+        found.extend(os.path.join(folder, n) for n in sorted(files) if n.lower().endswith(IMAGE_EXTENSIONS))
+    return found
+
+
+class YoloSource(DetectionSource):
+    format = "yolo"
+
+    def __init__(self, src, split="train", strict=False):
+        super().__init__()
+        src = os.fspath(src)
+        self.root = src
+        if not os.path.exists(src):
+            raise SourceError(f"{display(src)}: no such file or folder")
+        names = None
+        if os.path.isfile(src):
+            if not src.endswith((".yaml", ".yml")):
+                raise SourceError(f"{display(src)}: --format yolo takes a data YAML or a folder")
+            data = _load_yaml(src)
+            base = data.get("path") or "."
+            base = os.path.normpath(base if os.path.isabs(base) else
+                                    os.path.join(os.path.dirname(os.path.abspath(src)), base))
+            if data.get(split) in (None, ""):
+                known = [k for k in ("train", "val", "test") if data.get(k)]
+                raise SourceError(f"{display(src)}: no split {split!r} (the YAML has {', '.join(known) or 'none'}; "
+                                  f"--split chooses)")
+            names = _names(data.get("names"), display(src))
+            entries = data[split] if isinstance(data[split], list) else [data[split]]
+            images = []
+            for entry in entries:
+                images += self._split(os.path.normpath(entry if os.path.isabs(entry) else os.path.join(base, entry)))
+            self.root = os.path.abspath(base)
+        else:
+            folder = os.path.join(src, "images", split) if os.path.isdir(os.path.join(src, "images")) else src
+            if not os.path.isdir(folder):
+                raise SourceError(f"{display(src)}: no images/{split} folder (--split chooses the split)")
+            images = self._split(folder)
+            names = self._classes_txt(src, folder)
+            self.root = os.path.abspath(src)
+        if not images:
+            raise SourceError(f"{display(src)}: no image files in split {split!r} (extensions: "
+                              f"{' '.join(IMAGE_EXTENSIONS)})")
+        parsed = {}
+        for image in images:
+            parsed[image] = self._labels(label_path(image))
+        if names is None:  # the ids as names, up to the largest id used
+            top = max((int(lb.max()) for lb, _ in parsed.values() if lb is not None and len(lb)), default=0)
+            names = [str(k) for k in range(top + 1)]
+        self.classes = names
+        for image in images:
+            rel = os.path.relpath(image, self.root)
+            rows, problem = parsed[image]
+            if problem is None and rows is not None and len(rows) and (rows[:, 0].max() >= len(names)):
+                bad = int(rows[:, 0].max())
+                problem = f"class id {bad} is not in the {len(names)} names (0..{len(names) - 1})"
+            if problem is not None:
+                if strict:
+                    raise SourceError(f"{display(label_path(image))}: {problem} (--strict)")
+                label_file = display(os.path.relpath(label_path(image), self.root))
+                self.report.bad_labels.append({"path": display(rel), "reason": f"{label_file}: {problem}"})
+                continue
+            boxes = self._boxes(rows, os.path.relpath(label_path(image), self.root))
+            self.report.negatives += not len(boxes)
+            self.items.append(Item(rel, 0, path=image, boxes=boxes))
+        self._orphans(images)
+
+    def _split(self, entry) -> list:
+        if os.path.isdir(entry):
+            return _images_under(entry)
+        if os.path.isfile(entry) and entry.endswith(".txt"):
+            parent = os.path.dirname(os.path.dirname(os.path.abspath(entry)))
+            with open(entry, encoding="utf-8") as f:
+                lines = [line.strip() for line in f if line.strip()]
+            paths = [line if os.path.isabs(line) else os.path.join(parent, line[2:] if line.startswith("./") else
+                                                                    line) for line in lines]
+            return [os.path.normpath(p) for p in paths if p.lower().endswith(IMAGE_EXTENSIONS)]
+        raise SourceError(f"{display(entry)}: a split is a folder of images or a .txt list of them")
+
+    @staticmethod
+    def _classes_txt(src, folder):
+        for candidate in (os.path.join(src, "classes.txt"), os.path.join(src, "labels", "classes.txt"),
+                          os.path.join(os.path.dirname(label_path(os.path.join(folder, "x.jpg"))), "classes.txt")):
+            if os.path.isfile(candidate):
+                with open(candidate, encoding="utf-8") as f:
+                    names = [line.strip() for line in f if line.strip()]
+                if names:
+                    return names
+        return None
+
+    @staticmethod
+    def _labels(path):
+        """(rows as an N x 5 array of class, cx, cy, w, h, or None without a label file; the reason
+        the file is unusable, or None)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return None, None
+        except (OSError, UnicodeDecodeError) as e:
+            return None, f"cannot read the label file ({getattr(e, 'strerror', None) or e})"
+        rows = []
+        for number, line in enumerate(lines, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            try:
+                values = [float(v) for v in parts]
+            except ValueError:
+                return None, f"line {number}: not numbers: {line.strip()[:60]!r}"
+            if not np.isfinite(values).all():
+                return None, f"line {number}: a value that is not finite"
+            if values[0] != int(values[0]) or values[0] < 0:
+                return None, f"line {number}: class id {parts[0]} is not a non-negative integer"
+            if len(values) == 5:
+                rows.append(values)
+            elif len(values) >= 7 and len(values) % 2 == 1:  # a polygon: its bounding box
+                xs, ys = values[1::2], values[2::2]
+                x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+                rows.append([values[0], (x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0])
+            else:
+                return None, f"line {number}: {len(values)} values (class cx cy w h, or class and a polygon)"
+            if max(rows[-1][1:]) > _NOT_NORMALISED:
+                return None, (f"line {number}: coordinates are not normalised to the image (values up to "
+                              f"{max(rows[-1][1:]):.4g}; YOLO labels are fractions of the width and height)")
+        return np.array(rows, np.float64).reshape(-1, 5), None
+
+    def _boxes(self, rows, where):
+        if rows is None or not len(rows):
+            return np.zeros(0, fmt.BOX_RECORD)
+        cx, cy, w, h = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4]
+        xyxy = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], axis=1)
+        return boxes_from_xyxy(xyxy, rows[:, 0], np.zeros(len(rows)), lambda k: f"{display(where)}:{k + 1}",
+                               self.report)
+
+    def _orphans(self, images):
+        wanted = {label_path(image) for image in images}
+        folders = {os.path.dirname(p) for p in wanted}
+        for folder in sorted(folders):
+            try:
+                names = sorted(os.listdir(folder))
+            except OSError:
+                continue
+            for name in names:
+                path = os.path.join(folder, name)
+                if name.endswith(".txt") and name != "classes.txt" and path not in wanted:
+                    self.report.orphans.append({"label": display(os.path.relpath(path, self.root)),
+                                                "reason": "a label file without an image"})
+
+
+# --- COCO ---------------------------------------------------------------------------------------
+class CocoSource(DetectionSource):
+    format = "coco"
+
+    def __init__(self, annotations, images, strict=False):
+        super().__init__()
+        annotations, images = os.fspath(annotations), os.fspath(images)
+        self.root = os.path.abspath(images)
+        if not os.path.isdir(images):
+            raise SourceError(f"{display(images)}: no such images folder")
+        try:
+            with open(annotations, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise SourceError(f"{display(annotations)}: cannot read ({e.strerror or e})") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SourceError(f"{display(annotations)}: not a JSON file ({e})") from e
+        where = display(annotations)
+        if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "categories")):
+            raise SourceError(f"{where}: not COCO instances (needs lists 'images', 'annotations', 'categories')")
+        try:
+            categories = sorted(data["categories"], key=lambda c: int(c["id"]))
+            self.category_ids = [int(c["id"]) for c in categories]
+            self.classes = [str(c["name"]) for c in categories]
+            label = {cid: k for k, cid in enumerate(self.category_ids)}
+            records = sorted(data["images"], key=lambda r: int(r["id"]))
+            by_image = {int(r["id"]): [] for r in records}
+        except (KeyError, TypeError, ValueError) as e:
+            raise SourceError(f"{where}: an image or category without a usable id or name ({e!r})") from e
+        if not self.classes:
+            raise SourceError(f"{where}: no categories")
+        if len(set(self.category_ids)) != len(self.category_ids):
+            raise SourceError(f"{where}: category ids repeat")
+        for k, ann in enumerate(data.get("annotations") or []):
+            name = f"annotation {ann.get('id', k)}" if isinstance(ann, dict) else f"annotation #{k}"
+            try:
+                image_id, cid = int(ann["image_id"]), int(ann["category_id"])
+                x, y, w, h = (float(v) for v in ann["bbox"])
+            except (KeyError, TypeError, ValueError):
+                self.report.dropped.append({"label": name, "reason": "no usable image_id, category_id or "
+                                                                     "bbox [x, y, w, h]"})
+                continue
+            if image_id not in by_image:
+                self.report.orphans.append({"label": name, "reason": f"image id {image_id} is not in 'images'"})
+                continue
+            if cid not in label:
+                self.report.dropped.append({"label": name, "reason": f"category id {cid} is not in 'categories'"})
+                continue
+            by_image[image_id].append((name, x, y, w, h, label[cid], fmt.BOX_CROWD if ann.get("iscrowd") else 0))
+        for record in records:
+            try:
+                file_name, width, height = str(record["file_name"]), int(record["width"]), int(record["height"])
+            except (KeyError, TypeError, ValueError):
+                self.report.bad_labels.append({"path": str(record.get("file_name", record.get("id"))),
+                                               "reason": "an image record without file_name, width and height"})
+                continue
+            if width <= 0 or height <= 0:
+                self.report.bad_labels.append({"path": file_name, "reason": f"declared size {width}x{height}"})
+                continue
+            anns = by_image[int(record["id"])]
+            xyxy = [(x / width, y / height, (x + w) / width, (y + h) / height) for _, x, y, w, h, _, _ in anns]
+            boxes = boxes_from_xyxy(xyxy, [a[5] for a in anns], [a[6] for a in anns],
+                                    lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report)
+            path = os.path.join(images, file_name)
+            if not os.path.isfile(path):
+                self.unreadable.append({"path": display(file_name), "reason": "listed in the annotations, no such "
+                                                                              "file"})
+                if strict:
+                    raise SourceError(f"{display(path)}: listed in {where}, no such file (--strict)")
+                continue
+            self.report.negatives += not len(boxes)
+            self.items.append(Item(file_name, 0, path=path, boxes=boxes, size=(width, height)))
+        if strict and self.report.bad_labels:
+            raise SourceError(f"{where}: {self.report.bad_labels[0]['path']}: {self.report.bad_labels[0]['reason']} "
+                              f"(--strict)")
+        if not self.items:
+            raise SourceError(f"{where}: none of its {len(records)} images is in {display(images)}")
+
+
+def open_detection(format, src, *, split="train", annotations=None, strict=False):
+    """The detection source of ``format`` ("yolo" or "coco") at ``src``."""
+    if format == "yolo":
+        return YoloSource(src, split=split, strict=strict)
+    if format == "coco":
+        if annotations is None:
+            raise SourceError("--format coco needs the annotations JSON: gdsdata pack --format coco "
+                              "ANNOTATIONS.json IMAGES OUT")
+        return CocoSource(annotations, src, strict=strict)
+    raise ValueError(f"format must be 'folder', 'yolo' or 'coco', got {format!r}")

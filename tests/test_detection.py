@@ -1,0 +1,267 @@
+"""Detection packs: YOLO and COCO sources round-trip (every box equals the source within 1e-4 of the
+image, labels equal, pixels as PIL reads the source), the two layouts of one set give the same
+boxes, each kind of bad label is reported as the module says, parts merge, the bytes on disk follow
+docs/format.md, and the classification Loader refuses a detection dataset."""
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import mean_abs_diff, pil_reference
+from PIL import Image
+
+import gdsdata
+from gdsdata.cli import main as cli
+from gdsdata.errors import FormatError, SourceError
+from gdsdata.format import index as index_io
+from gdsdata.format import layout as fmt
+from gdsdata.packing.detection import label_path
+from gdsdata.packing.packer import pack
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+from make_detection import generate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("det_src"))
+    generate(root, 24, classes=5, seed=3, val=0.25)
+    return root
+
+
+def yolo_boxes(path):
+    """(labels, N x 4 XYXY fractions) from a label file, as written."""
+    rows = np.loadtxt(path, ndmin=2) if os.path.getsize(path) else np.zeros((0, 5))
+    cx, cy, w, h = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4]
+    return rows[:, 0].astype(int), np.clip(np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], 1), 0, 1)
+
+
+def test_yolo_round_trip(synthetic, tmp_path):
+    out = str(tmp_path / "ds")
+    result = pack(os.path.join(synthetic, "yolo", "data.yaml"), out, format="yolo", workers=1)
+    ds = gdsdata.GDSDataset(out)
+    assert ds.task == "detect" and len(ds) == 18 and ds.classes[:2] == ["ellipse-0", "rectangle-1"]
+    assert result.boxes == len(ds.index.boxes) > 0
+    for i in range(len(ds)):
+        image_path = os.path.join(synthetic, "yolo", ds.source(i))
+        labels, xyxy = yolo_boxes(label_path(image_path))
+        image, target = ds[i]
+        h, w = image.shape[1:]
+        assert target["boxes"].dtype == torch.float32 and target["labels"].dtype == torch.int64
+        assert target["labels"].tolist() == labels.tolist()
+        assert np.abs(target["boxes"].numpy() / [w, h, w, h] - xyxy).max() < 1e-4
+        assert mean_abs_diff(image, pil_reference(image_path)) <= 1
+    val = pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "val"), format="yolo", split="val",
+               workers=1)
+    assert val.packed == 6
+
+
+def test_coco_round_trip_and_the_same_boxes_as_yolo(synthetic, tmp_path):
+    coco = pack(os.path.join(synthetic, "coco", "train"), str(tmp_path / "coco"), format="coco",
+                annotations=os.path.join(synthetic, "coco", "annotations", "instances_train.json"), workers=1)
+    yolo = pack(os.path.join(synthetic, "yolo", "images", "train"), str(tmp_path / "yolo"), format="yolo", workers=1)
+    a, b = gdsdata.GDSDataset(coco.out), gdsdata.GDSDataset(yolo.out)
+    assert a.index.meta["detection"]["category_ids"] == [1, 2, 3, 4, 5]
+    assert len(a) == len(b) and [a.source(i) for i in range(len(a))] == [os.path.basename(b.source(i))
+                                                                          for i in range(len(b))]
+    for i in range(len(a)):
+        ta, tb = a.target(i), b.target(i)
+        assert ta["labels"].tolist() == tb["labels"].tolist()
+        assert torch.allclose(ta["boxes"], tb["boxes"], atol=0.05)  # pixels; the YOLO text has 6 decimals
+        assert not ta["iscrowd"].any()
+
+
+def write_coco(root, images, annotations, categories):
+    os.makedirs(os.path.join(root, "images"), exist_ok=True)
+    for name, (w, h) in images.items():
+        Image.new("RGB", (w, h), (90, 120, 150)).save(os.path.join(root, "images", name), quality=90)
+    data = {"images": [{"id": k + 1, "file_name": name, "width": w, "height": h}
+                       for k, (name, (w, h)) in enumerate(images.items())],
+            "annotations": [dict(id=k + 1, **a) for k, a in enumerate(annotations)],
+            "categories": [{"id": cid, "name": name} for cid, name in categories]}
+    path = os.path.join(root, "instances.json")
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return path, os.path.join(root, "images")
+
+
+def test_coco_ids_crowds_and_bad_annotations(tmp_path):
+    ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (200, 100), "b.jpg": (64, 64), "c.jpg": (50, 40)}, [
+        {"image_id": 1, "category_id": 9, "bbox": [10, 20, 30, 40]},
+        {"image_id": 1, "category_id": 5, "bbox": [150, 50, 100, 100], "iscrowd": 1},  # reaches outside: clipped
+        {"image_id": 1, "category_id": 9, "bbox": [10, 20, 30, 40]},  # the same again
+        {"image_id": 1, "category_id": 7, "bbox": [0, 0, 5, 5]},  # no such category
+        {"image_id": 1, "category_id": 5, "bbox": [20, 20, 0, 10]},  # no width
+        {"image_id": 1, "category_id": 5, "bbox": [300, 20, 10, 10]},  # outside the image
+        {"image_id": 8, "category_id": 5, "bbox": [0, 0, 5, 5]},  # no such image
+        {"image_id": 3, "category_id": 5, "bbox": [0, 0, 5, 5]},
+    ], [(9, "dog"), (5, "cat")])
+    os.unlink(os.path.join(images, "c.jpg"))  # listed, missing
+    result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
+    ds = gdsdata.GDSDataset(result.out)
+    assert ds.classes == ["cat", "dog"] and ds.index.meta["detection"]["category_ids"] == [5, 9]
+    assert len(ds) == 2  # b.jpg has no objects: a negative
+    target = ds.target(0)
+    assert target["labels"].tolist() == [1, 0]
+    assert torch.allclose(target["boxes"], torch.tensor([[10.0, 20, 40, 60], [150, 50, 200, 100]]), atol=1e-3)
+    assert target["iscrowd"].tolist() == [0, 1]
+    assert len(ds.target(1)["boxes"]) == 0
+    labels = result.labels
+    assert labels["negatives"] == 1 and len(labels["clipped"]) == 1 and len(labels["duplicates"]) == 1
+    reasons = " | ".join(d["reason"] for d in labels["dropped"])
+    assert "category id 7 is not in 'categories'" in reasons and "degenerate" in reasons and "outside" in reasons
+    assert "image id 8 is not in 'images'" in labels["orphans"][0]["reason"]
+    assert result.unreadable[0]["path"] == "c.jpg"
+    report = json.load(open(result.report_path))
+    assert report["labels"]["duplicates"] == labels["duplicates"]
+
+
+def test_coco_image_of_another_size_than_annotated_is_left_out(tmp_path):
+    ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (64, 48)},
+                             [{"image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10]}], [(1, "x")])
+    Image.new("RGB", (48, 64)).save(os.path.join(images, "b.jpg"))  # turned since annotated
+    result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
+    assert result.packed == 1
+    assert result.skipped == [{"path": "b.jpg", "reason": "the image is 48x64, its annotations were made for 64x48"}]
+
+
+def yolo_tree(root, labels: dict, names=("a", "b"), sizes=None):
+    """images/train/NAME.jpg with labels/train/NAME.txt holding ``labels[NAME]`` (None: no label file)."""
+    for name, text in labels.items():
+        os.makedirs(os.path.join(root, "images", "train"), exist_ok=True)
+        os.makedirs(os.path.join(root, "labels", "train"), exist_ok=True)
+        Image.new("RGB", (sizes or {}).get(name, (80, 60)), (40, 80, 120)).save(
+            os.path.join(root, "images", "train", name + ".jpg"), quality=90)
+        if text is not None:
+            with open(os.path.join(root, "labels", "train", name + ".txt"), "w") as f:
+                f.write(text)
+    with open(os.path.join(root, "data.yaml"), "w") as f:
+        f.write("path: .\ntrain: images/train\nnames: [" + ", ".join(names) + "]\n")
+    return os.path.join(root, "data.yaml")
+
+
+def test_yolo_bad_labels_are_reported_as_the_module_says(tmp_path):
+    src = str(tmp_path / "src")
+    yaml_path = yolo_tree(src, {
+        "good": "0 0.5 0.5 0.2 0.2\n1 0.25 0.25 0.1 0.1\n0 0.5 0.5 0.2 0.2\n",  # the last line repeats the first
+        "edge": "1 0.95 0.5 0.2 0.2\n0 1.5 0.5 0.2 0.2\n0 0.5 0.5 0 0.3\n",  # clipped, outside, degenerate
+        "polygon": "1 0.1 0.1 0.3 0.1 0.3 0.4\n",  # a polygon: its bounding box
+        "negative": "",
+        "unlabelled": None,
+        "words": "0 0.5 zero 0.1 0.1\n",
+        "class": "7 0.5 0.5 0.1 0.1\n",
+        "pixels": "0 320 240 50 50\n",
+    })
+    with open(os.path.join(src, "labels", "train", "lost.txt"), "w") as f:
+        f.write("0 0.5 0.5 0.1 0.1\n")
+    result = pack(yaml_path, str(tmp_path / "ds"), format="yolo", workers=1)
+    ds = gdsdata.GDSDataset(result.out)
+    packed = {os.path.basename(ds.source(i)): i for i in range(len(ds))}
+    assert set(packed) == {"good.jpg", "edge.jpg", "polygon.jpg", "negative.jpg", "unlabelled.jpg"}
+    good = ds.target(packed["good.jpg"])
+    assert good["labels"].tolist() == [0, 1]
+    assert torch.allclose(good["boxes"], torch.tensor([[32.0, 24, 48, 36], [16, 12, 24, 18]]), atol=1e-3)
+    edge = ds.target(packed["edge.jpg"])
+    assert torch.allclose(edge["boxes"], torch.tensor([[68.0, 24, 80, 36]]), atol=1e-3)
+    polygon = ds.target(packed["polygon.jpg"])
+    assert torch.allclose(polygon["boxes"], torch.tensor([[8.0, 6, 24, 24]]), atol=1e-3)
+    labels = result.labels
+    assert labels["negatives"] == 2 and len(labels["duplicates"]) == 1 and len(labels["clipped"]) == 1
+    assert sorted(d["reason"].split(":")[0] for d in labels["dropped"]) == ["box outside the image",
+                                                                           "degenerate box (no width or height)"]
+    bad = {d["path"]: d["reason"] for d in labels["bad_labels"]}
+    assert "not numbers" in bad[os.path.join("images", "train", "words.jpg")]
+    assert "class id 7 is not in the 2 names" in bad[os.path.join("images", "train", "class.jpg")]
+    assert "not normalised" in bad[os.path.join("images", "train", "pixels.jpg")]
+    assert labels["orphans"] == [{"label": os.path.join("labels", "train", "lost.txt"),
+                                  "reason": "a label file without an image"}]
+    with pytest.raises(SourceError, match="class id 7 is not in the 2 names .*--strict"):
+        pack(yaml_path, str(tmp_path / "strict"), format="yolo", workers=1, strict=True)
+
+
+def test_yolo_images_are_turned_as_exif_says_and_coco_images_are_not(tmp_path):
+    src = str(tmp_path / "src")
+    yolo_tree(src, {"turned": "0 0.25 0.5 0.5 0.2\n"}, sizes={"turned": (80, 40)})
+    path = os.path.join(src, "images", "train", "turned.jpg")
+    stripes = Image.new("RGB", (80, 40), (0, 0, 0))
+    stripes.paste((255, 255, 255), (0, 0, 40, 40))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored landscape, shown rotated 90 degrees clockwise (portrait 40x80)
+    stripes.save(path, quality=95, exif=exif)
+    result = pack(os.path.join(src, "data.yaml"), str(tmp_path / "ds"), format="yolo", workers=1)
+    image, target = gdsdata.GDSDataset(result.out)[0]
+    assert tuple(image.shape) == (3, 80, 40) and result.converted == 1
+    from PIL import ImageOps
+
+    turned = np.array(ImageOps.exif_transpose(Image.open(path)).convert("RGB"))
+    assert mean_abs_diff(image, turned) < 3
+    ann, images = write_coco(str(tmp_path / "coco"), {"t.jpg": (80, 40)}, [], [(1, "x")])
+    shutil.copy(path, os.path.join(images, "t.jpg"))
+    coco = pack(images, str(tmp_path / "coco_ds"), format="coco", annotations=ann, workers=1)
+    assert tuple(gdsdata.GDSDataset(coco.out)[0][0].shape) == (3, 40, 80)  # as torchvision's CocoDetection reads it
+
+
+def test_parts_merge_into_the_single_pack(synthetic, tmp_path):
+    data = os.path.join(synthetic, "yolo", "data.yaml")
+    whole = gdsdata.GDSDataset(pack(data, str(tmp_path / "whole"), format="yolo", workers=1).out)
+    parts = [pack(data, str(tmp_path / f"p{k}"), format="yolo", workers=1, num_parts=2, part=k).out for k in range(2)]
+    merged = gdsdata.GDSDataset(gdsdata.merge(parts, str(tmp_path / "merged"))["out"])
+    assert merged.task == "detect" and len(merged) == len(whole)
+    assert np.array_equal(merged.index.boxes, whole.index.boxes)
+    assert np.array_equal(merged.index.box_start, whole.index.box_start)
+    assert merged.index.meta["detection"]["per_class_boxes"] == whole.index.meta["detection"]["per_class_boxes"]
+
+
+def test_the_annotation_table_on_disk_follows_the_format(synthetic, tmp_path):
+    out = pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "ds"), format="yolo", workers=1).out
+    raw = open(os.path.join(out, fmt.INDEX_NAME), "rb").read()
+    header = np.frombuffer(raw, fmt.INDEX_HEADER, count=1)[0]
+    index = index_io.load(out)
+    assert header["version"] == 3 and header["num_boxes"] == len(index.boxes)
+    at = int(header["annotations_offset"])
+    assert at == int(header["meta_offset"]) + int(header["meta_size"])
+    starts = np.frombuffer(raw, "<u8", count=len(index) + 1, offset=at)
+    boxes = np.frombuffer(raw, fmt.BOX_RECORD, count=int(header["num_boxes"]), offset=at + starts.nbytes)
+    assert at + starts.nbytes + boxes.nbytes == len(raw)
+    assert starts[0] == 0 and starts[-1] == len(boxes) and np.array_equal(boxes, index.boxes)
+    # a box that is not a box is refused, naming the sample
+    damaged = bytearray(raw)
+    x1 = at + starts.nbytes + fmt.BOX_RECORD.fields["x1"][1]
+    damaged[x1:x1 + 4] = np.float32(-1).tobytes()
+    import zlib
+
+    crc = fmt.INDEX_HEADER.fields["body_crc32"][1]
+    damaged[crc:crc + 4] = np.uint32(zlib.crc32(bytes(damaged[fmt.INDEX_HEADER.itemsize:]))).tobytes()
+    copy = str(tmp_path / "damaged")
+    shutil.copytree(out, copy)
+    open(os.path.join(copy, fmt.INDEX_NAME), "wb").write(bytes(damaged))
+    with pytest.raises(FormatError, match=r"box 0 of sample 0 .* is not a box inside the image"):
+        index_io.load(copy)
+
+
+def test_the_classification_loader_refuses_a_detection_dataset(synthetic, tmp_path):
+    out = pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "ds"), format="yolo", workers=1).out
+    ds = gdsdata.GDSDataset(out)
+    with pytest.raises(TypeError, match="is a detect dataset: read it with torch.utils.data.DataLoader"):
+        gdsdata.Loader(ds, 4)
+    images, targets = next(iter(torch.utils.data.DataLoader(ds, 4, collate_fn=gdsdata.collate)))
+    assert len(images) == 4 and all(set(t) == {"boxes", "labels", "iscrowd"} for t in targets)
+    with pytest.raises(TypeError, match="classification dataset"):
+        gdsdata.GDSDataset(os.path.join(os.path.dirname(__file__), "data", "golden", "ds")).target(0)
+
+
+def test_the_command_line(synthetic, tmp_path, capsys):
+    coco = os.path.join(synthetic, "coco")
+    assert cli(["pack", "--format", "coco", os.path.join(coco, "annotations", "instances_train.json"),
+                os.path.join(coco, "train"), str(tmp_path / "c"), "-q"]) == 0
+    assert "boxes:" in capsys.readouterr().out
+    assert cli(["pack", "--format", "coco", os.path.join(coco, "train"), str(tmp_path / "x"), "-q"]) != 0
+    assert "--format coco takes ANNOTATIONS.json IMAGES OUT" in capsys.readouterr().err
+    assert cli(["pack", "--format", "yolo", "--split", "test", os.path.join(synthetic, "yolo", "data.yaml"),
+                str(tmp_path / "y"), "-q"]) != 0
+    err = capsys.readouterr().err
+    assert "no split 'test' (the YAML has train, val; --split chooses)" in err and "Traceback" not in err
