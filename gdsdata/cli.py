@@ -151,7 +151,15 @@ def _cmd_inspect(args):
         print(f"  appended {added['samples']} sample(s) from {added['source']}")
     counts = list(info["per_class"].items())
     shown = counts if len(counts) <= 12 else counts[:6] + [("...", "")] + counts[-5:]
-    print("  per class: " + ", ".join(f"{name} {n}".strip() for name, n in shown))
+    detect = info.get("detection")
+    heading = "  boxes per class: " if detect else "  per class: "
+    print(heading + ", ".join(f"{name} {n}".strip() for name, n in shown))
+    if detect:
+        per_image = detect["boxes_per_image"]
+        small, medium, large = detect["small_medium_large"]
+        print(f"  detection ({detect['format']}): {detect['boxes']} boxes, per image min/mean/max {per_image['min']}/"
+              f"{per_image['mean']}/{per_image['max']}, {detect['negatives']} image(s) without objects, "
+              f"{detect['crowd']} crowd region(s); small/medium/large (COCO's 32 and 96 px): {small}/{medium}/{large}")
     return 0
 
 

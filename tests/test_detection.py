@@ -259,6 +259,8 @@ def test_the_command_line(synthetic, tmp_path, capsys):
     assert cli(["pack", "--format", "coco", os.path.join(coco, "annotations", "instances_train.json"),
                 os.path.join(coco, "train"), str(tmp_path / "c"), "-q"]) == 0
     assert "boxes:" in capsys.readouterr().out
+    assert cli(["inspect", str(tmp_path / "c")]) == 0
+    assert "detection (coco):" in capsys.readouterr().out
     assert cli(["pack", "--format", "coco", os.path.join(coco, "train"), str(tmp_path / "x"), "-q"]) != 0
     assert "--format coco takes ANNOTATIONS.json IMAGES OUT" in capsys.readouterr().err
     assert cli(["pack", "--format", "yolo", "--split", "test", os.path.join(synthetic, "yolo", "data.yaml"),

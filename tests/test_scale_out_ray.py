@@ -94,6 +94,23 @@ def test_a_local_ray_packs_in_parts_and_survives_a_killed_worker(source, local_r
     assert sorted(os.listdir(tmp_path)) == ["ds"]  # the part folders are gone
 
 
+def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, tmp_path):
+    import numpy as np
+
+    from gdsdata.packing.ray import pack_on_ray
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_detection import generate
+
+    generate(str(tmp_path / "src"), 12, classes=3, seed=5, val=0.0)
+    data = str(tmp_path / "src" / "yolo" / "data.yaml")
+    single = load(pack(data, str(tmp_path / "single"), format="yolo", workers=1).out)
+    summary = pack_on_ray(data, str(tmp_path / "ray"), num_parts=3, format="yolo")
+    merged = load(summary["out"])
+    assert merged.task == "detect" and len(merged) == len(single) == 12
+    assert np.array_equal(merged.boxes, single.boxes) and np.array_equal(merged.box_start, single.box_start)
+
+
 def test_the_part_count_follows_size_and_cpus():
     from gdsdata.packing.ray import choose_parts
 

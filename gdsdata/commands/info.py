@@ -30,7 +30,7 @@ def info(root) -> dict:
     stored = int(shards["size"].sum())
     per_class = np.bincount(samples["label"], minlength=len(index.classes))
     meta = index.meta
-    return {
+    out = {
         "path": os.path.abspath(index.root),
         "format_version": fmt.FORMAT_VERSION,
         "created": meta.get("created"),
@@ -56,4 +56,23 @@ def info(root) -> dict:
         "part": meta.get("part"),
         "merged_from": [m["path"] for m in meta.get("merged_from", [])],
         "appended": meta.get("appended", []),
+        "task": index.task,
     }
+    if index.task == "detect":
+        per_image = np.diff(index.box_start.astype(np.int64))
+        boxes = index.boxes
+        width = (boxes["x1"] - boxes["x0"]) * samples["width"].repeat(per_image)
+        height = (boxes["y1"] - boxes["y0"]) * samples["height"].repeat(per_image)
+        area = width * height  # COCO's size classes, in pixels of the stored images
+        out["per_class"] = {name: int(n) for name, n in zip(
+            index.classes, np.bincount(boxes["label"], minlength=len(index.classes)))}
+        out["detection"] = {
+            "format": meta.get("detection", {}).get("format"),
+            "boxes": len(boxes),
+            "boxes_per_image": _stats(per_image),
+            "negatives": int((per_image == 0).sum()),
+            "crowd": int(((boxes["flags"] & fmt.BOX_CROWD) != 0).sum()),
+            "small_medium_large": [int((area < 32 ** 2).sum()), int(((area >= 32 ** 2) & (area < 96 ** 2)).sum()),
+                                   int((area >= 96 ** 2).sum())],
+        }
+    return out
