@@ -471,17 +471,12 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 bar.update()
                 if on_progress is not None:
                     on_progress(1)
-                if prepared is None:
-                    if strict:
-                        raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
-                    skipped.append({"path": display(rel), "reason": reason})
-                    log.warning("skipped %s: %s", display(rel), reason)
-                    position["item"] += 1
-                    continue
                 declared = sizes.get(rel)
-                if declared and not prepared.flags & fmt.FLAG_RESIZED and (prepared.width, prepared.height) != declared:
-                    reason = (f"the image is {prepared.width}x{prepared.height}, its annotations were made for "
-                              f"{declared[0]}x{declared[1]}")
+                if prepared is not None and declared and not prepared.flags & fmt.FLAG_RESIZED and \
+                        (prepared.width, prepared.height) != declared:
+                    prepared, reason = None, (f"the image is {prepared.width}x{prepared.height}, its annotations "
+                                              f"were made for {declared[0]}x{declared[1]}")
+                if prepared is None:
                     if strict:
                         raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
                     skipped.append({"path": display(rel), "reason": reason})
