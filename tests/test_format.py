@@ -67,6 +67,7 @@ def test_golden_dataset_reads_as_recorded():
     with open(os.path.join(GOLDEN, "expected.json")) as f:
         expected = json.load(f)
     index = index_io.load(os.path.join(GOLDEN, "ds"))
+    assert index.version == 2  # packed before the annotation table (version 3): still read
     assert index.classes == expected["classes"]
     assert [index.path(i) for i in range(len(index))] == expected["paths"]
     for i, want in enumerate(expected["samples"]):

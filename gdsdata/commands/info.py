@@ -32,7 +32,7 @@ def info(root) -> dict:
     meta = index.meta
     out = {
         "path": os.path.abspath(index.root),
-        "format_version": fmt.FORMAT_VERSION,
+        "format_version": index.version,
         "created": meta.get("created"),
         "gdsdata_version": meta.get("gdsdata_version"),
         "samples": len(samples),

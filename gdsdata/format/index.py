@@ -24,6 +24,7 @@ class Index:
     body_crc32: int = 0  # of the index body: changes with any sample, shard, class or box
     box_start: np.ndarray = None  # BOX_START x (samples + 1), detection datasets only
     boxes: np.ndarray = None  # BOX_RECORD x boxes
+    version: int = fmt.FORMAT_VERSION  # the index's format version as read
 
     @property
     def task(self) -> str:
@@ -178,7 +179,7 @@ def load(root) -> Index:
     index = Index(root, int(header["alignment"]), bytes(header["dataset_id"]),
                   np.frombuffer(shards_raw, fmt.SHARD_RECORD).copy(),
                   np.frombuffer(samples_raw, fmt.SAMPLE_RECORD).copy(), strings, meta, int(header["body_crc32"]),
-                  box_start, boxes)
+                  box_start, boxes, int(header["version"]))
     _check(index, path)
     return index
 
