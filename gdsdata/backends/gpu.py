@@ -41,10 +41,6 @@ class GpuBackend:
         log.info("GPU path on %s: %s (%s)", device, self.path.describe(), "; ".join(self.path.why))
 
     @property
-    def engine(self) -> str:
-        return self.reader.engine
-
-    @property
     def load_path(self) -> load_paths.LoadPath:
         """The path as it stands (``reads`` becomes the fallback engine if ``mapped`` gave up)."""
         if self.reader.engine == self.path.reads:

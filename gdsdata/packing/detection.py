@@ -69,21 +69,20 @@ def boxes_from_xyxy(xyxy, labels, flags, where, report) -> np.ndarray:
     keep, seen = [], set()
     for k in range(len(xyxy)):
         x0, y0, x1, y1 = xyxy[k]
-        name = where(k)
         if not (x1 > x0 and y1 > y0):
-            report.dropped.append({"label": name, "reason": f"degenerate box (no width or height): "
+            report.dropped.append({"label": where(k), "reason": f"degenerate box (no width or height): "
                                                             f"{_coords(xyxy[k])}"})
             continue
         clipped = np.clip(xyxy[k], 0.0, 1.0)
         if not (clipped[2] > clipped[0] and clipped[3] > clipped[1]):
-            report.dropped.append({"label": name, "reason": f"box outside the image: {_coords(xyxy[k])}"})
+            report.dropped.append({"label": where(k), "reason": f"box outside the image: {_coords(xyxy[k])}"})
             continue
         if np.abs(clipped - xyxy[k]).max() > _SLACK:
-            report.clipped.append({"label": name, "reason": f"box reaches outside the image: {_coords(xyxy[k])} "
+            report.clipped.append({"label": where(k), "reason": f"box reaches outside the image: {_coords(xyxy[k])} "
                                                             f"clipped to {_coords(clipped)}"})
         key = (int(labels[k]), *np.float32(clipped).tolist())
         if key in seen:
-            report.duplicates.append({"label": name, "reason": "the same box and class again: kept once"})
+            report.duplicates.append({"label": where(k), "reason": "the same box and class again: kept once"})
             continue
         seen.add(key)
         keep.append((*np.float32(clipped).tolist(), int(labels[k]), int(flags[k])))
@@ -111,6 +110,16 @@ class DetectionSource:
     def close(self):
         pass
 
+
+
+def annotate(meta, classes, format, category_ids, per_sample_boxes) -> dict:
+    """Mark ``meta`` as a detection index (``task``, ``detection``, per-class counts of boxes, not of
+    samples) and return the ``boxes`` and ``box_start`` arguments of ``index.write``."""
+    meta["task"] = "detect"
+    meta["detection"] = detection_meta(classes, format, category_ids, per_sample_boxes)
+    meta.setdefault("counts", {})["per_class"] = meta["detection"]["per_class_boxes"]
+    boxes = np.concatenate(per_sample_boxes) if per_sample_boxes else np.zeros(0, fmt.BOX_RECORD)
+    return {"boxes": boxes, "box_start": np.concatenate([[0], np.cumsum([len(b) for b in per_sample_boxes])])}
 
 
 def detection_meta(classes, format, category_ids, per_sample_boxes) -> dict:
@@ -208,9 +217,8 @@ class YoloSource(DetectionSource):
         if not images:
             raise SourceError(f"{display(src)}: no image files in split {split!r} (extensions: "
                               f"{' '.join(IMAGE_EXTENSIONS)})")
-        parsed = {}
-        for image in images:
-            parsed[image] = self._labels(label_path(image))
+        labels_of = {image: label_path(image) for image in images}
+        parsed = {image: self._labels(labels_of[image]) for image in images}
         if names is None:  # the ids as names, up to the largest id used
             top = max((int(lb.max()) for lb, _ in parsed.values() if lb is not None and len(lb)), default=0)
             names = [str(k) for k in range(top + 1)]
@@ -223,14 +231,14 @@ class YoloSource(DetectionSource):
                 problem = f"class id {bad} is not in the {len(names)} names (0..{len(names) - 1})"
             if problem is not None:
                 if strict:
-                    raise SourceError(f"{display(label_path(image))}: {problem} (--strict)")
-                label_file = display(os.path.relpath(label_path(image), self.root))
+                    raise SourceError(f"{display(labels_of[image])}: {problem} (--strict)")
+                label_file = display(os.path.relpath(labels_of[image], self.root))
                 self.report.bad_labels.append({"path": display(rel), "reason": f"{label_file}: {problem}"})
                 continue
-            boxes = self._boxes(rows, os.path.relpath(label_path(image), self.root))
+            boxes = self._boxes(rows, os.path.relpath(labels_of[image], self.root))
             self.report.negatives += not len(boxes)
             self.items.append(Item(rel, 0, path=image, boxes=boxes))
-        self._orphans(images)
+        self._orphans(set(labels_of.values()))
 
     def _split(self, entry) -> list:
         if os.path.isdir(entry):
@@ -300,8 +308,7 @@ class YoloSource(DetectionSource):
         return boxes_from_xyxy(xyxy, rows[:, 0], np.zeros(len(rows)), lambda k: f"{display(where)}:{k + 1}",
                                self.report)
 
-    def _orphans(self, images):
-        wanted = {label_path(image) for image in images}
+    def _orphans(self, wanted):
         folders = {os.path.dirname(p) for p in wanted}
         for folder in sorted(folders):
             try:

@@ -19,7 +19,7 @@ from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import SourceError
 from gdsdata.format.lock import remove_quietly, writer_lock
-from gdsdata.packing.detection import detection_meta
+from gdsdata.packing.detection import annotate
 from gdsdata.packing.packer import into
 
 log = logging.getLogger(__name__)
@@ -169,12 +169,8 @@ def _merge(ordered, folder, out, copy):
     box_args = {}
     if first.task == "detect":
         per_sample = [index.sample_boxes(i) for index in indexes for i in range(len(index))]
-        meta["task"] = "detect"
-        meta["detection"] = detection_meta(first.classes, first.meta["detection"].get("format", ""),
-                                           first.meta["detection"].get("category_ids"), per_sample)
-        meta["counts"]["per_class"] = meta["detection"]["per_class_boxes"]
-        box_args = dict(boxes=np.concatenate([index.boxes for index in indexes]),
-                        box_start=np.concatenate([[0], np.cumsum([len(b) for b in per_sample])]))
+        box_args = annotate(meta, first.classes, first.meta["detection"].get("format", ""),
+                            first.meta["detection"].get("category_ids"), per_sample)
     shards = np.array(shard_rows, dtype=fmt.SHARD_RECORD)
     index_io.write(folder, first.alignment, os.urandom(16), shards, samples, bytes(strings), meta, **box_args)
     log.info("merged %d parts: %d samples, %d shards (%s)", len(parts), len(samples), len(shards), ", ".join(how))

@@ -38,7 +38,7 @@ from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExist
 from gdsdata.format.lock import aside, remove_quietly, swap_in, writer_lock
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32
-from gdsdata.packing.detection import detection_meta, open_detection
+from gdsdata.packing.detection import annotate, open_detection
 from gdsdata.packing.sources import Listing, display, is_url, open_source, read_url
 
 log = logging.getLogger(__name__)
@@ -542,12 +542,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     if task == "detect":
         per_sample = _sample_boxes(records, strings, {item.rel: item.boxes for item in items},
                                    base if append else None)
-        meta["task"] = "detect"
-        meta["detection"] = detection_meta(classes, source.format, source.category_ids, per_sample)
-        per_class = meta["counts"]["per_class"] = meta["detection"]["per_class_boxes"]  # boxes, not samples
+        box_args = annotate(meta, classes, source.format, source.category_ids, per_sample)
+        per_class = meta["counts"]["per_class"]  # boxes per class, not samples
         report["labels"] = source.report.as_dict() if part == 0 or num_parts == 1 else None
-        box_args = dict(boxes=np.concatenate(per_sample) if per_sample else np.zeros(0, fmt.BOX_RECORD),
-                        box_start=np.concatenate([[0], np.cumsum([len(b) for b in per_sample])]))
     total = int(shard_table["size"].sum())
     if append:
         report["appended"] = len(samples) - len(base)
