@@ -7,7 +7,9 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
   synthetic   random GPU tensors made once: the model's own ceiling
   gdsdata     gdsdata.Loader over the packed JPEGs (RandomResizedCrop 224 + flip + normalise fp16);
               gdsdata:BACKEND forces an nvJPEG backend by nvJPEG's name: hardware, hardware_device,
-              gpu_hybrid or gpu_hybrid_device (GDSDATA_DECODE_BACKEND, GDSDATA_STAGING=device for *_device)
+              gpu_hybrid or gpu_hybrid_device (decode_backend, staging=device for *_device);
+              gdsdata:nocrc turns checksums off (what they cost), gdsdata:normal puts the Loader's
+              streams at normal priority (what the high priority gains)
   raw         the same over a raw-pixel pack of the images (shorter side 256)
   dali        DALI's file reader + mixed random-crop decode + resize + crop_mirror_normalize fp16
               (when nvidia.dali imports)
@@ -165,6 +167,17 @@ def _dataloader(src, workers):
     return epoch
 
 
+def _variant(name):
+    """The settings of a ``gdsdata:NAME`` input: an nvJPEG backend by nvJPEG's name, ``nocrc`` (no
+    checksums) or ``normal`` (the Loader's streams at normal priority)."""
+    if name == "nocrc":
+        return {"verify_checksums": False}
+    if name == "normal":
+        return {"stream_priority": "normal"}
+    device = name.endswith("_device")
+    return {"decode_backend": name.removesuffix("_device"), "staging": "device" if device else "host"}
+
+
 def run_row(args):
     """One (model, input, stream) row in this process; prints one JSON line."""
     import torch
@@ -197,11 +210,7 @@ def run_row(args):
         if ":" in args.input:
             from gdsdata import settings
 
-            backend = args.input.split(":", 1)[1]
-            device = backend.endswith("_device")
-            family, staging = (backend.removesuffix("_device"), "device") if device else (backend, "host")
-            os.environ.update(GDSDATA_DECODE_BACKEND=family, GDSDATA_STAGING=staging)
-            settings.set(decode_backend=family, staging=staging)
+            settings.set(**_variant(args.input.split(":", 1)[1]))
         epoch = _gdsdata(args.jpeg)
     elif args.input == "raw":
         epoch = _gdsdata(args.raw)
