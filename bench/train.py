@@ -9,7 +9,8 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
               gdsdata:BACKEND forces an nvJPEG backend by nvJPEG's name: hardware, hardware_device,
               gpu_hybrid or gpu_hybrid_device (decode_backend, staging=device for *_device);
               gdsdata:nocrc turns checksums off (what they cost), gdsdata:normal puts the Loader's
-              streams at normal priority (what the high priority gains)
+              streams at normal priority (what the high priority gains), gdsdata:bilinear
+              resamples without antialiasing (what torchvision v2's antialiased default costs)
   raw         the same over a raw-pixel pack of the images (shorter side 256)
   dali        DALI's file reader + mixed random-crop decode + resize + crop_mirror_normalize fp16
               (when nvidia.dali imports)
@@ -100,12 +101,12 @@ def _synthetic(count):
     return epoch
 
 
-def _gdsdata(root):
+def _gdsdata(root, antialias=True):
     import gdsdata
 
     ds = gdsdata.GDSDataset(root, device="cuda")
-    loader = gdsdata.Loader(ds, BATCH, shuffle="full", drop_last=True,
-                            transform=gdsdata.RandomResizedCrop(224, dtype="float16"))
+    loader = gdsdata.Loader(ds, BATCH, shuffle=True, drop_last=True,
+                            transform=gdsdata.RandomResizedCrop(224, dtype="float16", antialias=antialias))
     state = {"epoch": 0}
 
     def epoch():
@@ -210,8 +211,9 @@ def run_row(args):
         if ":" in args.input:
             from gdsdata import settings
 
-            settings.set(**_variant(args.input.split(":", 1)[1]))
-        epoch = _gdsdata(args.jpeg)
+            variant = args.input.split(":", 1)[1]
+            settings.set(**({} if variant == "bilinear" else _variant(variant)))
+        epoch = _gdsdata(args.jpeg, antialias=args.input != "gdsdata:bilinear")
     elif args.input == "raw":
         epoch = _gdsdata(args.raw)
     elif args.input == "dali":

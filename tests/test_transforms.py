@@ -133,16 +133,18 @@ buffer = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))
 offsets = np.cumsum([0] + [im.size for im in images[:-1]])
 h, w, c = ([im.shape[k] for im in images] for k in range(3))
 for aa in (True, False):
-    for size in (24, (20, 36)):
-        t = gdsdata.RandomResizedCrop(size, seed=2, dtype="float32", antialias=aa, mean=None, std=None)
+    for size, dtype, layout in ((24, "float32", "NCHW"), ((20, 36), "float32", "NCHW"), (80, "uint8", "NHWC")):
+        t = gdsdata.RandomResizedCrop(size, seed=2, dtype=dtype, antialias=aa, mean=None, std=None, layout=layout)
         p = t.params(h, w, [0, 1, 2])
-        ref = T.apply(t, buffer, offsets, h, w, c, p)
-        meta = torch.from_numpy(np.stack([offsets, h, w, c, p.top, p.left, p.height, p.width,
-                                          p.flip.astype(np.int64)], 1).astype(np.int64))
-        out = torch.full((3, 3, *t.output_size), float("nan"))
-        resample(buffer, meta, out, t.output_size, (1.0,) * 3, (0.0,) * 3, True, aa)
+        ref = T.apply(t, buffer, offsets, h, w, c, p).float()
+        meta = np.stack([offsets, h, w, c, p.top, p.left, p.height, p.width, p.flip.astype(np.int64)],
+                        1).astype(np.int64)
+        out = torch.empty(ref.shape, dtype=getattr(torch, dtype))
+        if dtype == "float32":
+            out.fill_(float("nan"))
+        resample(buffer, meta, out, t.output_size, (1.0,) * 3, (0.0,) * 3, layout == "NCHW", aa)
         assert not out.isnan().any()
-        assert (out - ref).abs().max() <= 1.0, (aa, size, (out - ref).abs().max())
+        assert (out.float() - ref).abs().max() <= 1.0, (aa, size, (out.float() - ref).abs().max())
 print("ok")
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gdsdata.batch import upload
 from gdsdata.decode.cpu import cpu_pool
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -241,8 +240,7 @@ def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, p
     if device.type == "cuda" and _triton_ready():
         out = torch.empty((n, 3, out_h, out_w) if nchw else (n, out_h, out_w, 3), dtype=dtype, device=device)
         if n:
-            _resample_triton(buffer, upload(torch.from_numpy(meta), device), out, (out_h, out_w), scale, shift,
-                             nchw, transform.antialias)
+            _resample_triton(buffer, meta, out, (out_h, out_w), scale, shift, nchw, transform.antialias)
         return out
     return _resample_torch(buffer, meta, (out_h, out_w), dtype, scale, shift, nchw, transform.antialias)
 

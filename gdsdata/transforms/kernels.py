@@ -1,22 +1,31 @@
-"""The GPU resampling kernels: one Triton launch for a whole batch of differently sized images.
+"""The GPU resampling kernels: a whole batch of differently sized images in one launch per pass.
 
-Program (n, b) writes output pixels [b*BLOCK, (b+1)*BLOCK) of image n, all three channels: it reads
-the image's crop box from ``meta`` (offset, height, width, channels, top, left, crop height, crop
-width, flip) and writes normalised values, interpolating from the interleaved uint8 source:
+Each kernel reads an image's row of ``meta`` (offset, height, width, channels, top, left, crop
+height, crop width, flip, and the image's place in the antialiased filter's intermediate buffer) and
+writes normalised values, interpolating from the interleaved uint8 source:
 
 - ``_bilinear``: plain bilinear, half-pixel centres clamped to the box (``interpolate(bilinear,
-  align_corners=False, antialias=False)``);
-- ``_antialiased``: torch's antialiased bilinear (``antialias=True``, torchvision v2's default): a
-  triangle filter whose support grows with the downscale factor, the weights of each output row and
-  column normalised, exactly the index and weight arithmetic of ``interpolate``'s CPU kernel.
+  align_corners=False, antialias=False)``), one pass: program (n, b) writes output pixels
+  [b*BLOCK, (b+1)*BLOCK) of image n, all three channels;
+- ``_aa_rows`` then ``_aa_columns``: torch's antialiased bilinear (``antialias=True``, torchvision
+  v2's default), a triangle filter whose support grows with the downscale factor, each axis's weights
+  normalised, exactly the index and weight arithmetic of ``interpolate``'s CPU kernel. Separable, as
+  torch computes it: the rows of the crop are filtered to the output width first (into a float16
+  buffer of crop height x output width per image), then its columns to the output height, so a
+  pixel costs the taps of one axis plus the taps of the other rather than their product.
 
 The CPU reference the GPU tests compare with is ``transforms._resample_torch``.
 """
 
+import numpy as np
+import torch
 import triton
 import triton.language as tl
 
+from gdsdata.batch import upload
+
 _BLOCK = 256
+META = tl.constexpr(10)  # columns of a ``meta`` row: the 9 of ``transforms.apply``, the intermediate's offset
 
 
 @triton.jit
@@ -46,7 +55,7 @@ def _store(out, n, idx, area, c, value, mask, scale, shift, NCHW: tl.constexpr, 
 @triton.jit
 def _image(meta, n):
     """Image ``n``'s row of ``meta``: offset, width, channels, crop top, left, height, width, flip."""
-    row = meta + n * 9
+    row = meta + n * META
     return (tl.load(row + 0), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), tl.load(row + 5),
             tl.load(row + 6).to(tl.float32), tl.load(row + 7).to(tl.float32), tl.load(row + 8))
 
@@ -108,56 +117,98 @@ def _axis(pos, extent, size):
 
 
 @triton.jit
-def _antialiased(src, meta, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
-                 NCHW: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
+def _taps(extent, size):
+    """The most taps any output pixel has along an axis: 2 * support + 1, rounded up."""
+    return (2.0 * tl.maximum(extent / size, 1.0) + 2.0).to(tl.int32)
+
+
+@triton.jit
+def _weight(k, low, size, center, invscale):
+    """The triangle filter's weight of tap ``k`` (0 beyond the window)."""
+    return tl.where(k < size, tl.maximum(1.0 - tl.abs((k + low - center + 0.5) * invscale), 0.0), 0.0)
+
+
+@triton.jit
+def _aa_rows(src, meta, tmp, out_w, BLOCK: tl.constexpr):
+    """Pass 1: every row of image n's crop filtered to ``out_w`` columns (flipped if asked) into ``tmp``."""
     n = tl.program_id(0)
     pid = tl.program_id(1)
     off, width, chans, top, left, crop_h, crop_w, flip = _image(meta, n)
+    base_tmp = tl.load(meta + n * META + 9)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < crop_h.to(tl.int32) * out_w
+    r = idx // out_w
+    ox = idx % out_w
+    sx = tl.where(flip > 0, (out_w - 1) - ox, ox)
+    xmin, xsize, xcenter, xinv = _axis(sx.to(tl.float32), crop_w, out_w)
+    step = tl.where(chans == 3, 1, 0).to(tl.int64)
+    base = off + (top + r).to(tl.int64) * (width * chans)
+    acc0 = tl.zeros([BLOCK], tl.float32)
+    acc1 = tl.zeros([BLOCK], tl.float32)
+    acc2 = tl.zeros([BLOCK], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for k in range(0, _taps(crop_w, out_w)):
+        w = _weight(k, xmin, xsize, xcenter, xinv)
+        total += w
+        p = src + base + (left + xmin + k) * chans
+        inside = mask & (k < xsize)
+        acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
+        acc1 += w * tl.load(p + step, mask=inside, other=0).to(tl.float32)
+        acc2 += w * tl.load(p + 2 * step, mask=inside, other=0).to(tl.float32)
+    norm = 1.0 / tl.maximum(total, 1e-20)
+    dest = tmp + base_tmp + idx.to(tl.int64) * 3
+    tl.store(dest, (acc0 * norm).to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest + 1, (acc1 * norm).to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest + 2, (acc2 * norm).to(tmp.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _aa_columns(meta, tmp, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
+                NCHW: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 2: the columns of image n's ``tmp`` filtered to ``out_h`` rows, normalised into ``out``."""
+    n = tl.program_id(0)
+    pid = tl.program_id(1)
+    crop_h = tl.load(meta + n * META + 6).to(tl.float32)
+    base_tmp = tl.load(meta + n * META + 9)
     area = out_h * out_w
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < area
     oy = idx // out_w
     ox = idx % out_w
-    ox = tl.where(flip > 0, (out_w - 1) - ox, ox)
     ymin, ysize, ycenter, yinv = _axis(oy.to(tl.float32), crop_h, out_h)
-    xmin, xsize, xcenter, xinv = _axis(ox.to(tl.float32), crop_w, out_w)
-    # the most taps any pixel of this image has along each axis: 2 * support + 1, rounded up
-    taps_y = (2.0 * tl.maximum(crop_h / out_h, 1.0) + 2.0).to(tl.int32)
-    taps_x = (2.0 * tl.maximum(crop_w / out_w, 1.0) + 2.0).to(tl.int32)
-    row = width * chans
-    step = tl.where(chans == 3, 1, 0).to(tl.int64)
     acc0 = tl.zeros([BLOCK], tl.float32)
     acc1 = tl.zeros([BLOCK], tl.float32)
     acc2 = tl.zeros([BLOCK], tl.float32)
-    total_y = tl.zeros([BLOCK], tl.float32)
-    total_x = tl.zeros([BLOCK], tl.float32)
-    for k in range(0, taps_x):
-        wx = tl.maximum(1.0 - tl.abs((k + xmin - xcenter + 0.5) * xinv), 0.0)
-        total_x += tl.where(k < xsize, wx, 0.0)
-    for j in range(0, taps_y):
-        inside_y = j < ysize
-        wy = tl.where(inside_y, tl.maximum(1.0 - tl.abs((j + ymin - ycenter + 0.5) * yinv), 0.0), 0.0)
-        total_y += wy
-        base = off + (top + ymin + j) * row
-        for k in range(0, taps_x):
-            inside = mask & inside_y & (k < xsize)
-            wx = tl.where(k < xsize, tl.maximum(1.0 - tl.abs((k + xmin - xcenter + 0.5) * xinv), 0.0), 0.0)
-            w = wy * wx
-            p = src + base + (left + xmin + k) * chans
-            acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
-            acc1 += w * tl.load(p + step, mask=inside, other=0).to(tl.float32)
-            acc2 += w * tl.load(p + 2 * step, mask=inside, other=0).to(tl.float32)
-    norm = 1.0 / tl.maximum(total_y * total_x, 1e-20)
+    total = tl.zeros([BLOCK], tl.float32)
+    for j in range(0, _taps(crop_h, out_h)):
+        w = _weight(j, ymin, ysize, ycenter, yinv)
+        total += w
+        p = tmp + base_tmp + ((ymin + j) * out_w + ox) * 3
+        inside = mask & (j < ysize)
+        acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
+        acc1 += w * tl.load(p + 1, mask=inside, other=0).to(tl.float32)
+        acc2 += w * tl.load(p + 2, mask=inside, other=0).to(tl.float32)
+    norm = 1.0 / tl.maximum(total, 1e-20)
     _store(out, n, idx, area, 0, acc0 * norm, mask, s0, b0, NCHW, TO_U8)
     _store(out, n, idx, area, 1, acc1 * norm, mask, s1, b1, NCHW, TO_U8)
     _store(out, n, idx, area, 2, acc2 * norm, mask, s2, b2, NCHW, TO_U8)
 
 
-def resample(buffer, meta, out, size, scale, shift, nchw, antialias):
-    n = meta.shape[0]
+def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias):
+    """Resample the images ``meta`` (host int64 rows of ``transforms.apply``) describes from
+    ``buffer`` into ``out``, on the buffer's device and the current stream."""
+    n = len(meta)
     out_h, out_w = size
-    grid = (n, triton.cdiv(out_h * out_w, _BLOCK))
-    kernel = _antialiased if antialias else _bilinear
-    kernel[grid](buffer, meta, out, out_h, out_w, float(scale[0]), float(scale[1]), float(scale[2]),
-                 float(shift[0]), float(shift[1]), float(shift[2]),
-                 NCHW=nchw, TO_U8=out.dtype.is_floating_point is False, BLOCK=_BLOCK)
+    rows = meta[:, 6]
+    places = np.zeros(n, np.int64)
+    np.cumsum(rows[:-1] * out_w * 3, out=places[1:])
+    table = upload(torch.from_numpy(np.ascontiguousarray(np.concatenate([meta, places[:, None]], axis=1))),
+                   buffer.device)
+    norm = (float(scale[0]), float(scale[1]), float(scale[2]), float(shift[0]), float(shift[1]), float(shift[2]))
+    flags = {"NCHW": nchw, "TO_U8": out.dtype.is_floating_point is False, "BLOCK": _BLOCK}
+    if not antialias:
+        _bilinear[(n, triton.cdiv(out_h * out_w, _BLOCK))](buffer, table, out, out_h, out_w, *norm, **flags)
+        return
+    tmp = torch.empty(int(rows.sum()) * out_w * 3, dtype=torch.float16, device=buffer.device)
+    _aa_rows[(n, triton.cdiv(int(rows.max()) * out_w, _BLOCK))](buffer, table, tmp, out_w, BLOCK=_BLOCK)
+    _aa_columns[(n, triton.cdiv(out_h * out_w, _BLOCK))](table, tmp, out, out_h, out_w, *norm, **flags)
