@@ -8,9 +8,8 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
   gdsdata     gdsdata.Loader over the packed JPEGs (RandomResizedCrop 224 + flip + normalise fp16);
               gdsdata:BACKEND forces an nvJPEG backend by nvJPEG's name: hardware, hardware_device,
               gpu_hybrid or gpu_hybrid_device (decode_backend, staging=device for *_device);
-              gdsdata:nocrc turns checksums off (what they cost), gdsdata:normal puts the Loader's
-              streams at normal priority (what the high priority gains), gdsdata:bilinear
-              resamples without antialiasing (what torchvision v2's antialiased default costs)
+              gdsdata:nocrc turns checksums off (what they cost), gdsdata:bilinear resamples
+              without antialiasing (what torchvision v2's antialiased default costs)
   raw         the same over a raw-pixel pack of the images (shorter side 256)
   dali        DALI's file reader + mixed random-crop decode + resize + crop_mirror_normalize fp16
               (when nvidia.dali imports)
@@ -169,12 +168,10 @@ def _dataloader(src, workers):
 
 
 def _variant(name):
-    """The settings of a ``gdsdata:NAME`` input: an nvJPEG backend by nvJPEG's name, ``nocrc`` (no
-    checksums) or ``normal`` (the Loader's streams at normal priority)."""
+    """The settings of a ``gdsdata:NAME`` input: an nvJPEG backend by nvJPEG's name or ``nocrc`` (no
+    checksums)."""
     if name == "nocrc":
         return {"verify_checksums": False}
-    if name == "normal":
-        return {"stream_priority": "normal"}
     device = name.endswith("_device")
     return {"decode_backend": name.removesuffix("_device"), "staging": "device" if device else "host"}
 

@@ -71,7 +71,7 @@ class GDSDataset(torch.utils.data.Dataset):
         self.skipped = 0  # samples replaced (on_error="skip") since the dataset was opened
         self._bad, self._good = set(), set()  # samples found bad, and good replacements
         self._passes = weakref.WeakSet()  # Loader passes reading from this dataset (close() stops them)
-        self.settings = config = settings.snapshot()  # a dataset keeps the settings it was built with
+        config = settings.snapshot()  # a dataset keeps the settings it was built with
         verify = config["verify_checksums"] if verify_checksums is None else (
             "always" if verify_checksums else False)
         if self.device.type == "cpu":

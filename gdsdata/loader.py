@@ -552,10 +552,7 @@ class _Prefetcher:
         self.queue = queue.Queue(maxsize=loader.prefetch)
         self.stop = threading.Event()
         # a CUDA stream per stage: the next batch's decode never queues behind this one's transform
-        # at high priority (the default), so the training step's kernels do not hold back the next batch
-        priority = settings.cuda_priority(loader.dataset.settings) if self.cuda else 0
-        self.streams = [torch.cuda.Stream(self.device, priority=priority) if self.cuda else None
-                        for _ in (_DECODE, _TRANSFORM)]
+        self.streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in (_DECODE, _TRANSFORM)]
         self.staged = queue.Queue(maxsize=2)
         self.decoded = queue.Queue(maxsize=1)
         self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step

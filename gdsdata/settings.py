@@ -29,8 +29,6 @@ made) and ``stall_timeout`` is read as each Loader pass starts.
 | | | | host memory (the CPU path, pinned GPU staging); 0: never |
 | stall_timeout | GDSDATA_STALL_TIMEOUT | 60 | seconds a Loader stage may spend on one batch before the |
 | | | | training loop gets a ``StallError`` naming the stage, the batch and the call it is stuck in |
-| stream_priority | GDSDATA_STREAM_PRIORITY | high | GPU path: the Loader's CUDA streams (decode, transform, copies) |
-| | | | at the device's highest priority, so their kernels run ahead of the training step's; normal: 0 |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
 when it does not come from NVIDIA's wheels.
@@ -53,13 +51,11 @@ _DEFAULTS = {
     "decode_backend": "auto",
     "verify_checksums": True,
     "stall_timeout": 60.0,
-    "stream_priority": "high",
 }
 _CHOICES = {
     "staging": ("auto", "device", "host"),
     "io_engine": ("auto", "kvikio", "mmap", "mixed", "mapped"),
     "decode_backend": ("auto", "hardware", "gpu_hybrid"),
-    "stream_priority": ("high", "normal"),
 }
 _RENAMED = {  # earlier names, refused with the one that replaces them
     "gather_pool": "gather_threads (a thread count, at least 1)",
@@ -128,12 +124,6 @@ def get(name):
 
 def as_dict():
     return dict(_values)
-
-
-def cuda_priority(config) -> int:
-    """The ``priority`` argument of ``torch.cuda.Stream`` for the Loader's streams under ``config``:
-    torch maps numbers below the device's range to its highest priority."""
-    return -100 if config["stream_priority"] == "high" else 0
 
 
 def snapshot():

@@ -290,19 +290,6 @@ def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):
     ds.close()
 
 
-@pytest.mark.parametrize("priority", ["high", "normal"])
-def test_loader_streams_take_the_configured_priority(photos_dataset, priority):
-    with settings.set(stream_priority=priority):
-        ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
-    loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32))
-    passing = iter(loader)
-    next(passing)
-    expected = 0 if priority == "normal" else torch.cuda.Stream.priority_range()[1]  # (least, greatest)
-    assert {stream.priority for stream in passing.streams} == {expected}
-    passing.close()
-    ds.close()
-
-
 def test_loaders_sharing_a_dataset_decode_side_by_side(photos_dataset):
     """Three Loaders over one dataset, each left alive after its epoch (so each reads and decodes
     its next epoch ahead) while the next one runs: same pixels as one Loader alone, no hang (the

@@ -29,12 +29,3 @@ def test_environment_variables_are_read():
     env = {"GDSDATA_IO_THREADS": "7", "GDSDATA_VERIFY_CHECKSUMS": "yes", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["7", "True"]
-
-
-def test_stream_priority_is_the_highest_unless_normal():
-    assert settings.get("stream_priority") == "high"
-    assert settings.cuda_priority(settings.snapshot()) < 0
-    with settings.set(stream_priority="normal"):
-        assert settings.cuda_priority(settings.snapshot()) == 0
-    with pytest.raises(ValueError, match="stream_priority"):
-        settings.set(stream_priority="urgent")

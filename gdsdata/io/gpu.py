@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from gdsdata import settings, stall
+from gdsdata import stall
 from gdsdata.io.cpu import OpenShards
 from gdsdata.format.shards import check_opened
 from gdsdata.errors import FormatError, GpuError, GpuUnavailableError
@@ -280,7 +280,7 @@ class MappedShards(ShardMaps):
     over 8-byte words). Either way ``gather()`` only queues the copy on the engine's stream and
     returns an event that completes with it."""
 
-    def __init__(self, index, device: torch.device, copy: str = "dma", priority: int = 0):
+    def __init__(self, index, device: torch.device, copy: str = "dma"):
         super().__init__(index)
         self.device = device
         self.copy = copy
@@ -291,7 +291,7 @@ class MappedShards(ShardMaps):
             self._batch_copy = BatchCopy(device.index)
         self._device_pages = {}
         self._registered = []
-        self._stream = torch.cuda.Stream(device, priority=priority)
+        self._stream = torch.cuda.Stream(device)
         self._release = weakref.finalize(self, _unregister, self._registered, device.index, self._stream, self._maps)
 
     def device_pages(self, shard) -> torch.Tensor:
@@ -389,7 +389,7 @@ class GpuReader:
         if engine in ("mmap", "mixed"):
             self.maps = ShardMaps(self.index, self.config["gather_threads"])
         elif engine == "mapped":
-            self.maps = MappedShards(self.index, self.device, self.copy, settings.cuda_priority(self.config))
+            self.maps = MappedShards(self.index, self.device, self.copy)
 
     def _fall_back(self, error):
         with self._lock:
