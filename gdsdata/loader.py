@@ -33,7 +33,10 @@ from gdsdata import stall
 from gdsdata import transforms as T
 from gdsdata.batch import PixelBatch, upload
 from gdsdata.errors import GdsDataError
+from gdsdata.transforms import detection as D
 from gdsdata.sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches
+
+DETECTION_TRANSFORMS = (D.YoloAugment, D.Letterbox)
 
 log = logging.getLogger(__name__)
 _STOP_POLL_S = 0.1
@@ -111,7 +114,17 @@ class Loader:
         size = len(dataset) if self._indices is None else len(self._indices)
         self.spec = ShardSpec(size, world_size, rank, batch_size, bool(drop_last), _shuffle(shuffle), seed,
                               _count("block_size", block_size), _count("window", window))
-        if transform is not None and not isinstance(transform, (T.RandomResizedCrop, T.CenterCrop)):
+        detect = getattr(dataset, "task", "classify") == "detect"
+        if detect and not isinstance(transform, DETECTION_TRANSFORMS):
+            raise TypeError(f"{getattr(dataset, 'root', 'this dataset')} is a detection dataset: the Loader builds "
+                            f"its batches with transform=gdsdata.YoloAugment(...) (training) or "
+                            f"gdsdata.Letterbox(...) (evaluation), got {type(transform).__name__}")
+        if detect and (batch_transform is not None or pixels):
+            raise ValueError("a detection Loader takes no batch_transform or pixels=True")
+        if not detect and isinstance(transform, DETECTION_TRANSFORMS):
+            raise TypeError(f"{type(transform).__name__} builds detection batches; "
+                            f"{getattr(dataset, 'root', 'this dataset')} is a classification dataset")
+        if not detect and transform is not None and not isinstance(transform, (T.RandomResizedCrop, T.CenterCrop)):
             raise TypeError(
                 f"transform= takes gdsdata.RandomResizedCrop or gdsdata.CenterCrop (the crop done inside the "
                 f"pipeline), got {type(transform).__name__}; pass torchvision v2 transforms and other callables as "
@@ -330,11 +343,6 @@ def _source(dataset, indices):
     if not isinstance(dataset, GDSDataset) and not all(hasattr(dataset, a) for a in _PROTOCOL):
         raise TypeError(f"gdsdata.Loader reads a gdsdata.GDSDataset or a torch Subset of one, got "
                         f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
-    if getattr(dataset, "task", "classify") != "classify":
-        raise TypeError(f"gdsdata.Loader batches classification datasets (one label per image); "
-                        f"{getattr(dataset, 'root', 'this')} is a {dataset.task} dataset: read it with "
-                        f"torch.utils.data.DataLoader(ds, collate_fn=gdsdata.collate), which gives (images, "
-                        f"targets) with a target dict per image")
     if picked is not None:
         picked = _in_range(picked, len(dataset), "indices") % len(dataset)
         if not len(picked):
@@ -372,22 +380,36 @@ class _BatchMaker:
     def __init__(self, loader):
         self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
         self.batch_transform = loader.batch_transform
+        self.detect = isinstance(loader.transform, DETECTION_TRANSFORMS)
+        # a mosaic's partners are drawn from the samples the Loader reads
+        self.population = (np.arange(len(loader.dataset)) if loader._indices is None else loader._indices) \
+            if self.detect else None
+
+    def sources(self, indices, epoch):
+        """What the I/O thread reads for a batch: the batch, and the mosaic partners of a detection batch."""
+        return self.transform.sources(indices, epoch, self.population) if self.detect else indices
 
     def decode(self, staged, stream, epoch):
-        """Staged payloads -> a PixelBatch and its sample indices (after any replacement). Nothing
-        else: on the GPU this thread keeps the JPEG engines fed."""
+        """Staged payloads -> a PixelBatch, its sample indices (after any replacement) and the
+        batch's own samples. Nothing else: on the GPU this thread keeps the JPEG engines fed."""
         batch, indices = self.dataset.decode_staged(staged, stream)
-        return batch, indices, sum(a != b for a, b in zip(staged.indices, indices))
+        return batch, indices, sum(a != b for a, b in zip(staged.indices, indices)), staged.outputs
 
     def finish(self, decoded, stream, epoch):
         """One decoded batch -> (images, labels): its transform, or with ``pixels=True`` the
-        PixelBatch itself."""
-        batch, indices, replaced = decoded
+        PixelBatch itself; a detection batch -> (images, targets) or Ultralytics' batch dict."""
+        batch, indices, replaced, outputs = decoded
+        if stream is not None and batch.owned and (self.detect or not self.pixels):
+            batch.buffer.record_stream(stream)  # allocated on the decode stream; this one reads it last
+        if self.detect:
+            boxes, labels = D.source_boxes(self.dataset.index, indices)
+            plan = D.plan(self.transform, batch.heights, batch.widths, boxes, labels, outputs, epoch)
+            images = D.render(self.transform, batch.buffer, batch.offsets, batch.channels, plan)
+            batch.release(stream)
+            return images, D.batch_form(self.transform, plan, images), replaced
         labels = upload(torch.from_numpy(self.dataset.labels[indices]), self.dataset.device)
         if self.pixels:
             return batch, labels, replaced  # released by the consumer's next step
-        if stream is not None and batch.owned:  # allocated on the decode stream; this one reads it last
-            batch.buffer.record_stream(stream)
         if self.transform is not None:
             params = self.transform.params(batch.heights, batch.widths, indices, epoch)
             images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
@@ -402,6 +424,17 @@ class _BatchMaker:
                                 f"transform of images alone as lambda images, labels: (t(images), labels)")
             images, labels = out
         return images, labels, replaced
+
+
+def _tensors(value) -> list:
+    """The tensors in a batch's images or labels (a tensor, or lists and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _put(q, stop, item) -> bool:
@@ -443,9 +476,9 @@ class PipelineStats:
         setattr(self, field, getattr(self, field) + seconds)
 
 
-def _read_ahead(dataset, epochs, q, stop, stats, activity):
+def _read_ahead(dataset, epochs, q, stop, stats, activity, sources):
     """The I/O thread: storage -> staging buffers, as far ahead as the queue allows, on into the
-    next epochs (an "end" marker between epochs)."""
+    next epochs (an "end" marker between epochs). ``sources(indices, epoch)``: what a batch reads."""
     try:
         for epoch, batches in epochs:
             for number, indices in enumerate(batches):
@@ -453,7 +486,9 @@ def _read_ahead(dataset, epochs, q, stop, stats, activity):
                     return
                 activity.start(epoch, number)
                 t0 = time.perf_counter()
-                staged = dataset.read_staged(indices.tolist())
+                indices = indices.tolist()
+                staged = dataset.read_staged(sources(indices, epoch))
+                staged.outputs = indices
                 t1 = time.perf_counter()
                 activity.stop()
                 handed = _put(q, stop, ("staged", staged, epoch, number, None))
@@ -566,7 +601,7 @@ class _Prefetcher:
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
-                                   self.stats, self.activities[0])),
+                                   self.stats, self.activities[0], maker.sources)),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
                                     self.stats, activity))
@@ -632,14 +667,15 @@ class _Prefetcher:
                 tensors = [images.buffer]
                 self.held = images
             else:
-                tensors = images if isinstance(images, list) else [images]
+                tensors = _tensors(images) + _tensors(labels)
             for tensor in tensors:
                 tensor.record_stream(current)
-            labels.record_stream(current)
         elif isinstance(images, PixelBatch):
             self.held = images
         self.stats.batches += 1
         self._tell_loader(finished_epoch=False, replaced=replaced)
+        if isinstance(labels, dict):  # Ultralytics' batch dict holds the images too
+            return labels
         return images, labels
 
     def close(self, reason=None, grace=None):

@@ -1,0 +1,256 @@
+"""Detection batches (gdsdata.YoloAugment, gdsdata.Letterbox) against Ultralytics' own transforms:
+for the same draws, Ultralytics' Mosaic, RandomPerspective, RandomFlip and RandomHSV (fed the images
+its load_image would give) produce the same boxes and labels as the Loader's batches, and pixels
+within interpolation differences; the letterbox against PIL; draws a pure function of (seed,
+epoch, index), so batches repeat and resume exactly; close_mosaic; Ultralytics' batch dict."""
+
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import gdsdata
+from gdsdata.format import layout as fmt
+from gdsdata.packing.packer import pack
+from gdsdata.transforms import uniforms
+from gdsdata.transforms import detection as D
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+from make_detection import generate  # noqa: E402
+
+S = 192  # output side: small, so that the CPU renders quickly
+
+
+@pytest.fixture(scope="module")
+def det(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("aug_src"))
+    generate(root, 16, classes=5, seed=11, val=0.0)
+    out = str(tmp_path_factory.mktemp("aug") / "ds")
+    pack(os.path.join(root, "yolo", "data.yaml"), out, format="yolo", workers=1)
+    return out
+
+
+def batches(ds, transform, n=None, **loader_args):
+    loader = gdsdata.Loader(ds, 4, transform=transform, **loader_args)
+    out = []
+    for k, batch in enumerate(loader):
+        out.append(batch)
+        if n is not None and k + 1 == n:
+            break
+    return out
+
+
+def source_xyxy(ds, i):
+    rows = ds.index.sample_boxes(i)
+    rows = rows[(rows["flags"] & fmt.BOX_CROWD) == 0]
+    return np.stack([rows[k] for k in ("x0", "y0", "x1", "y1")], 1).astype(np.float64), rows["label"].astype(int)
+
+
+def test_letterbox_places_boxes_and_pixels_as_ultralytics_letterbox(det):
+    ds = gdsdata.GDSDataset(det)
+    (images, targets), = batches(ds, gdsdata.Letterbox(imgsz=S), n=1, shuffle=False)
+    assert images.shape == (4, 3, S, S) and images.dtype == torch.uint8
+    for k in range(4):
+        image, _ = ds[k]
+        h0, w0 = image.shape[1:]
+        r = S / max(h0, w0)
+        h, w = min(int(np.ceil(h0 * r)), S), min(int(np.ceil(w0 * r)), S)  # load_image
+        left, top = int(round((S - w) / 2 - 0.1)), int(round((S - h) / 2 - 0.1))  # LetterBox, centred
+        xyxy, labels = source_xyxy(ds, k)
+        expected = xyxy * [w, h, w, h] + [left, top, left, top]
+        assert targets[k]["labels"].tolist() == labels.tolist()
+        assert np.abs(targets[k]["boxes"].numpy() - expected).max() < 1e-3
+        resized = np.asarray(Image.fromarray(image.permute(1, 2, 0).numpy()).resize((w, h), Image.BILINEAR))
+        reference = np.full((S, S, 3), 114, np.uint8)
+        reference[top:top + h, left:left + w] = resized
+        got = images[k].permute(1, 2, 0).numpy().astype(int)
+        assert np.abs(got - reference).mean() < 6, np.abs(got - reference).mean()
+        assert (got[:top] == 114).all() and (got[top + h:] == 114).all()
+
+
+ultralytics = None
+
+
+def _ultralytics():
+    global ultralytics
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    augment = pytest.importorskip("ultralytics.data.augment")
+    from ultralytics.utils.instance import Instances
+
+    return augment, Instances
+
+
+class _Draws:
+    """Stands in for ``random`` / ``np.random`` inside Ultralytics' transforms: hands out the values
+    gdsdata drew, in the order Ultralytics asks for them."""
+
+    def __init__(self):
+        self.values = []
+
+    def __call__(self, *args, **kwargs):
+        return self.values.pop(0)
+
+
+def ultralytics_batch(ds, t, indices, epoch, monkeypatch):
+    """What Ultralytics' transforms make of the outputs ``indices`` with gdsdata's draws."""
+    import cv2
+
+    augment, Instances = _ultralytics()
+
+    def load(i):  # BaseDataset.load_image (augment: INTER_LINEAR) + its labels
+        image, _ = ds[i]
+        im = np.ascontiguousarray(image.permute(1, 2, 0).numpy())
+        h0, w0 = im.shape[:2]
+        h, w = D.load_size(h0, w0, t.imgsz)
+        if (h, w) != (h0, w0):
+            im = cv2.resize(im, (w, h), interpolation=cv2.INTER_LINEAR)
+        xyxy, labels = source_xyxy(ds, i)
+        xywh = np.stack([(xyxy[:, 0] + xyxy[:, 2]) / 2, (xyxy[:, 1] + xyxy[:, 3]) / 2, xyxy[:, 2] - xyxy[:, 0],
+                         xyxy[:, 3] - xyxy[:, 1]], 1).astype(np.float32)
+        return {"img": im, "ori_shape": (h0, w0), "resized_shape": (h, w), "im_file": str(i),
+                "cls": labels.astype(np.float32)[:, None],
+                "instances": Instances(xywh, np.zeros((0, 1000, 2), np.float32), bbox_format="xywh",
+                                       normalized=True)}
+
+    class Dataset:
+        cache, data = None, {}
+
+        def get_image_and_label(self, i):
+            return load(i)
+
+    uniform, rand, np_uniform = _Draws(), _Draws(), _Draws()
+    monkeypatch.setattr(augment.random, "uniform", uniform)
+    monkeypatch.setattr(augment.random, "random", rand)
+    monkeypatch.setattr(augment.np.random, "uniform", np_uniform)
+    mosaic = augment.Mosaic(Dataset(), imgsz=t.imgsz, p=t.mosaic)
+    affine = augment.RandomPerspective(degrees=t.degrees, translate=t.translate, scale=t.scale, shear=t.shear,
+                                       perspective=0.0, size=(t.imgsz, t.imgsz))
+    hsv = augment.RandomHSV(hgain=t.hsv_h, sgain=t.hsv_s, vgain=t.hsv_v)
+    flips = [augment.RandomFlip(direction="vertical", p=t.flipud), augment.RandomFlip(direction="horizontal",
+                                                                                        p=t.fliplr)]
+    partners = t._partners(indices, epoch, np.arange(len(ds)))
+    out = []
+    for i, mates in zip(indices, partners):
+        u = uniforms(t.seed, epoch, [i], D._DRAWS)[0]
+        hsv_u = uniforms(t.seed ^ 0x5BD1E995, epoch, [i], D._HSV_DRAWS)[0]
+        s = t.imgsz
+        labels = load(i)
+        if mates:
+            monkeypatch.setattr(mosaic, "get_indexes", lambda mates=mates: list(mates))
+            uniform.values = [0.0, s / 2 + u[5] * s, s / 2 + u[4] * s]  # p check, yc, xc
+            labels = mosaic(labels)
+        uniform.values = [0.0, 0.0, (2 * u[6] - 1) * t.degrees, 1 - t.scale + 2 * t.scale * u[7],
+                          (2 * u[8] - 1) * t.shear, (2 * u[9] - 1) * t.shear,
+                          0.5 - t.translate + 2 * t.translate * u[10], 0.5 - t.translate + 2 * t.translate * u[11]]
+        labels = affine(labels)
+        np_uniform.values = [2 * hsv_u - 1]
+        labels = hsv(labels)
+        rand.values = [u[13], u[12]]
+        for flip in flips:
+            labels = flip(labels)
+        instances = labels["instances"]
+        instances.convert_bbox("xyxy")
+        out.append((labels["img"], instances.bboxes.copy(), labels["cls"].reshape(-1).astype(int)))
+    return out
+
+
+@pytest.mark.parametrize("case", ["defaults", "mosaic", "no-mosaic", "rotate-shear"])
+def test_training_batches_are_what_ultralytics_makes_of_the_same_draws(det, monkeypatch, case):
+    """Boxes and labels equal Ultralytics' (Ultralytics' float32 matrices: within 0.05 px). Pixels
+    (HSV off but for "defaults", whose HSV test is the next one) within what one resampling instead
+    of two makes of these noisy images: 8x8 block means within 2 levels on average."""
+    ds = gdsdata.GDSDataset(det)
+    off = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
+    options = {"defaults": {}, "mosaic": off, "no-mosaic": {"mosaic": 0.0, **off},
+               "rotate-shear": {"degrees": 10.0, "shear": 5.0, **off}}[case]
+    t = gdsdata.YoloAugment(imgsz=S, seed=5, **options)
+    loader = gdsdata.Loader(ds, 4, transform=t, shuffle=False)
+    (images, targets), = [b for b, _ in zip(loader, range(1))]
+    reference = ultralytics_batch(ds, t, list(range(4)), 0, monkeypatch)
+    boxes = 0
+    for k, (img, xyxy, labels) in enumerate(reference):
+        assert targets[k]["labels"].tolist() == labels.tolist()
+        assert targets[k]["boxes"].shape == xyxy.shape
+        assert np.abs(targets[k]["boxes"].numpy() - xyxy).max(initial=0) < 0.05
+        boxes += len(labels)
+        if case != "defaults":
+            mine = torch.nn.functional.avg_pool2d(images[k:k + 1].float(), 8)
+            theirs = torch.nn.functional.avg_pool2d(torch.from_numpy(img.copy()).permute(2, 0, 1)[None].float(), 8)
+            assert (mine - theirs).abs().mean() < 2, (k, (mine - theirs).abs().mean())
+    assert boxes > 0
+
+
+def test_hsv_jitter_is_ultralytics_lookup_tables(monkeypatch):
+    augment, _ = _ultralytics()
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (1, 3, 40, 40)).astype(np.float32)
+    gains = np.array([1.012, 0.55, 1.3])
+    mine = D._hsv(torch.from_numpy(image), torch.tensor(gains[None], dtype=torch.float32)).numpy()
+    monkeypatch.setattr(augment.np.random, "uniform", lambda *a, **k: (gains - 1) / [0.015, 0.7, 0.4])
+    labels = {"img": np.ascontiguousarray(image[0].transpose(1, 2, 0)[..., ::-1].astype(np.uint8))}  # BGR
+    theirs = augment.RandomHSV(0.015, 0.7, 0.4)(labels)["img"][..., ::-1].transpose(2, 0, 1)
+    diff = np.abs(mine[0] - theirs.astype(np.float32))
+    assert diff.mean() < 0.5 and np.percentile(diff, 99) <= 2, (diff.mean(), diff.max())
+
+
+def test_batches_are_a_function_of_seed_epoch_and_index_and_resume_exactly(det):
+    ds = gdsdata.GDSDataset(det)
+    t = gdsdata.YoloAugment(imgsz=96, seed=1)
+    first = batches(ds, t)
+    again = batches(ds, t)
+    for (a, ta), (b, tb) in zip(first, again):
+        assert torch.equal(a, b) and all(torch.equal(x["boxes"], y["boxes"]) for x, y in zip(ta, tb))
+    loader = gdsdata.Loader(ds, 4, transform=t)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    rest = list(it)
+    resumed = gdsdata.Loader(ds, 4, transform=t)
+    resumed.load_state_dict(state)
+    for (a, ta), (b, tb) in zip(rest, resumed):
+        assert torch.equal(a, b) and all(torch.equal(x["boxes"], y["boxes"]) for x, y in zip(ta, tb))
+    other = gdsdata.Loader(ds, 4, transform=t)
+    other.set_epoch(1)
+    assert not torch.equal(next(iter(other))[0], first[0][0])
+
+
+def test_close_mosaic_turns_the_mosaic_off_for_the_last_epochs(det):
+    t = gdsdata.YoloAugment(imgsz=96, epochs=5, close_mosaic=2)
+    assert [t.mosaic_on(e) for e in range(5)] == [True, True, True, False, False]
+    assert len(t.sources([0, 1], 2, np.arange(16))) == 8 and t.sources([0, 1], 3, np.arange(16)) == [0, 1]
+
+
+def test_the_ultralytics_batch_dict_holds_the_same_boxes(det):
+    ds = gdsdata.GDSDataset(det)
+    (images, targets), = batches(ds, gdsdata.YoloAugment(imgsz=96, seed=2), n=1, shuffle=False)
+    batch, = batches(ds, gdsdata.YoloAugment(imgsz=96, seed=2, targets="ultralytics"), n=1, shuffle=False)
+    assert torch.equal(batch["img"], images)
+    assert batch["batch_idx"].tolist() == [k for k, t in enumerate(targets) for _ in range(len(t["labels"]))]
+    assert batch["cls"][:, 0].long().tolist() == torch.cat([t["labels"] for t in targets]).tolist()
+    xyxy = torch.cat([t["boxes"] for t in targets]) / 96
+    cxcywh = torch.stack([(xyxy[:, 0] + xyxy[:, 2]) / 2, (xyxy[:, 1] + xyxy[:, 3]) / 2, xyxy[:, 2] - xyxy[:, 0],
+                          xyxy[:, 3] - xyxy[:, 1]], 1)
+    assert torch.allclose(batch["bboxes"], cxcywh, atol=1e-6)
+    assert len(batch["ori_shape"]) == 4 and batch["resized_shape"][0] == (96, 96)
+    floats, _ = batches(ds, gdsdata.YoloAugment(imgsz=96, seed=2, dtype="float32"), n=1, shuffle=False)[0]
+    assert floats.dtype == torch.float32 and torch.allclose(floats * 255, images.float(), atol=1e-3)
+
+
+def test_wrong_transforms_and_options_get_one_clear_error(det):
+    ds = gdsdata.GDSDataset(det)
+    with pytest.raises(TypeError, match="is a detection dataset"):
+        gdsdata.Loader(ds, 4)
+    with pytest.raises(TypeError, match="is a detection dataset"):
+        gdsdata.Loader(ds, 4, transform=gdsdata.RandomResizedCrop(64))
+    golden = gdsdata.GDSDataset(os.path.join(os.path.dirname(__file__), "data", "golden", "ds"))
+    with pytest.raises(TypeError, match="classification dataset"):
+        gdsdata.Loader(golden, 2, transform=gdsdata.YoloAugment())
+    for bad, match in (({"imgsz": 33}, "imgsz"), ({"mosaic": 1.5}, "probability"), ({"targets": "coco"}, "targets"),
+                       ({"scale": 1.0}, "scale"), ({"epochs": 0}, "epochs"), ({"dtype": "int8"}, "dtype")):
+        with pytest.raises(ValueError, match=match):
+            gdsdata.YoloAugment(**bad)
+    random.random()  # the module's own random stays usable after the patched tests
