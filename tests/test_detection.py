@@ -1,7 +1,8 @@
 """Detection packs: YOLO and COCO sources round-trip (every box equals the source within 1e-4 of the
 image, labels equal, pixels as PIL reads the source), the two layouts of one set give the same
 boxes, each kind of bad label is reported as the module says, parts merge, the bytes on disk follow
-docs/format.md, and the classification Loader refuses a detection dataset."""
+docs/format.md, and a detection dataset reads through torch's DataLoader or the Loader with a
+detection transform (tests/test_detection_augment.py)."""
 
 import json
 import os
@@ -243,10 +244,11 @@ def test_the_annotation_table_on_disk_follows_the_format(synthetic, tmp_path):
         index_io.load(copy)
 
 
-def test_the_classification_loader_refuses_a_detection_dataset(synthetic, tmp_path):
+def test_a_detection_dataset_needs_a_detection_transform_and_reads_through_the_dataloader(synthetic, tmp_path):
     out = pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "ds"), format="yolo", workers=1).out
     ds = gdsdata.GDSDataset(out)
-    with pytest.raises(TypeError, match="is a detect dataset: read it with torch.utils.data.DataLoader"):
+    with pytest.raises(TypeError, match="is a detection dataset: the Loader builds its batches with "
+                                        "transform=gdsdata.YoloAugment"):
         gdsdata.Loader(ds, 4)
     images, targets = next(iter(torch.utils.data.DataLoader(ds, 4, collate_fn=gdsdata.collate)))
     assert len(images) == 4 and all(set(t) == {"boxes", "labels", "iscrowd"} for t in targets)

@@ -72,15 +72,18 @@ def test_letterbox_places_boxes_and_pixels_as_ultralytics_letterbox(det):
         assert (got[:top] == 114).all() and (got[top + h:] == 114).all()
 
 
-ultralytics = None
+_PIL_OPEN = Image.open
 
 
 def _ultralytics():
-    global ultralytics
+    """Ultralytics' transforms. Importing Ultralytics replaces ``PIL.Image.open`` for the whole
+    process (to fetch a HEIF plugin when a file is not an image); PIL's own is put back, so the
+    other tests see PIL as users without Ultralytics do."""
     os.environ.setdefault("YOLO_OFFLINE", "1")
     augment = pytest.importorskip("ultralytics.data.augment")
     from ultralytics.utils.instance import Instances
 
+    Image.open = _PIL_OPEN
     return augment, Instances
 
 
