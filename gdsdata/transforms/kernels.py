@@ -129,6 +129,26 @@ def _weight(k, low, size, center, invscale):
 
 
 @triton.jit
+def _filter(start, stride, step, taps, low, size, center, invscale, mask, BLOCK: tl.constexpr):
+    """The three channels' normalised triangle-filter sums along one axis: tap k of a pixel is at
+    ``start + k * stride`` (its channels ``step`` apart), ``taps`` the most any pixel has."""
+    acc0 = tl.zeros([BLOCK], tl.float32)
+    acc1 = tl.zeros([BLOCK], tl.float32)
+    acc2 = tl.zeros([BLOCK], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for k in range(0, taps):
+        w = _weight(k, low, size, center, invscale)
+        total += w
+        p = start + k * stride
+        inside = mask & (k < size)
+        acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
+        acc1 += w * tl.load(p + step, mask=inside, other=0).to(tl.float32)
+        acc2 += w * tl.load(p + 2 * step, mask=inside, other=0).to(tl.float32)
+    norm = 1.0 / tl.maximum(total, 1e-20)
+    return acc0 * norm, acc1 * norm, acc2 * norm
+
+
+@triton.jit
 def _aa_rows(src, meta, tmp, out_w, BLOCK: tl.constexpr):
     """Pass 1: every row of image n's crop filtered to ``out_w`` columns (flipped if asked) into ``tmp``."""
     n = tl.program_id(0)
@@ -142,24 +162,12 @@ def _aa_rows(src, meta, tmp, out_w, BLOCK: tl.constexpr):
     sx = tl.where(flip > 0, (out_w - 1) - ox, ox)
     xmin, xsize, xcenter, xinv = _axis(sx.to(tl.float32), crop_w, out_w)
     step = tl.where(chans == 3, 1, 0).to(tl.int64)
-    base = off + (top + r).to(tl.int64) * (width * chans)
-    acc0 = tl.zeros([BLOCK], tl.float32)
-    acc1 = tl.zeros([BLOCK], tl.float32)
-    acc2 = tl.zeros([BLOCK], tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
-    for k in range(0, _taps(crop_w, out_w)):
-        w = _weight(k, xmin, xsize, xcenter, xinv)
-        total += w
-        p = src + base + (left + xmin + k) * chans
-        inside = mask & (k < xsize)
-        acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
-        acc1 += w * tl.load(p + step, mask=inside, other=0).to(tl.float32)
-        acc2 += w * tl.load(p + 2 * step, mask=inside, other=0).to(tl.float32)
-    norm = 1.0 / tl.maximum(total, 1e-20)
+    start = src + off + (top + r).to(tl.int64) * (width * chans) + (left + xmin) * chans
+    v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask, BLOCK)
     dest = tmp + base_tmp + idx.to(tl.int64) * 3
-    tl.store(dest, (acc0 * norm).to(tmp.dtype.element_ty), mask=mask)
-    tl.store(dest + 1, (acc1 * norm).to(tmp.dtype.element_ty), mask=mask)
-    tl.store(dest + 2, (acc2 * norm).to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest, v0.to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest + 1, v1.to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest + 2, v2.to(tmp.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -176,22 +184,11 @@ def _aa_columns(meta, tmp, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
     oy = idx // out_w
     ox = idx % out_w
     ymin, ysize, ycenter, yinv = _axis(oy.to(tl.float32), crop_h, out_h)
-    acc0 = tl.zeros([BLOCK], tl.float32)
-    acc1 = tl.zeros([BLOCK], tl.float32)
-    acc2 = tl.zeros([BLOCK], tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
-    for j in range(0, _taps(crop_h, out_h)):
-        w = _weight(j, ymin, ysize, ycenter, yinv)
-        total += w
-        p = tmp + base_tmp + ((ymin + j) * out_w + ox) * 3
-        inside = mask & (j < ysize)
-        acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
-        acc1 += w * tl.load(p + 1, mask=inside, other=0).to(tl.float32)
-        acc2 += w * tl.load(p + 2, mask=inside, other=0).to(tl.float32)
-    norm = 1.0 / tl.maximum(total, 1e-20)
-    _store(out, n, idx, area, 0, acc0 * norm, mask, s0, b0, NCHW, TO_U8)
-    _store(out, n, idx, area, 1, acc1 * norm, mask, s1, b1, NCHW, TO_U8)
-    _store(out, n, idx, area, 2, acc2 * norm, mask, s2, b2, NCHW, TO_U8)
+    start = tmp + base_tmp + (ymin * out_w + ox) * 3
+    v0, v1, v2 = _filter(start, out_w * 3, 1, _taps(crop_h, out_h), ymin, ysize, ycenter, yinv, mask, BLOCK)
+    _store(out, n, idx, area, 0, v0, mask, s0, b0, NCHW, TO_U8)
+    _store(out, n, idx, area, 1, v1, mask, s1, b1, NCHW, TO_U8)
+    _store(out, n, idx, area, 2, v2, mask, s2, b2, NCHW, TO_U8)
 
 
 def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias):
