@@ -406,7 +406,9 @@ class _BatchMaker:
             plan = D.plan(self.transform, batch.heights, batch.widths, boxes, labels, outputs, epoch)
             images = D.render(self.transform, batch.buffer, batch.offsets, batch.channels, plan)
             batch.release(stream)
-            return images, D.batch_form(self.transform, plan, images), replaced
+            names = [self.dataset.source(int(i)) for i in indices[:len(outputs)]] \
+                if self.transform.targets == "ultralytics" else None
+            return images, D.batch_form(self.transform, plan, images, names), replaced
         labels = upload(torch.from_numpy(self.dataset.labels[indices]), self.dataset.device)
         if self.pixels:
             return batch, labels, replaced  # released by the consumer's next step

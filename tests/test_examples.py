@@ -41,3 +41,31 @@ def test_torchrun_two_ranks(photos_dataset, tmp_path):
     printed = _run(["--train", out, "--arch", "resnet18", "--epochs", "1", "--batch-size", "4", "--size", "32",
                     "--log-every", "1"], tmp_path, torchrun=2)
     assert "step 7/7" in printed  # 60 samples over 2 ranks, batches of 4, drop_last
+
+
+def test_detection_examples_train_on_the_cpu(tmp_path):
+    """examples/train_detection.py (torchvision) and examples/train_yolo.py (Ultralytics' trainer)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    from make_detection import generate
+
+    from gdsdata.packing.packer import pack
+
+    generate(str(tmp_path / "src"), 10, classes=3, seed=4, val=0.3)
+    data = str(tmp_path / "src" / "yolo" / "data.yaml")
+    train = pack(data, str(tmp_path / "train"), format="yolo", workers=1).out
+    val = pack(data, str(tmp_path / "val"), format="yolo", split="val", workers=1).out
+    here = os.path.join(os.path.dirname(__file__), "..", "examples")
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), ".."), "OMP_NUM_THREADS": "1",
+           "YOLO_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, os.path.join(here, "train_detection.py"), "--train", train, "--val", val,
+                           "--epochs", "1", "--batch-size", "2", "--imgsz", "96", "--max-steps", "2"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 2/" in done.stdout and "validation:" in done.stdout
+    pytest.importorskip("ultralytics")
+    done = subprocess.run([sys.executable, os.path.join(here, "train_yolo.py"), "--train", train, "--val", val,
+                           "--model", "yolov8n.yaml", "--epochs", "1", "--imgsz", "64", "--batch", "4", "--device",
+                           "cpu", "--project", str(tmp_path / "runs"), "amp=False"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "best weights:" in done.stdout and "metrics/mAP50(B)" in done.stdout

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Train an Ultralytics YOLO detector with gdsdata batches, through Ultralytics' own trainer.
+
+    gdsdata pack --format yolo data.yaml /data/det-train.gds
+    gdsdata pack --format yolo --split val data.yaml /data/det-val.gds
+    python examples/train_yolo.py --train /data/det-train.gds --val /data/det-val.gds \\
+        --model yolo11n.yaml --epochs 100 --imgsz 640 --batch 64 --device 0
+
+The model is built from its model YAML (no weights downloaded; pass a .pt you have for
+fine-tuning). Everything but the batches is Ultralytics': loss, optimiser, schedule, EMA, AMP,
+mAP validation, checkpoints under --project/--name. Training batches are gdsdata.YoloAugment
+(mosaic, affine, HSV, flips, with Ultralytics' default hyper-parameters and box rules) built on the
+training device; validation batches gdsdata.Letterbox. Extra Ultralytics arguments go after --,
+as key=value (e.g. -- mosaic=0.5 lr0=0.02).
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("YOLO_OFFLINE", "1")  # no update checks or downloads while training
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train", required=True, help="packed detection set (gdsdata pack --format yolo|coco)")
+    parser.add_argument("--val", required=True, help="packed validation set")
+    parser.add_argument("--model", default="yolo11n.yaml", help="Ultralytics model YAML (or a .pt you have)")
+    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--device", default="0" if _cuda() else "cpu")
+    parser.add_argument("--project", default="runs/gdsdata")
+    parser.add_argument("--name", default="train")
+    parser.add_argument("extra", nargs="*", help="more Ultralytics arguments, key=value")
+    args = parser.parse_args(argv)
+    from gdsdata.yolo import DetectionTrainer
+
+    overrides = {"model": args.model, "epochs": args.epochs, "imgsz": args.imgsz, "batch": args.batch,
+                 "device": args.device, "project": args.project, "name": args.name, "exist_ok": True,
+                 "workers": 0, "plots": False, "pretrained": args.model.endswith(".pt")}
+    for item in args.extra:
+        key, _, value = item.partition("=")
+        overrides[key] = _value(value)
+    trainer = DetectionTrainer(args.train, args.val, overrides=overrides)
+    trainer.train()
+    print(f"best weights: {trainer.best}; metrics: "
+          + ", ".join(f"{k} {v:.4f}" for k, v in trainer.metrics.items() if k.startswith("metrics/")))
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _value(text):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+if __name__ == "__main__":
+    main()

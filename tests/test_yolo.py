@@ -1,0 +1,57 @@
+"""Ultralytics' trainer fed by gdsdata (gdsdata.yolo.DetectionTrainer): a YOLO model built from its
+model YAML (no weights downloaded) trains on the CPU through Ultralytics' own loop, with the mosaic
+closed for the last epoch, validates each epoch on Letterbox batches and evaluates best.pt at the
+end; the batches it consumed are Ultralytics' batch dicts with every field its loss and validator
+read."""
+
+import os
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+import gdsdata
+from gdsdata.packing.packer import pack
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+from make_detection import generate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("yolo_src"))
+    generate(root, 12, classes=3, seed=21, val=0.34)
+    out = tmp_path_factory.mktemp("yolo")
+    data = os.path.join(root, "yolo", "data.yaml")
+    return (pack(data, str(out / "train"), format="yolo", workers=1).out,
+            pack(data, str(out / "val"), format="yolo", split="val", workers=1).out)
+
+
+def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, monkeypatch):
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    opener = Image.open
+    pytest.importorskip("ultralytics")
+    from gdsdata.yolo import DetectionTrainer
+
+    Image.open = opener  # Ultralytics replaces PIL's opener for the whole process (tests/test_detection_augment.py)
+    train, val = packed
+    seen = []
+    trainer = DetectionTrainer(train, val, overrides={
+        "model": "yolov8n.yaml", "epochs": 2, "close_mosaic": 1, "imgsz": 64, "batch": 4, "device": "cpu",
+        "workers": 0, "plots": False, "amp": False, "pretrained": False, "project": str(tmp_path), "name": "run",
+        "exist_ok": True})
+    original = trainer.preprocess_batch
+
+    def preprocess(batch):
+        seen.append({k: (tuple(v.shape) if isinstance(v, torch.Tensor) else len(v)) for k, v in batch.items()})
+        return original(batch)
+
+    monkeypatch.setattr(trainer, "preprocess_batch", preprocess)
+    trainer.train()
+    assert (tmp_path / "run" / "weights" / "best.pt").exists()
+    assert set(trainer.metrics) >= {"metrics/mAP50(B)", "metrics/mAP50-95(B)"}
+    assert len(seen) == 2 * 2  # 8 training images, batch 4, two epochs
+    assert all(s["img"][1:] == (3, 64, 64) and s["im_file"] == s["img"][0] for s in seen)
+    assert trainer.train_loader.loader.transform.mosaic_on(0) and not trainer.train_loader.loader.transform.mosaic_on(1)
+    assert trainer.data["names"] == dict(enumerate(gdsdata.GDSDataset(train).classes))
