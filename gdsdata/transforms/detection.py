@@ -346,32 +346,34 @@ def render(t, buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
     centre = torch.as_tensor(p.centre, dtype=f32, device=device)
     quadrant = (cx >= centre[:, 0, None, None]).long() + 2 * (cy >= centre[:, 1, None, None]).long()
     slot = torch.arange(n, device=device)[:, None, None] * 4 + quadrant
-    table = torch.as_tensor(p.slots, dtype=torch.float64, device=device)
-    source, x1a, y1a, x2a, y2a, padw, padh, w, h, w0, h0 = (table[:, c][slot] for c in range(11))
+    table = torch.as_tensor(p.slots, dtype=f32, device=device)  # small integers: exact in float32
+    source, x1a, y1a, x2a, y2a, padw, padh, w, h, w0, h0 = table[slot].unbind(-1)
     inside = (source >= 0) & (cx > x1a - 0.5) & (cx < x2a - 0.5) & (cy > y1a - 0.5) & (cy < y2a - 0.5)
     # canvas -> resized image -> source image (half-pixel centres, as cv2.resize maps them)
-    sx = ((cx - padw + 0.5) * (w0 / w.clamp(min=1)) - 0.5).clamp(min=0)
-    sy = ((cy - padh + 0.5) * (h0 / h.clamp(min=1)) - 0.5).clamp(min=0)
-    sx = torch.minimum(sx, w0 - 1)
-    sy = torch.minimum(sy, h0 - 1)
+    sx = torch.minimum(((cx - padw + 0.5) * (w0 / w.clamp(min=1)) - 0.5).clamp_(min=0), w0 - 1)
+    sy = torch.minimum(((cy - padh + 0.5) * (h0 / h.clamp(min=1)) - 0.5).clamp_(min=0), h0 - 1)
     x0, y0 = sx.floor(), sy.floor()
-    wx, wy = (sx - x0).to(f32), (sy - y0).to(f32)
-    x1 = torch.minimum(x0 + 1, w0 - 1)
-    y1 = torch.minimum(y0 + 1, h0 - 1)
+    wx, wy = (sx - x0)[..., None], (sy - y0)[..., None]
     src = source.clamp(min=0).long()
-    off = torch.as_tensor(np.asarray(offsets, np.int64), device=device)[src]
     ch = torch.as_tensor(np.asarray(channels, np.int64), device=device)[src]
-    width = w0.long()
+    row = w0.long() * ch
+    # the four neighbours' first bytes in the flat buffer, each pixel's three channels beside them
+    first = torch.as_tensor(np.asarray(offsets, np.int64), device=device)[src] + y0.long() * row + x0.long() * ch
+    right = (x0 + 1 < w0).long() * ch
+    down = (y0 + 1 < h0).long() * row
+    lanes = torch.arange(3, device=device) * (ch == 3).long()[..., None]  # gray: one channel three times
     flat = buffer.reshape(-1)
-    out = torch.empty((n, 3, s, s), dtype=f32, device=device)
-    step = (ch == 3).long()
-    for c in range(3):
-        def at(yy, xx, c=c):
-            return flat[off + (yy.long() * width + xx.long()) * ch + c * step].to(f32)
-        top = at(y0, x0) + (at(y0, x1) - at(y0, x0)) * wx
-        bottom = at(y1, x0) + (at(y1, x1) - at(y1, x0)) * wx
-        out[:, c] = torch.where(inside, top + (bottom - top) * wy, torch.tensor(float(t.pad), device=device))
-    out = out.round_().clamp_(0, 255)
+
+    def at(shift):
+        return flat[(first + shift)[..., None] + lanes].to(f32)
+
+    top = at(0)
+    top = top + (at(right) - top) * wx
+    bottom = at(down)
+    bottom = bottom + (at(down + right) - bottom) * wx
+    value = torch.where(inside[..., None], top + (bottom - top) * wy, torch.tensor(float(t.pad), device=device))
+    out = value.permute(0, 3, 1, 2)
+    out = out.round().clamp_(0, 255)
     if (p.hsv != 1).any():
         out = _hsv(out, torch.as_tensor(p.hsv, dtype=f32, device=device))
     if t.dtype is None:
@@ -385,13 +387,13 @@ def _hsv(rgb: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
     gain's share of 180 added, modulo 180; saturation and value times theirs, clipped; truncated as
     the uint8 tables are),
     and back as OpenCV converts HSV to RGB."""
-    r, g, b = (rgb[:, c].long() for c in range(3))
+    r, g, b = (rgb[:, c].int() for c in range(3))  # int32: every product below stays under 2**31
     v = torch.maximum(torch.maximum(r, g), b)
     delta = v - torch.minimum(torch.minimum(r, g), b)
     shift, half = 4096, 2048  # OpenCV's hsv_shift = 12
-    sdiv = torch.round(255.0 * shift / v.clamp(min=1).double()) * (v > 0)
-    s8 = torch.div(delta * sdiv.long() + half, shift, rounding_mode="floor")
-    hdiv = torch.round(180.0 * shift / (6.0 * delta.clamp(min=1).double())).long()
+    sdiv = (torch.round(255.0 * shift / v.clamp(min=1).double()) * (v > 0)).int()
+    s8 = torch.div(delta * sdiv + half, shift, rounding_mode="floor")
+    hdiv = torch.round(180.0 * shift / (6.0 * delta.clamp(min=1).double())).int()
     raw = torch.where(v == r, g - b, torch.where(v == g, b - r + 2 * delta, r - g + 4 * delta))
     h8 = torch.div(raw * hdiv + half, shift, rounding_mode="floor")
     h8 = torch.where(delta > 0, torch.where(h8 < 0, h8 + 180, h8), torch.zeros_like(h8)).to(rgb.dtype)

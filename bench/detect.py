@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Detection training batches: gdsdata beside Ultralytics' own dataloader, in one run.
+
+Both build YOLO training batches at --imgsz (default 640) with Ultralytics' default augmentation
+(4-image mosaic, random affine, HSV, horizontal flip) from the same images
+(``tools/make_detection.py``: COCO-like boxes, 640 px images):
+
+  gdsdata       gdsdata.Loader(transform=YoloAugment(targets="ultralytics")) on --device
+  ultralytics   Ultralytics' YOLODataset + build_dataloader (its InfiniteDataLoader), --workers
+                processes, batches moved to --device as its trainer moves them
+
+Modes: the loader alone, and with --train the training client: a YOLO model (--model, built from
+its YAML, no weights) takes a train step (its own loss, SGD, bf16 autocast on CUDA) on each batch,
+beside the same step on one synthetic batch made once on the device (the model's own ceiling).
+Rows are interleaved over --rounds rounds after a warm-up round; figures are medians; CPU-seconds
+per 1,000 images count the process and its workers.
+
+    python bench/detect.py --dir /tmp/det-bench --count 2000 --device cuda --train --out results/
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, HERE)
+os.environ.setdefault("YOLO_OFFLINE", "1")
+
+import torch  # noqa: E402
+from common import cpu_seconds, print_system_block, system_block  # noqa: E402
+
+import gdsdata  # noqa: E402
+
+PIPELINES = ("gdsdata", "ultralytics")
+
+
+def gdsdata_pipeline(args, roots):
+    ds = gdsdata.GDSDataset(roots["gds"], device=args.device)
+    loader = gdsdata.Loader(ds, args.batch, shuffle=True, drop_last=True,
+                            transform=gdsdata.YoloAugment(imgsz=args.imgsz, targets="ultralytics"))
+    return lambda: iter(loader)
+
+
+def ultralytics_pipeline(args, roots):
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data import build_dataloader, build_yolo_dataset
+
+    cfg = get_cfg(overrides={"imgsz": args.imgsz, "workers": args.workers, "cache": False})
+    names = gdsdata.GDSDataset(roots["gds"]).classes
+    data = {"names": dict(enumerate(names)), "nc": len(names), "channels": 3, "path": roots["yolo"]}
+    dataset = build_yolo_dataset(cfg, os.path.join(roots["yolo"], "images", "train"), args.batch, data, mode="train",
+                                 stride=32)
+    loader = build_dataloader(dataset, args.batch, args.workers, shuffle=True, rank=-1, drop_last=True)
+    device = torch.device(args.device)
+
+    def batches():
+        for batch in loader:
+            for key in ("img", "batch_idx", "cls", "bboxes"):
+                batch[key] = batch[key].to(device, non_blocking=device.type == "cuda")
+            yield batch
+
+    return batches
+
+
+class Model:
+    """A YOLO detector's train step with its own loss (bf16 autocast on CUDA)."""
+
+    def __init__(self, args, nc):
+        from ultralytics.cfg import get_cfg
+        from ultralytics.nn.tasks import DetectionModel
+
+        self.device = torch.device(args.device)
+        self.model = DetectionModel(args.model, nc=nc, verbose=False).to(self.device)
+        self.model.args = get_cfg()
+        self.model.train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.937, nesterov=True)
+
+    def step(self, batch):
+        batch = dict(batch, img=batch["img"].float() / 255)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
+            loss, _ = self.model.loss(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.sum().backward()
+        self.optimizer.step()
+
+
+def synthetic(args, reference):
+    """One batch made once on the device, taken from the first gdsdata batch: the model's ceiling."""
+    batch = next(reference())
+    fixed = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    steps = args.count // args.batch
+    return lambda: (fixed for _ in range(steps))
+
+
+def epoch(make, model, device):
+    n, t0, c0 = 0, time.perf_counter(), cpu_seconds()
+    for batch in make():
+        if model is not None:
+            model.step(batch)
+        n += batch["img"].shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0), (cpu_seconds() - c0) / n * 1000
+
+
+def prepare(args):
+    from make_detection import generate
+
+    src = os.path.join(args.dir, f"src-{args.count}")
+    if not os.path.exists(os.path.join(src, "yolo", "data.yaml")):
+        generate(src, args.count, classes=args.classes, seed=0, val=0.0)
+    gds = os.path.join(args.dir, f"det-{args.count}.gds")
+    if not os.path.exists(os.path.join(gds, "index.gdsi")):
+        gdsdata.pack(os.path.join(src, "yolo", "data.yaml"), gds, format="yolo", overwrite=True)
+    return {"yolo": os.path.join(src, "yolo"), "gds": gds}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="bench-data/detect", help="working folder")
+    parser.add_argument("--count", type=int, default=2000, help="training images")
+    parser.add_argument("--classes", type=int, default=20)
+    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="Ultralytics dataloader workers")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds after a warm-up")
+    parser.add_argument("--pipelines", default=",".join(PIPELINES))
+    parser.add_argument("--train", action="store_true", help="also the training client (a YOLO train step)")
+    parser.add_argument("--model", default="yolo11n.yaml", help="Ultralytics model YAML for --train")
+    parser.add_argument("--out", default="bench-results")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    system = system_block()
+    print_system_block(system)
+    roots = prepare(args)
+    builders = {"gdsdata": gdsdata_pipeline, "ultralytics": ultralytics_pipeline}
+    pipelines = {}
+    for name in args.pipelines.split(","):
+        try:
+            pipelines[name] = builders[name](args, roots)
+        except ImportError as e:
+            print(f"{name}: not installed ({e}); skipped")
+        except Exception:  # noqa: BLE001 - one peer failing must not hide the others
+            print(f"{name}: FAILED to build\n{traceback.format_exc()}")
+    device = torch.device(args.device)
+    modes = [("alone", None)]
+    if args.train:
+        model = Model(args, len(gdsdata.GDSDataset(roots["gds"]).classes))
+        if "gdsdata" in pipelines:
+            pipelines["synthetic"] = synthetic(args, pipelines["gdsdata"])
+        modes.append((f"training {os.path.splitext(args.model)[0]}", model))
+    results = {}
+    for round_ in range(1 + args.rounds):
+        for mode, model in modes:
+            for name, make in pipelines.items():
+                if name == "synthetic" and model is None:
+                    continue
+                try:
+                    rate, cpu = epoch(make, model, device)
+                except Exception:  # noqa: BLE001
+                    print(f"{name} {mode}: FAILED\n{traceback.format_exc()}")
+                    continue
+                if round_:
+                    results.setdefault((name, mode), []).append((rate, cpu))
+                print(f"  round {round_}{' (warm-up)' if not round_ else ''}: {name:<12} {mode:<20} "
+                      f"{rate:8.0f} images/s  {cpu:6.2f} CPU-s/1k", flush=True)
+    print(f"\n== {args.count} images, batch {args.batch}, {args.imgsz} px, mosaic + affine + HSV + flip, "
+          f"{args.device}, {os.cpu_count()} cores ==")
+    table = []
+    for (name, mode), runs in results.items():
+        table.append({"pipeline": name, "mode": mode, "images_per_s": statistics.median(r for r, _ in runs),
+                      "cpu_s_per_1k": statistics.median(c for _, c in runs), "rates": [r for r, _ in runs]})
+    for row in table:
+        same = {r["pipeline"]: r for r in table if r["mode"] == row["mode"]}
+        notes = []
+        if "ultralytics" in same and row["pipeline"] == "gdsdata":
+            notes.append(f"{row['images_per_s'] / same['ultralytics']['images_per_s']:.2f}x Ultralytics")
+        if "synthetic" in same and row["pipeline"] != "synthetic":
+            row["of_synthetic"] = row["images_per_s"] / same["synthetic"]["images_per_s"]
+            notes.append(f"{row['of_synthetic']:.3f} of synthetic")
+        print(f"{row['pipeline']:<12} {row['mode']:<20} {row['images_per_s']:8.0f} images/s "
+              f"({min(row['rates']):.0f}-{max(row['rates']):.0f})  {row['cpu_s_per_1k']:6.2f} CPU-s/1k  "
+              + ", ".join(notes))
+    with open(os.path.join(args.out, "detect.json"), "w") as f:
+        json.dump({"system": system, "args": vars(args), "results": table}, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
