@@ -187,6 +187,21 @@ def test_training_batches_are_what_ultralytics_makes_of_the_same_draws(det, monk
     assert boxes > 0
 
 
+@pytest.mark.parametrize("transform", [gdsdata.YoloAugment(imgsz=S, seed=3),
+                                       gdsdata.YoloAugment(imgsz=S, seed=4, mosaic=0.0, degrees=15.0, shear=3.0),
+                                       gdsdata.Letterbox(imgsz=S)], ids=["mosaic", "affine", "letterbox"])
+def test_the_gpu_sampling_computes_what_the_cpu_sampling_does(det, transform):
+    """The GPU path samples the whole batch at once, the CPU path each source over its window: the
+    same values (run here on the CPU, both)."""
+    ds = gdsdata.GDSDataset(det)
+    indices = [0, 5, 9, 14]
+    batch, read = ds.load_batch(transform.sources(indices, 0, np.arange(len(ds))))
+    boxes, labels = D.source_boxes(ds.index, read)
+    plan = D.plan(transform, batch.heights, batch.widths, boxes, labels, indices, 0)
+    args = (transform, batch.buffer, batch.offsets, batch.channels, plan)
+    assert (D._sample_batch(*args) - D._sample_windows(*args)).abs().max() < 0.01
+
+
 def test_hsv_jitter_is_ultralytics_lookup_tables(monkeypatch):
     augment, _ = _ultralytics()
     rng = np.random.default_rng(0)

@@ -334,7 +334,55 @@ def source_boxes(index, indices):
 
 def render(t, buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
     """The batch's S x S images (uint8 NCHW, or float in [0, 1] for a float ``dtype``) from the
-    decoded sources (interleaved uint8 pixels at ``offsets`` in the flat ``buffer``)."""
+    decoded sources (interleaved uint8 pixels at ``offsets`` in the flat ``buffer``). On a GPU the
+    whole batch is sampled at once (``_sample_batch``: a fixed number of kernels however many
+    images); on the CPU each source over the output window it covers (``_sample_windows``: torch's
+    ``grid_sample`` on a fraction of the pixels). The two compute the same values."""
+    sample = _sample_batch if buffer.is_cuda else _sample_windows
+    out = sample(t, buffer, offsets, channels, p).round_().clamp_(0, 255)
+    if (p.hsv != 1).any():
+        out = _hsv(out, torch.as_tensor(p.hsv, dtype=torch.float32, device=buffer.device))
+    if t.dtype is None:
+        return out.to(torch.uint8)
+    return (out / 255).to(getattr(torch, t.dtype))
+
+
+def _sample_windows(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
+    n, s = len(p.inverse), t.imgsz
+    out = torch.full((n, 3, s, s), float(t.pad), device=buffer.device)
+    for k in range(n):
+        inv = p.inverse[k]
+        forward = np.linalg.inv(np.vstack([inv, [0.0, 0.0, 1.0]]))
+        for q in range(4):
+            source, x1a, y1a, x2a, y2a, padw, padh, w, h, w0, h0 = p.slots[k * 4 + q]
+            if source < 0 or x2a <= x1a or y2a <= y1a:
+                continue
+            corners = np.array([[x1a, y1a, 1], [x2a, y1a, 1], [x1a, y2a, 1], [x2a, y2a, 1]]) - [0.5, 0.5, 0]
+            ox, oy = (corners @ forward.T)[:, 0], (corners @ forward.T)[:, 1]
+            left, right = max(int(np.floor(ox.min())), 0), min(int(np.ceil(ox.max())) + 1, s)
+            top, bottom = max(int(np.floor(oy.min())), 0), min(int(np.ceil(oy.max())) + 1, s)
+            if right <= left or bottom <= top:
+                continue
+            ys, xs = torch.meshgrid(torch.arange(top, bottom, dtype=torch.float32),
+                                    torch.arange(left, right, dtype=torch.float32), indexing="ij")
+            cx = inv[0, 0] * xs + inv[0, 1] * ys + inv[0, 2]
+            cy = inv[1, 0] * xs + inv[1, 1] * ys + inv[1, 2]
+            inside = (cx > x1a - 0.5) & (cx < x2a - 0.5) & (cy > y1a - 0.5) & (cy < y2a - 0.5)
+            # canvas -> resized image -> source (half-pixel centres), as grid_sample's normalised grid
+            gx = (cx - padw + 0.5) * (w0 / max(w, 1)) / w0 * 2 - 1
+            gy = (cy - padh + 0.5) * (h0 / max(h, 1)) / h0 * 2 - 1
+            m, h0, w0 = int(source), int(h0), int(w0)
+            ch = int(channels[m])
+            image = buffer[int(offsets[m]):int(offsets[m]) + h0 * w0 * ch].view(h0, w0, ch).permute(2, 0, 1)
+            image = image.expand(3, h0, w0) if ch == 1 else image
+            sampled = torch.nn.functional.grid_sample(image[None].float(), torch.stack([gx, gy], -1)[None],
+                                                      mode="bilinear", padding_mode="border", align_corners=False)[0]
+            window = out[k, :, top:bottom, left:right]
+            window.copy_(torch.where(inside, sampled, window))
+    return out
+
+
+def _sample_batch(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
     device = buffer.device
     n, s = len(p.inverse), t.imgsz
     f32 = torch.float32
@@ -344,7 +392,8 @@ def render(t, buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
     cx = inv[:, 0, 0, None, None] * xs + inv[:, 0, 1, None, None] * ys + inv[:, 0, 2, None, None]
     cy = inv[:, 1, 0, None, None] * xs + inv[:, 1, 1, None, None] * ys + inv[:, 1, 2, None, None]
     centre = torch.as_tensor(p.centre, dtype=f32, device=device)
-    quadrant = (cx >= centre[:, 0, None, None]).long() + 2 * (cy >= centre[:, 1, None, None]).long()
+    # canvas column xc (row yc) starts the right (lower) images: nearest pixel centres decide
+    quadrant = (cx >= centre[:, 0, None, None] - 0.5).long() + 2 * (cy >= centre[:, 1, None, None] - 0.5).long()
     slot = torch.arange(n, device=device)[:, None, None] * 4 + quadrant
     table = torch.as_tensor(p.slots, dtype=f32, device=device)  # small integers: exact in float32
     source, x1a, y1a, x2a, y2a, padw, padh, w, h, w0, h0 = table[slot].unbind(-1)
@@ -372,13 +421,7 @@ def render(t, buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
     bottom = at(down)
     bottom = bottom + (at(down + right) - bottom) * wx
     value = torch.where(inside[..., None], top + (bottom - top) * wy, torch.tensor(float(t.pad), device=device))
-    out = value.permute(0, 3, 1, 2)
-    out = out.round().clamp_(0, 255)
-    if (p.hsv != 1).any():
-        out = _hsv(out, torch.as_tensor(p.hsv, dtype=f32, device=device))
-    if t.dtype is None:
-        return out.to(torch.uint8)
-    return (out / 255).to(getattr(torch, t.dtype))
+    return value.permute(0, 3, 1, 2)
 
 
 def _hsv(rgb: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
