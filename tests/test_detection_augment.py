@@ -135,7 +135,8 @@ def ultralytics_batch(ds, t, indices, epoch, monkeypatch):
     hsv = augment.RandomHSV(hgain=t.hsv_h, sgain=t.hsv_s, vgain=t.hsv_v)
     flips = [augment.RandomFlip(direction="vertical", p=t.flipud), augment.RandomFlip(direction="horizontal",
                                                                                         p=t.fliplr)]
-    partners = t._partners(indices, epoch, np.arange(len(ds)))
+    read = t.sources(indices, epoch, np.arange(len(ds)))
+    partners = [[read[m] for m in members[1:]] for members in t.members(indices, epoch)]
     out = []
     for i, mates in zip(indices, partners):
         u = uniforms(t.seed, epoch, [i], D._DRAWS)[0]
@@ -240,6 +241,17 @@ def test_close_mosaic_turns_the_mosaic_off_for_the_last_epochs(det):
     t = gdsdata.YoloAugment(imgsz=96, epochs=5, close_mosaic=2)
     assert [t.mosaic_on(e) for e in range(5)] == [True, True, True, False, False]
     assert len(t.sources([0, 1], 2, np.arange(16))) == 8 and t.sources([0, 1], 3, np.arange(16)) == [0, 1]
+    assert t.members([0, 1], 3) == [[0], [1]]
+
+
+def test_a_mosaic_takes_its_partners_from_its_batch():
+    """As Ultralytics takes them from the images it loaded last: a batch reads nothing more."""
+    t = gdsdata.YoloAugment(imgsz=96, seed=9)
+    batch = [3, 8, 1, 12, 5, 7]
+    assert t.sources(batch, 0, np.arange(16)) == batch
+    for k, members in enumerate(t.members(batch, 0)):
+        assert members[0] == k and len(members) == 4 and k not in members[1:]
+        assert all(0 <= m < len(batch) for m in members)
 
 
 def test_the_ultralytics_batch_dict_holds_the_same_boxes(det):

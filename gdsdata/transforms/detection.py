@@ -7,8 +7,8 @@ off, the affine centred on the image itself), with Ultralytics' default hyper-pa
 the Albumentations step Ultralytics adds when that package is installed. ``Letterbox`` is its
 evaluation transform (the long side resized to S, centred on an S x S square).
 
-How it is computed: every random draw is a pure function of (seed, epoch, index) (``uniforms``), so
-a resumed or distributed run builds the same batches. The geometry of each output image is planned
+How it is computed: every random draw is a pure function of (seed, epoch, index) (``uniforms``), and
+a mosaic's partners come from its own batch, so a resumed or distributed run builds the same batches. The geometry of each output image is planned
 on the host with Ultralytics' integer arithmetic (placement, resize sizes, padding) and its box rules
 (mosaic boxes clipped to the canvas, zero-area boxes dropped, corners through the affine, clipped to
 the output, then ``box_candidates``: at least 2 pixels wide and high, at least 10 % of the box's
@@ -98,16 +98,38 @@ class YoloAugment:
         return self.mosaic > 0 and (self.epochs is None or epoch < self.epochs - self.close_mosaic)
 
     def sources(self, indices, epoch: int, population) -> list:
-        """The samples a batch of outputs ``indices`` reads: the outputs themselves, then three
-        partners for each output that is a mosaic (drawn from ``population``, the Loader's samples)."""
-        return list(indices) + [p for partners in self._partners(indices, epoch, population) for p in partners]
-
-    def _partners(self, indices, epoch, population):
-        u = uniforms(self.seed, epoch, indices, _DRAWS)
-        use = (u[:, 0] < self.mosaic) if self.mosaic_on(epoch) else np.zeros(len(indices), bool)
+        """The samples a batch of outputs ``indices`` reads. A mosaic takes its three partners from
+        the batch itself, as Ultralytics takes them from the images it loaded last (its buffer), so
+        nothing more is read; a batch of fewer than 4 images reads them from ``population`` (the
+        Loader's samples) after its own."""
+        indices = list(indices)
+        use, u = self._mosaics(indices, epoch)
+        if len(indices) >= 4 or not use.any():
+            return indices
         population = np.asarray(population, np.int64)
         picks = population[np.minimum((u[:, 1:4] * len(population)).astype(np.int64), len(population) - 1)]
-        return [picks[k].tolist() if use[k] else [] for k in range(len(indices))]
+        return indices + [int(p) for k in np.flatnonzero(use) for p in picks[k]]
+
+    def members(self, indices, epoch: int) -> list:
+        """Per output, the positions in ``sources(...)`` of the images it is made of: itself, then a
+        mosaic's three partners (draws 1-3 pick among the batch's other images)."""
+        use, u = self._mosaics(indices, epoch)
+        n, out, after = len(indices), [], len(indices)
+        for k in range(n):
+            if not use[k]:
+                out.append([k])
+            elif n >= 4:
+                others = np.minimum((u[k, 1:4] * (n - 1)).astype(np.int64), n - 2)
+                out.append([k] + [int(j + (j >= k)) for j in others])
+            else:
+                out.append([k, after, after + 1, after + 2])
+                after += 3
+        return out
+
+    def _mosaics(self, indices, epoch):
+        u = uniforms(self.seed, epoch, indices, _DRAWS)
+        use = (u[:, 0] < self.mosaic) if self.mosaic_on(epoch) else np.zeros(len(indices), bool)
+        return use, u
 
 
 @dataclass(frozen=True)
@@ -129,6 +151,9 @@ class Letterbox:
 
     def sources(self, indices, epoch: int, population) -> list:
         return list(indices)
+
+    def members(self, indices, epoch: int) -> list:
+        return [[k] for k in range(len(indices))]
 
 
 def _check_common(t):
@@ -242,21 +267,20 @@ def _warp_boxes(boxes, M, size):
 
 def plan(t, heights, widths, boxes, labels, indices, epoch) -> Plan:
     """The geometry and the boxes of a batch of outputs ``indices`` whose sources (``t.sources``
-    order) have decoded sizes ``heights``/``widths`` and boxes ``boxes`` (XYXY fractions of the
-    image, one [K, 4] array per source) with ``labels``."""
+    order; ``t.members`` says which make each output) have decoded sizes ``heights``/``widths`` and
+    boxes ``boxes`` (XYXY fractions of the image, one [K, 4] array per source) with ``labels``."""
     n, s = len(indices), t.imgsz
     augment = isinstance(t, YoloAugment)
     u = uniforms(t.seed, epoch, indices, _DRAWS) if augment else np.zeros((n, _DRAWS))
     hsv_u = uniforms(t.seed ^ 0x5BD1E995, epoch, indices, _HSV_DRAWS) if augment else np.full((n, 3), 0.5)
-    counts = [4 if (augment and t.mosaic_on(epoch) and u[k, 0] < t.mosaic) else 1 for k in range(n)]
-    next_partner = n
+    layout = t.members(indices, epoch)
+    counts = [len(m) for m in layout]
     inverse = np.zeros((n, 2, 3))
     centre = np.full((n, 2), 1e9)
     slots = np.full((n * 4, 11), -1.0)
     out_boxes, out_labels, shapes = [], [], []
     for k in range(n):
-        members = [k] + list(range(next_partner, next_partner + counts[k] - 1))
-        next_partner += counts[k] - 1
+        members = layout[k]
         sizes = [load_size(int(heights[m]), int(widths[m]), s) for m in members]
         placed = []
         if counts[k] == 4:
