@@ -8,8 +8,9 @@ the Albumentations step Ultralytics adds when that package is installed. ``Lette
 evaluation transform (the long side resized to S, centred on an S x S square).
 
 How it is computed: every random draw is a pure function of (seed, epoch, index) (``uniforms``), and
-a mosaic's partners come from its own batch, so a resumed or distributed run builds the same batches. The geometry of each output image is planned
-on the host with Ultralytics' integer arithmetic (placement, resize sizes, padding) and its box rules
+a mosaic's partners come from its own batch, so a resumed or distributed run builds the same
+batches. The geometry of each output image is planned on the host with Ultralytics' integer
+arithmetic (placement, resize sizes, padding) and its box rules
 (mosaic boxes clipped to the canvas, zero-area boxes dropped, corners through the affine, clipped to
 the output, then ``box_candidates``: at least 2 pixels wide and high, at least 10 % of the box's
 scaled area kept, aspect ratio under 100). So boxes are exactly what that arithmetic gives, on every
@@ -449,42 +450,28 @@ def _sample_batch(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
 
 
 def _hsv(rgb: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
-    """Ultralytics' ``RandomHSV`` on values 0..255 (n, 3, s, s): to OpenCV's 8-bit HSV (its
-    fixed-point arithmetic, hue in 0..179), each channel through its lookup table (hue times its
-    gain's share of 180 added, modulo 180; saturation and value times theirs, clipped; truncated as
-    the uint8 tables are),
-    and back as OpenCV converts HSV to RGB."""
-    r, g, b = (rgb[:, c].int() for c in range(3))  # int32: every product below stays under 2**31
+    """Ultralytics' ``RandomHSV`` on values 0..255 (n, 3, s, s): to OpenCV's 8-bit HSV (hue in
+    0..179, rounded as OpenCV rounds), each channel through its lookup table (hue shifted by its
+    gain's share of 180, modulo 180; saturation and value times theirs, clipped; truncated as the
+    uint8 tables are), and back to RGB as OpenCV converts HSV."""
+    r, g, b = rgb.unbind(1)
     v = torch.maximum(torch.maximum(r, g), b)
     delta = v - torch.minimum(torch.minimum(r, g), b)
-    shift, half = 4096, 2048  # OpenCV's hsv_shift = 12
-    sdiv = (torch.round(255.0 * shift / v.clamp(min=1).double()) * (v > 0)).int()
-    s8 = torch.div(delta * sdiv + half, shift, rounding_mode="floor")
-    hdiv = torch.round(180.0 * shift / (6.0 * delta.clamp(min=1).double())).int()
+    s8 = torch.floor(delta * 255 / v.clamp(min=1) + 0.5)
     raw = torch.where(v == r, g - b, torch.where(v == g, b - r + 2 * delta, r - g + 4 * delta))
-    h8 = torch.div(raw * hdiv + half, shift, rounding_mode="floor")
-    h8 = torch.where(delta > 0, torch.where(h8 < 0, h8 + 180, h8), torch.zeros_like(h8)).to(rgb.dtype)
-    s8, v = s8.to(rgb.dtype), v.to(rgb.dtype)
+    h8 = torch.floor(raw * 30 / delta.clamp(min=1) + 0.5)
+    h8 = torch.where(h8 < 0, h8 + 180, h8)
     gh, gs, gv = (gains[:, k, None, None] for k in range(3))
-    h8 = torch.floor((h8 + (gh - 1) * 180) % 180)  # Ultralytics 8.3.79 on: the hue shifted, not scaled
-    s8 = torch.floor((s8 * gs).clamp(0, 255))
-    v8 = torch.floor((v * gv).clamp(0, 255))
-    # back to RGB (OpenCV: H in degrees = 2 * h8)
-    hh = (h8 * 2) / 60
-    sector = torch.floor(hh) % 6
-    frac = hh - torch.floor(hh)
-    sat = s8 / 255
-    p_ = v8 * (1 - sat)
-    q_ = v8 * (1 - sat * frac)
-    t_ = v8 * (1 - sat * (1 - frac))
-    choices = [(v8, t_, p_), (q_, v8, p_), (p_, v8, t_), (p_, q_, v8), (t_, p_, v8), (v8, p_, q_)]
-    out = torch.empty_like(rgb)
-    for c in range(3):
-        value = choices[5][c]
-        for k in range(4, -1, -1):
-            value = torch.where(sector == k, choices[k][c], value)
-        out[:, c] = value
-    return out.round_().clamp_(0, 255)
+    h8 = torch.floor(torch.remainder(h8 + (gh - 1) * 180, 180))  # Ultralytics 8.3.79 on: shifted, not scaled
+    s8 = torch.floor((s8 * gs).clamp_(0, 255))
+    v8 = torch.floor((v * gv).clamp_(0, 255))
+    # back: channel = V - V S clamp(min(k, 4 - k), 0, 1), k = (n + H / 60) mod 6 for n = 5, 3, 1
+    hue, chroma = h8 / 30, v8 * (s8 / 255)
+    out = []
+    for n in (5.0, 3.0, 1.0):
+        k = torch.remainder(hue + n, 6)
+        out.append(torch.round(v8 - chroma * torch.minimum(k, 4 - k).clamp_(0, 1)))
+    return torch.stack(out, 1)
 
 
 # --- the batch forms -------------------------------------------------------------------------------------
