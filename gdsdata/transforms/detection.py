@@ -366,7 +366,11 @@ def render(t, buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
     sample = _sample_batch if buffer.is_cuda else _sample_windows
     out = sample(t, buffer, offsets, channels, p).round_().clamp_(0, 255)
     if (p.hsv != 1).any():
-        out = _hsv(out, torch.as_tensor(p.hsv, dtype=torch.float32, device=buffer.device))
+        gains = torch.as_tensor(p.hsv, dtype=torch.float32, device=buffer.device)
+        if buffer.is_cuda:
+            out = _hsv(out, gains)
+        else:  # an image at a time: temporaries the allocator reuses instead of fresh pages per step
+            out = torch.cat([_hsv(out[k:k + 1], gains[k:k + 1]) for k in range(len(out))])
     if t.dtype is None:
         return out.to(torch.uint8)
     return (out / 255).to(getattr(torch, t.dtype))
