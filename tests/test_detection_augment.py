@@ -284,3 +284,19 @@ def test_wrong_transforms_and_options_get_one_clear_error(det):
         with pytest.raises(ValueError, match=match):
             gdsdata.YoloAugment(**bad)
     random.random()  # the module's own random stays usable after the patched tests
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transform", [gdsdata.YoloAugment(imgsz=S, seed=6), gdsdata.Letterbox(imgsz=S)],
+                         ids=["augment", "letterbox"])
+def test_gpu_detection_batches_equal_the_cpu_batches(det, transform):
+    """The same batches on the GPU as on the CPU: boxes and labels equal, pixels within a level
+    where nvJPEG's and libjpeg-turbo's decodes agree (mean absolute difference under 2)."""
+    cpu = batches(gdsdata.GDSDataset(det), transform, n=2, shuffle=False)
+    gpu = batches(gdsdata.GDSDataset(det, device="cuda"), transform, n=2, shuffle=False)
+    for (ci, ct), (gi, gt) in zip(cpu, gpu):
+        assert gi.is_cuda and gi.shape == ci.shape and gi.dtype == torch.uint8
+        for a, b in zip(ct, gt):
+            assert torch.equal(a["labels"], b["labels"].cpu())
+            assert torch.allclose(a["boxes"], b["boxes"].cpu(), atol=1e-4)
+        assert (gi.cpu().float() - ci.float()).abs().mean() < 2

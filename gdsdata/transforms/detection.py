@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gdsdata.batch import upload
 from gdsdata.transforms import uniforms
 
 _DRAWS = 16  # uniforms per output image: 0 mosaic?, 1-3 partners, 4-5 centre, 6 angle, 7 scale,
@@ -342,6 +343,13 @@ def plan(t, heights, widths, boxes, labels, indices, epoch) -> Plan:
 
 
 # --- the pixels: torch, on the batch's device --------------------------------------------------------
+def _to(array, dtype, device) -> torch.Tensor:
+    """A small host array on ``device``, queued on the current stream (through pinned memory: a
+    copy from pageable memory would wait for all work queued before it)."""
+    return upload(torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)), torch.device(device))
+
+
+
 def source_boxes(index, indices):
     """Per sample of ``indices``: its boxes (XYXY fractions of the image, float64 [K, 4]) and
     labels, crowd boxes left out (Ultralytics' COCO conversion leaves them out too)."""
@@ -366,7 +374,7 @@ def render(t, buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
     sample = _sample_batch if buffer.is_cuda else _sample_windows
     out = sample(t, buffer, offsets, channels, p).round_().clamp_(0, 255)
     if (p.hsv != 1).any():
-        gains = torch.as_tensor(p.hsv, dtype=torch.float32, device=buffer.device)
+        gains = _to(p.hsv, np.float32, buffer.device)
         if buffer.is_cuda:
             out = _hsv(out, gains)
         else:  # an image at a time: temporaries the allocator reuses instead of fresh pages per step
@@ -415,16 +423,16 @@ def _sample_batch(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
     device = buffer.device
     n, s = len(p.inverse), t.imgsz
     f32 = torch.float32
-    inv = torch.as_tensor(p.inverse, dtype=f32, device=device)  # n, 2, 3
+    inv = _to(p.inverse, np.float32, device)  # n, 2, 3
     coords = torch.arange(s, dtype=f32, device=device)
     ys, xs = torch.meshgrid(coords, coords, indexing="ij")
     cx = inv[:, 0, 0, None, None] * xs + inv[:, 0, 1, None, None] * ys + inv[:, 0, 2, None, None]
     cy = inv[:, 1, 0, None, None] * xs + inv[:, 1, 1, None, None] * ys + inv[:, 1, 2, None, None]
-    centre = torch.as_tensor(p.centre, dtype=f32, device=device)
+    centre = _to(p.centre, np.float32, device)
     # canvas column xc (row yc) starts the right (lower) images: nearest pixel centres decide
     quadrant = (cx >= centre[:, 0, None, None] - 0.5).long() + 2 * (cy >= centre[:, 1, None, None] - 0.5).long()
     slot = torch.arange(n, device=device)[:, None, None] * 4 + quadrant
-    table = torch.as_tensor(p.slots, dtype=f32, device=device)  # small integers: exact in float32
+    table = _to(p.slots, np.float32, device)  # small integers: exact in float32
     source, x1a, y1a, x2a, y2a, padw, padh, w, h, w0, h0 = table[slot].unbind(-1)
     inside = (source >= 0) & (cx > x1a - 0.5) & (cx < x2a - 0.5) & (cy > y1a - 0.5) & (cy < y2a - 0.5)
     # canvas -> resized image -> source image (half-pixel centres, as cv2.resize maps them)
@@ -433,10 +441,10 @@ def _sample_batch(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
     x0, y0 = sx.floor(), sy.floor()
     wx, wy = (sx - x0)[..., None], (sy - y0)[..., None]
     src = source.clamp(min=0).long()
-    ch = torch.as_tensor(np.asarray(channels, np.int64), device=device)[src]
+    ch = _to(channels, np.int64, device)[src]
     row = w0.long() * ch
     # the four neighbours' first bytes in the flat buffer, each pixel's three channels beside them
-    first = torch.as_tensor(np.asarray(offsets, np.int64), device=device)[src] + y0.long() * row + x0.long() * ch
+    first = _to(offsets, np.int64, device)[src] + y0.long() * row + x0.long() * ch
     right = (x0 + 1 < w0).long() * ch
     down = (y0 + 1 < h0).long() * row
     lanes = torch.arange(3, device=device) * (ch == 3).long()[..., None]  # gray: one channel three times
@@ -484,7 +492,7 @@ def batch_form(t, p: Plan, images: torch.Tensor, names=None):
     batch dict (which holds the images too)."""
     device = images.device
     if t.targets == "torchvision":
-        return [{"boxes": torch.from_numpy(b).to(device), "labels": torch.from_numpy(lab).to(device)}
+        return [{"boxes": _to(b, np.float32, device), "labels": _to(lab, np.int64, device)}
                         for b, lab in zip(p.boxes, p.labels)]
     s = float(t.imgsz)
     counts = [len(b) for b in p.boxes]
@@ -493,9 +501,9 @@ def batch_form(t, p: Plan, images: torch.Tensor, names=None):
                      boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]], axis=1) / s if len(boxes) else boxes
     labels = np.concatenate(p.labels) if sum(counts) else np.zeros(0, np.int64)
     batch = {"img": images,
-             "batch_idx": torch.from_numpy(np.repeat(np.arange(len(counts)), counts).astype(np.float32)).to(device),
-             "cls": torch.from_numpy(labels.astype(np.float32)[:, None]).to(device),
-             "bboxes": torch.from_numpy(xywh.astype(np.float32)).to(device),
+             "batch_idx": _to(np.repeat(np.arange(len(counts)), counts), np.float32, device),
+             "cls": _to(labels[:, None], np.float32, device),
+             "bboxes": _to(xywh, np.float32, device),
              "ori_shape": tuple(shape for shape, _ in p.shapes),
              "resized_shape": tuple((t.imgsz, t.imgsz) for _ in p.shapes),
              "ratio_pad": tuple(ratio_pad for _, ratio_pad in p.shapes)}
