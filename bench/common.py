@@ -259,3 +259,19 @@ def loader_epoch(ds, transform, shuffle="full", batch=256):
     epoch.loader, epoch.close = loader, loader.close
     epoch.stages = []
     return epoch
+
+
+def build_pipelines(builders: dict, names, *args) -> dict:
+    """name -> what ``builders[name](*args)`` returns, for each of ``names``; a peer that is not
+    installed or fails to build is said and left out (one failing must not hide the others)."""
+    import traceback
+
+    pipelines = {}
+    for name in names:
+        try:
+            pipelines[name] = builders[name](*args)
+        except ImportError as e:
+            print(f"{name}: not installed ({e}); skipped")
+        except Exception:  # noqa: BLE001
+            print(f"{name}: FAILED to build\n{traceback.format_exc()}")
+    return pipelines

@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import cpu_seconds, image_set, print_system_block, system_block  # noqa: E402
+from common import build_pipelines, cpu_seconds, image_set, print_system_block, system_block  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -181,14 +181,9 @@ def main(argv=None):
     root = os.path.join(args.dir, "jpeg.gds")
     if not os.path.exists(os.path.join(root, "index.gdsi")):
         gdsdata.pack(src, root, overwrite=True)
-    pipelines = {}
-    for name in args.pipelines.split(","):
-        try:
-            pipelines[name] = PIPELINES[name](args, root if name.startswith("gdsdata") else src, args.float)
-        except ImportError as e:
-            print(f"{name}: not installed ({e}); skipped")
-        except Exception:  # noqa: BLE001 - one peer failing must not hide the others
-            print(f"{name}: FAILED to build\n{traceback.format_exc()}")
+    builders = {name: (lambda a, f, build=build, name=name: build(a, root if name.startswith("gdsdata") else src, f))
+                for name, build in PIPELINES.items()}
+    pipelines = build_pipelines(builders, args.pipelines.split(","), args, args.float)
     modes = [("alone", None)] + ([("with a small CPU model", small_model())] if args.model else [])
     results = {(name, mode): [] for name in pipelines for mode, _ in modes}
     for round_ in range(1 + args.rounds):

@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("YOLO_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import cpu_seconds, print_system_block, system_block  # noqa: E402
+from common import build_pipelines, cpu_seconds, print_system_block, system_block  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -139,15 +139,8 @@ def main(argv=None):
     system = system_block()
     print_system_block(system)
     roots = prepare(args)
-    builders = {"gdsdata": gdsdata_pipeline, "ultralytics": ultralytics_pipeline}
-    pipelines = {}
-    for name in args.pipelines.split(","):
-        try:
-            pipelines[name] = builders[name](args, roots)
-        except ImportError as e:
-            print(f"{name}: not installed ({e}); skipped")
-        except Exception:  # noqa: BLE001 - one peer failing must not hide the others
-            print(f"{name}: FAILED to build\n{traceback.format_exc()}")
+    pipelines = build_pipelines({"gdsdata": gdsdata_pipeline, "ultralytics": ultralytics_pipeline},
+                                args.pipelines.split(","), args, roots)
     device = torch.device(args.device)
     modes = [("alone", None)]
     if args.train:
