@@ -177,8 +177,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     system = system_block()
     print_system_block(system)
-    src = image_set(os.path.join(args.dir, "images"), args.count, classes=10)
-    root = os.path.join(args.dir, "jpeg.gds")
+    src = image_set(os.path.join(args.dir, f"images-{args.count}"), args.count, classes=10)
+    root = os.path.join(args.dir, f"jpeg-{args.count}.gds")  # a set of another --count is another set
     if not os.path.exists(os.path.join(root, "index.gdsi")):
         gdsdata.pack(src, root, overwrite=True)
     builders = {name: (lambda a, f, build=build, name=name: build(a, root if name.startswith("gdsdata") else src, f))

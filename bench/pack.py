@@ -36,7 +36,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     system = system_block()
     print_system_block(system)
-    src = image_set(os.path.join(args.dir, "images"), args.count, classes=20)
+    src = image_set(os.path.join(args.dir, f"images-{args.count}"), args.count, classes=20)
     warm([os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs])
     cores = os.cpu_count()
     out = os.path.join(args.dir, "out.gds")
