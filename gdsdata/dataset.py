@@ -11,6 +11,8 @@ staging buffer lives and who decodes (``reader_cpu``/``decode_cpu`` here, the GP
 import logging
 import os
 import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,7 +21,11 @@ from gdsdata.format import index as index_io
 from gdsdata.format import layout as fmt
 from gdsdata import settings
 from gdsdata.backends.cpu import CpuBackend
+from gdsdata.batch import PixelBatch, Staged
 from gdsdata.errors import CorruptSampleError
+
+if TYPE_CHECKING:
+    from gdsdata.io.path import LoadPath
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
@@ -54,8 +60,9 @@ class GDSDataset(torch.utils.data.Dataset):
     ``DataLoader`` use ``collate_fn=gdsdata.collate`` when image sizes differ.
     """
 
-    def __init__(self, root, device="cpu", *, transform=None, target_transform=None, on_error="raise",
-                 verify_checksums=None):
+    def __init__(self, root: str | os.PathLike, device: str | torch.device = "cpu", *,
+                 transform: Callable | None = None, target_transform: Callable | None = None, on_error: str = "raise",
+                 verify_checksums: bool | None = None):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
         for name, value in (("transform", transform), ("target_transform", target_transform)):
@@ -85,19 +92,19 @@ class GDSDataset(torch.utils.data.Dataset):
         self._labels = self.index.samples["label"].astype(np.int64)
         self._labels.flags.writeable = False
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.index)
 
     @property
-    def classes(self):
+    def classes(self) -> list[str]:
         return self.index.classes
 
     @property
-    def class_to_idx(self):
+    def class_to_idx(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.index.classes)}
 
     @property
-    def targets(self):
+    def targets(self) -> list[int]:
         """Every sample's label, as torchvision's ImageFolder has them."""
         return self._labels.tolist()
 
@@ -107,7 +114,7 @@ class GDSDataset(torch.utils.data.Dataset):
         return self._labels
 
     @property
-    def load_path(self):
+    def load_path(self) -> "LoadPath":
         """How this dataset's samples travel from storage to pixels, and why (a ``LoadPath``)."""
         return self._backend.load_path
 
@@ -117,10 +124,10 @@ class GDSDataset(torch.utils.data.Dataset):
         return self.index.fingerprint
 
     @property
-    def meta(self):
+    def meta(self) -> dict:
         return dict(self.index.meta)
 
-    def source(self, i) -> str:
+    def source(self, i: int) -> str:
         """The sample's path relative to the packed source folder."""
         return self.index.path(self._check(i))
 
@@ -145,7 +152,7 @@ class GDSDataset(torch.utils.data.Dataset):
         """"classify" (a label per image) or "detect" (boxes per image: ``ds[i]`` gives a target dict)."""
         return self.index.task
 
-    def target(self, i) -> dict:
+    def target(self, i: int) -> dict:
         """Sample i's objects as torchvision's detection models take them: ``{"boxes": float32 [K, 4]
         XYXY in pixels of the decoded image, "labels": int64 [K], "iscrowd": uint8 [K]}``, on the
         dataset's device. Detection datasets only."""
@@ -179,16 +186,16 @@ class GDSDataset(torch.utils.data.Dataset):
             out.append((image, label))
         return out
 
-    def load_batch(self, indices, stream=None):
+    def load_batch(self, indices: Sequence[int], stream: torch.cuda.Stream | None = None) -> PixelBatch:
         """(PixelBatch, indices): decoded pixels of a batch, bad samples raised or replaced per
         ``on_error`` (the returned indices say which sample each position finally holds)."""
         return self.decode_staged(self.read_staged(indices), stream)
 
-    def read_staged(self, indices):
+    def read_staged(self, indices: Sequence[int]) -> Staged:
         """The storage half of ``load_batch``: the batch's payloads in a staging buffer."""
         return self._backend.read(list(indices))
 
-    def decode_staged(self, staged, stream=None):
+    def decode_staged(self, staged: Staged, stream: torch.cuda.Stream | None = None) -> tuple[PixelBatch, list]:
         """The decode half of ``load_batch``."""
         indices = list(staged.indices)
         batch = self._backend.decode(staged, stream)
@@ -203,7 +210,7 @@ class GDSDataset(torch.utils.data.Dataset):
             return self._backend.load_batch(indices, stream), indices
         return batch, indices
 
-    def release_staged(self, staged):
+    def release_staged(self, staged: Staged) -> None:
         """Hand back the staging buffer of a batch from ``read_staged`` that will not be decoded."""
         if staged.slot is not None:
             self._backend.release(staged)
@@ -235,7 +242,7 @@ class GDSDataset(torch.utils.data.Dataset):
     def _stream(self):
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def close(self):
+    def close(self) -> None:
         """Stop any Loader still reading from this dataset, then release file descriptors, threads
         and (on the GPU) staging memory and the decoder."""
         while True:

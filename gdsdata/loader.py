@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -92,9 +93,10 @@ class Loader:
     picks an epoch explicitly.
     """
 
-    def __init__(self, dataset, batch_size=1, *, shuffle=True, seed=0, drop_last=False, transform=None,
-                 batch_transform=None, indices=None, prefetch=2, rank=None, world_size=None, block_size=64,
-                 window=16, pixels=False):
+    def __init__(self, dataset, batch_size: int = 1, *, shuffle: bool | str | None = True, seed: int = 0,
+                 drop_last: bool = False, transform=None, batch_transform: Callable | None = None,
+                 indices: Sequence[int] | None = None, prefetch: int = 2, rank: int | None = None,
+                 world_size: int | None = None, block_size: int = 64, window: int = 16, pixels: bool = False):
         dataset, self._indices = _source(dataset, indices)
         batch_size = _count("batch_size", batch_size)
         seed = _count("seed", seed, minimum=0)
@@ -150,7 +152,7 @@ class Loader:
         self.skipped = {}  # epoch -> bad samples replaced (on_error="skip") in the batches delivered
 
     # --- epochs and state -------------------------------------------------------------------
-    def set_epoch(self, epoch: int):
+    def set_epoch(self, epoch: int) -> None:
         """Make the next pass read ``epoch`` (as ``DistributedSampler.set_epoch``). Setting the epoch
         a loaded state is in keeps the resume; another epoch starts from its beginning."""
         epoch = _count("epoch", epoch, minimum=0)
@@ -158,7 +160,7 @@ class Loader:
             self.epoch = epoch
             self._consumed, self._done, self._resume = None, 0, False
 
-    def __len__(self):
+    def __len__(self) -> int:
         """Batches per epoch for this rank."""
         return batches_per_epoch(self.spec)
 
@@ -178,7 +180,7 @@ class Loader:
                 "window": self.spec.window, "world_size": self.spec.world_size,
                 "batch_size": self.spec.batch_size, "drop_last": self.spec.drop_last}
 
-    def load_state_dict(self, state: dict):
+    def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` (from ``state_dict``) stood: the next pass resumes there. With
         another world size, batch size or drop_last, the samples the old ranks had not yet delivered
         are split over the new ones, so the epoch still delivers each sample once."""
@@ -211,7 +213,7 @@ class Loader:
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
 
-    def indices(self):
+    def indices(self) -> list[np.ndarray]:
         """The dataset indices of this rank's batches still to come in the current epoch (after
         ``load_state_dict``: of the resumed pass), one array per batch: what iterating reads (with
         ``on_error="skip"`` a bad sample is replaced)."""
@@ -223,7 +225,7 @@ class Loader:
         return batches if self._indices is None else [self._indices[b] for b in batches]
 
     # --- iteration ----------------------------------------------------------------------------
-    def __iter__(self):
+    def __iter__(self) -> Iterator:
         if not self._resume:  # a new pass starts its epoch from the beginning
             self._consumed, self._done = None, 0
         self._resume = False
@@ -247,7 +249,7 @@ class Loader:
         that sets the pace."""
         return None if self._last_stats is None else asdict(self._last_stats)
 
-    def close(self):
+    def close(self) -> None:
         """Stop the prefetch threads, if any (also those already reading the next epoch)."""
         for active in (self._active() if self._active is not None else None, self._carry):
             if active is not None:

@@ -16,6 +16,7 @@ flipped, converted and normalised at once; that is also the reference the GPU is
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +39,7 @@ def _mix(x):
     return x ^ (x >> np.uint64(31))
 
 
-def uniforms(seed: int, epoch: int, indices, draws: int) -> np.ndarray:
+def uniforms(seed: int, epoch: int, indices: Sequence[int], draws: int) -> np.ndarray:
     """len(indices) x draws uniforms in [0, 1), a pure function of (seed, epoch, index, draw)."""
     with np.errstate(over="ignore"):
         key = _mix(np.uint64(seed & (2**64 - 1)) ^ _mix(np.uint64(epoch & (2**64 - 1)) + np.uint64(0x9E3779B97F4A7C15)))
@@ -109,7 +110,7 @@ class RandomResizedCrop:
         """(height, width) of the output images."""
         return _pair(self.size)
 
-    def params(self, heights, widths, indices, epoch: int = 0) -> CropParams:
+    def params(self, heights, widths, indices: Sequence[int], epoch: int = 0) -> CropParams:
         heights = np.asarray(heights, np.float64)
         widths = np.asarray(widths, np.float64)
         n = len(heights)
@@ -174,7 +175,7 @@ class CenterCrop:
     def output_size(self) -> tuple:
         return _pair(self.size)
 
-    def params(self, heights, widths, indices=None, epoch: int = 0) -> CropParams:
+    def params(self, heights, widths, indices: Sequence[int] | None = None, epoch: int = 0) -> CropParams:
         heights = np.asarray(heights, np.float64)
         widths = np.asarray(widths, np.float64)
         out_h, out_w = self.output_size
@@ -210,7 +211,7 @@ def _validate(t):
             raise ValueError(f"{name} must hold 3 values (R, G, B on the 0-255 scale) or be None, got {value!r}")
 
 
-def output_dtype(transform, device) -> torch.dtype:
+def output_dtype(transform, device: str | torch.device) -> torch.dtype:
     """The dtype ``transform`` produces on ``device``: its own, or float16 on CUDA, float32 elsewhere."""
     if transform.dtype is not None:
         return _DTYPES[transform.dtype]
@@ -225,7 +226,7 @@ def _norm(transform, dtype):
     return scale, tuple(-m / s for m, s in zip(transform.mean, transform.std))
 
 
-def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, params: CropParams):
+def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, params: CropParams) -> torch.Tensor:
     """Resample every image of a batch (interleaved uint8 pixels at ``offsets`` in the flat
     ``buffer``) into one output tensor, on the buffer's device."""
     n = len(offsets)

@@ -21,6 +21,7 @@ HSV jitter follows OpenCV's 8-bit HSV (hue in 0..179) and Ultralytics' lookup ta
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,7 +100,7 @@ class YoloAugment:
         """Whether ``epoch`` (0-based) may use the mosaic (Ultralytics' ``close_mosaic`` switch)."""
         return self.mosaic > 0 and (self.epochs is None or epoch < self.epochs - self.close_mosaic)
 
-    def sources(self, indices, epoch: int, population) -> list:
+    def sources(self, indices: Sequence[int], epoch: int, population: Sequence[int]) -> list[int]:
         """The samples a batch of outputs ``indices`` reads. A mosaic takes its three partners from
         the batch itself, as Ultralytics takes them from the images it loaded last (its buffer), so
         nothing more is read; a batch of fewer than 4 images reads them from ``population`` (the
@@ -112,7 +113,7 @@ class YoloAugment:
         picks = population[np.minimum((u[:, 1:4] * len(population)).astype(np.int64), len(population) - 1)]
         return indices + [int(p) for k in np.flatnonzero(use) for p in picks[k]]
 
-    def members(self, indices, epoch: int) -> list:
+    def members(self, indices: Sequence[int], epoch: int) -> list[list[int]]:
         """Per output, the positions in ``sources(...)`` of the images it is made of: itself, then a
         mosaic's three partners (draws 1-3 pick among the batch's other images)."""
         use, u = self._mosaics(indices, epoch)
@@ -151,10 +152,10 @@ class Letterbox:
     def mosaic_on(self, epoch: int) -> bool:
         return False
 
-    def sources(self, indices, epoch: int, population) -> list:
+    def sources(self, indices: Sequence[int], epoch: int, population: Sequence[int]) -> list[int]:
         return list(indices)
 
-    def members(self, indices, epoch: int) -> list:
+    def members(self, indices: Sequence[int], epoch: int) -> list[list[int]]:
         return [[k] for k in range(len(indices))]
 
 
@@ -188,7 +189,7 @@ class Plan:
     shapes: list = field(default_factory=list)  # per output: ((h0, w0), ((ratio_h, ratio_w), (padw, padh)))
 
 
-def load_size(h0, w0, imgsz):
+def load_size(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
     """Ultralytics' ``load_image`` size: the long side to ``imgsz``, each side rounded up, at most imgsz."""
     r = imgsz / max(h0, w0)
     if r == 1:
@@ -246,7 +247,8 @@ def _affine(t, u, size, canvas):
     return T @ S @ R @ C, scale
 
 
-def box_candidates(box1, box2, wh_thr=2, ar_thr=100, area_thr=0.1, eps=1e-16):
+def box_candidates(box1: np.ndarray, box2: np.ndarray, wh_thr: float = 2, ar_thr: float = 100, area_thr: float = 0.1,
+                   eps: float = 1e-16) -> np.ndarray:
     """Ultralytics' rule for boxes that survive an augmentation: ``box1`` before (scaled), ``box2``
     after, both XYXY [K, 4]."""
     w1, h1 = box1[:, 2] - box1[:, 0], box1[:, 3] - box1[:, 1]
@@ -267,7 +269,8 @@ def _warp_boxes(boxes, M, size):
     return np.clip(out, 0, size)
 
 
-def plan(t, heights, widths, boxes, labels, indices, epoch) -> Plan:
+def plan(t: "YoloAugment | Letterbox", heights, widths, boxes: list, labels: list, indices: Sequence[int],
+         epoch: int) -> Plan:
     """The geometry and the boxes of a batch of outputs ``indices`` whose sources (``t.sources``
     order; ``t.members`` says which make each output) have decoded sizes ``heights``/``widths`` and
     boxes ``boxes`` (XYXY fractions of the image, one [K, 4] array per source) with ``labels``."""
@@ -350,7 +353,7 @@ def _to(array, dtype, device) -> torch.Tensor:
 
 
 
-def source_boxes(index, indices):
+def source_boxes(index, indices: Sequence[int]) -> tuple[list, list]:
     """Per sample of ``indices``: its boxes (XYXY fractions of the image, float64 [K, 4]) and
     labels, crowd boxes left out (Ultralytics' COCO conversion leaves them out too)."""
     from gdsdata.format import layout as fmt
@@ -365,7 +368,7 @@ def source_boxes(index, indices):
     return boxes, labels
 
 
-def render(t, buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
+def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
     """The batch's S x S images (uint8 NCHW, or float in [0, 1] for a float ``dtype``) from the
     decoded sources (interleaved uint8 pixels at ``offsets`` in the flat ``buffer``). On a GPU the
     whole batch is sampled at once (``_sample_batch``: a fixed number of kernels however many
@@ -487,7 +490,7 @@ def _hsv(rgb: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
 
 
 # --- the batch forms -------------------------------------------------------------------------------------
-def batch_form(t, p: Plan, images: torch.Tensor, names=None):
+def batch_form(t: "YoloAugment | Letterbox", p: Plan, images: torch.Tensor, names: Sequence[str] | None = None):
     """The targets as torchvision's detection models take them (a dict per image), or Ultralytics'
     batch dict (which holds the images too)."""
     device = images.device
