@@ -588,6 +588,8 @@ class _Prefetcher:
         self.epoch = epoch  # the epoch whose batches come next
         self.cuda = loader.dataset.device.type == "cuda"
         self.device = loader.dataset.device
+        self.whole_dict = (isinstance(loader.transform, DETECTION_TRANSFORMS)
+                           and loader.transform.targets == "ultralytics")  # the batch is one dict
         self.queue = queue.Queue(maxsize=loader.prefetch)
         self.stop = threading.Event()
         # a CUDA stream per stage: the next batch's decode never queues behind this one's transform
@@ -678,7 +680,7 @@ class _Prefetcher:
             self.held = images
         self.stats.batches += 1
         self._tell_loader(finished_epoch=False, replaced=replaced)
-        if isinstance(labels, dict):  # Ultralytics' batch dict holds the images too
+        if self.whole_dict:  # Ultralytics' batch dict holds the images too
             return labels
         return images, labels
 

@@ -8,15 +8,21 @@
 
 Everything else is Ultralytics' own: the model, the loss, the optimiser and its schedule, EMA, AMP,
 validation (mAP) and checkpoints. The training batches are ``YoloAugment`` batches built with the
-run's hyper-parameters (``mosaic``, ``close_mosaic``, ``degrees``, ``translate``, ``scale``,
-``shear``, ``fliplr``, ``flipud``, ``hsv_*``, ``seed``) on the training device; validation batches are
-``Letterbox`` batches. The class names come from the packed dataset, so ``data`` is not needed.
+run's hyper-parameters (``mosaic``, ``degrees``, ``translate``, ``scale``, ``shear``, ``fliplr``,
+``flipud``, ``hsv_*``, ``seed``) on the training device, the mosaic turned off when Ultralytics
+closes it (``close_mosaic``); validation batches are ``Letterbox`` batches (square, where
+Ultralytics validates on rectangular batches: mAP differs slightly). Arguments these batches do not
+follow (``perspective``, ``mixup``, ``cutmix``, ``copy_paste``, ``bgr``, ``single_cls``,
+``fraction``, ``classes``) are refused unless at their defaults, and so is AutoBatch. The class
+names come from the packed dataset, so ``data`` is not needed.
 Ultralytics' own DDP (it re-launches the trainer from its module path with its own arguments) is not
 offered: one process per run. Needs the ``ultralytics`` package.
 """
 
 import copy
+import dataclasses
 
+import numpy as np
 import torch
 
 from gdsdata.dataset import GDSDataset
@@ -31,12 +37,14 @@ try:
 except ImportError as e:  # pragma: no cover - exercised without ultralytics
     raise ImportError("gdsdata.yolo needs Ultralytics: pip install ultralytics") from e
 
-_HYP = ("mosaic", "close_mosaic", "degrees", "translate", "scale", "shear", "fliplr", "flipud", "hsv_h", "hsv_s",
-        "hsv_v", "seed")
+_HYP = ("mosaic", "degrees", "translate", "scale", "shear", "fliplr", "flipud", "hsv_h", "hsv_s", "hsv_v", "seed")
+# Ultralytics arguments these batches do not follow: refused unless at the value they follow
+_UNSUPPORTED = {"perspective": 0.0, "mixup": 0.0, "cutmix": 0.0, "copy_paste": 0.0, "bgr": 0.0,
+                "single_cls": False, "fraction": 1.0, "classes": None}
 
 
 class _Samples:
-    """The sampler Ultralytics' trainer asks about: how many samples an epoch has, and ``set_epoch``."""
+    """The sampler Ultralytics asks about: how many samples an epoch has, their order, ``set_epoch``."""
 
     def __init__(self, batches):
         self._batches = batches
@@ -45,17 +53,25 @@ class _Samples:
         spec = self._batches.loader.spec
         return min(len(self._batches.loader) * spec.batch_size, spec.size)
 
+    def __iter__(self):
+        return (int(i) for batch in self._batches.loader.indices() for i in batch)
+
     def set_epoch(self, epoch):
         self._batches.loader.set_epoch(epoch)
 
 
 class _DatasetView:
-    """``train_loader.dataset`` as Ultralytics uses it: its length, image files and the mosaic switch
-    (``YoloAugment`` turns the mosaic off itself at the same epoch as Ultralytics' ``close_mosaic``)."""
+    """``train_loader.dataset`` as Ultralytics uses it: its length, image files, labels (the objects
+    per image it sizes ``max_det`` by) and ``close_mosaic``, which turns the mosaic off from the next
+    pass on."""
 
-    def __init__(self, ds):
-        self._ds = ds
+    def __init__(self, batches):
+        self._batches = batches
         self.mosaic = True
+
+    @property
+    def _ds(self):
+        return self._batches.loader.dataset
 
     def __len__(self):
         return len(self._ds)
@@ -64,25 +80,41 @@ class _DatasetView:
     def im_files(self):
         return [self._ds.source(i) for i in range(len(self._ds))]
 
+    @property
+    def labels(self):
+        starts = self._ds.index.box_start
+        return [{"cls": np.zeros((int(starts[i + 1] - starts[i]), 1), np.float32)} for i in range(len(self._ds))]
+
     def close_mosaic(self, hyp=None):
         self.mosaic = False
+        transform = self._batches.loader.transform
+        if isinstance(transform, YoloAugment) and transform.mosaic:
+            self._batches.rebuild(dataclasses.replace(transform, mosaic=0.0))
 
 
 class Batches:
     """What Ultralytics' trainer and validator use of a DataLoader, over a ``gdsdata.Loader`` whose
     transform gives Ultralytics' batch dict: ``len``, iteration, ``batch_size``, ``drop_last``,
-    ``num_workers``, ``sampler``, ``dataset``, ``reset()`` and ``close()``. ``epoch``: a callable
-    giving the trainer's epoch, which each pass follows (resumed runs draw as uninterrupted ones)."""
+    ``num_workers``, ``sampler``, ``dataset``, ``reset()`` and ``close()``. ``make(transform)``
+    builds the Loader; ``epoch``: a callable giving the trainer's epoch, which each pass follows
+    (resumed runs draw as uninterrupted ones)."""
 
     num_workers = 0
 
-    def __init__(self, loader: Loader, epoch=None):
-        self.loader = loader
-        self.batch_size = loader.spec.batch_size
-        self.drop_last = loader.spec.drop_last
-        self.dataset = _DatasetView(loader.dataset)
+    def __init__(self, make, transform, epoch=None):
+        self._make = make
+        self.loader = make(transform)
+        self.batch_size = self.loader.spec.batch_size
+        self.drop_last = self.loader.spec.drop_last
+        self.dataset = _DatasetView(self)
         self.sampler = _Samples(self)
         self._epoch = epoch
+
+    def rebuild(self, transform):
+        """The same Loader with another transform, at the same epoch (the old one closed)."""
+        old, self.loader = self.loader, self._make(transform)
+        self.loader.set_epoch(old.epoch)
+        old.close()
 
     def __len__(self):
         return len(self.loader)
@@ -97,6 +129,7 @@ class Batches:
 
     def close(self):
         self.loader.close()
+        self.loader.dataset.close()
 
 
 class DetectionValidator(_UltralyticsValidator):
@@ -130,26 +163,43 @@ class DetectionTrainer(_UltralyticsTrainer):
         if probe.task != "detect":
             raise TypeError(f"{train} is a classification dataset; DetectionTrainer trains on detection datasets")
         self._names = dict(enumerate(probe.classes))
+        probe.close()
+        self._gds_batches = {}
         overrides = dict(overrides or {})
         overrides.setdefault("data", self.gds_roots["train"])
         super().__init__(cfg, overrides, _callbacks)
+        odd = {name: getattr(self.args, name) for name, value in _UNSUPPORTED.items()
+               if getattr(self.args, name, value) not in (value,)}
+        if odd:
+            raise ValueError(f"gdsdata batches do not follow {', '.join(f'{k}={v!r}' for k, v in odd.items())}: "
+                             f"leave {'them' if len(odd) > 1 else 'it'} at Ultralytics' default")
+        if self.batch_size < 1:
+            raise ValueError(f"batch={self.args.batch}: Ultralytics' AutoBatch sizes its own dataset; "
+                             f"give a batch size")
 
     def get_dataset(self):
         return {"train": self.gds_roots["train"], "val": self.gds_roots["val"], "names": self._names,
                 "nc": len(self._names), "channels": 3}
 
     def get_dataloader(self, dataset_path, batch_size=16, rank=0, mode="train"):
+        previous = self._gds_batches.pop(mode, None)
+        if previous is not None:  # Ultralytics rebuilds the loaders after an out-of-memory retry
+            previous.close()
         device = self.device if self.device.type == "cuda" else torch.device("cpu")
         ds = GDSDataset(self.gds_roots[mode], device=device)
-        if mode == "train":
+        if mode == "train":  # the mosaic switched off by Ultralytics' close_mosaic (_DatasetView)
             hyp = {name: getattr(self.args, name) for name in _HYP}
             hyp["seed"] = int(hyp["seed"])
-            transform = YoloAugment(imgsz=self.args.imgsz, epochs=self.epochs, targets="ultralytics", **hyp)
+            transform = YoloAugment(imgsz=self.args.imgsz, targets="ultralytics", **hyp)
         else:
             transform = Letterbox(imgsz=self.args.imgsz, targets="ultralytics")
-        loader = Loader(ds, batch_size, shuffle=mode == "train", seed=int(self.args.seed), transform=transform,
-                        drop_last=False, rank=0, world_size=1)
-        return Batches(loader, epoch=(lambda: self.epoch) if mode == "train" else None)
+
+        def make(transform):
+            return Loader(ds, batch_size, shuffle=mode == "train", seed=int(self.args.seed), transform=transform,
+                          drop_last=False, rank=0, world_size=1)
+
+        batches = self._gds_batches[mode] = Batches(make, transform, (lambda: self.epoch) if mode == "train" else None)
+        return batches
 
     def get_validator(self):
         return DetectionValidator(self.data, self.test_loader, save_dir=self.save_dir, args=copy.copy(self.args),

@@ -201,6 +201,8 @@ def test_the_gpu_sampling_computes_what_the_cpu_sampling_does(det, transform):
     plan = D.plan(transform, batch.heights, batch.widths, boxes, labels, indices, 0)
     args = (transform, batch.buffer, batch.offsets, batch.channels, plan)
     assert (D._sample_batch(*args) - D._sample_windows(*args)).abs().max() < 0.01
+    chunks = torch.cat([D._sample_batch(*args, first=a, last=a + 2) for a in (0, 2)])
+    assert torch.equal(chunks, D._sample_batch(*args))
 
 
 def test_hsv_jitter_is_ultralytics_lookup_tables(monkeypatch):
@@ -300,3 +302,11 @@ def test_gpu_detection_batches_equal_the_cpu_batches(det, transform):
             assert torch.equal(a["labels"], b["labels"].cpu())
             assert torch.allclose(a["boxes"], b["boxes"].cpu(), atol=1e-4)
         assert (gi.cpu().float() - ci.float()).abs().mean() < 2
+
+
+def test_a_classification_batch_transform_may_return_dict_labels():
+    """Only a detection Loader of Ultralytics' form hands on a bare dict."""
+    golden = gdsdata.GDSDataset(os.path.join(os.path.dirname(__file__), "data", "golden", "ds"))
+    loader = gdsdata.Loader(golden, 2, transform=gdsdata.CenterCrop(32), batch_transform=lambda im, y: (im, {"y": y}))
+    images, labels = next(iter(loader))
+    assert images.shape == (2, 3, 32, 32) and set(labels) == {"y"}

@@ -53,5 +53,20 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
     assert set(trainer.metrics) >= {"metrics/mAP50(B)", "metrics/mAP50-95(B)"}
     assert len(seen) == 2 * 2  # 8 training images, batch 4, two epochs
     assert all(s["img"][1:] == (3, 64, 64) and s["im_file"] == s["img"][0] for s in seen)
-    assert trainer.train_loader.loader.transform.mosaic_on(0) and not trainer.train_loader.loader.transform.mosaic_on(1)
+    assert trainer.train_loader.loader.transform.mosaic == 0.0  # closed by Ultralytics for the last epoch
+    assert list(trainer.train_loader.sampler) and len(trainer.train_loader.dataset.labels) == 8
     assert trainer.data["names"] == dict(enumerate(gdsdata.GDSDataset(train).classes))
+
+
+def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path):
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    opener = Image.open
+    pytest.importorskip("ultralytics")
+    from gdsdata.yolo import DetectionTrainer
+
+    Image.open = opener
+    common = {"model": "yolov8n.yaml", "imgsz": 64, "device": "cpu", "project": str(tmp_path), "name": "r"}
+    with pytest.raises(ValueError, match="mixup=0.5"):
+        DetectionTrainer(*packed, overrides={**common, "mixup": 0.5})
+    with pytest.raises(ValueError, match="AutoBatch"):
+        DetectionTrainer(*packed, overrides={**common, "batch": -1})

@@ -374,17 +374,24 @@ def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels
     whole batch is sampled at once (``_sample_batch``: a fixed number of kernels however many
     images); on the CPU each source over the output window it covers (``_sample_windows``: torch's
     ``grid_sample`` on a fraction of the pixels). The two compute the same values."""
-    sample = _sample_batch if buffer.is_cuda else _sample_windows
-    out = sample(t, buffer, offsets, channels, p).round_().clamp_(0, 255)
+    n = len(p.inverse)
+    if buffer.is_cuda:  # a chunk of images at a time bounds the per-pixel temporaries (~90 MB an image at 640)
+        out = torch.cat([_sample_batch(t, buffer, offsets, channels, p, a, min(a + _CHUNK, n))
+                         for a in range(0, n, _CHUNK)])
+    else:
+        out = _sample_windows(t, buffer, offsets, channels, p)
+    out = out.round_().clamp_(0, 255)
     if (p.hsv != 1).any():
         gains = _to(p.hsv, np.float32, buffer.device)
-        if buffer.is_cuda:
-            out = _hsv(out, gains)
-        else:  # an image at a time: temporaries the allocator reuses instead of fresh pages per step
-            out = torch.cat([_hsv(out[k:k + 1], gains[k:k + 1]) for k in range(len(out))])
+        step = _CHUNK if buffer.is_cuda else 1  # on the CPU an image at a time: reused, not fresh, pages
+        out = torch.cat([_hsv(out[a:a + step], gains[a:a + step]) for a in range(0, n, step)])
+    out = out.contiguous()
     if t.dtype is None:
         return out.to(torch.uint8)
     return (out / 255).to(getattr(torch, t.dtype))
+
+
+_CHUNK = 16  # images sampled together on a GPU
 
 
 def _sample_windows(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
@@ -422,19 +429,21 @@ def _sample_windows(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
     return out
 
 
-def _sample_batch(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
+def _sample_batch(t, buffer, offsets, channels, p: Plan, first: int = 0, last: int = None) -> torch.Tensor:
+    """Output images [first, last) of the batch, all their pixels at once."""
     device = buffer.device
-    n, s = len(p.inverse), t.imgsz
+    last = len(p.inverse) if last is None else last
+    s = t.imgsz
     f32 = torch.float32
-    inv = _to(p.inverse, np.float32, device)  # n, 2, 3
+    inv = _to(p.inverse[first:last], np.float32, device)  # n, 2, 3
     coords = torch.arange(s, dtype=f32, device=device)
     ys, xs = torch.meshgrid(coords, coords, indexing="ij")
     cx = inv[:, 0, 0, None, None] * xs + inv[:, 0, 1, None, None] * ys + inv[:, 0, 2, None, None]
     cy = inv[:, 1, 0, None, None] * xs + inv[:, 1, 1, None, None] * ys + inv[:, 1, 2, None, None]
-    centre = _to(p.centre, np.float32, device)
+    centre = _to(p.centre[first:last], np.float32, device)
     # canvas column xc (row yc) starts the right (lower) images: nearest pixel centres decide
     quadrant = (cx >= centre[:, 0, None, None] - 0.5).long() + 2 * (cy >= centre[:, 1, None, None] - 0.5).long()
-    slot = torch.arange(n, device=device)[:, None, None] * 4 + quadrant
+    slot = torch.arange(first, last, device=device)[:, None, None] * 4 + quadrant
     table = _to(p.slots, np.float32, device)  # small integers: exact in float32
     source, x1a, y1a, x2a, y2a, padw, padh, w, h, w0, h0 = table[slot].unbind(-1)
     inside = (source >= 0) & (cx > x1a - 0.5) & (cx < x2a - 0.5) & (cy > y1a - 0.5) & (cy < y2a - 0.5)
@@ -460,7 +469,7 @@ def _sample_batch(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
     top = top + (at(right) - top) * wx
     bottom = at(down)
     bottom = bottom + (at(down + right) - bottom) * wx
-    value = torch.where(inside[..., None], top + (bottom - top) * wy, torch.tensor(float(t.pad), device=device))
+    value = torch.where(inside[..., None], top + (bottom - top) * wy, float(t.pad))
     return value.permute(0, 3, 1, 2)
 
 
