@@ -383,7 +383,7 @@ class _BatchMaker:
         self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
         self.batch_transform = loader.batch_transform
         self.detect = isinstance(loader.transform, DETECTION_TRANSFORMS)
-        # a mosaic's partners are drawn from the samples the Loader reads
+        # the mosaic partners of a batch under 4 images are drawn from the samples the Loader reads
         self.population = (np.arange(len(loader.dataset)) if loader._indices is None else loader._indices) \
             if self.detect else None
 

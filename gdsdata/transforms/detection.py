@@ -22,7 +22,7 @@ HSV jitter follows OpenCV's 8-bit HSV (hue in 0..179) and Ultralytics' lookup ta
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -149,9 +149,6 @@ class Letterbox:
     def __post_init__(self):
         _check_common(self)
 
-    def mosaic_on(self, epoch: int) -> bool:
-        return False
-
     def sources(self, indices: Sequence[int], epoch: int, population: Sequence[int]) -> list[int]:
         return list(indices)
 
@@ -186,7 +183,7 @@ class Plan:
     boxes: list
     labels: list
     hsv: np.ndarray
-    shapes: list = field(default_factory=list)  # per output: ((h0, w0), ((ratio_h, ratio_w), (padw, padh)))
+    shapes: list  # per output: ((h0, w0), ((ratio_h, ratio_w), (padw, padh)) or None)
 
 
 def load_size(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
