@@ -117,16 +117,15 @@ class YoloAugment:
         """Per output, the positions in ``sources(...)`` of the images it is made of: itself, then a
         mosaic's three partners (draws 1-3 pick among the batch's other images)."""
         use, u = self._mosaics(indices, epoch)
-        n, out, after = len(indices), [], len(indices)
+        n = len(indices)
+        if n >= 4:
+            others = np.minimum((u[:, 1:4] * (n - 1)).astype(np.int64), n - 2)
+            others += others >= np.arange(n)[:, None]  # skip the output itself
+            return [[k, *others[k].tolist()] if use[k] else [k] for k in range(n)]
+        out, after = [], n
         for k in range(n):
-            if not use[k]:
-                out.append([k])
-            elif n >= 4:
-                others = np.minimum((u[k, 1:4] * (n - 1)).astype(np.int64), n - 2)
-                out.append([k] + [int(j + (j >= k)) for j in others])
-            else:
-                out.append([k, after, after + 1, after + 2])
-                after += 3
+            out.append([k, after, after + 1, after + 2] if use[k] else [k])
+            after += 3 * bool(use[k])
         return out
 
     def _mosaics(self, indices, epoch):
@@ -194,53 +193,21 @@ def load_size(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
     return min(math.ceil(h0 * r), imgsz), min(math.ceil(w0 * r), imgsz)
 
 
-def _letterbox_geometry(h, w, imgsz):
-    """Ultralytics' ``LetterBox`` (centred, not ``auto``) of an image ``load_image`` sized (h, w):
-    the unpadded size and the top-left padding on an imgsz square."""
-    r = min(imgsz / h, imgsz / w, 1.0)  # 1 but for rounding: load_image made the long side imgsz
-    new_w, new_h = int(round(w * r)), int(round(h * r))
-    dw, dh = (imgsz - new_w) / 2, (imgsz - new_h) / 2
-    return new_h, new_w, int(round(dw - 0.1)), int(round(dh - 0.1))
-
-
-def _mosaic_slots(centre, sizes, s):
-    """Ultralytics' ``_mosaic4`` placement: per image (h, w) its canvas rectangle and the shift."""
-    xc, yc = centre
-    out = []
-    for q, (h, w) in enumerate(sizes):
-        if q == 0:
-            x1a, y1a, x2a, y2a = max(xc - w, 0), max(yc - h, 0), xc, yc
-            x1b, y1b = w - (x2a - x1a), h - (y2a - y1a)
-        elif q == 1:
-            x1a, y1a, x2a, y2a = xc, max(yc - h, 0), min(xc + w, s * 2), yc
-            x1b, y1b = 0, h - (y2a - y1a)
-        elif q == 2:
-            x1a, y1a, x2a, y2a = max(xc - w, 0), yc, xc, min(s * 2, yc + h)
-            x1b, y1b = w - (x2a - x1a), 0
-        else:
-            x1a, y1a, x2a, y2a = xc, yc, min(xc + w, s * 2), min(s * 2, yc + h)
-            x1b, y1b = 0, 0
-        out.append((x1a, y1a, x2a, y2a, x1a - x1b, y1a - y1b))
-    return out
-
-
 def _affine(t, u, size, canvas):
-    """Ultralytics' ``RandomPerspective.affine_transform`` without perspective: M = T @ S @ R @ C for
-    a ``canvas`` (w, h) warped to ``size`` x ``size``; returns M (3x3) and the scale drawn."""
-    C = np.eye(3)
-    C[0, 2], C[1, 2] = -canvas[0] / 2, -canvas[1] / 2
-    angle = (2 * u[6] - 1) * t.degrees
-    scale = 1 - t.scale + 2 * t.scale * u[7]
-    a = math.radians(angle)
-    R = np.eye(3)
-    cos, sin = scale * math.cos(a), scale * math.sin(a)  # cv2.getRotationMatrix2D at (0, 0)
-    R[0, 0], R[0, 1], R[1, 0], R[1, 1] = cos, sin, -sin, cos
-    S = np.eye(3)
-    S[0, 1] = math.tan(math.radians((2 * u[8] - 1) * t.shear))
-    S[1, 0] = math.tan(math.radians((2 * u[9] - 1) * t.shear))
-    T = np.eye(3)
-    T[0, 2] = (0.5 - t.translate + 2 * t.translate * u[10]) * size
-    T[1, 2] = (0.5 - t.translate + 2 * t.translate * u[11]) * size
+    """Ultralytics' ``RandomPerspective.affine_transform`` without perspective, per output: M = T @ S
+    @ R @ C for a ``canvas`` (w, h) warped to ``size`` x ``size``; returns M (n, 3, 3) and the scales."""
+    n = len(u)
+    eye = np.broadcast_to(np.eye(3), (n, 3, 3))
+    C, R, S, T = eye.copy(), eye.copy(), eye.copy(), eye.copy()
+    C[:, 0, 2], C[:, 1, 2] = -canvas[:, 0] / 2, -canvas[:, 1] / 2
+    a = np.radians((2 * u[:, 6] - 1) * t.degrees)
+    scale = 1 - t.scale + 2 * t.scale * u[:, 7]
+    cos, sin = scale * np.cos(a), scale * np.sin(a)  # cv2.getRotationMatrix2D at (0, 0)
+    R[:, 0, 0], R[:, 0, 1], R[:, 1, 0], R[:, 1, 1] = cos, sin, -sin, cos
+    S[:, 0, 1] = np.tan(np.radians((2 * u[:, 8] - 1) * t.shear))
+    S[:, 1, 0] = np.tan(np.radians((2 * u[:, 9] - 1) * t.shear))
+    T[:, 0, 2] = (0.5 - t.translate + 2 * t.translate * u[:, 10]) * size
+    T[:, 1, 2] = (0.5 - t.translate + 2 * t.translate * u[:, 11]) * size
     return T @ S @ R @ C, scale
 
 
@@ -255,14 +222,11 @@ def box_candidates(box1: np.ndarray, box2: np.ndarray, wh_thr: float = 2, ar_thr
 
 
 def _warp_boxes(boxes, M, size):
-    """Box corners through M, the enclosing boxes clipped to [0, size]."""
-    if not len(boxes):
-        return boxes.reshape(0, 4)
-    corners = np.ones((len(boxes) * 4, 3))
-    corners[:, :2] = boxes[:, [0, 1, 2, 3, 0, 3, 2, 1]].reshape(-1, 2)
-    xy = (corners @ M.T)[:, :2].reshape(len(boxes), 8)
-    x, y = xy[:, [0, 2, 4, 6]], xy[:, [1, 3, 5, 7]]
-    out = np.stack([x.min(1), y.min(1), x.max(1), y.max(1)], axis=1)
+    """Each box's corners through its own M (K, 3, 3), the enclosing boxes clipped to [0, size]."""
+    corners = boxes[:, [0, 1, 2, 3, 0, 3, 2, 1]].reshape(-1, 4, 2)
+    x = M[:, None, 0, 0] * corners[..., 0] + M[:, None, 0, 1] * corners[..., 1] + M[:, None, 0, 2]
+    y = M[:, None, 1, 0] * corners[..., 0] + M[:, None, 1, 1] * corners[..., 1] + M[:, None, 1, 2]
+    out = np.stack([x.min(1), y.min(1), x.max(1), y.max(1)], axis=1) if len(boxes) else boxes.reshape(0, 4)
     return np.clip(out, 0, size)
 
 
@@ -270,76 +234,97 @@ def plan(t: "YoloAugment | Letterbox", heights, widths, boxes: list, labels: lis
          epoch: int) -> Plan:
     """The geometry and the boxes of a batch of outputs ``indices`` whose sources (``t.sources``
     order; ``t.members`` says which make each output) have decoded sizes ``heights``/``widths`` and
-    boxes ``boxes`` (XYXY fractions of the image, one [K, 4] array per source) with ``labels``."""
+    boxes ``boxes`` (XYXY fractions of the image, one [K, 4] array per source) with ``labels``.
+    Computed for the whole batch at once (array operations, a few hundred microseconds for 64
+    outputs): the host thread that plans holds the interpreter lock the training loop needs."""
     n, s = len(indices), t.imgsz
     augment = isinstance(t, YoloAugment)
     u = uniforms(t.seed, epoch, indices, _DRAWS) if augment else np.zeros((n, _DRAWS))
     hsv_u = uniforms(t.seed ^ 0x5BD1E995, epoch, indices, _HSV_DRAWS) if augment else np.full((n, 3), 0.5)
     layout = t.members(indices, epoch)
-    counts = [len(m) for m in layout]
-    inverse = np.zeros((n, 2, 3))
+    members = np.full((n, 4), -1, np.int64)
+    for k, m in enumerate(layout):
+        members[k, :len(m)] = m
+    mosaic = members[:, 1] >= 0
+    h0, w0 = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+    # Ultralytics' load_image size of every source: the long side to s, each side rounded up
+    r = s / np.maximum(h0, w0)
+    lh = np.where(r == 1, h0, np.minimum(np.ceil(h0 * r), s)).astype(np.int64)
+    lw = np.where(r == 1, w0, np.minimum(np.ceil(w0 * r), s)).astype(np.int64)
+    m = members.clip(min=0)
+    h, w = lh[m], lw[m]  # (n, 4) placed sizes
+    rect = np.zeros((n, 4, 6), np.int64)  # x1a, y1a, x2a, y2a, padw, padh
+    canvas = np.stack([w[:, 0], h[:, 0]], axis=1).astype(np.float64)
+    shapes = [((int(h0[k]), int(w0[k])), None) for k in range(n)]
+    if not augment:  # LetterBox (centred) of the loaded image on an s x s square
+        ratio = np.minimum(np.minimum(s / h[:, 0], s / w[:, 0]), 1.0)
+        h[:, 0], w[:, 0] = np.round(h[:, 0] * ratio), np.round(w[:, 0] * ratio)
+        left, top = np.round((s - w[:, 0]) / 2 - 0.1), np.round((s - h[:, 0]) / 2 - 0.1)
+        rect[:, 0] = np.stack([left, top, left + w[:, 0], top + h[:, 0], left, top], axis=1)
+        canvas[:] = s
+        shapes = [((int(h0[k]), int(w0[k])), ((int(h[k, 0]) / int(h0[k]), int(w[k, 0]) / int(w0[k])),
+                                               (int(left[k]), int(top[k])))) for k in range(n)]
+    else:  # the loaded image itself is the canvas the affine centres on
+        rect[:, 0, 2], rect[:, 0, 3] = w[:, 0], h[:, 0]
     centre = np.full((n, 2), 1e9)
-    slots = np.full((n * 4, 11), -1.0)
-    out_boxes, out_labels, shapes = [], [], []
-    for k in range(n):
-        members = layout[k]
-        sizes = [load_size(int(heights[m]), int(widths[m]), s) for m in members]
-        placed = []
-        if counts[k] == 4:
-            xc, yc = int(s / 2 + u[k, 4] * s), int(s / 2 + u[k, 5] * s)  # uniform(-border, 2s + border)
-            centre[k] = (xc, yc)
-            rects = _mosaic_slots((xc, yc), sizes, s)
-            canvas = (2 * s, 2 * s)
-            shape_info = ((int(heights[k]), int(widths[k])), None)
-        elif augment:  # no mosaic: the loaded image itself is the canvas the affine centres on
-            h, w = sizes[0]
-            rects = [(0, 0, w, h, 0, 0)]
-            canvas = (w, h)
-            shape_info = ((int(heights[k]), int(widths[k])), None)
-        else:
-            h, w = sizes[0]
-            new_h, new_w, left, top = _letterbox_geometry(h, w, s)
-            sizes = [(new_h, new_w)]
-            rects = [(left, top, left + new_w, top + new_h, left, top)]
-            canvas = (s, s)
-            h0, w0 = int(heights[k]), int(widths[k])
-            shape_info = ((h0, w0), ((new_h / h0, new_w / w0), (left, top)))
-        for q, (m, (h, w), rect) in enumerate(zip(members, sizes, rects)):
-            x1a, y1a, x2a, y2a, padw, padh = rect
-            slots[k * 4 + q] = (m, x1a, y1a, x2a, y2a, padw, padh, w, h, widths[m], heights[m])
-            b = np.asarray(boxes[m], np.float64).reshape(-1, 4) * np.array([w, h, w, h]) + np.array(
-                [padw, padh, padw, padh])
-            placed.append((b, np.asarray(labels[m], np.int64).reshape(-1)))
-        b = np.concatenate([p[0] for p in placed]) if placed else np.zeros((0, 4))
-        lab = np.concatenate([p[1] for p in placed]) if placed else np.zeros(0, np.int64)
-        if counts[k] == 4:  # Mosaic._cat_labels: clipped to the canvas, zero-area boxes removed
-            b = np.clip(b, 0, 2 * s)
-            good = ((b[:, 2] - b[:, 0]) > 0) & ((b[:, 3] - b[:, 1]) > 0)
-            b, lab = b[good], lab[good]
-        if augment:
-            M, scale = _affine(t, u[k], s, canvas)
-        else:
-            M, scale = np.eye(3), 1.0
-        flip = np.eye(3)
-        if augment and u[k, 12] < t.fliplr:
-            flip[0, 0], flip[0, 2] = -1, s
-        if augment and u[k, 13] < t.flipud:
-            flip[1, 1], flip[1, 2] = -1, s
-        new = _warp_boxes(b, M, s)
-        if augment:
-            keep = box_candidates(b * scale, new)
-            new, lab = new[keep], lab[keep]
-        if len(new) and (flip != np.eye(3)).any():  # RandomFlip after the affine: mirrored boxes
-            new = _warp_boxes(new, flip, s)
-        pixels = flip.copy()  # a mirrored pixel index is s - 1 - x where a box edge is s - x
-        pixels[:2, 2] = np.where(pixels[:2, 2] > 0, s - 1, 0)
-        inverse[k] = np.linalg.inv(pixels @ M)[:2]
-        out_boxes.append(new.astype(np.float32))
-        out_labels.append(lab)
-        shapes.append(shape_info)
+    if mosaic.any():  # Ultralytics' _mosaic4 placement around a centre uniform in [s/2, 3s/2)
+        xc, yc = (s / 2 + u[:, 4] * s).astype(np.int64), (s / 2 + u[:, 5] * s).astype(np.int64)
+        for q in range(4):
+            wq, hq = w[:, q], h[:, q]
+            x1a = np.maximum(xc - wq, 0) if q in (0, 2) else xc
+            x2a = xc if q in (0, 2) else np.minimum(xc + wq, 2 * s)
+            y1a = np.maximum(yc - hq, 0) if q in (0, 1) else yc
+            y2a = yc if q in (0, 1) else np.minimum(yc + hq, 2 * s)
+            x1b = wq - (x2a - x1a) if q in (0, 2) else 0
+            y1b = hq - (y2a - y1a) if q in (0, 1) else 0
+            placed = np.stack([x1a, y1a, x2a, y2a, x1a - x1b, y1a - y1b], axis=1)
+            rect[mosaic, q] = placed[mosaic]
+        centre[mosaic] = np.stack([xc, yc], axis=1)[mosaic]
+        canvas[mosaic] = 2 * s
+    valid = members >= 0
+    slots = np.full((n, 4, 11), -1.0)
+    slots[valid] = np.concatenate([members[:, :, None], rect, w[:, :, None], h[:, :, None],
+                                   w0[m][:, :, None], h0[m][:, :, None]], axis=2)[valid]
+    # every slot's boxes, placed on its canvas (rows in output, slot, box order)
+    counts = np.array([len(b) for b in boxes], np.int64)
+    start = np.concatenate([[0], np.cumsum(counts)])
+    every = np.concatenate([np.asarray(b, np.float64).reshape(-1, 4) for b in boxes])
+    every_labels = np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in labels])
+    slot_source = members[valid]  # row-major: output k, then slot q
+    per_slot = counts[slot_source]
+    rows = np.repeat(start[slot_source] - np.concatenate([[0], np.cumsum(per_slot)[:-1]]), per_slot) + np.arange(
+        per_slot.sum())
+    table = slots[valid]
+    scale_xy = np.repeat(table[:, [7, 8, 7, 8]], per_slot, axis=0)
+    shift = np.repeat(table[:, [5, 6, 5, 6]], per_slot, axis=0)
+    b = every[rows] * scale_xy + shift
+    lab = every_labels[rows]
+    owner = np.repeat(np.nonzero(valid)[0], per_slot)
+    in_mosaic = mosaic[owner]
+    if in_mosaic.any():  # Mosaic._cat_labels: clipped to the canvas, zero-area boxes removed
+        b[in_mosaic] = np.clip(b[in_mosaic], 0, 2 * s)
+        good = ~in_mosaic | (((b[:, 2] - b[:, 0]) > 0) & ((b[:, 3] - b[:, 1]) > 0))
+        b, lab, owner = b[good], lab[good], owner[good]
+    eye = np.broadcast_to(np.eye(3), (n, 3, 3))
+    M, scale = (_affine(t, u, s, canvas) if augment else (eye.copy(), np.ones(n)))
+    flip = eye.copy()
+    if augment:
+        lr, ud = u[:, 12] < t.fliplr, u[:, 13] < t.flipud
+        flip[lr, 0, 0], flip[lr, 0, 2] = -1, s
+        flip[ud, 1, 1], flip[ud, 1, 2] = -1, s
+    new = _warp_boxes(b, M[owner], s)
+    if augment:
+        keep = box_candidates(b * scale[owner, None], new)
+        new, lab, owner = new[keep], lab[keep], owner[keep]
+    new = _warp_boxes(new, flip[owner], s)  # RandomFlip after the affine (the identity where none)
+    pixels = flip.copy()  # a mirrored pixel index is s - 1 - x where a box edge is s - x
+    pixels[:, :2, 2] = np.where(pixels[:, :2, 2] > 0, s - 1, 0)
+    inverse = np.linalg.inv(pixels @ M)[:, :2]
+    split = np.cumsum(np.bincount(owner, minlength=n))[:-1]
     gains = np.array([t.hsv_h, t.hsv_s, t.hsv_v]) if augment else np.zeros(3)
     hsv = (2 * hsv_u - 1) * gains + 1
-    return Plan(inverse, centre, slots, out_boxes, out_labels, hsv, shapes)
+    return Plan(inverse, centre, slots.reshape(n * 4, 11), np.split(new.astype(np.float32), split),
+                np.split(lab, split), hsv, shapes)
 
 
 # --- the pixels: torch, on the batch's device --------------------------------------------------------
@@ -355,14 +340,18 @@ def source_boxes(index, indices: Sequence[int]) -> tuple[list, list]:
     labels, crowd boxes left out (Ultralytics' COCO conversion leaves them out too)."""
     from gdsdata.format import layout as fmt
 
-    boxes, labels = [], []
-    for i in indices:
-        rows = index.sample_boxes(int(i))
-        rows = rows[(rows["flags"] & fmt.BOX_CROWD) == 0] if len(rows) else rows
-        boxes.append(np.stack([rows[k] for k in ("x0", "y0", "x1", "y1")], axis=1).astype(np.float64)
-                     if len(rows) else np.zeros((0, 4)))
-        labels.append(rows["label"].astype(np.int64) if len(rows) else np.zeros(0, np.int64))
-    return boxes, labels
+    idx = np.asarray(indices, np.int64)
+    if index.boxes is None:
+        return [np.zeros((0, 4)) for _ in idx], [np.zeros(0, np.int64) for _ in idx]
+    start = index.box_start[idx].astype(np.int64)
+    counts = index.box_start[idx + 1].astype(np.int64) - start
+    rows = np.repeat(start - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
+    records = index.boxes[rows]
+    keep = (records["flags"] & fmt.BOX_CROWD) == 0
+    records = records[keep]
+    boxes = np.stack([records[k] for k in ("x0", "y0", "x1", "y1")], axis=1).astype(np.float64)
+    split = np.cumsum(np.bincount(np.repeat(np.arange(len(idx)), counts)[keep], minlength=len(idx)))[:-1]
+    return np.split(boxes, split), np.split(records["label"].astype(np.int64), split)
 
 
 def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
