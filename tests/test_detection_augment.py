@@ -6,6 +6,7 @@ epoch, index), so batches repeat and resume exactly; close_mosaic; Ultralytics' 
 
 import os
 import random
+import subprocess
 import sys
 
 import numpy as np
@@ -188,21 +189,46 @@ def test_training_batches_are_what_ultralytics_makes_of_the_same_draws(det, monk
     assert boxes > 0
 
 
-@pytest.mark.parametrize("transform", [gdsdata.YoloAugment(imgsz=S, seed=3),
-                                       gdsdata.YoloAugment(imgsz=S, seed=4, mosaic=0.0, degrees=15.0, shear=3.0),
-                                       gdsdata.Letterbox(imgsz=S)], ids=["mosaic", "affine", "letterbox"])
-def test_the_gpu_sampling_computes_what_the_cpu_sampling_does(det, transform):
-    """The GPU path samples the whole batch at once, the CPU path each source over its window: the
-    same values (run here on the CPU, both)."""
+KERNEL_CASES = {"mosaic": dict(seed=3), "affine": dict(seed=4, mosaic=0.0, degrees=15.0, shear=3.0),
+                "letterbox": None, "float16": dict(seed=5, dtype="float16")}
+
+
+def compare_kernel(det, device, imgsz):
+    """The GPU kernel (``kernels.sample_detection``) against the CPU path (``render`` on the CPU), on
+    the same decoded bytes, for each of KERNEL_CASES: within one level, and nearly always equal."""
+    from gdsdata.transforms.kernels import sample_detection
+
     ds = gdsdata.GDSDataset(det)
     indices = [0, 5, 9, 14]
-    batch, read = ds.load_batch(transform.sources(indices, 0, np.arange(len(ds))))
-    boxes, labels = D.source_boxes(ds.index, read)
-    plan = D.plan(transform, batch.heights, batch.widths, boxes, labels, indices, 0)
-    args = (transform, batch.buffer, batch.offsets, batch.channels, plan)
-    assert (D._sample_batch(*args) - D._sample_windows(*args)).abs().max() < 0.01
-    chunks = torch.cat([D._sample_batch(*args, first=a, last=a + 2) for a in (0, 2)])
-    assert torch.equal(chunks, D._sample_batch(*args))
+    for name, kwargs in KERNEL_CASES.items():
+        t = gdsdata.Letterbox(imgsz=imgsz) if kwargs is None else gdsdata.YoloAugment(imgsz=imgsz, **kwargs)
+        batch, read = ds.load_batch(t.sources(indices, 0, np.arange(len(ds))))
+        boxes, labels = D.source_boxes(ds.index, read)
+        plan = D.plan(t, batch.heights, batch.widths, boxes, labels, indices, 0)
+        cpu = D.render(t, batch.buffer, batch.offsets, batch.channels, plan)
+        dtype = torch.uint8 if t.dtype is None else getattr(torch, t.dtype)
+        mine = sample_detection(batch.buffer.to(device), batch.offsets, batch.channels, plan, t.imgsz, t.pad,
+                                bool((plan.hsv != 1).any()), dtype)
+        assert mine.shape == cpu.shape and mine.dtype == cpu.dtype and mine.device.type == device, name
+        diff = (mine.cpu().float() - cpu.float()).abs() * (255 if dtype.is_floating_point else 1)
+        assert diff.max() <= 1.01 and (diff > 0.5).float().mean() < 0.01, (name, diff.max(), diff.mean())
+
+
+def test_the_gpu_kernel_computes_what_the_cpu_path_does(det):
+    """Run by Triton's interpreter on the CPU, in a process of its own (the interpreter is chosen
+    when the kernels are defined)."""
+    pytest.importorskip("triton")
+    here = os.path.dirname(__file__)
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_detection_augment as t; " \
+           f"t.compare_kernel({det!r}, 'cpu', 64)"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_the_gpu_kernel_on_a_gpu_computes_what_the_cpu_path_does(det):
+    compare_kernel(det, "cuda", S)
 
 
 def test_hsv_jitter_is_ultralytics_lookup_tables(monkeypatch):

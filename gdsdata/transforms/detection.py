@@ -15,7 +15,7 @@ arithmetic (placement, resize sizes, padding) and its box rules
 the output, then ``box_candidates``: at least 2 pixels wide and high, at least 10 % of the box's
 scaled area kept, aspect ratio under 100). So boxes are exactly what that arithmetic gives, on every
 device. Pixels are then sampled once from the decoded source images (bilinear, pad value 114 where
-no image lies) by torch operations on the batch's device: Ultralytics resizes each image first and
+no image lies), on a GPU by one kernel for the whole batch, on the CPU by torch operations: Ultralytics resizes each image first and
 warps the resized canvas second, so pixels agree within interpolation differences, not exactly.
 HSV jitter follows OpenCV's 8-bit HSV (hue in 0..179) and Ultralytics' lookup tables (8.3.79 on).
 """
@@ -356,28 +356,25 @@ def source_boxes(index, indices: Sequence[int]) -> tuple[list, list]:
 
 def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
     """The batch's S x S images (uint8 NCHW, or float in [0, 1] for a float ``dtype``) from the
-    decoded sources (interleaved uint8 pixels at ``offsets`` in the flat ``buffer``). On a GPU the
-    whole batch is sampled at once (``_sample_batch``: a fixed number of kernels however many
-    images); on the CPU each source over the output window it covers (``_sample_windows``: torch's
-    ``grid_sample`` on a fraction of the pixels). The two compute the same values."""
-    n = len(p.inverse)
-    if buffer.is_cuda:  # a chunk of images at a time bounds the per-pixel temporaries (~90 MB an image at 640)
-        out = torch.cat([_sample_batch(t, buffer, offsets, channels, p, a, min(a + _CHUNK, n))
-                         for a in range(0, n, _CHUNK)])
-    else:
-        out = _sample_windows(t, buffer, offsets, channels, p)
-    out = out.round_().clamp_(0, 255)
-    if (p.hsv != 1).any():
+    decoded sources (interleaved uint8 pixels at ``offsets`` in the flat ``buffer``). On a GPU one
+    kernel samples, rounds and HSV-jitters the whole batch (``kernels.sample_detection``); on the CPU
+    (or without Triton) torch operations sample each source over the output window it covers
+    (``_sample_windows``), then ``_hsv`` an image at a time. The two compute the same values."""
+    from gdsdata.transforms import _triton_ready
+
+    jitter = bool((p.hsv != 1).any())
+    dtype = torch.uint8 if t.dtype is None else getattr(torch, t.dtype)
+    if buffer.is_cuda and _triton_ready():
+        from gdsdata.transforms.kernels import sample_detection
+
+        return sample_detection(buffer, offsets, channels, p, t.imgsz, t.pad, jitter, dtype)
+    out = _sample_windows(t, buffer, offsets, channels, p).round_().clamp_(0, 255)
+    if jitter:
         gains = _to(p.hsv, np.float32, buffer.device)
-        step = _CHUNK if buffer.is_cuda else 1  # on the CPU an image at a time: reused, not fresh, pages
-        out = torch.cat([_hsv(out[a:a + step], gains[a:a + step]) for a in range(0, n, step)])
-    out = out.contiguous()
+        out = torch.cat([_hsv(out[a:a + 1], gains[a:a + 1]) for a in range(len(out))])
     if t.dtype is None:
         return out.to(torch.uint8)
-    return (out / 255).to(getattr(torch, t.dtype))
-
-
-_CHUNK = 16  # images sampled together on a GPU
+    return (out / 255).to(dtype)
 
 
 def _sample_windows(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
@@ -413,50 +410,6 @@ def _sample_windows(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
             window = out[k, :, top:bottom, left:right]
             window.copy_(torch.where(inside, sampled, window))
     return out
-
-
-def _sample_batch(t, buffer, offsets, channels, p: Plan, first: int = 0, last: int = None) -> torch.Tensor:
-    """Output images [first, last) of the batch, all their pixels at once."""
-    device = buffer.device
-    last = len(p.inverse) if last is None else last
-    s = t.imgsz
-    f32 = torch.float32
-    inv = _to(p.inverse[first:last], np.float32, device)  # n, 2, 3
-    coords = torch.arange(s, dtype=f32, device=device)
-    ys, xs = torch.meshgrid(coords, coords, indexing="ij")
-    cx = inv[:, 0, 0, None, None] * xs + inv[:, 0, 1, None, None] * ys + inv[:, 0, 2, None, None]
-    cy = inv[:, 1, 0, None, None] * xs + inv[:, 1, 1, None, None] * ys + inv[:, 1, 2, None, None]
-    centre = _to(p.centre[first:last], np.float32, device)
-    # canvas column xc (row yc) starts the right (lower) images: nearest pixel centres decide
-    quadrant = (cx >= centre[:, 0, None, None] - 0.5).long() + 2 * (cy >= centre[:, 1, None, None] - 0.5).long()
-    slot = torch.arange(first, last, device=device)[:, None, None] * 4 + quadrant
-    table = _to(p.slots, np.float32, device)  # small integers: exact in float32
-    source, x1a, y1a, x2a, y2a, padw, padh, w, h, w0, h0 = table[slot].unbind(-1)
-    inside = (source >= 0) & (cx > x1a - 0.5) & (cx < x2a - 0.5) & (cy > y1a - 0.5) & (cy < y2a - 0.5)
-    # canvas -> resized image -> source image (half-pixel centres, as cv2.resize maps them)
-    sx = torch.minimum(((cx - padw + 0.5) * (w0 / w.clamp(min=1)) - 0.5).clamp_(min=0), w0 - 1)
-    sy = torch.minimum(((cy - padh + 0.5) * (h0 / h.clamp(min=1)) - 0.5).clamp_(min=0), h0 - 1)
-    x0, y0 = sx.floor(), sy.floor()
-    wx, wy = (sx - x0)[..., None], (sy - y0)[..., None]
-    src = source.clamp(min=0).long()
-    ch = _to(channels, np.int64, device)[src]
-    row = w0.long() * ch
-    # the four neighbours' first bytes in the flat buffer, each pixel's three channels beside them
-    first = _to(offsets, np.int64, device)[src] + y0.long() * row + x0.long() * ch
-    right = (x0 + 1 < w0).long() * ch
-    down = (y0 + 1 < h0).long() * row
-    lanes = torch.arange(3, device=device) * (ch == 3).long()[..., None]  # gray: one channel three times
-    flat = buffer.reshape(-1)
-
-    def at(shift):
-        return flat[(first + shift)[..., None] + lanes].to(f32)
-
-    top = at(0)
-    top = top + (at(right) - top) * wx
-    bottom = at(down)
-    bottom = bottom + (at(down + right) - bottom) * wx
-    value = torch.where(inside[..., None], top + (bottom - top) * wy, float(t.pad))
-    return value.permute(0, 3, 1, 2)
 
 
 def _hsv(rgb: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:

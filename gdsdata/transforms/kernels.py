@@ -1,4 +1,4 @@
-"""The GPU resampling kernels: a whole batch of differently sized images in one launch per pass.
+"""The GPU kernels of the transforms: a whole batch of differently sized images in one launch per pass.
 
 Each kernel reads an image's row of ``meta`` (offset, height, width, channels, top, left, crop
 height, crop width, flip, and the image's place in the antialiased filter's intermediate buffer) and
@@ -15,6 +15,9 @@ writes normalised values, interpolating from the interleaved uint8 source:
   pixel costs the taps of one axis plus the taps of the other rather than their product.
 
 The CPU reference the GPU tests compare with is ``transforms._resample_torch``.
+
+``_detect`` samples a detection batch (``transforms.detection``: mosaic, affine, flips, letterbox,
+HSV jitter) in one launch from a plan's tables; its CPU reference is that module's torch path.
 """
 
 import numpy as np
@@ -209,3 +212,123 @@ def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias)
     tmp = torch.empty(int(rows.sum()) * out_w * 3, dtype=torch.float16, device=buffer.device)
     _aa_rows[(n, triton.cdiv(int(rows.max()) * out_w, _BLOCK))](buffer, table, tmp, out_w, BLOCK=_BLOCK)
     _aa_columns[(n, triton.cdiv(out_h * out_w, _BLOCK))](table, tmp, out, out_h, out_w, *norm, **flags)
+
+
+# --- detection: YoloAugment's and Letterbox's sampling, one launch a batch ---------------------------
+SLOT = tl.constexpr(11)  # columns of a plan's slot row: source, x1a, y1a, x2a, y2a, padw, padh, w, h, w0, h0
+
+
+@triton.jit
+def _rint(v):
+    """Round half to even, as torch.round."""
+    r = tl.floor(v + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _mod(a, b):
+    return a - b * tl.floor(a / b)
+
+
+@triton.jit
+def _from_hsv(hue, v8, chroma, n: tl.constexpr):
+    k = _mod(hue + n, 6.0)
+    return _rint(v8 - chroma * tl.minimum(tl.maximum(tl.minimum(k, 4.0 - k), 0.0), 1.0))
+
+
+@triton.jit
+def _bilerp(p, right, down, wx, wy, inside, pad):
+    """One channel: bilinear between the pixels at p, p + right, p + down, p + down + right, rounded
+    to 0..255 (``pad`` outside)."""
+    v00 = tl.load(p, mask=inside, other=0).to(tl.float32)
+    v01 = tl.load(p + right, mask=inside, other=0).to(tl.float32)
+    v10 = tl.load(p + down, mask=inside, other=0).to(tl.float32)
+    v11 = tl.load(p + down + right, mask=inside, other=0).to(tl.float32)
+    upper = v00 + (v01 - v00) * wx
+    lower = v10 + (v11 - v10) * wx
+    value = tl.where(inside, upper + (lower - upper) * wy, pad)
+    return tl.minimum(tl.maximum(_rint(value), 0.0), 255.0)
+
+
+@triton.jit
+def _detect(src, offsets, channels, inverse, centre, slots, gains, out, size, pad,
+            HSV: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (n, b): output pixels [b*BLOCK, (b+1)*BLOCK) of image n. Each pixel maps through the
+    image's inverse affine onto the canvas, picks its mosaic quadrant's slot (nearest pixel centres
+    decide, as the placement's integer edges), and is sampled bilinearly from that slot's source,
+    mapped canvas -> resized image -> source with half-pixel centres (as cv2.resize maps them);
+    ``pad`` where no image lies. Then rounded, and HSV-jittered as ``detection._hsv`` computes it."""
+    n = tl.program_id(0)
+    area = size * size
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < area
+    fx = (idx % size).to(tl.float32)
+    fy = (idx // size).to(tl.float32)
+    row = inverse + n * 6
+    cx = tl.load(row + 0) * fx + tl.load(row + 1) * fy + tl.load(row + 2)
+    cy = tl.load(row + 3) * fx + tl.load(row + 4) * fy + tl.load(row + 5)
+    quadrant = (cx >= tl.load(centre + n * 2) - 0.5).to(tl.int32) + 2 * (cy >= tl.load(centre + n * 2 + 1) - 0.5).to(
+        tl.int32)
+    slot = slots + (n * 4 + quadrant) * SLOT
+    source = tl.load(slot + 0, mask=mask, other=-1.0)
+    x1a, y1a = tl.load(slot + 1, mask=mask, other=0.0), tl.load(slot + 2, mask=mask, other=0.0)
+    x2a, y2a = tl.load(slot + 3, mask=mask, other=0.0), tl.load(slot + 4, mask=mask, other=0.0)
+    padw, padh = tl.load(slot + 5, mask=mask, other=0.0), tl.load(slot + 6, mask=mask, other=0.0)
+    w, h = tl.load(slot + 7, mask=mask, other=1.0), tl.load(slot + 8, mask=mask, other=1.0)
+    w0, h0 = tl.load(slot + 9, mask=mask, other=1.0), tl.load(slot + 10, mask=mask, other=1.0)
+    inside = mask & (source >= 0) & (cx > x1a - 0.5) & (cx < x2a - 0.5) & (cy > y1a - 0.5) & (cy < y2a - 0.5)
+    sx = tl.minimum(tl.maximum((cx - padw + 0.5) * (w0 / tl.maximum(w, 1.0)) - 0.5, 0.0), w0 - 1.0)
+    sy = tl.minimum(tl.maximum((cy - padh + 0.5) * (h0 / tl.maximum(h, 1.0)) - 0.5, 0.0), h0 - 1.0)
+    x0, y0 = tl.floor(sx), tl.floor(sy)
+    wx, wy = sx - x0, sy - y0
+    s = tl.maximum(source, 0.0).to(tl.int64)
+    ch = tl.load(channels + s, mask=inside, other=3)
+    width = w0.to(tl.int64)
+    stride = width * ch
+    first = tl.load(offsets + s, mask=inside, other=0) + y0.to(tl.int64) * stride + x0.to(tl.int64) * ch
+    right = tl.where(x0 + 1.0 < w0, ch, 0)
+    down = tl.where(y0 + 1.0 < h0, stride, 0)
+    lane = tl.where(ch == 3, 1, 0).to(tl.int64)
+    r = _bilerp(src + first, right, down, wx, wy, inside, pad)
+    g = _bilerp(src + first + lane, right, down, wx, wy, inside, pad)
+    b = _bilerp(src + first + 2 * lane, right, down, wx, wy, inside, pad)
+    if HSV:  # OpenCV's 8-bit HSV, Ultralytics' lookup tables, back as OpenCV converts
+        v = tl.maximum(tl.maximum(r, g), b)
+        delta = v - tl.minimum(tl.minimum(r, g), b)
+        s8 = tl.floor(delta * 255.0 / tl.maximum(v, 1.0) + 0.5)
+        raw = tl.where(v == r, g - b, tl.where(v == g, b - r + 2.0 * delta, r - g + 4.0 * delta))
+        h8 = tl.floor(raw * 30.0 / tl.maximum(delta, 1.0) + 0.5)
+        h8 = tl.where(h8 < 0.0, h8 + 180.0, h8)
+        h8 = tl.floor(_mod(h8 + (tl.load(gains + n * 3) - 1.0) * 180.0, 180.0))
+        s8 = tl.floor(tl.minimum(tl.maximum(s8 * tl.load(gains + n * 3 + 1), 0.0), 255.0))
+        v8 = tl.floor(tl.minimum(tl.maximum(v * tl.load(gains + n * 3 + 2), 0.0), 255.0))
+        hue, chroma = h8 / 30.0, v8 * (s8 / 255.0)
+        r, g, b = _from_hsv(hue, v8, chroma, 5.0), _from_hsv(hue, v8, chroma, 3.0), _from_hsv(hue, v8, chroma, 1.0)
+    dest = out + n.to(tl.int64) * 3 * area + idx
+    if TO_U8:
+        tl.store(dest, r.to(out.dtype.element_ty), mask=mask)
+        tl.store(dest + area, g.to(out.dtype.element_ty), mask=mask)
+        tl.store(dest + 2 * area, b.to(out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dest, (r / 255.0).to(out.dtype.element_ty), mask=mask)
+        tl.store(dest + area, (g / 255.0).to(out.dtype.element_ty), mask=mask)
+        tl.store(dest + 2 * area, (b / 255.0).to(out.dtype.element_ty), mask=mask)
+
+
+def sample_detection(buffer, offsets, channels, p, imgsz: int, pad: int, hsv: bool, dtype) -> torch.Tensor:
+    """A detection plan's ``p`` batch of imgsz x imgsz images (NCHW, ``dtype``: uint8, or a float
+    dtype for values in [0, 1]) from the decoded sources in ``buffer``, on its device and the
+    current stream."""
+    device = buffer.device
+    n = len(p.inverse)
+
+    def table(array, kind):
+        return upload(torch.from_numpy(np.ascontiguousarray(array, dtype=kind)), device)
+
+    out = torch.empty((n, 3, imgsz, imgsz), dtype=dtype, device=device)
+    _detect[(n, triton.cdiv(imgsz * imgsz, _BLOCK))](
+        buffer.reshape(-1), table(offsets, np.int64), table(channels, np.int64), table(p.inverse, np.float32),
+        table(p.centre, np.float32), table(p.slots, np.float32), table(p.hsv, np.float32), out, imgsz, float(pad),
+        HSV=hsv, TO_U8=not dtype.is_floating_point, BLOCK=_BLOCK)
+    return out
