@@ -1,5 +1,5 @@
 """Ultralytics' trainer fed by gdsdata (gdsdata.yolo.DetectionTrainer): a YOLO model built from its
-model YAML (no weights downloaded) trains on the CPU through Ultralytics' own loop, with the mosaic
+model YAML (no weights downloaded) trains on the CPU (and on a GPU, marked gpu) through Ultralytics' own loop, with the mosaic
 closed for the last epoch, validates each epoch on Letterbox batches and evaluates best.pt at the
 end; the batches it consumed are Ultralytics' batch dicts with every field its loss and validator
 read."""
@@ -28,7 +28,8 @@ def packed(tmp_path_factory):
             pack(data, str(out / "val"), format="yolo", split="val", workers=1).out)
 
 
-def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("0", marks=pytest.mark.gpu)])
+def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, monkeypatch, device):
     os.environ.setdefault("YOLO_OFFLINE", "1")
     opener = Image.open
     pytest.importorskip("ultralytics")
@@ -38,7 +39,7 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
     train, val = packed
     seen = []
     trainer = DetectionTrainer(train, val, overrides={
-        "model": "yolov8n.yaml", "epochs": 2, "close_mosaic": 1, "imgsz": 64, "batch": 4, "device": "cpu",
+        "model": "yolov8n.yaml", "epochs": 2, "close_mosaic": 1, "imgsz": 64, "batch": 4, "device": device,
         "workers": 0, "plots": False, "amp": False, "pretrained": False, "project": str(tmp_path), "name": "run",
         "exist_ok": True})
     original = trainer.preprocess_batch
@@ -53,6 +54,7 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
     assert set(trainer.metrics) >= {"metrics/mAP50(B)", "metrics/mAP50-95(B)"}
     assert len(seen) == 2 * 2  # 8 training images, batch 4, two epochs
     assert all(s["img"][1:] == (3, 64, 64) and s["im_file"] == s["img"][0] for s in seen)
+    assert trainer.train_loader.loader.dataset.device.type == ("cpu" if device == "cpu" else "cuda")
     assert trainer.train_loader.loader.transform.mosaic == 0.0  # closed by Ultralytics for the last epoch
     assert list(trainer.train_loader.sampler) and len(trainer.train_loader.dataset.labels) == 8
     assert trainer.data["names"] == dict(enumerate(gdsdata.GDSDataset(train).classes))
