@@ -1,8 +1,8 @@
 """Ultralytics' trainer fed by gdsdata (gdsdata.yolo.DetectionTrainer): a YOLO model built from its
-model YAML (no weights downloaded) trains on the CPU (and on a GPU, marked gpu) through Ultralytics' own loop, with the mosaic
-closed for the last epoch, validates each epoch on Letterbox batches and evaluates best.pt at the
-end; the batches it consumed are Ultralytics' batch dicts with every field its loss and validator
-read."""
+model YAML (no weights downloaded) trains on the CPU (and on a GPU, marked gpu) through Ultralytics'
+own loop, with the mosaic closed for the last epoch, validates each epoch on Letterbox batches and
+evaluates best.pt at the end; the batches it consumed are Ultralytics' batch dicts with every field
+its loss and validator read."""
 
 import os
 import sys

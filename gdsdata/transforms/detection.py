@@ -15,8 +15,9 @@ arithmetic (placement, resize sizes, padding) and its box rules
 the output, then ``box_candidates``: at least 2 pixels wide and high, at least 10 % of the box's
 scaled area kept, aspect ratio under 100). So boxes are exactly what that arithmetic gives, on every
 device. Pixels are then sampled once from the decoded source images (bilinear, pad value 114 where
-no image lies), on a GPU by one kernel for the whole batch, on the CPU by torch operations: Ultralytics resizes each image first and
-warps the resized canvas second, so pixels agree within interpolation differences, not exactly.
+no image lies), on a GPU by one kernel for the whole batch, on the CPU by torch operations.
+Ultralytics resizes each image first and warps the resized canvas second, so pixels agree within
+interpolation differences, not exactly.
 HSV jitter follows OpenCV's 8-bit HSV (hue in 0..179) and Ultralytics' lookup tables (8.3.79 on).
 """
 
