@@ -17,11 +17,12 @@ made) and ``stall_timeout`` is read as each Loader pass starts.
 | name | variable | default | meaning |
 | --- | --- | --- | --- |
 | cpu_threads | GDSDATA_CPU_THREADS | cores | threads decoding JPEGs and resampling on the CPU |
-| io_threads | GDSDATA_IO_THREADS | 16 | kvikio threads issuing reads on the GPU path |
+| io_threads | GDSDATA_IO_THREADS | 16 | threads issuing reads: kvikio's on the GPU path, and direct reads' |
 | gather_threads | GDSDATA_GATHER_THREADS | min(8, cores) | threads of the page gather (``mmap``, ``mixed``) |
 | staging | GDSDATA_STAGING | auto | GPU path: device (GPU memory) or host (pinned) |
 | io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: kvikio (CuFile.pread), mmap or mixed (page gather, per |
-| | | | batch or always; pinned staging), mapped (the GPU copies from registered pages; device staging) |
+| | | | batch or always; pinned staging), mapped (the GPU copies from registered pages; device staging); |
+| | | | both paths: direct (O_DIRECT past the page cache; auto picks it for shards over half the memory) |
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG: hardware (the JPEG engines) or gpu_hybrid (CUDA cores) |
 | max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
@@ -54,7 +55,7 @@ _DEFAULTS = {
 }
 _CHOICES = {
     "staging": ("auto", "device", "host"),
-    "io_engine": ("auto", "kvikio", "mmap", "mixed", "mapped"),
+    "io_engine": ("auto", "kvikio", "mmap", "mixed", "mapped", "direct"),
     "decode_backend": ("auto", "hardware", "gpu_hybrid"),
 }
 _RENAMED = {  # earlier names, refused with the one that replaces them

@@ -34,7 +34,10 @@ def triple(p: LoadPath):
     (GDS, True, GiB, ("device", "kvikio", "hardware_device")),
     (COMPAT, False, GiB, ("host", "mixed", "hardware")),  # compat: bitstreams from pinned memory
     (COMPAT, True, GiB, ("device", "mapped", "hardware_device")),  # raw pixels that fit: the GPU copies
-    (COMPAT, True, 40 * GiB, ("host", "mixed", "hardware")),  # more than half the host's memory
+    (COMPAT, True, 40 * GiB, ("host", "direct", "hardware")),  # more than half the host's memory: streamed
+    (COMPAT, False, 40 * GiB, ("host", "direct", "hardware")),
+    (NO_KVIKIO, False, 40 * GiB, ("host", "direct", "hardware")),
+    (GDS, False, 40 * GiB, ("device", "kvikio", "hardware_device")),  # GDS reads past the page cache itself
     (dataclasses.replace(COMPAT, cupy=False), True, GiB, ("host", "mixed", "hardware")),
     (NO_KVIKIO, False, GiB, ("host", "mmap", "hardware")),  # pinned staging still works without kvikio
     (NO_ENGINES, False, GiB, ("host", "mixed", "gpu_hybrid")),  # no JPEG engines: CUDA cores

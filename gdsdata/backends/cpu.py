@@ -18,9 +18,9 @@ class CpuBackend:
     def __init__(self, index, verify, config):
         self.index = index
         self.config = config
-        self.reader = CpuReader(index, config=config)
+        self.load_path = cpu_path(verify, config, shard_bytes=int(index.shards["size"].sum()))
+        self.reader = CpuReader(index, config=config, direct=self.load_path.reads == "direct")
         self.verify = verify
-        self.load_path = cpu_path(verify)
 
     def read(self, indices) -> Staged:
         buffer, plan = self.reader.read(indices)

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from gdsdata import __version__
 from gdsdata import settings
 from gdsdata.errors import GdsDataError
+from gdsdata.io.path import host_memory
 
 
 def _torch_block():
@@ -86,8 +87,9 @@ def path_fields(path, prefix="  ") -> dict:
 
 
 def automatic_paths() -> dict:
-    """What the settings choose on this machine for a JPEG dataset and for a raw one that fits in
-    memory (``gdsdata.io.path.resolve``, the resolver datasets use)."""
+    """What the settings choose on this machine for a JPEG dataset and a raw one that fit in
+    memory, and for one larger than half of it (``gdsdata.io.path.resolve``, the resolver datasets
+    use)."""
     import torch
 
     from gdsdata.io.path import probe_machine, resolve
@@ -97,10 +99,10 @@ def automatic_paths() -> dict:
     except GdsDataError as e:  # doctor reports, never fails
         return {"path": f"unavailable ({e})"}
     info = {}
-    for kind, raw in (("JPEG", False), ("raw", True)):
+    for kind, raw, size in (("JPEG", False, 0), ("raw", True, 0), ("over half the memory", False, machine.host_memory)):
         try:
             info[f"path ({kind} datasets)"] = resolve(machine, settings.snapshot(), all_raw=raw,
-                                                      shard_bytes=0).describe()
+                                                      shard_bytes=size).describe()
         except (ValueError, GdsDataError) as e:
             info[f"path ({kind} datasets)"] = f"refused: {e}"
     return info
@@ -122,6 +124,8 @@ def report() -> dict:
     info["gather threads"] = settings.get("gather_threads")
     for name in ("staging", "io_engine", "decode_backend"):
         info[name.replace("_", " ")] = settings.get(name)
+    info["streaming"] = (f"datasets whose shards exceed {host_memory() / 2 / 2**30:.1f} GiB (half the host's memory) "
+                         f"are read past the page cache (reads=direct)")
     if "io mode" in info:
         info.update(automatic_paths())
     return info

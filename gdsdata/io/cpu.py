@@ -66,13 +66,16 @@ class CpuReader:
     """Reads the payloads of a batch of samples into one host buffer. Safe across ``fork``: file
     descriptors are reopened in a child process. A bounded number of shard files is open at once
     (``OpenShards``), each checked against the index when opened. ``config``: a snapshot of the
-    settings (``max_gap``, ``max_read``; default: the settings now)."""
+    settings (``max_gap``, ``max_read``, ``io_threads``; default: the settings now). ``direct``: read
+    past the page cache (``io.direct``) instead."""
 
-    def __init__(self, index, max_open=None, config=None):
+    def __init__(self, index, max_open=None, config=None, direct: bool = False):
         self.index = index
         self.config = settings.snapshot() if config is None else config
         self._max_open = max_open
+        self.direct = direct
         self._files = None
+        self._direct = None
         self._pid = None
 
     def _opener(self, path, shard):
@@ -87,8 +90,17 @@ class CpuReader:
     @property
     def files(self) -> OpenShards:
         if self._files is None or self._pid != os.getpid():  # a forked child opens its own
-            self._files, self._pid = OpenShards(self.index, self._opener, os.close, self._max_open), os.getpid()
+            self._files, self._direct = OpenShards(self.index, self._opener, os.close, self._max_open), None
+            self._pid = os.getpid()
         return self._files
+
+    def _direct_reads(self):
+        from gdsdata.io.direct import DirectReads
+
+        self.files  # noqa: B018 - a forked child drops its parent's readers first
+        if self._direct is None:
+            self._direct = DirectReads(self.index, self.config["io_threads"])
+        return self._direct
 
     def plan(self, indices) -> Plan:
         return plan_reads(self.index.samples, indices, self.index.alignment,
@@ -98,6 +110,12 @@ class CpuReader:
         """Returns (staging buffer, plan); sample k of ``indices`` is
         ``buffer[plan.sample_offsets[k]:][:plan.sample_lengths[k]]``."""
         plan = self.plan(indices)
+        if self.direct:
+            from gdsdata.io.direct import aligned_empty
+
+            buffer = aligned_empty(plan.total)
+            self._direct_reads().read(plan, buffer)
+            return buffer, plan
         buffer = np.empty(plan.total, np.uint8)
         for read in plan.reads:
             view = memoryview(buffer[read.buffer_offset:read.buffer_offset + read.size])
@@ -109,9 +127,11 @@ class CpuReader:
         return buffer, plan
 
     def close(self):
-        if self._files is not None and self._pid == os.getpid():
-            self._files.close()
-        self._files = None
+        if self._pid == os.getpid():
+            for reader in (self._files, self._direct):
+                if reader is not None:
+                    reader.close()
+        self._files = self._direct = None
 
     def __del__(self):  # a dataset dropped without close() gives its descriptors back
         try:
@@ -120,7 +140,7 @@ class CpuReader:
             pass
 
     def __getstate__(self):
-        return {"index": self.index, "max_open": self._max_open, "config": dict(self.config)}
+        return {"index": self.index, "max_open": self._max_open, "config": dict(self.config), "direct": self.direct}
 
     def __setstate__(self, state):
-        self.__init__(state["index"], state.get("max_open"), state.get("config"))
+        self.__init__(state["index"], state.get("max_open"), state.get("config"), state.get("direct", False))

@@ -18,6 +18,9 @@ I/O engines issue the reads (``GDSDATA_IO_ENGINE``; ``gdsdata.io.path.resolve`` 
   waiting), or, with drivers older than CUDA 12.8, its SMs gather the pages over PCIe; no CPU core
   copies a byte.
 
+``direct`` reads past the page cache with O_DIRECT into pinned staging (``io.direct``): datasets
+larger than the host's memory.
+
 ``mixed`` reads each batch its way: batches of many small reads (shuffled) through the page gather,
 batches of a few large reads (file order) through kvikio, which splits each read over its threads.
 
@@ -39,6 +42,7 @@ import torch
 
 from gdsdata import stall
 from gdsdata.io.cpu import OpenShards
+from gdsdata.io.direct import DirectReads
 from gdsdata.format.shards import check_opened
 from gdsdata.errors import FormatError, GpuError, GpuUnavailableError
 
@@ -388,6 +392,8 @@ class GpuReader:
                 self.kvikio.defaults.set({"gds_threshold": alignment})
         if engine in ("mmap", "mixed"):
             self.maps = ShardMaps(self.index, self.config["gather_threads"])
+        elif engine == "direct":
+            self.maps = DirectReads(self.index, self.config["io_threads"])
         elif engine == "mapped":
             self.maps = MappedShards(self.index, self.device, self.copy)
 
@@ -416,6 +422,9 @@ class GpuReader:
                 if self.fallback is None:
                     raise
                 self._fall_back(e)
+        if self.engine == "direct":
+            self.maps.read(plan, target.numpy())
+            return target, None
         few_large = plan.total >= _KVIKIO_READ * len(plan.sizes)
         if self.engine == "mmap" or (self.engine == "mixed" and not few_large):
             self.maps.gather(plan, target)

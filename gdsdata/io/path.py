@@ -78,7 +78,7 @@ def probe_machine(device_index: int) -> Machine:
     except ImportError:
         have_cupy = False
     return Machine(f"cuda:{device_index}", mode, reason, engines, entry_point() or "",
-                   os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), have_cupy)
+                   host_memory(), have_cupy)
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ class LoadPath:
         Why, as cuFile or the machine says it.
     reads : str
         Who reads the bytes: "preadv" (CPU path), "kvikio", "mmap" (a page gather from memory maps),
-        "mixed" (per batch, one or the other), "mapped" (the GPU copies from registered pages).
+        "mixed" (per batch, one or the other), "mapped" (the GPU copies from registered pages),
+        "direct" (O_DIRECT past the page cache: datasets larger than memory; ``io.direct``).
     staging : str
         Where the bytes land: "host" (pinned memory on the GPU path) or "device".
     decoder : str
@@ -133,10 +134,36 @@ class LoadPath:
                 f"decode={self.decoder.replace(' ', ':')} checksums={self.checksums}")
 
 
-def cpu_path(verify) -> LoadPath:
-    """The CPU path: preadv into host memory, libjpeg-turbo; checksums on every sample unless off."""
-    return LoadPath("cpu", "cpu", "the CPU path", "preadv", "host", "libjpeg-turbo",
-                    "all" if verify else "none")
+def host_memory() -> int:
+    """Bytes of host memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _streams(shard_bytes: int, memory: int) -> bool:
+    """Whether a dataset is read past the page cache when the engine is automatic: its shards are
+    more than half the host's memory, so an epoch could not stay cached beside the training process."""
+    return shard_bytes > memory // 2
+
+
+def _stream_why(shard_bytes: int, memory: int) -> str:
+    return (f"reads direct: the shards ({shard_bytes / 2**30:.1f} GiB) are more than half the host's memory "
+            f"({memory / 2**30:.1f} GiB): O_DIRECT reads past the page cache")
+
+
+def cpu_path(verify, config=None, shard_bytes: int = 0, memory: int = None) -> LoadPath:
+    """The CPU path: preadv into host memory (``direct``: past the page cache, for ``io_engine=direct``
+    or, automatically, shards larger than half the host's memory), libjpeg-turbo; checksums on every
+    sample unless off. Other ``io_engine`` choices are the GPU path's and leave it as it is."""
+    engine = "auto" if config is None else config["io_engine"]
+    memory = host_memory() if memory is None else memory
+    if engine == "direct":
+        reads, why = "direct", ("reads direct: GDSDATA_IO_ENGINE",)
+    elif engine == "auto" and _streams(shard_bytes, memory):
+        reads, why = "direct", (_stream_why(shard_bytes, memory),)
+    else:
+        reads, why = "preadv", ("reads preadv: the page cache keeps the shards for the next epoch",)
+    return LoadPath("cpu", "cpu", "the CPU path", reads, "host", "libjpeg-turbo", "all" if verify else "none",
+                    why=why)
 
 
 def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify=True) -> LoadPath:
@@ -166,7 +193,7 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
     """
     staging, engine, family = config["staging"], config["io_engine"], config["decode_backend"]
     why = []
-    if engine in ("mmap", "mixed") and staging == "device":
+    if engine in ("mmap", "mixed", "direct") and staging == "device":
         raise ValueError(f"io_engine={engine} reads into host memory only; device staging needs kvikio or mapped")
     if engine == "mapped" and staging == "host":
         raise ValueError("io_engine=mapped gathers into GPU memory only; it needs staging=device")
@@ -174,12 +201,12 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
         raise GpuUnavailableError(f"io_engine={engine} needs kvikio: {machine.io_reason}")
     if engine == "mapped" and not machine.cupy:
         raise GpuUnavailableError("io_engine=mapped needs cupy (pip install cupy-cuda13x or cupy-cuda12x)")
-    fits = shard_bytes <= machine.host_memory // 2
+    fits = not _streams(shard_bytes, machine.host_memory)
     prefer_mapped = (machine.io_mode == "compat" and engine == "auto" and staging != "host" and all_raw
                      and fits and machine.cupy)
 
     if staging == "auto":
-        if engine in ("mmap", "mixed"):
+        if engine in ("mmap", "mixed", "direct"):
             staging = "host"
             why.append(f"staging host (pinned): io_engine={engine} reads into host memory")
         elif machine.io_mode == "gds":
@@ -201,7 +228,10 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
 
     fallback = ""
     if engine == "auto":
-        if staging == "host":
+        if staging == "host" and not fits:
+            engine = "direct"
+            why.append(_stream_why(shard_bytes, machine.host_memory))
+        elif staging == "host":
             engine = {"unavailable": "mmap", "compat": "mixed"}.get(machine.io_mode, "kvikio")
             why.append({"mmap": "reads mmap: the page gather (no kvikio)",
                         "mixed": "reads mixed: many small reads through the page gather, a few large ones "

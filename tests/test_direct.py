@@ -1,0 +1,165 @@
+"""Streaming reads past the page cache (gdsdata.io.direct, io_engine=direct): the same bytes and
+pixels as the buffered reads, the shards' pages not left in the page cache (counted with mincore),
+filesystems without O_DIRECT read through the cache and dropped from it again, and the automatic
+choice for datasets larger than half the host's memory."""
+
+import ctypes
+import errno
+import mmap
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import gdsdata
+from gdsdata.format.index import load as load_index
+from gdsdata.io import direct
+from gdsdata.io.cpu import CpuReader
+from gdsdata.io.path import Machine, cpu_path, resolve
+
+
+def shard_files(root):
+    index = load_index(root)
+    return [index.shard_path(k) for k in range(len(index.shards))]
+
+
+def resident(path) -> int:
+    """Pages of ``path`` in the page cache (mincore over a mapping that touches none)."""
+    size = os.path.getsize(path)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        anchor = ctypes.c_char.from_buffer(mm)
+        vec = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        del anchor
+        return sum(v & 1 for v in vec)
+    finally:
+        mm.close()
+
+
+def evict(paths):
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def evicted(paths):
+    evict(paths)
+    if sum(resident(p) for p in paths):
+        pytest.skip("this filesystem keeps file pages in memory (tmpfs, say): nothing to bypass")
+
+
+@pytest.fixture(params=["direct", "fallback"])
+def mode(request, monkeypatch):
+    """``fallback``: a filesystem that refuses O_DIRECT (open fails with EINVAL)."""
+    if request.param == "fallback":
+        real_open = os.open
+
+        def refusing(path, flags, *args, **kwargs):
+            if flags & getattr(os, "O_DIRECT", 0):
+                raise OSError(errno.EINVAL, "Invalid argument", path)
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", refusing)
+    return request.param
+
+
+@pytest.mark.parametrize("order", ["shuffled", "block", "repeats"])
+def test_direct_reads_read_what_buffered_reads_read(photos_dataset, mode, order, monkeypatch):
+    monkeypatch.setattr(direct, "PIECE", 8192)  # many pieces per read, pieces across threads
+    _, _, root = photos_dataset
+    index = load_index(root)
+    n = len(index.samples)
+    rng = np.random.default_rng(0)
+    indices = {"shuffled": rng.permutation(n)[:40], "block": np.arange(10, 50),
+               "repeats": np.array([3, 3, 59, 0, 3])}[order]
+    expected, plan = CpuReader(index).read(indices)
+    reader = CpuReader(index, direct=True)
+    got, same_plan = reader.read(indices)
+    assert got.ctypes.data % mmap.PAGESIZE == 0
+    assert np.array_equal(plan.sample_offsets, same_plan.sample_offsets)
+    for off, length in zip(plan.sample_offsets, plan.sample_lengths):
+        assert np.array_equal(got[off:off + length], expected[off:off + length])
+    reader.close()
+
+
+def test_a_direct_epoch_leaves_no_shard_pages_in_the_page_cache(photos_dataset, mode):
+    _, _, root = photos_dataset
+    files = shard_files(root)
+    evicted(files)
+    with gdsdata.settings.set(io_engine="direct"):
+        ds = gdsdata.GDSDataset(root)
+    assert ds.load_path.reads == "direct"
+    n = sum(len(images) for images, _ in gdsdata.Loader(ds, 16, shuffle=True, transform=gdsdata.CenterCrop(32)))
+    assert n == len(ds)
+    assert sum(resident(p) for p in files) == 0
+    # the same epoch through the buffered reads leaves the shards cached: the count sees pages
+    plain = gdsdata.GDSDataset(root)
+    assert plain.load_path.reads == "preadv"
+    for _ in gdsdata.Loader(plain, 16, transform=gdsdata.CenterCrop(32)):
+        pass
+    total = sum((os.path.getsize(p) + mmap.PAGESIZE - 1) // mmap.PAGESIZE for p in files)
+    assert sum(resident(p) for p in files) > total // 2
+
+
+def test_direct_batches_equal_the_buffered_batches_and_survive_pickling(photos_dataset):
+    _, _, root = photos_dataset
+    with gdsdata.settings.set(io_engine="direct"):
+        ds = gdsdata.GDSDataset(root)
+    plain = gdsdata.GDSDataset(root)
+    for (a, la), (b, lb) in zip(gdsdata.Loader(ds, 7, transform=gdsdata.CenterCrop(48)),
+                                gdsdata.Loader(plain, 7, transform=gdsdata.CenterCrop(48))):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    copy = pickle.loads(pickle.dumps(ds))  # as DataLoader workers get it
+    assert copy.load_path.reads == "direct"
+    image, label = copy[5]
+    assert torch.equal(image, plain[5][0]) and label == plain[5][1]
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, sampler=range(0, len(ds), 9))
+    for k, (image, label) in zip(range(0, len(ds), 9), loader):
+        assert torch.equal(image, plain[k][0])
+
+
+def test_datasets_larger_than_half_the_memory_stream(photos_dataset):
+    config = gdsdata.settings.snapshot()
+    small, big = cpu_path(True, config, shard_bytes=10, memory=100), cpu_path(True, config, shard_bytes=60, memory=100)
+    assert small.reads == "preadv" and big.reads == "direct"
+    assert "more than half the host's memory" in big.why[0]
+    with gdsdata.settings.set(io_engine="direct"):
+        assert cpu_path(True, gdsdata.settings.snapshot(), shard_bytes=1, memory=100).reads == "direct"
+    machine = Machine("cuda:0", "compat", "no nvidia_fs", True, "cuMemcpyBatchAsync_v2", 100, True)
+    for raw in (False, True):
+        path = resolve(machine, config, all_raw=raw, shard_bytes=60)
+        assert (path.reads, path.staging) == ("direct", "host"), path
+        assert any("O_DIRECT" in line for line in path.why)
+    assert resolve(machine, config, all_raw=False, shard_bytes=10).reads == "mixed"
+    gds = Machine("cuda:0", "gds", "GDS", True, "", 100, True)
+    assert resolve(gds, config, all_raw=False, shard_bytes=60).reads == "kvikio"  # GDS reads past the cache itself
+    with gdsdata.settings.set(io_engine="direct", staging="device"):
+        with pytest.raises(ValueError, match="io_engine=direct reads into host memory"):
+            resolve(machine, gdsdata.settings.snapshot(), all_raw=False, shard_bytes=1)
+    with gdsdata.settings.set(io_engine="direct"):
+        assert resolve(machine, gdsdata.settings.snapshot(), all_raw=True, shard_bytes=1).staging == "host"
+
+
+@pytest.mark.gpu
+def test_direct_reads_on_the_gpu_path(photos_dataset):
+    _, _, root = photos_dataset
+    files = shard_files(root)
+    evict(files)
+    with gdsdata.settings.set(io_engine="direct"):
+        ds = gdsdata.GDSDataset(root, device="cuda")
+    assert ds.load_path.reads == "direct" and ds.load_path.staging == "host"
+    plain = gdsdata.GDSDataset(root, device="cuda")
+    for (a, _), (b, _) in zip(gdsdata.Loader(ds, 16, transform=gdsdata.CenterCrop(32)),
+                              gdsdata.Loader(plain, 16, transform=gdsdata.CenterCrop(32))):
+        assert torch.equal(a, b)
