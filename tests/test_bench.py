@@ -89,3 +89,24 @@ def test_ddp_summary_gives_scaling_and_coverage(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ddp.py"), "summary", *files],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "NO" in proc.stdout
+
+
+def test_storage_bench_reads_cold_beside_the_storage_limit(tmp_path):
+    """bench/storage.py at tiny size: the limit rows, then streaming epochs that leave the page
+    cache as it was and cached ones that fill it."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("the test folder's filesystem refuses O_DIRECT (tmpfs, say)")
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "storage.py"), "--dir", str(tmp_path / "d"),
+                           "--count", "40", "--runs", "1", "--batch", "8", "--kinds", "raw", "--shuffles", "block",
+                           "--threads", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((out / "storage.json").read_text())["results"]
+    assert rows[0]["row"] == "limit" and rows[0]["limit_bytes_per_s"] > 0
+    streamed, cached = rows[1], rows[2]
+    assert (streamed["reads"], cached["reads"]) == ("direct", "preadv")
+    assert streamed["resident_mib"] == 0 and cached["resident_mib"] > 0

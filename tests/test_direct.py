@@ -3,11 +3,11 @@ pixels as the buffered reads, the shards' pages not left in the page cache (coun
 filesystems without O_DIRECT read through the cache and dropped from it again, and the automatic
 choice for datasets larger than half the host's memory."""
 
-import ctypes
 import errno
 import mmap
 import os
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -19,38 +19,13 @@ from gdsdata.io import direct
 from gdsdata.io.cpu import CpuReader
 from gdsdata.io.path import Machine, cpu_path, resolve
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+from common import evict, resident_pages as resident  # noqa: E402
+
 
 def shard_files(root):
     index = load_index(root)
     return [index.shard_path(k) for k in range(len(index.shards))]
-
-
-def resident(path) -> int:
-    """Pages of ``path`` in the page cache (mincore over a mapping that touches none)."""
-    size = os.path.getsize(path)
-    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    try:
-        anchor = ctypes.c_char.from_buffer(mm)
-        vec = (ctypes.c_ubyte * pages)()
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore")
-        del anchor
-        return sum(v & 1 for v in vec)
-    finally:
-        mm.close()
-
-
-def evict(paths):
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def evicted(paths):

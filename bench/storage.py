@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Storage-bound epochs: every epoch from storage, beside what the storage itself gives.
+
+Each row starts cold (the page cache dropped, or, without the root that needs, the dataset's files
+evicted from it) with a fresh dataset object, and times one epoch of --batch batches:
+
+  limit        the storage's own rate over the same shards: ``dd iflag=direct bs=16M`` one shard after
+               another, and a parallel direct read of every shard in 16 MiB blocks (--threads threads);
+               the better of the two is the limit the rows are a fraction of
+  gdsdata      Loader epochs over the JPEG pack and the raw pack (``tools/make_images.py`` images),
+               shuffle full and block, reads ``direct`` (streaming: past the page cache) and the
+               cached engine the automatic choice takes for a dataset that fits in memory
+
+Per row: images/s, the shards' bytes per second (each epoch reads every sample's pages once), that
+as a fraction of the limit, how much the page cache grew during the epoch (``Cached`` in
+/proc/meminfo), and how many of the shards' pages are cached after it (``mincore``). A warm-up epoch
+of each dataset runs first (untimed; the GPU, nvJPEG and the pools started). Rows repeat --runs
+times (each cold); figures are medians.
+
+    python bench/storage.py --dir /tmp/storage --count 10000 --out results/
+"""
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import (evict, image_set, loader_epoch, page_cache_bytes, print_system_block,  # noqa: E402
+                    resident_pages, shard_paths, system_block)
+
+import gdsdata  # noqa: E402
+
+BLOCK = 16 << 20
+
+
+def drop_caches(paths) -> str:
+    """Empty the page cache: all of it where permitted, else ``paths``. Returns which."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        evict(paths)
+        return "evicted"
+
+
+def dd_rate(paths) -> float:
+    """Bytes/s of ``dd iflag=direct bs=16M`` over ``paths``, one after another."""
+    total, t0 = 0, time.perf_counter()
+    for p in paths:
+        subprocess.run(["dd", f"if={p}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True,
+                       capture_output=True)
+        total += os.path.getsize(p)
+    return total / (time.perf_counter() - t0)
+
+
+def parallel_direct_rate(paths, threads) -> float:
+    """Bytes/s of O_DIRECT reads of every shard in BLOCK pieces, ``threads`` in flight."""
+    buffers = [np.frombuffer(mmap.mmap(-1, BLOCK), np.uint8) for _ in range(threads)]  # page aligned
+    jobs = [(p, off) for p in paths for off in range(0, os.path.getsize(p), BLOCK)]
+    fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths}
+
+    def worker(t):  # thread t reads jobs t, t + threads, ... into its own buffer
+        done = 0
+        for p, off in jobs[t::threads]:
+            done += os.preadv(fds[p], [memoryview(buffers[t])], off)
+        return done
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(worker, range(threads)))
+        return total / (time.perf_counter() - t0)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def prepare(args):
+    src = image_set(os.path.join(args.dir, "images"), args.count, classes=100, noise=args.noise, quality=92)
+    roots = {"JPEG": os.path.join(args.dir, "jpeg.gds"), "raw": os.path.join(args.dir, "raw.gds")}
+    for kind, root in roots.items():
+        if not os.path.exists(os.path.join(root, "index.gdsi")):
+            options = gdsdata.PackOptions(codec="raw", raw_size=256) if kind == "raw" else None
+            gdsdata.pack(src, root, overwrite=True, options=options)
+    return roots
+
+
+def cold_epoch(root, engine, shuffle, args, paths):
+    how = drop_caches(paths)
+    with gdsdata.settings.set(io_engine=engine):
+        ds = gdsdata.GDSDataset(root, device=args.device)
+    transform = gdsdata.RandomResizedCrop(224, dtype="float16" if ds.device.type == "cuda" else "float32")
+    epoch = loader_epoch(ds, transform, shuffle=shuffle, batch=args.batch)
+    cached0 = page_cache_bytes()
+    t0 = time.perf_counter()
+    epoch()
+    seconds = time.perf_counter() - t0
+    grew = page_cache_bytes() - cached0
+    pages = sum(resident_pages(p) for p in paths)
+    reads = ds.load_path.reads
+    epoch.close()
+    ds.close()
+    return {"seconds": seconds, "cache_growth": grew, "resident_pages": pages, "reads": reads, "cold": how,
+            "stages": epoch.stages[-1]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="bench-data/storage")
+    parser.add_argument("--count", type=int, default=10000)
+    parser.add_argument("--noise", type=float, default=11.0, help="image set noise (11: ~80 KB ImageNet-like JPEGs)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=16, help="requests in flight of the parallel direct read")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--kinds", default="JPEG,raw")
+    parser.add_argument("--shuffles", default="block,full")
+    parser.add_argument("--engines", default="direct,auto", help="direct (streaming), auto (cached)")
+    parser.add_argument("--out", default="bench-results")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    system = system_block()
+    print_system_block(system)
+    roots = prepare(args)
+    try:
+        os.close(os.open(os.path.join(roots["JPEG"], "index.gdsi"), os.O_RDONLY | os.O_DIRECT))
+    except OSError as e:
+        sys.exit(f"{args.dir}: its filesystem refuses O_DIRECT ({e.strerror}): nothing to measure past the page cache")
+    kinds = args.kinds.split(",")
+    files = {k: shard_paths(gdsdata.GDSDataset(roots[k])) for k in kinds}
+    nbytes = {k: sum(os.path.getsize(p) for p in files[k]) for k in kinds}
+    every = [p for k in kinds for p in files[k]]
+    rows = []
+
+    limits = {}
+    for k in kinds:
+        dd, par = [], []
+        for _ in range(args.runs):
+            drop_caches(every)
+            dd.append(dd_rate(files[k]))
+            drop_caches(every)
+            par.append(parallel_direct_rate(files[k], args.threads))
+        limits[k] = max(statistics.median(dd), statistics.median(par))
+        print(f"limit {k} shards ({nbytes[k] / 1e9:.2f} GB): dd iflag=direct {statistics.median(dd) / 1e9:.2f} GB/s, "
+              f"parallel direct {statistics.median(par) / 1e9:.2f} GB/s", flush=True)
+        rows.append({"kind": k, "row": "limit", "dd_bytes_per_s": statistics.median(dd),
+                     "parallel_bytes_per_s": statistics.median(par), "limit_bytes_per_s": limits[k]})
+
+    for k in kinds:
+        with gdsdata.settings.set(io_engine="direct"):  # warm-up: GPU, nvJPEG, pools
+            warm = gdsdata.GDSDataset(roots[k], device=args.device)
+        epoch = loader_epoch(warm, gdsdata.RandomResizedCrop(224), batch=args.batch)
+        epoch()
+        epoch.close()
+        warm.close()
+        n = len(gdsdata.GDSDataset(roots[k]))
+        for shuffle in args.shuffles.split(","):
+            for engine in args.engines.split(","):
+                runs = [cold_epoch(roots[k], engine, shuffle, args, every) for _ in range(args.runs)]
+                seconds = statistics.median(r["seconds"] for r in runs)
+                row = {"kind": k, "row": "gdsdata", "shuffle": shuffle, "engine": engine, "reads": runs[0]["reads"],
+                       "cold": runs[0]["cold"], "images_per_s": n / seconds, "bytes_per_s": nbytes[k] / seconds,
+                       "of_limit": nbytes[k] / seconds / limits[k],
+                       "cache_growth_mib": statistics.median(r["cache_growth"] for r in runs) / 2**20,
+                       "resident_mib": statistics.median(r["resident_pages"] for r in runs) * mmap.PAGESIZE / 2**20,
+                       "rates": [n / r["seconds"] for r in runs], "stages": [r["stages"] for r in runs]}
+                rows.append(row)
+                print(f"{k:<4} shuffle={shuffle:<5} reads={row['reads']:<7} {row['images_per_s']:8.0f} images/s "
+                      f"{row['bytes_per_s'] / 1e9:5.2f} GB/s = {row['of_limit']:.2f} of the limit; page cache "
+                      f"+{row['cache_growth_mib']:.0f} MiB, shards cached after: {row['resident_mib']:.0f} MiB "
+                      f"({row['cold']})", flush=True)
+    with open(os.path.join(args.out, "storage.json"), "w") as f:
+        json.dump({"system": system, "args": vars(args), "results": rows}, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
