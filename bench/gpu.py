@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import peers  # noqa: E402
-from common import (kvikio_pread_epoch, loader_epoch, measure, print_system_block, print_table,  # noqa: E402
+from common import (drop_caches, kvikio_pread_epoch, loader_epoch, measure, print_system_block, print_table,  # noqa: E402
                     shard_paths, system_block, warm, write_json)
 from make_images import generate  # noqa: E402
 
@@ -40,16 +40,6 @@ from gdsdata import transforms as T  # noqa: E402
 from gdsdata._native.nvjpeg import BatchedDecoder  # noqa: E402
 
 BATCH = 256
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 # --- ceilings ---------------------------------------------------------------------------------

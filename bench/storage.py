@@ -35,24 +35,12 @@ sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import (evict, image_set, loader_epoch, page_cache_bytes, print_system_block,  # noqa: E402
+from common import (drop_caches, image_set, loader_epoch, page_cache_bytes, print_system_block,  # noqa: E402
                     resident_pages, shard_paths, system_block)
 
 import gdsdata  # noqa: E402
 
 BLOCK = 16 << 20
-
-
-def drop_caches(paths) -> str:
-    """Empty the page cache: all of it where permitted, else ``paths``. Returns which."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        evict(paths)
-        return "evicted"
 
 
 def dd_rate(paths) -> float:

@@ -9,7 +9,9 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
               gdsdata:BACKEND forces an nvJPEG backend by nvJPEG's name: hardware, hardware_device,
               gpu_hybrid or gpu_hybrid_device (decode_backend, staging=device for *_device);
               gdsdata:nocrc turns checksums off (what they cost), gdsdata:bilinear resamples
-              without antialiasing (what torchvision v2's antialiased default costs)
+              without antialiasing (what torchvision v2's antialiased default costs),
+              gdsdata:direct streams from storage (io_engine=direct: the page cache dropped, or the
+              pack's files evicted, before the row; every epoch then comes from the drive)
   raw         the same over a raw-pixel pack of the images (shorter side 256)
   dali        DALI's file reader + mixed random-crop decode + resize + crop_mirror_normalize fp16
               (when nvidia.dali imports)
@@ -168,10 +170,12 @@ def _dataloader(src, workers):
 
 
 def _variant(name):
-    """The settings of a ``gdsdata:NAME`` input: an nvJPEG backend by nvJPEG's name or ``nocrc`` (no
-    checksums)."""
+    """The settings of a ``gdsdata:NAME`` input: an nvJPEG backend by nvJPEG's name, ``nocrc`` (no
+    checksums) or ``direct`` (streaming reads past the page cache)."""
     if name == "nocrc":
         return {"verify_checksums": False}
+    if name == "direct":
+        return {"io_engine": "direct"}
     device = name.endswith("_device")
     return {"decode_backend": name.removesuffix("_device"), "staging": "device" if device else "host"}
 
@@ -210,6 +214,10 @@ def run_row(args):
 
             variant = args.input.split(":", 1)[1]
             settings.set(**({} if variant == "bilinear" else _variant(variant)))
+            if variant == "direct":  # from the drive: nothing of the pack in the page cache
+                from common import drop_caches
+
+                drop_caches([os.path.join(d, f) for d, _, files in os.walk(args.jpeg) for f in files])
         epoch = _gdsdata(args.jpeg, antialias=args.input != "gdsdata:bilinear")
     elif args.input == "raw":
         epoch = _gdsdata(args.raw)
