@@ -52,7 +52,8 @@ class GDSDataset(torch.utils.data.Dataset):
     verify_checksums : bool, optional
         Check each sample's CRC-32 as it loads. Default (the ``verify_checksums`` setting, on):
         wherever the bytes pass through host memory (the CPU path, the GPU path's pinned staging);
-        True: also GPU staging, through a copy to the host; False: never.
+        True: also GPU staging, by a CRC-32 kernel on the GPU (through a copy to the host without
+        Triton); False: never.
 
     Notes
     -----

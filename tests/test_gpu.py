@@ -275,6 +275,21 @@ def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, staging, verify):
         assert skipping.skipped == 1 and batch[1][1] == ds.targets[8]
 
 
+def test_checksums_on_the_gpu_for_device_staging(raw_dataset, tmp_path):
+    """Raw samples the GPU's copy engines move into GPU staging never pass a CPU: with
+    verify_checksums=True the CRC-32 kernel checks them there, every good sample passes and one
+    damaged byte is named."""
+    with settings.set(staging="device", io_engine="mapped"):
+        good = gdsdata.GDSDataset(raw_dataset, device="cuda", verify_checksums=True)
+        assert good.load_path.staging == "device" and good.load_path.checksums == "all"
+        seen = sum(len(images) for images, _ in gdsdata.Loader(good, 64, transform=gdsdata.CenterCrop(32)))
+        assert seen == len(good)
+        out = damaged_copy(raw_dataset, str(tmp_path / "ds"), 3, 100, b"\x00\x01\x02")
+        bad = gdsdata.GDSDataset(out, device="cuda", verify_checksums=True)
+        with pytest.raises(CorruptSampleError, match=r"sample 3 \(.*checksum mismatch"):
+            bad.__getitems__([2, 3, 4])
+
+
 def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):
     ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
     loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32))

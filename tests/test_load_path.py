@@ -107,7 +107,7 @@ def test_forced_choices_the_machine_lacks_say_what_is_missing():
 @pytest.mark.parametrize("machine, verify, expected", [
     (COMPAT, True, "host-staged"),  # pinned staging: checked on the host
     (GDS, True, "none"),  # GPU staging: the bytes never pass a CPU
-    (GDS, "always", "all"),  # ... unless asked for: through a copy to the host
+    (GDS, "always", "all"),  # ... unless asked for: on the GPU
     (COMPAT, False, "none"),
 ])
 def test_checksums_follow_the_staging(machine, verify, expected):

@@ -4,6 +4,7 @@ along the ``LoadPath`` that ``gdsdata.io.path.resolve`` chose (``gdsdata doctor`
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from gdsdata import stall
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 class GpuBackend:
     """``verify``: True (checksums where the bytes are in host memory, pinned staging), "always"
-    (also GPU staging, through a copy to the host), or False. ``config``: the dataset's snapshot of
+    (also GPU staging: on the GPU, io/checksums.py), or False. ``config``: the dataset's snapshot of
     the settings."""
 
     def __init__(self, index, device: torch.device, verify, config):
@@ -38,6 +39,7 @@ class GpuBackend:
                                 fallback=self.path.fallback or None)
         self.decoder = GpuDecoder(index, device, self.path.backend)
         self._slots = SlotPool(self.path.staging, device)
+        self._check_stream = None  # the GPU checksums' stream (device staging, verify_checksums=True)
         log.info("GPU path on %s: %s (%s)", device, self.path.describe(), "; ".join(self.path.why))
 
     @property
@@ -93,9 +95,24 @@ class GpuBackend:
         return self.decode(self.read(indices), stream)
 
     def _verify(self, staging, plan, indices) -> dict:
-        from gdsdata.decode.cpu import check_crc
+        from gdsdata.decode.cpu import check_crc, checksum_error
         from gdsdata.errors import CorruptSampleError
+        from gdsdata.transforms import _triton_ready
 
+        if staging.is_cuda and _triton_ready():  # on the GPU: the bytes never pass a CPU
+            from gdsdata.io.checksums import crc32
+
+            if self._check_stream is None:
+                self._check_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._check_stream):
+                got = torch.empty(len(indices), dtype=torch.int64, pin_memory=True)
+                got.copy_(crc32(staging, plan.sample_offsets, plan.sample_lengths), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            stall.wait(done, "checking a batch's checksums on the GPU")
+            expected = self.index.samples["crc32"][np.asarray(indices, np.int64)].astype(np.int64)
+            return {int(k): checksum_error(self.index.describe(int(indices[k])))
+                    for k in np.flatnonzero(got.numpy() != expected)}
         host = staging.cpu().numpy() if staging.is_cuda else staging.numpy()
         failed = {}
         for k, i in enumerate(indices):

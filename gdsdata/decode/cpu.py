@@ -37,10 +37,14 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib computes th
     from zlib import crc32
 
 
+def checksum_error(name) -> CorruptSampleError:
+    return CorruptSampleError(f"{name}: checksum mismatch (the stored bytes changed since packing)")
+
+
 def check_crc(payload, record, name):
     """Raise ``CorruptSampleError`` naming the sample unless ``payload`` has the CRC-32 packed with it."""
     if crc32(payload) != int(record["crc32"]):
-        raise CorruptSampleError(f"{name}: checksum mismatch (the stored bytes changed since packing)")
+        raise checksum_error(name)
 
 
 def decode(payload, record, name, out=None) -> np.ndarray:

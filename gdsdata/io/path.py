@@ -182,7 +182,7 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
         The size of the dataset's shards together.
     verify : bool or "always"
         ``True``: check CRC-32s where the bytes are in host memory; ``"always"``: also on GPU
-        staging (through a copy to the host); ``False``: never.
+        staging (a CRC-32 kernel on the GPU); ``False``: never.
 
     Raises
     ------
@@ -271,6 +271,6 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
         checksums = "none"
         if verify:
             why.append("checksums: none on GPU staging (the bytes never pass a CPU; "
-                       "GDSDataset(verify_checksums=True) checks them through a copy to the host)")
+                       "GDSDataset(verify_checksums=True) checks them on the GPU, io/checksums.py)")
     return LoadPath(machine.device, machine.io_mode, machine.io_reason, engine, staging, f"nvJPEG {backend}",
                     checksums, copy, fallback, tuple(why))
