@@ -61,6 +61,7 @@ class Staged:
     ready: object = None  # GPU path: a CUDA event the staged bytes wait on (reads still in flight), or None
     job: object = None  # GPU path: the decode's host half (``decode_gpu.DecodeJob``), prepared as it was read
     outputs: list = None  # the batch's own samples when it reads more than it yields (a mosaic's partners)
+    asked: list = None  # the samples asked for, where replacements of bad ones were read instead (on_error="skip")
 
 
 def collate(samples):

@@ -78,6 +78,7 @@ class GDSDataset(torch.utils.data.Dataset):
         self.on_error = on_error
         self.skipped = 0  # samples replaced (on_error="skip") since the dataset was opened
         self._bad, self._good = set(), set()  # samples found bad, and good replacements
+        self._replaced = {}  # bad sample -> the good one read in its place (on_error="skip")
         self._passes = weakref.WeakSet()  # Loader passes reading from this dataset (close() stops them)
         config = settings.snapshot()  # a dataset keeps the settings it was built with
         verify = config["verify_checksums"] if verify_checksums is None else (
@@ -193,19 +194,35 @@ class GDSDataset(torch.utils.data.Dataset):
         return self.decode_staged(self.read_staged(indices), stream)
 
     def read_staged(self, indices: Sequence[int]) -> Staged:
-        """The storage half of ``load_batch``: the batch's payloads in a staging buffer."""
-        return self._backend.read(list(indices))
+        """The storage half of ``load_batch``: the batch's payloads in a staging buffer. With
+        ``on_error="skip"`` the replacement of a bad sample is decided here, where reads are planned:
+        samples already found bad are read as their replacements, and samples whose checksums fail
+        as they are read get theirs before decode (``Staged.asked`` keeps what was asked for)."""
+        asked = list(indices)
+        if self.on_error != "skip":
+            return self._backend.read(asked)
+        planned = [self._replaced.get(i, i) for i in asked]
+        staged = self._backend.read(planned)
+        if staged.failed:
+            for k in sorted(staged.failed):
+                planned[k] = self._replacement(planned[k], staged.failed[k])
+            self.release_staged(staged)
+            staged = self._backend.read(planned)
+        self.skipped += sum(a != b for a, b in zip(asked, planned))
+        staged.asked = asked
+        return staged
 
     def decode_staged(self, staged: Staged, stream: torch.cuda.Stream | None = None) -> tuple[PixelBatch, list]:
         """The decode half of ``load_batch``."""
         indices = list(staged.indices)
         batch = self._backend.decode(staged, stream)
-        for k in sorted(batch.errors):
+        for k in sorted(batch.errors):  # found only by decoding: replaced here the first time, at planning after
             error = batch.errors[k]
             if self.on_error == "raise":
                 batch.release(stream or self._stream())
                 raise error
             indices[k] = self._replacement(indices[k], error)
+            self.skipped += 1
         if batch.errors:
             batch.release(stream or self._stream())
             return self._backend.load_batch(indices, stream), indices
@@ -221,9 +238,9 @@ class GDSDataset(torch.utils.data.Dataset):
         self._passes.add(active)
 
     def _replacement(self, index, error):
-        """The next sample after ``index`` that decodes. Samples found bad are remembered, so a run
-        of bad samples is probed once, not once per sample before it (linear, not quadratic)."""
-        self.skipped += 1
+        """The next sample after ``index`` that decodes, remembered as its replacement. Samples found
+        bad are remembered, so a run of bad samples is probed once, not once per sample before it
+        (linear, not quadratic)."""
         self._bad.add(index)
         log.warning("%s; replaced by the next good sample", error)
         for step in range(1, len(self)):
@@ -231,11 +248,13 @@ class GDSDataset(torch.utils.data.Dataset):
             if candidate in self._bad:
                 continue
             if candidate in self._good:
+                self._replaced[index] = candidate
                 return candidate
             probe = self._backend.load_batch([candidate])
             probe.release(self._stream())
             if not probe.errors:
                 self._good.add(candidate)
+                self._replaced[index] = candidate
                 return candidate
             self._bad.add(candidate)
         raise CorruptSampleError(f"{self.root}: no sample of the dataset decodes") from error

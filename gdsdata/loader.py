@@ -395,7 +395,8 @@ class _BatchMaker:
         """Staged payloads -> a PixelBatch, its sample indices (after any replacement) and the
         batch's own samples. Nothing else: on the GPU this thread keeps the JPEG engines fed."""
         batch, indices = self.dataset.decode_staged(staged, stream)
-        return batch, indices, sum(a != b for a, b in zip(staged.indices, indices)), staged.outputs
+        asked = staged.indices if staged.asked is None else staged.asked
+        return batch, indices, sum(a != b for a, b in zip(asked, indices)), staged.outputs
 
     def finish(self, decoded, stream, epoch):
         """One decoded batch -> (images, labels): its transform, or with ``pixels=True`` the

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import damaged_copy, loader_threads, mean_abs_diff, pil_reference
 
+import gdsdata
 from gdsdata.format import layout as fmt
 from gdsdata import settings
 from gdsdata.dataset import GDSDataset
@@ -92,6 +93,29 @@ def test_checksum_catches_silent_corruption(photos_dataset, tmp_path):
     problems = verify(out)
     assert len(problems) == 2 and "shard checksum mismatch" in problems[0]
     assert "sample 4" in problems[1] and "checksum mismatch" in problems[1]
+
+
+def test_a_bad_sample_is_replaced_where_reads_are_planned(corrupted, monkeypatch):
+    """on_error="skip": a checksum failure is replaced on the read thread, before decode; from then
+    on the bad sample is never read again, its replacement read in its place; the Loader counts
+    one replacement an epoch."""
+    import threading
+
+    ds = GDSDataset(corrupted, on_error="skip")
+    reads, probes = [], []
+    real_read, real_load = ds._backend.read, ds._backend.load_batch
+    monkeypatch.setattr(ds._backend, "read", lambda indices: reads.append(list(indices)) or real_read(indices))
+    monkeypatch.setattr(ds._backend, "load_batch", lambda indices, stream=None: probes.append(
+        threading.current_thread().name) or real_load(indices, stream))
+    loader = gdsdata.Loader(ds, 8, shuffle=False, transform=gdsdata.CenterCrop(32))
+    first = [labels for _, labels in loader]
+    assert loader.skipped == {0: 1} and probes and set(probes) == {"gdsdata-read"}
+    reads.clear()
+    probes.clear()
+    second = [labels for _, labels in loader]
+    assert loader.skipped == {0: 1, 1: 1} and not probes
+    assert all(7 not in r for r in reads) and sum(r.count(8) for r in reads) == 2  # 8 read in 7's place
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_skip_replaces_bad_sample_deterministically(corrupted):

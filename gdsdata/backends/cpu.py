@@ -23,8 +23,19 @@ class CpuBackend:
         self.verify = verify
 
     def read(self, indices) -> Staged:
+        """Storage -> host buffer, each sample's CRC-32 checked there (failures in ``Staged.failed``,
+        so that a replacement is read before decode)."""
         buffer, plan = self.reader.read(indices)
-        return Staged(list(indices), plan, buffer, None, {})
+        failed = {}
+        if self.verify:
+            records = self.index.samples[np.asarray(indices, dtype=np.int64)]
+            for k, i in enumerate(indices):
+                start, length = int(plan.sample_offsets[k]), int(plan.sample_lengths[k])
+                try:
+                    check_crc(buffer[start:start + length], records[k], self.index.describe(i))
+                except CorruptSampleError as e:
+                    failed[k] = e
+        return Staged(list(indices), plan, buffer, None, failed)
 
     def load_batch(self, indices, stream=None) -> PixelBatch:
         return self.decode(self.read(indices), stream)
@@ -38,16 +49,16 @@ class CpuBackend:
         offsets = np.zeros(len(indices), np.int64)
         np.cumsum(sizes[:-1], out=offsets[1:])
         arena = np.empty(int(sizes.sum()), np.uint8)
-        errors = {}
+        errors = dict(staged.failed)  # checksums that failed as the batch was read
 
         def decode_one(k):
+            if k in staged.failed:
+                return
             sample = indices[k]
             start, length = int(plan.sample_offsets[k]), int(plan.sample_lengths[k])
             payload = buffer[start:start + length]
             name = self.index.describe(sample)
             try:
-                if self.verify:
-                    check_crc(payload, records[k], name)
                 decode(payload, records[k], name, out=arena[offsets[k]:offsets[k] + sizes[k]])
             except CorruptSampleError as e:
                 errors[k] = e
