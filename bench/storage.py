@@ -127,7 +127,10 @@ def main(argv=None):
     except OSError as e:
         sys.exit(f"{args.dir}: its filesystem refuses O_DIRECT ({e.strerror}): nothing to measure past the page cache")
     kinds = args.kinds.split(",")
-    files = {k: shard_paths(gdsdata.GDSDataset(roots[k])) for k in kinds}
+    files, sizes = {}, {}
+    for k in kinds:
+        with gdsdata.GDSDataset(roots[k]) as ds:
+            files[k], sizes[k] = shard_paths(ds), len(ds)
     nbytes = {k: sum(os.path.getsize(p) for p in files[k]) for k in kinds}
     every = [p for k in kinds for p in files[k]]
     rows = []
@@ -153,7 +156,7 @@ def main(argv=None):
         epoch()
         epoch.close()
         warm.close()
-        n = len(gdsdata.GDSDataset(roots[k]))
+        n = sizes[k]
         for shuffle in args.shuffles.split(","):
             for engine in args.engines.split(","):
                 runs = [cold_epoch(roots[k], engine, shuffle, args, every) for _ in range(args.runs)]

@@ -68,9 +68,22 @@ def test_direct_reads_read_what_buffered_reads_read(photos_dataset, mode, order,
     reader.close()
 
 
-def test_a_direct_epoch_leaves_no_shard_pages_in_the_page_cache(photos_dataset, mode):
-    _, _, root = photos_dataset
+@pytest.fixture(scope="module")
+def one_shard(tmp_path_factory):
+    """200 photos in one shard of a few MB: large enough for the kernel's readahead to show."""
+    from conftest import write_photos
+
+    src = str(tmp_path_factory.mktemp("direct_src"))
+    write_photos(src, 200)
+    out = str(tmp_path_factory.mktemp("direct") / "ds")
+    gdsdata.pack(src, out, workers=2, shard_size=1 << 26)
+    return out
+
+
+def test_a_direct_epoch_leaves_no_shard_pages_in_the_page_cache(one_shard, mode):
+    root = one_shard
     files = shard_files(root)
+    assert len(files) == 1 and os.path.getsize(files[0]) > 1 << 20
     evicted(files)
     with gdsdata.settings.set(io_engine="direct"):
         ds = gdsdata.GDSDataset(root)
@@ -138,3 +151,19 @@ def test_direct_reads_on_the_gpu_path(photos_dataset):
     for (a, _), (b, _) in zip(gdsdata.Loader(ds, 16, transform=gdsdata.CenterCrop(32)),
                               gdsdata.Loader(plain, 16, transform=gdsdata.CenterCrop(32))):
         assert torch.equal(a, b)
+
+
+def test_direct_reads_keep_to_the_open_file_budget(photos_dataset, tmp_path):
+    """A batch over many shards with room for two open files: each shard is held only while a piece
+    of it is read, so the least recently used ones close as others open."""
+    src, _, _ = photos_dataset
+    root = str(tmp_path / "many")
+    gdsdata.pack(src, root, workers=2, shard_size=64 * 1024)
+    index = load_index(root)
+    assert len(index.shards) > 8
+    expected, plan = CpuReader(index).read(np.arange(len(index.samples)))
+    reader = CpuReader(index, max_open=2, direct=True)
+    got, _ = reader.read(np.arange(len(index.samples)))
+    assert np.array_equal(got[:plan.total], expected[:plan.total])
+    assert len(reader._direct._files) <= 2 + gdsdata.settings.get("io_threads")
+    reader.close()

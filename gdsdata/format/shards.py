@@ -130,21 +130,29 @@ def data_crc32(path, alignment: int, chunk=1 << 22) -> int:
 
 def _read_head(path, nbytes: int) -> bytes:
     """The first ``nbytes`` (at most a page) of a file, read past the page cache where the
-    filesystem allows (O_DIRECT): opening a dataset of many shards leaves none of their pages
-    cached, which matters when the dataset streams (``io.direct``)."""
+    filesystem allows (O_DIRECT), else read without readahead and dropped from the cache again:
+    opening a dataset of many shards leaves none of their pages cached, which matters when the
+    dataset streams (``io.direct``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except FileNotFoundError:
+        raise
     except (OSError, AttributeError):
-        with open(path, "rb") as f:
-            return f.read(nbytes)
-    try:
-        page = mmap.mmap(-1, mmap.PAGESIZE)  # page aligned, as O_DIRECT needs
+        fd = None
+    if fd is not None:
         try:
-            got = os.preadv(fd, [page], 0)
-        except OSError:  # the device wants larger alignment than a page: read it the usual way
-            with open(path, "rb") as f:
-                return f.read(nbytes)
-        return page[:min(got, nbytes)]
+            page = mmap.mmap(-1, mmap.PAGESIZE)  # page aligned, as O_DIRECT needs
+            return page[:min(os.preadv(fd, [page], 0), nbytes)]
+        except OSError:  # the device wants larger alignment than a page: read it the other way
+            pass
+        finally:
+            os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        head = os.pread(fd, nbytes, 0)
+        os.posix_fadvise(fd, 0, mmap.PAGESIZE, os.POSIX_FADV_DONTNEED)
+        return head
     finally:
         os.close(fd)
 

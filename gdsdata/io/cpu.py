@@ -77,6 +77,7 @@ class CpuReader:
         self._files = None
         self._direct = None
         self._pid = None
+        self._lock = threading.Lock()
 
     def _opener(self, path, shard):
         fd = os.open(path, os.O_RDONLY)
@@ -91,16 +92,17 @@ class CpuReader:
     def files(self) -> OpenShards:
         if self._files is None or self._pid != os.getpid():  # a forked child opens its own
             self._files, self._direct = OpenShards(self.index, self._opener, os.close, self._max_open), None
-            self._pid = os.getpid()
+            self._pid, self._lock = os.getpid(), threading.Lock()
         return self._files
 
     def _direct_reads(self):
         from gdsdata.io.direct import DirectReads
 
         self.files  # noqa: B018 - a forked child drops its parent's readers first
-        if self._direct is None:
-            self._direct = DirectReads(self.index, self.config["io_threads"])
-        return self._direct
+        with self._lock:
+            if self._direct is None:
+                self._direct = DirectReads(self.index, self.config["io_threads"], self._max_open)
+            return self._direct
 
     def plan(self, indices) -> Plan:
         return plan_reads(self.index.samples, indices, self.index.alignment,

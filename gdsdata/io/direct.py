@@ -18,7 +18,6 @@ allocates it so: ``aligned_empty``); the plan's offsets and sizes are multiples 
 alignment.
 """
 
-import contextlib
 import errno
 import logging
 import mmap
@@ -59,11 +58,19 @@ class _Shard:
             if self.direct:
                 log.info("%s: read through the page cache, each range dropped after its read (%s)", self.path, why)
                 self._retired.append(self.fd)
-                self.fd, self.direct = os.open(self.path, os.O_RDONLY), False
+                self.fd, self.direct = _buffered(self.path), False
 
     def close(self):
         for fd in [self.fd, *self._retired]:
             os.close(fd)
+
+
+def _buffered(path) -> int:
+    """A descriptor for reads through the page cache without readahead: the pages read are dropped
+    after each read, and readahead would cache pages beyond them."""
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
 
 
 def _open(index, path, shard) -> _Shard:
@@ -72,7 +79,7 @@ def _open(index, path, shard) -> _Shard:
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        handle = _Shard(path, os.open(path, os.O_RDONLY), False)
+        handle = _Shard(path, _buffered(path), False)
         log.info("%s: the filesystem refuses O_DIRECT: read through the page cache, each range dropped after "
                  "its read", path)
     try:
@@ -106,35 +113,40 @@ def _pread(handle: _Shard, dest: np.ndarray, offset: int) -> int:
 
 
 class DirectReads:
-    """Reads planned batches past the page cache into host buffers, ``threads`` requests at a time."""
+    """Reads planned batches past the page cache into host buffers, ``threads`` requests at a time,
+    with at most ``max_open`` shard files open (``OpenShards``: each held only while a piece of it
+    is read)."""
 
-    def __init__(self, index, threads: int):
+    def __init__(self, index, threads: int, max_open: int = None):
         self.index = index
-        self._files = OpenShards(index, lambda path, shard: _open(index, path, shard), lambda h: h.close())
+        self._files = OpenShards(index, lambda path, shard: _open(index, path, shard), lambda h: h.close(), max_open)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="gdsdata-direct")
+
+    def _piece(self, shard, dest, offset):
+        with self._files.use(shard) as handle:
+            return _pread(handle, dest, offset)
 
     def read(self, plan, dest: np.ndarray):
         """Fill ``dest`` (uint8, page aligned, at least ``plan.total`` bytes) with the plan's reads."""
         if dest.ctypes.data % PAGE:
             raise ValueError("direct reads need a page-aligned buffer")
         pending = []
-        with contextlib.ExitStack() as held:  # the shards stay open until their reads are done
+        try:
             for read in plan.reads:
-                handle = held.enter_context(self._files.use(read.shard))
                 for start in range(0, read.size, PIECE):
                     size = min(PIECE, read.size - start)
                     view = dest[read.buffer_offset + start:read.buffer_offset + start + size]
-                    pending.append((read, start, size, self._pool.submit(_pread, handle, view, read.offset + start)))
-            try:
-                for read, start, size, future in pending:
-                    with stall.native("pread (O_DIRECT)"):
-                        got = future.result()
-                    if got != size:
-                        raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset "
-                                          f"{read.offset + start} ({got} of {size} bytes): truncated shard")
-            finally:  # no piece may still be writing into the buffer once this returns
-                futures.wait([future for *_, future in pending])
+                    pending.append((read, start, size,
+                                    self._pool.submit(self._piece, read.shard, view, read.offset + start)))
+            for read, start, size, future in pending:
+                with stall.native("pread (O_DIRECT)"):
+                    got = future.result()
+                if got != size:
+                    raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset "
+                                      f"{read.offset + start} ({got} of {size} bytes): truncated shard")
+        finally:  # no piece may still be writing into the buffer once this returns
+            futures.wait([future for *_, future in pending])
 
     def close(self):
-        self._files.close()
         self._pool.shutdown(wait=True)
+        self._files.close()

@@ -78,8 +78,9 @@ class StagingBuffer:
             self.tensor = None
             if self.kind == "device":
                 self.tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
-            else:
-                self.tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            else:  # page aligned, as direct (O_DIRECT) reads need, whatever the pinned allocator gives
+                whole = torch.empty(size + mmap.PAGESIZE, dtype=torch.uint8, pin_memory=True)
+                self.tensor = whole[-whole.data_ptr() % mmap.PAGESIZE:][:size]
             log.debug("staging buffer (%s) grown to %d bytes", self.kind, size)
         return self.tensor[:nbytes]
 

@@ -135,8 +135,18 @@ class LoadPath:
 
 
 def host_memory() -> int:
-    """Bytes of host memory."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Bytes of memory this process may use: the host's, or its cgroup's limit where lower (a
+    container's page cache counts against that limit)."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit) as f:
+                value = f.read().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            memory = min(memory, int(value))
+    return memory
 
 
 def _streams(shard_bytes: int, memory: int) -> bool:

@@ -239,6 +239,8 @@ def plan(t: "YoloAugment | Letterbox", heights, widths, boxes: list, labels: lis
     Computed for the whole batch at once (array operations, a few hundred microseconds for 64
     outputs): the host thread that plans holds the interpreter lock the training loop needs."""
     n, s = len(indices), t.imgsz
+    if not n:
+        return Plan(np.zeros((0, 2, 3)), np.zeros((0, 2)), np.zeros((0, 11)), [], [], np.ones((0, 3)), [])
     augment = isinstance(t, YoloAugment)
     u = uniforms(t.seed, epoch, indices, _DRAWS) if augment else np.zeros((n, _DRAWS))
     hsv_u = uniforms(t.seed ^ 0x5BD1E995, epoch, indices, _HSV_DRAWS) if augment else np.full((n, 3), 0.5)
@@ -342,7 +344,7 @@ def source_boxes(index, indices: Sequence[int]) -> tuple[list, list]:
     from gdsdata.format import layout as fmt
 
     idx = np.asarray(indices, np.int64)
-    if index.boxes is None:
+    if index.boxes is None or not len(idx):
         return [np.zeros((0, 4)) for _ in idx], [np.zeros(0, np.int64) for _ in idx]
     start = index.box_start[idx].astype(np.int64)
     counts = index.box_start[idx + 1].astype(np.int64) - start
