@@ -300,13 +300,18 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except BrokenPipeError:  # help piped into a reader that stopped early (| head)
+        return _closed_pipe()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s")
     from gdsdata.errors import GdsDataError
 
     try:
         return args.run(args)
+    except BrokenPipeError:
+        return _closed_pipe()
     except GdsDataError as e:
         print(f"gdsdata: error: {e}", file=sys.stderr)
     except (ValueError, OSError) as e:
@@ -317,6 +322,13 @@ def main(argv=None):
         print(f"gdsdata: interrupted{_left_behind(args)}", file=sys.stderr)
         return 130
     return 1
+
+
+def _closed_pipe() -> int:
+    """Output piped into a reader that stopped early (``| head``): quietly, as Unix tools do."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+    return 0
 
 
 def run():
