@@ -303,15 +303,19 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
     except BrokenPipeError:  # help piped into a reader that stopped early (| head)
-        return _closed_pipe()
+        if _stdout_closed():
+            return 1
+        raise
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s")
     from gdsdata.errors import GdsDataError
 
     try:
         return args.run(args)
-    except BrokenPipeError:
-        return _closed_pipe()
+    except BrokenPipeError as e:
+        if _stdout_closed():
+            return 1
+        print(f"gdsdata: error: {e.strerror or e}", file=sys.stderr)
     except GdsDataError as e:
         print(f"gdsdata: error: {e}", file=sys.stderr)
     except (ValueError, OSError) as e:
@@ -324,11 +328,16 @@ def main(argv=None):
     return 1
 
 
-def _closed_pipe() -> int:
-    """Output piped into a reader that stopped early (``| head``): quietly, as Unix tools do."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
-    return 0
+def _stdout_closed() -> bool:
+    """Whether the broken pipe is standard output's (piped into a reader that stopped early, ``|
+    head``): then the rest of the output goes nowhere, quietly, as Python's docs advise."""
+    try:
+        sys.stdout.flush()
+        return False
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return True
 
 
 def run():

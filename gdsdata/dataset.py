@@ -10,6 +10,7 @@ staging buffer lives and who decodes (``reader_cpu``/``decode_cpu`` here, the GP
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -76,9 +77,10 @@ class GDSDataset(torch.utils.data.Dataset):
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.on_error = on_error
-        self.skipped = 0  # samples replaced (on_error="skip") since the dataset was opened
+        self.skipped = 0  # samples replaced (on_error="skip") in the batches decoded since the dataset was opened
         self._bad, self._good = set(), set()  # samples found bad, and good replacements
         self._replaced = {}  # bad sample -> the good one read in its place (on_error="skip")
+        self._book = threading.Lock()  # the replacement bookkeeping: read, decode and user threads share it
         self._passes = weakref.WeakSet()  # Loader passes reading from this dataset (close() stops them)
         config = settings.snapshot()  # a dataset keeps the settings it was built with
         verify = config["verify_checksums"] if verify_checksums is None else (
@@ -204,11 +206,12 @@ class GDSDataset(torch.utils.data.Dataset):
         planned = [self._replaced.get(i, i) for i in asked]
         staged = self._backend.read(planned)
         if staged.failed:
-            for k in sorted(staged.failed):
-                planned[k] = self._replacement(planned[k], staged.failed[k])
-            self.release_staged(staged)
+            try:
+                for k in sorted(staged.failed):
+                    planned[k] = self._replacement(planned[k], staged.failed[k])
+            finally:
+                self.release_staged(staged)
             staged = self._backend.read(planned)
-        self.skipped += sum(a != b for a, b in zip(asked, planned))
         staged.asked = asked
         return staged
 
@@ -222,7 +225,11 @@ class GDSDataset(torch.utils.data.Dataset):
                 batch.release(stream or self._stream())
                 raise error
             indices[k] = self._replacement(indices[k], error)
-            self.skipped += 1
+        asked = staged.indices if staged.asked is None else staged.asked
+        replaced = sum(a != b for a, b in zip(asked, indices))
+        if replaced:  # counted once a batch is decoded, whichever stage replaced its samples
+            with self._book:
+                self.skipped += replaced
         if batch.errors:
             batch.release(stream or self._stream())
             return self._backend.load_batch(indices, stream), indices
@@ -241,23 +248,34 @@ class GDSDataset(torch.utils.data.Dataset):
         """The next sample after ``index`` that decodes, remembered as its replacement. Samples found
         bad are remembered, so a run of bad samples is probed once, not once per sample before it
         (linear, not quadratic)."""
-        self._bad.add(index)
+        with self._book:
+            self._bad.add(index)
+            self._good.discard(index)  # a replacement that turned bad since
         log.warning("%s; replaced by the next good sample", error)
         for step in range(1, len(self)):
             candidate = (index + step) % len(self)
             if candidate in self._bad:
                 continue
             if candidate in self._good:
-                self._replaced[index] = candidate
-                return candidate
+                return self._remember(index, candidate)
             probe = self._backend.load_batch([candidate])
             probe.release(self._stream())
             if not probe.errors:
-                self._good.add(candidate)
-                self._replaced[index] = candidate
-                return candidate
-            self._bad.add(candidate)
+                with self._book:
+                    self._good.add(candidate)
+                return self._remember(index, candidate)
+            with self._book:
+                self._bad.add(candidate)
         raise CorruptSampleError(f"{self.root}: no sample of the dataset decodes") from error
+
+    def _remember(self, bad, good) -> int:
+        """``good`` is read in place of ``bad`` from now on, also where ``bad`` stood in for another."""
+        with self._book:
+            for sample, instead in list(self._replaced.items()):
+                if instead == bad:
+                    self._replaced[sample] = good
+            self._replaced[bad] = good
+        return good
 
     def _stream(self):
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -276,11 +294,15 @@ class GDSDataset(torch.utils.data.Dataset):
         self._backend.close()
 
     def __getstate__(self):  # DataLoader workers get the dataset, not the Loaders over it
-        return {k: v for k, v in self.__dict__.items() if k != "_passes"}
+        with self._book:
+            state = {k: v for k, v in self.__dict__.items() if k not in ("_passes", "_book")}
+            state.update(_bad=set(self._bad), _good=set(self._good), _replaced=dict(self._replaced))
+        return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._passes = weakref.WeakSet()
+        self._book = threading.Lock()
 
     def __enter__(self):
         return self

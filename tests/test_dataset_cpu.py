@@ -118,6 +118,22 @@ def test_a_bad_sample_is_replaced_where_reads_are_planned(corrupted, monkeypatch
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def test_a_replacement_that_turns_bad_is_replaced_for_every_sample_it_stood_in_for(corrupted, monkeypatch):
+    ds = GDSDataset(corrupted, on_error="skip")
+    ds.load_batch([7])  # 7 is bad: 8 is read in its place
+    record = ds.index.samples[8]
+    with open(ds.index.shard_path(int(record["shard"])), "r+b") as f:  # now 8 goes bad too
+        f.seek(int(record["offset"]) + 2)
+        f.write(b"\x00" * 600)
+    _, final = ds.load_batch([7])
+    assert final == [9] and ds.skipped == 2
+    reads = []
+    real_read = ds._backend.read
+    monkeypatch.setattr(ds._backend, "read", lambda indices: reads.append(list(indices)) or real_read(indices))
+    _, again = ds.load_batch([7, 8])
+    assert again == [9, 9] and reads == [[9, 9]] and ds.skipped == 4
+
+
 def test_skip_replaces_bad_sample_deterministically(corrupted):
     ds = GDSDataset(corrupted, on_error="skip")
     batch = ds.__getitems__([6, 7, 8])
