@@ -27,6 +27,16 @@ def system_block() -> dict:
     return info
 
 
+def begin(parser, argv=None):
+    """A benchmark's start: its arguments parsed, its --out folder made, the system block printed.
+    Returns (args, system block)."""
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    system = system_block()
+    print_system_block(system)
+    return args, system
+
+
 def print_system_block(info: dict):
     print("== system ==")
     for key, value in info.items():

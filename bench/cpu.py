@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import build_pipelines, cpu_seconds, image_set, print_system_block, system_block  # noqa: E402
+from common import begin, build_pipelines, cpu_seconds, image_set  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -173,10 +173,7 @@ def main(argv=None):
     parser.add_argument("--float", action="store_true", help="float32 normalised output instead of uint8")
     parser.add_argument("--model", action="store_true", help="also time each pipeline feeding a small CPU model")
     parser.add_argument("--out", default="bench-results")
-    args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    system = system_block()
-    print_system_block(system)
+    args, system = begin(parser, argv)
     src = image_set(os.path.join(args.dir, f"images-{args.count}"), args.count, classes=10)
     root = os.path.join(args.dir, f"jpeg-{args.count}.gds")  # a set of another --count is another set
     if not os.path.exists(os.path.join(root, "index.gdsi")):

@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("YOLO_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import build_pipelines, cpu_seconds, print_system_block, system_block  # noqa: E402
+from common import begin, build_pipelines, cpu_seconds  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -165,10 +165,7 @@ def main(argv=None):
     parser.add_argument("--train", action="store_true", help="also the training client (a YOLO train step)")
     parser.add_argument("--model", default="yolo11n.yaml", help="Ultralytics model YAML for --train")
     parser.add_argument("--out", default="bench-results")
-    args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    system = system_block()
-    print_system_block(system)
+    args, system = begin(parser, argv)
     roots = prepare(args)
     pipelines = build_pipelines({"gdsdata": gdsdata_pipeline, "ultralytics": ultralytics_pipeline},
                                 args.pipelines.split(","), args, roots)

@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 sys.path.insert(0, HERE)
 
-from common import image_set, print_system_block, system_block, warm  # noqa: E402
+from common import begin, image_set, warm  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -32,10 +32,7 @@ def main(argv=None):
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--parts", type=int, default=0, help="Ray parts (default: chosen from size and CPUs)")
     parser.add_argument("--out", default="bench-results")
-    args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    system = system_block()
-    print_system_block(system)
+    args, system = begin(parser, argv)
     src = image_set(os.path.join(args.dir, f"images-{args.count}"), args.count, classes=20)
     warm([os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs])
     cores = os.cpu_count()

@@ -35,8 +35,8 @@ sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import (drop_caches, image_set, loader_epoch, page_cache_bytes, print_system_block,  # noqa: E402
-                    resident_pages, shard_paths, system_block)
+from common import (begin, drop_caches, image_set, loader_epoch, page_cache_bytes, resident_pages,  # noqa: E402
+                    shard_paths)
 
 import gdsdata  # noqa: E402
 
@@ -117,10 +117,7 @@ def main(argv=None):
     parser.add_argument("--shuffles", default="block,full")
     parser.add_argument("--engines", default="direct,auto", help="direct (streaming), auto (cached)")
     parser.add_argument("--out", default="bench-results")
-    args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    system = system_block()
-    print_system_block(system)
+    args, system = begin(parser, argv)
     roots = prepare(args)
     try:
         os.close(os.open(os.path.join(roots["JPEG"], "index.gdsi"), os.O_RDONLY | os.O_DIRECT))
