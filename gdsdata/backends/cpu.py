@@ -6,7 +6,7 @@ import torch
 
 from gdsdata import stall
 from gdsdata.batch import PixelBatch, Staged
-from gdsdata.decode.cpu import check_crc, cpu_pool, decode
+from gdsdata.decode.cpu import check_batch, cpu_pool, decode
 from gdsdata.errors import CorruptSampleError
 from gdsdata.io.cpu import CpuReader
 from gdsdata.io.path import cpu_path
@@ -26,15 +26,7 @@ class CpuBackend:
         """Storage -> host buffer, each sample's CRC-32 checked there (failures in ``Staged.failed``,
         so that a replacement is read before decode)."""
         buffer, plan = self.reader.read(indices)
-        failed = {}
-        if self.verify:
-            records = self.index.samples[np.asarray(indices, dtype=np.int64)]
-            for k, i in enumerate(indices):
-                start, length = int(plan.sample_offsets[k]), int(plan.sample_lengths[k])
-                try:
-                    check_crc(buffer[start:start + length], records[k], self.index.describe(i))
-                except CorruptSampleError as e:
-                    failed[k] = e
+        failed = check_batch(self.index, buffer, plan, indices) if self.verify else {}
         return Staged(list(indices), plan, buffer, None, failed)
 
     def load_batch(self, indices, stream=None) -> PixelBatch:

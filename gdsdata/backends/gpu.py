@@ -95,8 +95,7 @@ class GpuBackend:
         return self.decode(self.read(indices), stream)
 
     def _verify(self, staging, plan, indices) -> dict:
-        from gdsdata.decode.cpu import check_crc, checksum_error
-        from gdsdata.errors import CorruptSampleError
+        from gdsdata.decode.cpu import check_batch, checksum_error
         from gdsdata.transforms import _triton_ready
 
         if staging.is_cuda and _triton_ready():  # on the GPU: the bytes never pass a CPU
@@ -113,15 +112,7 @@ class GpuBackend:
             expected = self.index.samples["crc32"][np.asarray(indices, np.int64)].astype(np.int64)
             return {int(k): checksum_error(self.index.describe(int(indices[k])))
                     for k in np.flatnonzero(got.numpy() != expected)}
-        host = staging.cpu().numpy() if staging.is_cuda else staging.numpy()
-        failed = {}
-        for k, i in enumerate(indices):
-            start, length = int(plan.sample_offsets[k]), int(plan.sample_lengths[k])
-            try:
-                check_crc(host[start:start + length], self.index.samples[i], self.index.describe(i))
-            except CorruptSampleError as e:
-                failed[k] = e
-        return failed
+        return check_batch(self.index, staging.cpu().numpy() if staging.is_cuda else staging.numpy(), plan, indices)
 
     def close(self):
         self._slots.close()

@@ -47,6 +47,20 @@ def check_crc(payload, record, name):
         raise checksum_error(name)
 
 
+def check_batch(index, buffer, plan, indices) -> dict:
+    """Each sample's CRC-32 where ``plan`` placed it in the host ``buffer``: position ->
+    ``CorruptSampleError`` for those that do not match."""
+    records = index.samples[np.asarray(indices, dtype=np.int64)]
+    failed = {}
+    for k, i in enumerate(indices):
+        start, length = int(plan.sample_offsets[k]), int(plan.sample_lengths[k])
+        try:
+            check_crc(buffer[start:start + length], records[k], index.describe(i))
+        except CorruptSampleError as e:
+            failed[k] = e
+    return failed
+
+
 def decode(payload, record, name, out=None) -> np.ndarray:
     """Decode one stored sample to an HxWx3 uint8 array (into ``out`` when given, a writable buffer of
     height*width*3 bytes); ``name`` is how errors name the sample."""
