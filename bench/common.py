@@ -328,6 +328,33 @@ def loader_epoch(ds, transform, shuffle="full", batch=256):
     return epoch
 
 
+def interleaved(pipelines: dict, modes, rounds, measure, wanted=lambda name, model: True) -> list:
+    """Every (mode, pipeline) row once a round, a warm-up round then ``rounds`` timed ones, each row
+    printed as it ends: ``measure(make, model)`` gives (images/s, CPU-seconds per 1,000 images); a
+    row that fails is said and left out. Returns per row the medians over the timed rounds
+    (``pipeline``, ``mode``, ``images_per_s``, ``cpu_s_per_1k``, ``rates``), modes in order."""
+    import traceback
+
+    results = {}
+    for round_ in range(1 + rounds):
+        for mode, model in modes:
+            for name, make in pipelines.items():
+                if not wanted(name, model):
+                    continue
+                try:
+                    rate, cpu = measure(make, model)
+                except Exception:  # noqa: BLE001
+                    print(f"{name} {mode}: FAILED\n{traceback.format_exc()}")
+                    continue
+                if round_:
+                    results.setdefault((name, mode), []).append((rate, cpu))
+                print(f"  round {round_}{' (warm-up)' if not round_ else ''}: {name:<12} {mode:<24} "
+                      f"{rate:8.0f} images/s  {cpu:6.2f} CPU-s/1k", flush=True)
+    return [{"pipeline": name, "mode": mode, "images_per_s": statistics.median(r for r, _ in runs),
+             "cpu_s_per_1k": statistics.median(c for _, c in runs), "rates": [r for r, _ in runs]}
+            for (name, mode), runs in results.items()]
+
+
 def build_pipelines(builders: dict, names, *args) -> dict:
     """name -> what ``builders[name](*args)`` returns, for each of ``names``; a peer that is not
     installed or fails to build is said and left out (one failing must not hide the others)."""

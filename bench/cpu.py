@@ -21,10 +21,8 @@ median epoch over rounds, CPU-seconds per 1,000 images count the process and its
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
@@ -32,7 +30,7 @@ sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import begin, build_pipelines, cpu_seconds, image_set  # noqa: E402
+from common import begin, build_pipelines, cpu_seconds, image_set, interleaved  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -182,29 +180,10 @@ def main(argv=None):
                 for name, build in PIPELINES.items()}
     pipelines = build_pipelines(builders, args.pipelines.split(","), args, args.float)
     modes = [("alone", None)] + ([("with a small CPU model", small_model())] if args.model else [])
-    results = {(name, mode): [] for name in pipelines for mode, _ in modes}
-    for round_ in range(1 + args.rounds):
-        for mode, model in modes:
-            for name, make in pipelines.items():
-                try:
-                    rate, cpu = epoch(make, model)
-                except Exception:  # noqa: BLE001
-                    print(f"{name} {mode}: FAILED\n{traceback.format_exc()}")
-                    continue
-                if round_:
-                    results[(name, mode)].append((rate, cpu))
-                print(f"  round {round_}{' (warm-up)' if not round_ else ''}: {name:<12} {mode:<24} "
-                      f"{rate:7.0f} images/s  {cpu:5.2f} CPU-s/1k", flush=True)
+    table = interleaved(pipelines, modes, args.rounds, epoch)
+    table.sort(key=lambda row: list(pipelines).index(row["pipeline"]))  # each pipeline's modes together
     print(f"\n== {args.count} JPEGs, batch {args.batch}, RandomResizedCrop {SIZE} antialiased + flip, "
           f"{'float32 normalised' if args.float else 'uint8'}, {os.cpu_count()} cores ==")
-    table = []
-    for (name, mode), runs in results.items():
-        if not runs:
-            continue
-        rate = statistics.median(r for r, _ in runs)
-        cpu = statistics.median(c for _, c in runs)
-        table.append({"pipeline": name, "mode": mode, "images_per_s": rate, "cpu_s_per_1k": cpu,
-                      "rates": [r for r, _ in runs]})
     for row in table:
         peers = [r for r in table if r["mode"] == row["mode"] and not r["pipeline"].startswith("gdsdata")]
         best = max((r["images_per_s"] for r in peers), default=None)

@@ -23,10 +23,8 @@ images count the process and its workers over the timed batches.
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
@@ -34,7 +32,7 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("YOLO_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import begin, build_pipelines, cpu_seconds  # noqa: E402
+from common import begin, build_pipelines, cpu_seconds, interleaved  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -177,27 +175,10 @@ def main(argv=None):
             pipelines["synthetic"] = synthetic(args, pipelines["gdsdata"])
         modes.append((f"training {os.path.splitext(args.model)[0]}", model))
     steps, skip = args.steps or args.count // args.batch, args.workers + 4
-    results = {}
-    for round_ in range(1 + args.rounds):
-        for mode, model in modes:
-            for name, make in pipelines.items():
-                if name == "synthetic" and model is None:
-                    continue
-                try:
-                    rate, cpu = timed_row(make, model, device, steps, skip)
-                except Exception:  # noqa: BLE001
-                    print(f"{name} {mode}: FAILED\n{traceback.format_exc()}")
-                    continue
-                if round_:
-                    results.setdefault((name, mode), []).append((rate, cpu))
-                print(f"  round {round_}{' (warm-up)' if not round_ else ''}: {name:<12} {mode:<20} "
-                      f"{rate:8.0f} images/s  {cpu:6.2f} CPU-s/1k", flush=True)
+    table = interleaved(pipelines, modes, args.rounds, lambda make, model: timed_row(make, model, device, steps, skip),
+                        wanted=lambda name, model: name != "synthetic" or model is not None)
     print(f"\n== {args.count} images, batch {args.batch}, {args.imgsz} px, mosaic + affine + HSV + flip, "
           f"{args.device}, {os.cpu_count()} cores ==")
-    table = []
-    for (name, mode), runs in results.items():
-        table.append({"pipeline": name, "mode": mode, "images_per_s": statistics.median(r for r, _ in runs),
-                      "cpu_s_per_1k": statistics.median(c for _, c in runs), "rates": [r for r, _ in runs]})
     for row in table:
         same = {r["pipeline"]: r for r in table if r["mode"] == row["mode"]}
         notes = []
