@@ -12,7 +12,9 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
               without antialiasing (what torchvision v2's antialiased default costs),
               gdsdata:direct streams from storage (io_engine=direct: the page cache dropped, or the
               pack's files evicted, before the row; every epoch then comes from the drive)
-  raw         the same over a raw-pixel pack of the images (shorter side 256)
+  raw         the same over a raw-pixel pack of the images (shorter side 256); raw:crc also checks
+              every sample's CRC-32 where it sits in GPU memory (verify_checksums=True: the GPU
+              kernel, what the default leaves out for GPU staging)
   dali        DALI's file reader + mixed random-crop decode + resize + crop_mirror_normalize fp16
               (when nvidia.dali imports)
   dataloader  torch DataLoader + ImageFolder + PIL (RandomResizedCrop, flip, normalise), --workers
@@ -102,10 +104,10 @@ def _synthetic(count):
     return epoch
 
 
-def _gdsdata(root, antialias=True):
+def _gdsdata(root, antialias=True, verify=None):
     import gdsdata
 
-    ds = gdsdata.GDSDataset(root, device="cuda")
+    ds = gdsdata.GDSDataset(root, device="cuda", verify_checksums=verify)
     loader = gdsdata.Loader(ds, BATCH, shuffle=True, drop_last=True,
                             transform=gdsdata.RandomResizedCrop(224, dtype="float16", antialias=antialias))
     state = {"epoch": 0}
@@ -219,8 +221,8 @@ def run_row(args):
 
                 drop_caches([os.path.join(d, f) for d, _, files in os.walk(args.jpeg) for f in files])
         epoch = _gdsdata(args.jpeg, antialias=args.input != "gdsdata:bilinear")
-    elif args.input == "raw":
-        epoch = _gdsdata(args.raw)
+    elif args.input in ("raw", "raw:crc"):
+        epoch = _gdsdata(args.raw, verify=True if args.input == "raw:crc" else None)
     elif args.input == "dali":
         epoch = _dali(args.src, args.workers)
     else:

@@ -68,6 +68,19 @@ def test_direct_reads_read_what_buffered_reads_read(photos_dataset, mode, order,
     reader.close()
 
 
+def test_a_batch_of_few_large_reads_is_cut_to_fill_the_queue():
+    """A block-shuffled batch (one long read) becomes at least ``depth`` page-multiple pieces
+    between MIN_PIECE and PIECE; a batch of many small reads keeps its reads whole."""
+    from types import SimpleNamespace
+
+    reads = direct.DirectReads.__new__(direct.DirectReads)
+    for depth, total in ((64, 21 << 20), (64, 67 << 20), (8, 1 << 30), (64, 1 << 20)):
+        reads.depth = depth
+        piece = reads.pieces(SimpleNamespace(total=total))
+        assert piece % mmap.PAGESIZE == 0 and direct.MIN_PIECE <= piece <= direct.PIECE
+        assert -(-total // piece) >= min(depth, total // direct.MIN_PIECE)
+
+
 @pytest.fixture(scope="module")
 def one_shard(tmp_path_factory):
     """200 photos in one shard of a few MB: large enough for the kernel's readahead to show."""
@@ -165,5 +178,5 @@ def test_direct_reads_keep_to_the_open_file_budget(photos_dataset, tmp_path):
     reader = CpuReader(index, max_open=2, direct=True)
     got, _ = reader.read(np.arange(len(index.samples)))
     assert np.array_equal(got[:plan.total], expected[:plan.total])
-    assert len(reader._direct._files) <= 2 + gdsdata.settings.get("io_threads")
+    assert len(reader._direct._files) <= 2 + gdsdata.settings.get("direct_depth")
     reader.close()

@@ -66,7 +66,7 @@ class CpuReader:
     """Reads the payloads of a batch of samples into one host buffer. Safe across ``fork``: file
     descriptors are reopened in a child process. A bounded number of shard files is open at once
     (``OpenShards``), each checked against the index when opened. ``config``: a snapshot of the
-    settings (``max_gap``, ``max_read``, ``io_threads``; default: the settings now). ``direct``: read
+    settings (``max_gap``, ``max_read``, ``direct_depth``; default: the settings now). ``direct``: read
     past the page cache (``io.direct``) instead."""
 
     def __init__(self, index, max_open=None, config=None, direct: bool = False):
@@ -101,7 +101,7 @@ class CpuReader:
         self.files  # noqa: B018 - a forked child drops its parent's readers first
         with self._lock:
             if self._direct is None:
-                self._direct = DirectReads(self.index, self.config["io_threads"], self._max_open)
+                self._direct = DirectReads(self.index, self.config["direct_depth"], self._max_open)
             return self._direct
 
     def plan(self, indices) -> Plan:

@@ -3,9 +3,11 @@
 A planned batch (``io.plan``: whole aligned pages, coalesced) is read with ``O_DIRECT``: the drive
 DMAs into the staging buffer and nothing of the shard stays in the page cache, so an epoch over a
 dataset larger than the host's memory neither evicts the training process's own pages nor keeps
-the last epoch's bytes. Each planned read is cut into pieces of at most ``PIECE`` bytes and the
-pieces of the whole batch are issued together by ``threads`` threads (the requests in flight the
-device's queue needs; ``os.preadv`` releases the interpreter lock while the drive works).
+the last epoch's bytes. The planned reads are cut into pieces, and the pieces of the whole batch
+are issued together by ``depth`` threads (``os.preadv`` releases the interpreter lock while the
+drive works): the requests in flight that a drive's queue needs to give its rate. A batch of a few
+large reads (file order, block shuffle) is cut into at least ``depth`` pieces (no smaller than
+``MIN_PIECE``), so that it too keeps the queue full; no piece is larger than ``PIECE``.
 
 Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and FUSE filesystems) or a read's
 alignment does not suit the device (a dataset packed with an alignment under the device's logical
@@ -34,7 +36,8 @@ from gdsdata.format.shards import check_opened
 from gdsdata.io.cpu import OpenShards
 
 log = logging.getLogger(__name__)
-PIECE = 4 << 20  # bytes of one request (kvikio's default task size)
+PIECE = 4 << 20  # most bytes of one request (kvikio's default task size)
+MIN_PIECE = 256 << 10  # fewest bytes of a piece cut from a larger read
 PAGE = mmap.PAGESIZE
 
 
@@ -113,14 +116,21 @@ def _pread(handle: _Shard, dest: np.ndarray, offset: int) -> int:
 
 
 class DirectReads:
-    """Reads planned batches past the page cache into host buffers, ``threads`` requests at a time,
+    """Reads planned batches past the page cache into host buffers, ``depth`` requests at a time,
     with at most ``max_open`` shard files open (``OpenShards``: each held only while a piece of it
     is read)."""
 
-    def __init__(self, index, threads: int, max_open: int = None):
+    def __init__(self, index, depth: int, max_open: int = None):
         self.index = index
+        self.depth = max(1, depth)
         self._files = OpenShards(index, lambda path, shard: _open(index, path, shard), lambda h: h.close(), max_open)
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="gdsdata-direct")
+        self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="gdsdata-direct")
+
+    def pieces(self, plan) -> int:
+        """The bytes of each piece the plan's reads are cut into: enough pieces to keep ``depth``
+        requests in flight, each a whole number of pages between ``MIN_PIECE`` and ``PIECE``."""
+        share = -(-plan.total // self.depth)
+        return min(PIECE, max(MIN_PIECE, -(-share // PAGE) * PAGE))
 
     def _piece(self, shard, dest, offset):
         with self._files.use(shard) as handle:
@@ -130,11 +140,11 @@ class DirectReads:
         """Fill ``dest`` (uint8, page aligned, at least ``plan.total`` bytes) with the plan's reads."""
         if dest.ctypes.data % PAGE:
             raise ValueError("direct reads need a page-aligned buffer")
-        pending = []
+        pending, piece = [], self.pieces(plan)
         try:
             for read in plan.reads:
-                for start in range(0, read.size, PIECE):
-                    size = min(PIECE, read.size - start)
+                for start in range(0, read.size, piece):
+                    size = min(piece, read.size - start)
                     view = dest[read.buffer_offset + start:read.buffer_offset + start + size]
                     pending.append((read, start, size,
                                     self._pool.submit(self._piece, read.shard, view, read.offset + start)))

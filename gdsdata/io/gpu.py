@@ -364,7 +364,7 @@ class GpuReader:
     batch through whichever suits its reads, or (``mapped``) by the GPU from registered maps. With
     ``fallback``, a ``mapped`` reader whose shards CUDA cannot register (a locked-memory limit, say)
     logs why and reads with the ``fallback`` engine from then on. ``config``: the dataset's snapshot
-    of the settings (``io_threads``, ``gather_threads``); ``copy``: how ``mapped`` moves bytes."""
+    of the settings (``io_threads``, ``gather_threads``, ``direct_depth``); ``copy``: how ``mapped`` moves bytes."""
 
     def __init__(self, index, device: torch.device, engine: str, config, copy: str = "", fallback: str = None):
         self.index = index
@@ -394,7 +394,7 @@ class GpuReader:
         if engine in ("mmap", "mixed"):
             self.maps = ShardMaps(self.index, self.config["gather_threads"])
         elif engine == "direct":
-            self.maps = DirectReads(self.index, self.config["io_threads"])
+            self.maps = DirectReads(self.index, self.config["direct_depth"])
         elif engine == "mapped":
             self.maps = MappedShards(self.index, self.device, self.copy)
 
