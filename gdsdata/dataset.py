@@ -52,9 +52,9 @@ class GDSDataset(torch.utils.data.Dataset):
         ``skipped``.
     verify_checksums : bool, optional
         Check each sample's CRC-32 as it loads. Default (the ``verify_checksums`` setting, on):
-        wherever the bytes pass through host memory (the CPU path, the GPU path's pinned staging);
-        True: also GPU staging, by a CRC-32 kernel on the GPU (through a copy to the host without
-        Triton); False: never.
+        where the bytes are, in host memory (the CPU path, the GPU path's pinned staging) or in GPU
+        staging (a CRC-32 kernel on the GPU, where Triton is installed); True: also without Triton,
+        through a copy to the host; False: never.
 
     Notes
     -----

@@ -481,9 +481,13 @@ class PipelineStats:
         setattr(self, field, getattr(self, field) + seconds)
 
 
-def _read_ahead(dataset, epochs, q, stop, stats, activity, sources):
+def _read_ahead(dataset, epochs, q, stop, stats, activity, sources, overlap=1):
     """The I/O thread: storage -> staging buffers, as far ahead as the queue allows, on into the
-    next epochs (an "end" marker between epochs). ``sources(indices, epoch)``: what a batch reads."""
+    next epochs (an "end" marker between epochs). ``sources(indices, epoch)``: what a batch reads.
+    ``overlap`` > 1: that many batches read at once, on threads of their own, handed on in order
+    (streaming reads: the drive's queue stays full from one batch to the next)."""
+    if overlap > 1:
+        return _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap)
     try:
         for epoch, batches in epochs:
             for number, indices in enumerate(batches):
@@ -496,17 +500,112 @@ def _read_ahead(dataset, epochs, q, stop, stats, activity, sources):
                 staged.outputs = indices
                 t1 = time.perf_counter()
                 activity.stop()
-                handed = _put(q, stop, ("staged", staged, epoch, number, None))
-                stats.read_s += t1 - t0
-                stats.read_blocked_s += time.perf_counter() - t1
-                if not handed:
-                    _release(dataset, "staged", staged)
+                if not _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1):
                     return
             if not _put(q, stop, ("end", None, epoch, None, None)):
                 return
     except BaseException as e:  # noqa: BLE001 - handed on, raised by the consumer
         activity.stop()
         _put(q, stop, ("error", e, None, None, None))
+
+
+def _read_overlap(dataset) -> int:
+    """Batches the I/O thread reads at once: two for streaming reads (``reads=direct``: every byte
+    from the drive, whose queue would drain between one batch's last read and the next batch's
+    first), else one (reads from the page cache, or kvikio's own threads)."""
+    path = getattr(dataset, "load_path", None)
+    return 2 if getattr(path, "reads", None) == "direct" else 1
+
+
+def _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1) -> bool:
+    """Queue a staged batch read from ``t0`` to ``t1`` for decode (False: the pass stopped, the
+    batch's staging handed back)."""
+    handed = _put(q, stop, ("staged", staged, epoch, number, None))
+    stats.read_s += t1 - t0
+    stats.read_blocked_s += time.perf_counter() - t1
+    if not handed:
+        _release(dataset, "staged", staged)
+    return handed
+
+
+class _Reading:
+    """A batch read on a read-ahead thread: its future, and that thread once it has started (the
+    stall watchdog looks there for the native call the batch waits in)."""
+
+    def __init__(self, pool, dataset, planned, outputs):
+        self.thread = None
+        self.future = pool.submit(self._read, dataset, planned, outputs)
+
+    def _read(self, dataset, planned, outputs):
+        self.thread = threading.current_thread()
+        staged = dataset.read_staged(planned)
+        staged.outputs = outputs
+        return staged
+
+
+def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap):
+    """``_read_ahead`` with ``overlap`` batches in flight on as many threads."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+
+    pool = ThreadPoolExecutor(overlap, thread_name_prefix="gdsdata-read-ahead")
+    pending = deque()  # (epoch, number, _Reading), or (epoch, None, None) for an epoch's end marker
+    own = activity.thread
+
+    def hand_on_first() -> bool:
+        epoch, number, reading = pending.popleft()
+        if reading is None:
+            return _put(q, stop, ("end", None, epoch, None, None))
+        activity.start(epoch, number)
+        t0 = time.perf_counter()
+        while True:
+            activity.thread = reading.thread or own
+            try:
+                staged = reading.future.result(timeout=_STOP_POLL_S)
+                break
+            except FutureTimeout:
+                continue
+        t1 = time.perf_counter()
+        activity.stop()
+        activity.thread = own
+        return _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1)
+
+    def hand_on_ready() -> bool:
+        """Hand on what is done at the head of ``pending``, and wait for the head while
+        ``overlap`` batches are in flight."""
+        while pending:
+            head = pending[0][2]
+            if head is not None and not head.future.done() and \
+                    sum(reading is not None for _, _, reading in pending) < overlap:
+                return True
+            if not hand_on_first():
+                return False
+        return True
+
+    try:
+        for epoch, batches in epochs:
+            for number, indices in enumerate(batches):
+                if stop.is_set():
+                    return
+                indices = indices.tolist()
+                pending.append((epoch, number, _Reading(pool, dataset, sources(indices, epoch), indices)))
+                if not hand_on_ready():
+                    return
+            pending.append((epoch, None, None))
+            if not hand_on_ready():
+                return
+    except BaseException as e:  # noqa: BLE001 - handed on, raised by the consumer
+        activity.stop()
+        activity.thread = own
+        _put(q, stop, ("error", e, None, None, None))
+    finally:  # no read still writing into a staging buffer once this thread ends; theirs handed back
+        for _, _, reading in pending:
+            if reading is not None:
+                try:
+                    _release(dataset, "staged", reading.future.result())
+                except BaseException:  # noqa: BLE001, S110 - a read that failed holds nothing
+                    pass
+        pool.shutdown(wait=True)
 
 
 # The stages after the I/O thread: (name, the kind of item it takes, the kind it hands on).
@@ -608,7 +707,7 @@ class _Prefetcher:
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
-                                   self.stats, self.activities[0], maker.sources)),
+                                   self.stats, self.activities[0], maker.sources, _read_overlap(loader.dataset))),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
                                     self.stats, activity))

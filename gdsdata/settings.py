@@ -28,8 +28,8 @@ made) and ``stall_timeout`` is read as each Loader pass starts.
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG: hardware (the JPEG engines) or gpu_hybrid (CUDA cores) |
 | max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
-| verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 1 | check every sample's CRC-32 where its bytes pass through |
-| | | | host memory (the CPU path, pinned GPU staging); 0: never |
+| verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 1 | check every sample's CRC-32 where its bytes are: in host |
+| | | | memory (CPU path, pinned staging), or GPU staging (a CRC-32 kernel; needs Triton); 0: never |
 | stall_timeout | GDSDATA_STALL_TIMEOUT | 60 | seconds a Loader stage may spend on one batch before the |
 | | | | training loop gets a ``StallError`` naming the stage, the batch and the call it is stuck in |
 

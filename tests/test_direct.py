@@ -8,6 +8,8 @@ import mmap
 import os
 import pickle
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -128,6 +130,88 @@ def test_direct_batches_equal_the_buffered_batches_and_survive_pickling(photos_d
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, sampler=range(0, len(ds), 9))
     for k, (image, label) in zip(range(0, len(ds), 9), loader):
         assert torch.equal(image, plain[k][0])
+
+
+def _direct(root):
+    with gdsdata.settings.set(io_engine="direct"):
+        return gdsdata.GDSDataset(root)
+
+
+def test_streaming_loaders_read_two_batches_at_once_and_hand_them_on_in_order(photos_dataset):
+    """reads=direct: the I/O thread keeps two batches in flight (loader._read_overlap); epochs,
+    their order and their ends are those of the one-batch-at-a-time reads."""
+    from conftest import loader_threads
+    from gdsdata.loader import _read_overlap
+
+    _, _, root = photos_dataset
+    ds, plain = _direct(root), gdsdata.GDSDataset(root)
+    assert (_read_overlap(ds), _read_overlap(plain)) == (2, 1)
+    streamed = gdsdata.Loader(ds, 5, shuffle=True, transform=gdsdata.CenterCrop(40))
+    cached = gdsdata.Loader(plain, 5, shuffle=True, transform=gdsdata.CenterCrop(40))
+    for epoch in range(3):
+        streamed.set_epoch(epoch)
+        cached.set_epoch(epoch)
+        got, want = list(streamed), list(cached)
+        assert len(got) == len(want) == 12
+        for (a, la), (b, lb) in zip(got, want):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+    for k, _ in enumerate(streamed):  # left early: the threads end, the staging comes back
+        if k == 2:
+            break
+    del streamed, cached
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while loader_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not loader_threads()
+
+
+def test_a_streaming_read_that_fails_arrives_after_the_batches_before_it(photos_dataset):
+    _, _, root = photos_dataset
+    ds = _direct(root)
+    original, calls = ds.read_staged, {"n": 0}
+
+    def read_staged(indices):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise OSError(5, "Input/output error (the drive)")
+        return original(indices)
+
+    ds.read_staged = read_staged
+    got = 0
+    with pytest.raises(OSError, match="Input/output error"):
+        for _ in gdsdata.Loader(ds, 5, shuffle=None, transform=gdsdata.CenterCrop(40)):
+            got += 1
+    assert got == 3
+
+
+def test_a_stuck_streaming_read_names_the_io_thread_and_its_call(photos_dataset):
+    from gdsdata import stall
+
+    _, _, root = photos_dataset
+    ds = _direct(root)
+    original, calls, release = ds.read_staged, {"n": 0}, threading.Event()
+
+    def read_staged(indices):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            with stall.native("pread (O_DIRECT)"):
+                release.wait(60)
+        return original(indices)
+
+    ds.read_staged = read_staged
+    got = 0
+    try:
+        with gdsdata.settings.set(stall_timeout=1.5), pytest.raises(gdsdata.StallError) as caught:
+            for _ in gdsdata.Loader(ds, 5, shuffle=None, transform=gdsdata.CenterCrop(40)):
+                got += 1
+    finally:
+        release.set()
+    message = str(caught.value)
+    assert got == 2 and "I/O thread" in message and "batch 2 of epoch 0" in message
+    assert "pread (O_DIRECT)" in message
 
 
 def test_datasets_larger_than_half_the_memory_stream(photos_dataset):

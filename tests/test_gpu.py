@@ -275,17 +275,16 @@ def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, staging, verify):
         assert skipping.skipped == 1 and batch[1][1] == ds.targets[8]
 
 
-def test_checksums_on_the_gpu_for_device_staging(raw_dataset, tmp_path):
-    """Raw samples the GPU's copy engines move into GPU staging never pass a CPU: with
-    verify_checksums=True the CRC-32 kernel checks them there, every good sample passes and one
-    damaged byte is named."""
+def test_checksums_on_the_gpu_for_device_staging_by_default(raw_dataset, tmp_path):
+    """Raw samples the GPU's copy engines move into GPU staging never pass a CPU: by default the
+    CRC-32 kernel checks them there, every good sample passes and one damaged byte is named."""
     with settings.set(staging="device", io_engine="mapped"):
-        good = gdsdata.GDSDataset(raw_dataset, device="cuda", verify_checksums=True)
-        assert good.load_path.staging == "device" and good.load_path.checksums == "all"
+        good = gdsdata.GDSDataset(raw_dataset, device="cuda")
+        assert good.load_path.staging == "device" and good.load_path.checksums == "gpu"
         seen = sum(len(images) for images, _ in gdsdata.Loader(good, 64, transform=gdsdata.CenterCrop(32)))
         assert seen == len(good)
         out = damaged_copy(raw_dataset, str(tmp_path / "ds"), 3, 100, b"\x00\x01\x02")
-        bad = gdsdata.GDSDataset(out, device="cuda", verify_checksums=True)
+        bad = gdsdata.GDSDataset(out, device="cuda")
         with pytest.raises(CorruptSampleError, match=r"sample 3 \(.*checksum mismatch"):
             bad.__getitems__([2, 3, 4])
 

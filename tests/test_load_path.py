@@ -105,19 +105,20 @@ def test_forced_choices_the_machine_lacks_say_what_is_missing():
 
 
 @pytest.mark.parametrize("machine, verify, expected", [
-    (COMPAT, True, "host-staged"),  # pinned staging: checked on the host
-    (GDS, True, "none"),  # GPU staging: the bytes never pass a CPU
-    (GDS, "always", "all"),  # ... unless asked for: on the GPU
+    (COMPAT, True, "host"),  # pinned staging: checked on the host
+    (GDS, True, "gpu"),  # GPU staging: the bytes never pass a CPU, a kernel checks them there
+    (dataclasses.replace(GDS, triton=False), True, "none"),  # ... which needs Triton
+    (dataclasses.replace(GDS, triton=False), "always", "gpu"),  # ... unless asked for: through the host
     (COMPAT, False, "none"),
 ])
 def test_checksums_follow_the_staging(machine, verify, expected):
     p = path(machine, verify=verify)
     assert p.checksums == expected
-    assert any("checksums" in line for line in p.why) == (verify is True and p.staging == "device")
+    assert any("checksums" in line for line in p.why) == (bool(verify) and p.staging == "device")
 
 
 def test_the_cpu_path():
-    assert cpu_path(True) == LoadPath("cpu", "cpu", "the CPU path", "preadv", "host", "libjpeg-turbo", "all")
+    assert cpu_path(True) == LoadPath("cpu", "cpu", "the CPU path", "preadv", "host", "libjpeg-turbo", "host")
     assert cpu_path(False).checksums == "none" and cpu_path(True).backend == ""
 
 

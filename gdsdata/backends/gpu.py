@@ -34,7 +34,7 @@ class GpuBackend:
         machine = load_paths.probe_machine(device.index)
         self.path = load_paths.resolve(machine, config, all_raw=index.all_raw,
                                        shard_bytes=int(index.shards["size"].sum()), verify=verify)
-        self.verify = {"all": "always", "host-staged": True, "none": False}[self.path.checksums]
+        self.verify = {"gpu": "always", "host": True, "none": False}[self.path.checksums]
         self.reader = GpuReader(index, device, self.path.reads, config, copy=self.path.copy,
                                 fallback=self.path.fallback or None)
         self.decoder = GpuDecoder(index, device, self.path.backend)

@@ -68,7 +68,9 @@ def _step4(crc, word, tables):
             ^ _entry(tables, 256 + ((x >> 16) & 0xFF)) ^ _entry(tables, x >> 24))
 
 
-@triton.jit
+# Counts that change from batch to batch are not specialised on (Triton would compile a variant for
+# each divisibility it sees, seconds of CPU each time, mid-epoch).
+@triton.jit(do_not_specialize=["count"])
 def _chunks(words, starts, count, tables, out, WORDS: tl.constexpr, BLOCK: tl.constexpr):
     """Lane j: the register over the CHUNK bytes from word ``starts[j]``, from zero."""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -81,7 +83,7 @@ def _chunks(words, starts, count, tables, out, WORDS: tl.constexpr, BLOCK: tl.co
     tl.store(out + j, crc.to(tl.int32, bitcast=True), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count", "most_chunks"])
 def _combine(data, offsets, lengths, first, chunk_crcs, columns, tables, out, count,
              most_chunks, CHUNK_BYTES: tl.constexpr, BLOCK: tl.constexpr):
     """Lane i: sample i's CRC-32 from its full chunks' registers and its last bytes."""

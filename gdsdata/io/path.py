@@ -18,6 +18,7 @@ The automatic choices:
 """
 
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -44,6 +45,8 @@ class Machine:
         Bytes of host memory.
     cupy : bool
         Whether cupy is installed (the ``mapped`` engine registers pages through it).
+    triton : bool
+        Whether Triton is installed (the CRC-32 kernel that checks GPU staging, ``io.checksums``).
     """
 
     device: str
@@ -53,6 +56,7 @@ class Machine:
     batched_copy: str
     host_memory: int
     cupy: bool
+    triton: bool = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +82,7 @@ def probe_machine(device_index: int) -> Machine:
     except ImportError:
         have_cupy = False
     return Machine(f"cuda:{device_index}", mode, reason, engines, entry_point() or "",
-                   host_memory(), have_cupy)
+                   host_memory(), have_cupy, importlib.util.find_spec("triton") is not None)
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,8 @@ class LoadPath:
     decoder : str
         Who decodes JPEGs: "libjpeg-turbo" or "nvJPEG <backend>".
     checksums : str
-        Which samples have their CRC-32 checked as they load: "all", "host-staged" or "none".
+        Where every sample's CRC-32 is checked as it loads: "host" (in host memory: the CPU path,
+        pinned staging), "gpu" (GPU staging: a CRC-32 kernel) or "none".
     copy : str
         How ``mapped`` reads move: "dma" (the copy engines) or "gather" (the SMs); "" otherwise.
     fallback : str
@@ -172,7 +177,7 @@ def cpu_path(verify, config=None, shard_bytes: int = 0, memory: int = None) -> L
         reads, why = "direct", (_stream_why(shard_bytes, memory),)
     else:
         reads, why = "preadv", ("reads preadv: the page cache keeps the shards for the next epoch",)
-    return LoadPath("cpu", "cpu", "the CPU path", reads, "host", "libjpeg-turbo", "all" if verify else "none",
+    return LoadPath("cpu", "cpu", "the CPU path", reads, "host", "libjpeg-turbo", "host" if verify else "none",
                     why=why)
 
 
@@ -191,8 +196,9 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
     shard_bytes : int
         The size of the dataset's shards together.
     verify : bool or "always"
-        ``True``: check CRC-32s where the bytes are in host memory; ``"always"``: also on GPU
-        staging (a CRC-32 kernel on the GPU); ``False``: never.
+        ``True`` (the default setting): check every sample's CRC-32 where its bytes are, in host
+        memory (pinned staging) or on the GPU (GPU staging: a CRC-32 kernel, where Triton is
+        installed); ``"always"``: also without Triton, through a copy to the host; ``False``: never.
 
     Raises
     ------
@@ -273,14 +279,15 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
         why.append(f"decode: {family}: GDSDATA_DECODE_BACKEND")
     backend = family + ("_device" if staging == "device" else "")
 
-    if verify == "always":
-        checksums = "all"
-    elif verify and staging == "host":
-        checksums = "host-staged"
+    if verify and staging == "host":
+        checksums = "host"
+    elif verify == "always" or (verify and machine.triton):
+        checksums = "gpu"
+        why.append("checksums: on the GPU, where GPU staging holds the bytes (a CRC-32 kernel)")
     else:
         checksums = "none"
         if verify:
-            why.append("checksums: none on GPU staging (the bytes never pass a CPU; "
-                       "GDSDataset(verify_checksums=True) checks them on the GPU, io/checksums.py)")
+            why.append("checksums: none on GPU staging (Triton is not installed, and the bytes never pass "
+                       "a CPU; GDSDataset(verify_checksums=True) checks them through a copy to the host)")
     return LoadPath(machine.device, machine.io_mode, machine.io_reason, engine, staging, f"nvJPEG {backend}",
                     checksums, copy, fallback, tuple(why))
