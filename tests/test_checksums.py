@@ -38,3 +38,39 @@ def test_the_gpu_checksum_kernel_is_zlibs_crc32():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_a_gpu_mismatch_is_confirmed_on_the_host_before_a_sample_is_called_corrupt(photos_dataset, tmp_path, caplog):
+    """``confirm_mismatches`` (the GPU check's second opinion; staging here is a CPU tensor): bytes
+    that pass the host's check are the kernel's fault, staged bytes that differ from good stored
+    bytes are staged again, and only stored bytes that fail are a CorruptSampleError."""
+    import logging
+
+    import numpy as np
+    import torch
+
+    from conftest import damaged_copy
+    from gdsdata.backends.gpu import confirm_mismatches
+    from gdsdata.errors import CorruptSampleError
+    from gdsdata.format.index import load
+    from gdsdata.io.cpu import CpuReader
+
+    _, _, root = photos_dataset
+    index = load(root)
+    indices = [4, 9, 17]
+    buffer, plan = CpuReader(index).read(indices)
+    staging = torch.from_numpy(buffer.copy())
+    with caplog.at_level(logging.WARNING, logger="gdsdata"):
+        assert confirm_mismatches(index, staging, plan, indices, [0]) == {}
+        assert "kernel disagreed" in caplog.text
+        start, length = int(plan.sample_offsets[1]), int(plan.sample_lengths[1])
+        staging[start + 10] ^= 0xFF
+        assert confirm_mismatches(index, staging, plan, indices, [1]) == {}
+        assert "fault in the transfer" in caplog.text
+        assert np.array_equal(staging[start:start + length].numpy(), buffer[start:start + length])
+    bad = damaged_copy(root, str(tmp_path / "ds"), 17, 50, b"\x00\x01\x02")
+    bad_index = load(bad)
+    damaged, plan = CpuReader(bad_index).read(indices)
+    failed = confirm_mismatches(bad_index, torch.from_numpy(damaged.copy()), plan, indices, [2])
+    assert list(failed) == [2] and isinstance(failed[2], CorruptSampleError)
+    assert "sample 17 (" in str(failed[2]) and "checksum mismatch" in str(failed[2])

@@ -95,7 +95,7 @@ class GpuBackend:
         return self.decode(self.read(indices), stream)
 
     def _verify(self, staging, plan, indices) -> dict:
-        from gdsdata.decode.cpu import check_batch, checksum_error
+        from gdsdata.decode.cpu import check_batch
         from gdsdata.transforms import _triton_ready
 
         if staging.is_cuda and _triton_ready():  # on the GPU: the bytes never pass a CPU
@@ -110,8 +110,8 @@ class GpuBackend:
                 done.record()
             stall.wait(done, "checking a batch's checksums on the GPU")
             expected = self.index.samples["crc32"][np.asarray(indices, np.int64)].astype(np.int64)
-            return {int(k): checksum_error(self.index.describe(int(indices[k])))
-                    for k in np.flatnonzero(got.numpy() != expected)}
+            mismatched = np.flatnonzero(got.numpy() != expected)
+            return confirm_mismatches(self.index, staging, plan, indices, mismatched) if len(mismatched) else {}
         return check_batch(self.index, staging.cpu().numpy() if staging.is_cuda else staging.numpy(), plan, indices)
 
     def close(self):
@@ -124,3 +124,39 @@ class GpuBackend:
                         "main process (num_workers=0) or gdsdata.Loader")
 
 
+
+
+def confirm_mismatches(index, staging: torch.Tensor, plan, indices, positions) -> dict:
+    """The samples at ``positions`` failed the GPU's check where they sit in ``staging``: confirm
+    on the host before calling them corrupt. Returns position -> ``CorruptSampleError`` for those
+    whose stored bytes (read again from the shard) do not match their checksum. A sample whose
+    bytes in staging pass the host's check is logged as the kernel's fault; one whose stored bytes
+    are good but whose staged bytes are not (a fault in the transfer) is logged and staged again
+    from the shard."""
+    import os
+
+    from gdsdata.decode.cpu import checksum_error, crc32
+
+    failed = {}
+    for k in (int(k) for k in positions):
+        record = index.samples[int(indices[k])]
+        name, expected = index.describe(int(indices[k])), int(record["crc32"])
+        start, length = int(plan.sample_offsets[k]), int(plan.sample_lengths[k])
+        if crc32(staging[start:start + length].cpu().numpy()) == expected:
+            log.error("%s: the GPU's CRC-32 kernel disagreed with the host on the same staged bytes; "
+                      "the host's check passed", name)
+            continue
+        fd = os.open(index.shard_path(int(record["shard"])), os.O_RDONLY)
+        try:
+            stored = np.frombuffer(os.pread(fd, length, int(record["offset"])), np.uint8)
+        finally:
+            os.close(fd)
+        if len(stored) != length or crc32(stored) != expected:
+            failed[k] = checksum_error(name)
+            continue
+        log.warning("%s: the staged bytes differed from the shard's, whose bytes are good (a fault in "
+                    "the transfer to staging); staged again from the shard", name)
+        staging[start:start + length].copy_(torch.from_numpy(stored.copy()))
+        if staging.is_cuda:
+            torch.cuda.current_stream(staging.device).synchronize()
+    return failed
