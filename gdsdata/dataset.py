@@ -240,6 +240,13 @@ class GDSDataset(torch.utils.data.Dataset):
         if staged.slot is not None:
             self._backend.release(staged)
 
+    def reserve_staging(self, count: int) -> None:
+        """A Loader pass may hold ``count`` batches from ``read_staged`` at once (its queue depths):
+        the GPU path keeps that many staging buffers before it waits for the GPU to finish with one."""
+        reserve = getattr(self._backend, "reserve_staging", None)
+        if reserve is not None:
+            reserve(count)
+
     def register_pass(self, active):
         """A Loader pass reading from this dataset: ``close()`` stops it."""
         self._passes.add(active)

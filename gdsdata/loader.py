@@ -716,6 +716,11 @@ class _Prefetcher:
                  (self.decoded, self.queue), self.streams, self.activities[1:])]
         for thread, activity in zip(self.threads, self.activities):
             activity.thread = thread
+        reserve = getattr(loader.dataset, "reserve_staging", None)
+        if reserve is not None:  # staged batches this pass can hold at once: in flight, queued for decode,
+            # decoding, queued for the transform, transforming (and with pixels=True those handed on)
+            reserve(_read_overlap(loader.dataset) + self.staged.maxsize + 1 + self.decoded.maxsize + 1
+                    + (self.queue.maxsize + 1 if loader.pixels else 0))
         register = getattr(loader.dataset, "register_pass", None)  # GDSDataset.close() stops its passes
         if register is not None:
             register(self)

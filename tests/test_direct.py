@@ -168,6 +168,25 @@ def test_streaming_loaders_read_two_batches_at_once_and_hand_them_on_in_order(ph
     assert not loader_threads()
 
 
+def test_a_loader_reserves_the_staging_its_queues_can_hold(photos_dataset):
+    """The GPU path's staging pool is sized from the Loader's depths (reserve_staging), not from a
+    constant that silently depends on them."""
+    from gdsdata.io.gpu import SlotPool
+
+    _, _, root = photos_dataset
+    for ds, pixels, expected in ((gdsdata.GDSDataset(root), False, 6), (_direct(root), False, 7),
+                                 (gdsdata.GDSDataset(root), True, 9)):
+        seen = []
+        ds.reserve_staging = seen.append
+        loader = gdsdata.Loader(ds, 5, pixels=pixels, prefetch=2, transform=None if pixels else gdsdata.CenterCrop(40))
+        next(iter(loader))
+        assert seen == [expected]
+    pool = SlotPool("device", torch.device("cuda", 0))  # nothing allocated until a buffer is acquired
+    pool.reserve(7)
+    pool.reserve(3)
+    assert pool.spare == 9
+
+
 def test_a_streaming_read_that_fails_arrives_after_the_batches_before_it(photos_dataset):
     _, _, root = photos_dataset
     ds = _direct(root)

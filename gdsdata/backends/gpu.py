@@ -94,6 +94,9 @@ class GpuBackend:
     def load_batch(self, indices, stream=None) -> PixelBatch:
         return self.decode(self.read(indices), stream)
 
+    def reserve_staging(self, count: int):
+        self._slots.reserve(count)
+
     def _verify(self, staging, plan, indices) -> dict:
         from gdsdata.decode.cpu import check_batch
         from gdsdata.transforms import _triton_ready

@@ -103,16 +103,23 @@ class SlotPool:
         self.kind, self.device = kind, device
         self._free, self._all = [], []
         self._lock = threading.Lock()
+        self.spare = _SPARE
+
+    def reserve(self, count: int):
+        """A reader of the pool (a Loader pass) may hold ``count`` buffers at once: make up to that
+        many, plus two, before waiting for the GPU to finish with one."""
+        with self._lock:
+            self.spare = max(self.spare, count + 2)
 
     def acquire(self) -> StagingBuffer:
-        """A free buffer the GPU has finished reading; while fewer than ``_SPARE`` exist, a new one
+        """A free buffer the GPU has finished reading; while fewer than ``spare`` exist, a new one
         rather than one the GPU still reads (reading the next batch then never waits for the GPU);
         beyond, the longest free one (``ensure`` waits for the GPU to finish with it)."""
         with self._lock:
             for k, slot in enumerate(self._free):
                 if slot.busy is None or slot.busy.query():
                     return self._free.pop(k)
-            if self._free and len(self._all) >= _SPARE:
+            if self._free and len(self._all) >= self.spare:
                 return self._free.pop(0)
             slot = StagingBuffer(self.kind, self.device)
             self._all.append(slot)
@@ -135,7 +142,7 @@ class SlotPool:
 
 
 _KVIKIO_READ = 4 << 20  # mixed engine: batches whose reads average this much go through kvikio
-_SPARE = 8  # staging buffers made before a reader waits for the GPU: a Loader holds at most 6 (prefetch 2)
+_SPARE = 4  # staging buffers made before a reader waits for the GPU, until a Loader reserves more (``reserve``)
 
 
 class ShardMaps:
