@@ -36,9 +36,18 @@ def evicted(paths):
         pytest.skip("this filesystem keeps file pages in memory (tmpfs, say): nothing to bypass")
 
 
-@pytest.fixture(params=["direct", "fallback"])
+@pytest.fixture(params=["direct", "threads", "fallback"])
 def mode(request, monkeypatch):
-    """``fallback``: a filesystem that refuses O_DIRECT (open fails with EINVAL)."""
+    """``direct``: O_DIRECT reads through native AIO; ``threads``: a system that refuses an AIO
+    context (the reads issued from threads); ``fallback``: a filesystem that refuses O_DIRECT
+    (open fails with EINVAL)."""
+    if request.param == "threads":
+        from gdsdata._native import aio
+
+        def refused(depth):
+            raise OSError(errno.EAGAIN, "io_setup: Resource temporarily unavailable")
+
+        monkeypatch.setattr(aio, "Context", refused)
     if request.param == "fallback":
         real_open = os.open
 
@@ -67,6 +76,40 @@ def test_direct_reads_read_what_buffered_reads_read(photos_dataset, mode, order,
     assert np.array_equal(plan.sample_offsets, same_plan.sample_offsets)
     for off, length in zip(plan.sample_offsets, plan.sample_lengths):
         assert np.array_equal(got[off:off + length], expected[off:off + length])
+    reader.close()
+
+
+def test_native_aio_carries_the_direct_reads_where_the_system_allows(photos_dataset):
+    from gdsdata._native.aio import Context
+
+    try:
+        Context(4).close()
+    except OSError as e:
+        pytest.skip(f"no native AIO here: {e}")
+    _, _, root = photos_dataset
+    reader = CpuReader(load_index(root), direct=True)
+    reader.read(np.arange(30))
+    assert reader._direct._aio and len(reader._direct._contexts) == 1  # one context, reused
+    reader.read(np.arange(30, 60))
+    assert len(reader._direct._contexts) == 1
+    reader.close()
+
+
+def test_a_shard_cut_short_under_a_streaming_reader_is_named(photos_dataset, mode, tmp_path):
+    import shutil
+
+    from gdsdata.errors import FormatError
+
+    _, _, root = photos_dataset
+    copy = str(tmp_path / "ds")
+    shutil.copytree(root, copy)
+    index = load_index(copy)
+    reader = CpuReader(index, direct=True)
+    reader.read(np.arange(len(index.samples)))  # every shard opened and checked
+    last = index.shard_path(len(index.shards) - 1)
+    os.truncate(last, os.path.getsize(last) - 3 * 4096)
+    with pytest.raises(FormatError, match=rf"{os.path.basename(last)}: short read .* truncated shard"):
+        reader.read(np.arange(len(index.samples)))
     reader.close()
 
 

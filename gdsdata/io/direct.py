@@ -4,8 +4,9 @@ A planned batch (``io.plan``: whole aligned pages, coalesced) is read with ``O_D
 DMAs into the staging buffer and nothing of the shard stays in the page cache, so an epoch over a
 dataset larger than the host's memory neither evicts the training process's own pages nor keeps
 the last epoch's bytes. The planned reads are cut into pieces, and the pieces of the whole batch
-are issued together by ``depth`` threads (``os.preadv`` releases the interpreter lock while the
-drive works): the requests in flight that a drive's queue needs to give its rate. A batch of a few
+are submitted together, ``depth`` at a time, through Linux native AIO (``_native.aio``), or where
+the system refuses an AIO context issued by ``depth`` threads (``os.preadv``): the requests in
+flight that a drive's queue needs to give its rate. A batch of a few
 large reads (file order, block shuffle) is cut into at least ``depth`` pieces (no smaller than
 ``MIN_PIECE``), so that it too keeps the queue full; no piece is larger than ``PIECE``.
 
@@ -115,16 +116,30 @@ def _pread(handle: _Shard, dest: np.ndarray, offset: int) -> int:
     return done
 
 
+class _Piece:
+    """One request of a batch: ``size`` bytes of shard ``shard`` at ``offset`` into ``dest``."""
+
+    __slots__ = ("shard", "offset", "size", "dest", "got")
+
+    def __init__(self, shard, offset, size, dest):
+        self.shard, self.offset, self.size, self.dest, self.got = shard, offset, size, dest, 0
+
+
 class DirectReads:
     """Reads planned batches past the page cache into host buffers, ``depth`` requests at a time,
     with at most ``max_open`` shard files open (``OpenShards``: each held only while a piece of it
-    is read)."""
+    is read). The requests go to the kernel through native AIO (``_native.aio``: one submission a
+    batch, no thread per request) where the system allows it (``aio``), else from ``depth``
+    threads; shards read through the page cache (filesystems without ``O_DIRECT``) always take the
+    threads."""
 
-    def __init__(self, index, depth: int, max_open: int = None):
+    def __init__(self, index, depth: int, max_open: int = None, aio: bool = True):
         self.index = index
         self.depth = max(1, depth)
         self._files = OpenShards(index, lambda path, shard: _open(index, path, shard), lambda h: h.close(), max_open)
         self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="gdsdata-direct")
+        self._aio = aio
+        self._contexts, self._idle, self._lock = [], [], threading.Lock()  # AIO contexts: all, not in use
 
     def pieces(self, plan) -> int:
         """The bytes of each piece the plan's reads are cut into: enough pieces to keep ``depth``
@@ -132,31 +147,148 @@ class DirectReads:
         share = -(-plan.total // self.depth)
         return min(PIECE, max(MIN_PIECE, -(-share // PAGE) * PAGE))
 
-    def _piece(self, shard, dest, offset):
-        with self._files.use(shard) as handle:
-            return _pread(handle, dest, offset)
-
     def read(self, plan, dest: np.ndarray):
         """Fill ``dest`` (uint8, page aligned, at least ``plan.total`` bytes) with the plan's reads."""
         if dest.ctypes.data % PAGE:
             raise ValueError("direct reads need a page-aligned buffer")
-        pending, piece = [], self.pieces(plan)
+        size = self.pieces(plan)
+        pieces = [_Piece(read.shard, read.offset + start, min(size, read.size - start),
+                         dest[read.buffer_offset + start:read.buffer_offset + start + min(size, read.size - start)])
+                  for read in plan.reads for start in range(0, read.size, size)]
+        context = self._context()
+        if context is None:
+            self._read_threads(pieces)
+        else:
+            try:
+                self._read_aio(context, pieces)
+            finally:
+                with self._lock:
+                    self._idle.append(context)
+        for piece in pieces:
+            if piece.got != piece.size:
+                raise FormatError(f"{self.index.shard_path(piece.shard)}: short read at offset {piece.offset} "
+                                  f"({piece.got} of {piece.size} bytes): truncated shard")
+
+    def _context(self):
+        """An AIO context no other read uses (one per batch read at once), or None where native AIO
+        is off or refused (logged once)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        if not self._aio:
+            return None
+        from gdsdata._native.aio import Context
+
         try:
-            for read in plan.reads:
-                for start in range(0, read.size, piece):
-                    size = min(piece, read.size - start)
-                    view = dest[read.buffer_offset + start:read.buffer_offset + start + size]
-                    pending.append((read, start, size,
-                                    self._pool.submit(self._piece, read.shard, view, read.offset + start)))
-            for read, start, size, future in pending:
+            context = Context(self.depth)
+        except OSError as e:
+            self._aio = False
+            log.info("native AIO unavailable (%s): direct reads issued from %d threads", e, self.depth)
+            return None
+        with self._lock:
+            self._contexts.append(context)
+        return context
+
+    def _piece(self, piece: _Piece):
+        with self._files.use(piece.shard) as handle:
+            piece.got = _pread(handle, piece.dest, piece.offset)
+
+    def _read_threads(self, pieces):
+        pending = []
+        try:
+            for piece in pieces:
+                pending.append(self._pool.submit(self._piece, piece))
+            for future in pending:
                 with stall.native("pread (O_DIRECT)"):
-                    got = future.result()
-                if got != size:
-                    raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset "
-                                      f"{read.offset + start} ({got} of {size} bytes): truncated shard")
+                    future.result()
         finally:  # no piece may still be writing into the buffer once this returns
-            futures.wait([future for *_, future in pending])
+            futures.wait(pending)
+
+    def _read_aio(self, context, pieces):
+        """The pieces through ``context``: as many in flight as it holds, the pieces of at most
+        ``max_open`` shards at once; those of shards read through the cache, and the rest of a
+        piece the kernel read short or refused, on the threads."""
+        from collections import deque
+
+        waiting, flying, held, threaded = deque(pieces), {}, {}, []
+        error = None
+
+        def release(shard):
+            held[shard][1] -= 1
+            if not held[shard][1]:
+                held.pop(shard)[0].__exit__(None, None, None)
+
+        try:
+            while waiting or flying:
+                batch = []
+                while waiting and error is None and len(batch) < context.room:
+                    piece = waiting[0]
+                    if piece.shard not in held:
+                        if len(held) >= max(1, self._files.max_open):
+                            break
+                        use = self._files.use(piece.shard)
+                        held[piece.shard] = [use, 0, use.__enter__()]
+                    handle = held[piece.shard][2]
+                    waiting.popleft()
+                    if not handle.direct:  # read through the cache: a thread's buffered read
+                        threaded.append(self._pool.submit(self._piece, piece))
+                        continue
+                    held[piece.shard][1] += 1
+                    batch.append(piece)
+                for shard in [s for s, h in held.items() if not h[1]]:  # all of theirs went to threads
+                    held.pop(shard)[0].__exit__(None, None, None)
+                if batch:
+                    slots = context.submit([(held[p.shard][2].fd, p.dest.ctypes.data, p.size, p.offset)
+                                            for p in batch])
+                    for slot, piece in zip(slots, batch):
+                        flying[slot] = piece
+                    for piece in reversed(batch[len(slots):]):  # not taken now: again after a reap
+                        release(piece.shard)
+                        waiting.appendleft(piece)
+                    if not slots and not flying:
+                        raise OSError(errno.EAGAIN, "io_submit took no request with none in flight")
+                if not flying:
+                    if error is not None or not waiting:
+                        break
+                    continue
+                with stall.native("io_getevents (O_DIRECT)"):
+                    done = context.reap(0.5)
+                for slot, result in done:
+                    piece = flying.pop(slot)
+                    handle = held[piece.shard][2]
+                    release(piece.shard)
+                    if result == piece.size:
+                        piece.got = result
+                    elif result == -errno.EINVAL and error is None:  # the device refused the alignment
+                        handle.reopen_buffered(f"O_DIRECT refused a read of {piece.size} bytes at offset "
+                                               f"{piece.offset}")
+                        threaded.append(self._pool.submit(self._piece, piece))
+                    elif result < 0:
+                        error = error or OSError(-result, f"{self.index.shard_path(piece.shard)}: read of "
+                                                          f"{piece.size} bytes at offset {piece.offset}: "
+                                                          f"{os.strerror(-result)}")
+                    elif error is None:  # short: the rest (the end of the file, or a partial read)
+                        threaded.append(self._pool.submit(self._rest, piece, result))
+        finally:  # nothing may still be writing into the buffer once this returns
+            while flying:
+                for slot, _ in context.reap(0.5):
+                    flying.pop(slot, None)
+            for use, *_ in held.values():
+                use.__exit__(None, None, None)
+            futures.wait(threaded)
+        if error is not None:
+            raise error
+        for future in threaded:
+            future.result()
+
+    def _rest(self, piece: _Piece, done: int):
+        with self._files.use(piece.shard) as handle:
+            piece.got = done + _pread(handle, piece.dest[done:], piece.offset + done)
 
     def close(self):
         self._pool.shutdown(wait=True)
+        with self._lock:
+            contexts, self._contexts, self._idle = self._contexts, [], []
+        for context in contexts:
+            context.close()
         self._files.close()
