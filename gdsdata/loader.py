@@ -17,6 +17,7 @@ their buffers.
 """
 
 import atexit
+import collections
 import hashlib
 import logging
 import queue
@@ -464,7 +465,9 @@ def _release(dataset, kind, payload):
 @dataclass
 class PipelineStats:
     """Host seconds the stages of a Loader pass spent since it began (``Loader.stats()``). GPU work
-    is queued asynchronously: its time shows only where a host thread waits for it."""
+    is queued asynchronously: its time shows only where a host thread waits for it, and in
+    ``consumer_gpu_wait_s``, the time the training loop's stream stood still on the GPU waiting for
+    a batch's decode and transform (timed with CUDA events)."""
 
     batches: int = 0  # batches handed to the training loop
     read_s: float = 0.0  # I/O thread: planning and reading batches into staging buffers
@@ -476,6 +479,7 @@ class PipelineStats:
     transform_idle_s: float = 0.0  # transform thread: waiting for a decoded batch (decode is behind)
     transform_blocked_s: float = 0.0  # transform thread: waiting to hand a batch on (the loop is behind)
     consumer_wait_s: float = 0.0  # the training loop waiting for its next batch
+    consumer_gpu_wait_s: float = 0.0  # the loop's CUDA stream waiting on the GPU for a batch's work
 
     def add(self, field: str, seconds: float):
         setattr(self, field, getattr(self, field) + seconds)
@@ -697,6 +701,7 @@ class _Prefetcher:
         self.staged = queue.Queue(maxsize=2)
         self.decoded = queue.Queue(maxsize=1)
         self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step
+        self.gpu_waits = collections.deque()  # (before, after) events around the loop stream's waits
         self.closed_by = None  # why the dataset closed this pass under a running loop
         self.stats = PipelineStats()
         # The threads hold no reference to this object, so dropping the iterator stops them.
@@ -773,7 +778,7 @@ class _Prefetcher:
         images, labels, replaced = payload
         if event is not None:
             current = torch.cuda.current_stream(self.device)
-            current.wait_event(event)
+            self._time_gpu_wait(current, event)
             if isinstance(images, PixelBatch):
                 tensors = [images.buffer]
                 self.held = images
@@ -788,6 +793,21 @@ class _Prefetcher:
         if self.whole_dict:  # Ultralytics' batch dict holds the images too
             return labels
         return images, labels
+
+    def _time_gpu_wait(self, stream, event):
+        """Make ``stream`` wait for ``event``, timing on the GPU how long it stands still for it
+        (events before and after the wait; added to the stats once they have completed)."""
+        while self.gpu_waits and self.gpu_waits[0][1].query():
+            before, after = self.gpu_waits.popleft()
+            self.stats.consumer_gpu_wait_s += before.elapsed_time(after) / 1000
+        if len(self.gpu_waits) >= 64:  # far behind: stop timing rather than hold events
+            stream.wait_event(event)
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self.gpu_waits.append((before, after))
 
     def close(self, reason=None, grace=None):
         """Stop the threads, waiting for them at most ``grace`` seconds (default: the stall_timeout

@@ -254,6 +254,7 @@ def test_loader_stats_say_where_the_time_goes(photos_dataset):
     assert stats["batches"] == 2 * len(loader)
     assert stats["read_s"] > 0 and stats["decode_s"] > 0
     assert stats["transform_s"] > 0
+    assert stats["consumer_gpu_wait_s"] == 0  # no CUDA stream on the CPU path
     assert all(value >= 0 for value in stats.values())
     loader.close()
     ds.close()

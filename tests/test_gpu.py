@@ -289,6 +289,22 @@ def test_checksums_on_the_gpu_for_device_staging_by_default(raw_dataset, tmp_pat
             bad.__getitems__([2, 3, 4])
 
 
+def test_the_loader_times_how_long_the_loops_stream_waits_for_batches(photos_dataset):
+    """consumer_gpu_wait_s: CUDA events around each wait of the loop's stream for a batch."""
+    ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32))
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for images, _ in loader:
+            images.float().sum()
+    torch.cuda.synchronize()
+    next(iter(loader))  # the last epoch's events are harvested at the next batch
+    stats = loader.stats()
+    assert stats["consumer_gpu_wait_s"] >= 0 and stats["batches"] >= 2 * len(loader)
+    loader.close()
+    ds.close()
+
+
 def test_loader_stops_its_thread_when_the_loop_breaks(photos_dataset):
     ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
     loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32))
