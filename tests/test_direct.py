@@ -113,6 +113,131 @@ def test_a_shard_cut_short_under_a_streaming_reader_is_named(photos_dataset, mod
     reader.close()
 
 
+def _aio_or_skip():
+    from gdsdata._native.aio import Context
+
+    try:
+        Context(4).close()
+    except OSError as e:
+        pytest.skip(f"no native AIO here: {e}")
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_device_that_refuses_every_aio_read_is_read_buffered_without_losing_a_descriptor(
+        photos_dataset, monkeypatch):
+    """Every request answered -EINVAL (a device refusing the dataset's alignment), two shards open
+    at most: the reads finish through the cache, the bytes equal, no descriptor closed twice or
+    leaked."""
+    from gdsdata._native import aio
+
+    _aio_or_skip()
+    real_reap = aio.Context.reap
+    monkeypatch.setattr(aio.Context, "reap", lambda self, wait_s: [(slot, -errno.EINVAL)
+                                                                  for slot, _ in real_reap(self, wait_s)])
+    _, _, root = photos_dataset
+    index = load_index(root)
+    expected, plan = CpuReader(index).read(np.arange(len(index.samples)))
+    before = _open_fds()
+    reader = CpuReader(index, max_open=2, direct=True)
+    got, _ = reader.read(np.arange(len(index.samples)))
+    assert np.array_equal(got[:plan.total], expected[:plan.total])
+    reader.close()
+    assert _open_fds() == before
+
+
+def test_a_failure_while_handling_completions_raises_instead_of_hanging(photos_dataset, monkeypatch):
+    from gdsdata._native import aio
+
+    _aio_or_skip()
+    real_reap = aio.Context.reap
+    monkeypatch.setattr(aio.Context, "reap", lambda self, wait_s: [(slot, -errno.EINVAL)
+                                                                  for slot, _ in real_reap(self, wait_s)])
+
+    def no_descriptors(path):
+        raise OSError(errno.EMFILE, "Too many open files", path)
+
+    monkeypatch.setattr(direct, "_buffered", no_descriptors)
+    _, _, root = photos_dataset
+    reader = CpuReader(load_index(root), direct=True)
+    outcome = {}
+
+    def read():
+        try:
+            reader.read(np.arange(40))
+        except OSError as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the read hung"
+    assert outcome["error"].errno == errno.EMFILE
+    reader.close()
+
+
+def test_a_submission_that_fails_part_way_returns_what_the_kernel_took(tmp_path):
+    """io_submit takes the requests before a bad one and returns them, so they are reaped, never
+    lost while the kernel writes into their buffers; the next call raises."""
+    from gdsdata._native.aio import Context
+
+    _aio_or_skip()
+    path = tmp_path / "blob"
+    data = np.random.default_rng(1).integers(0, 256, 4 << 20, np.uint8)
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffer = np.frombuffer(mmap.mmap(-1, 4 << 20), np.uint8)
+    context = Context(8)
+    try:
+        piece = 1 << 20
+        good = [(fd, buffer.ctypes.data + k * piece, piece, k * piece) for k in range(3)]
+        slots = context.submit(good + [(2 ** 31 - 1, buffer.ctypes.data + 3 * piece, piece, 3 * piece)])
+        assert len(slots) == 3 and context.in_flight == 3
+        results = {}
+        while len(results) < 3:
+            results.update(context.reap(1.0))
+        assert sorted(results) == sorted(slots) and set(results.values()) == {piece}
+        assert np.array_equal(buffer[:3 * piece], data[:3 * piece]) and context.in_flight == 0
+        with pytest.raises(OSError) as caught:
+            context.submit([(2 ** 31 - 1, buffer.ctypes.data, piece, 0)])
+        assert caught.value.errno == errno.EBADF and context.room == 8
+    finally:
+        context.close()
+        os.close(fd)
+
+
+def test_a_stuck_streaming_read_does_not_keep_the_interpreter_from_exiting(photos_dataset, tmp_path):
+    """The read-ahead threads are daemons: after the StallError the script ends, the read still
+    stuck in its call."""
+    _, _, root = photos_dataset
+    script = tmp_path / "stuck.py"
+    script.write_text(f"""
+import threading, gdsdata
+with gdsdata.settings.set(io_engine="direct"):
+    ds = gdsdata.GDSDataset({root!r})
+original, calls = ds.read_staged, {{"n": 0}}
+def read_staged(indices):
+    calls["n"] += 1
+    if calls["n"] == 3:
+        threading.Event().wait()
+    return original(indices)
+ds.read_staged = read_staged
+try:
+    with gdsdata.settings.set(stall_timeout=1):
+        for _ in gdsdata.Loader(ds, 5, shuffle=None, transform=gdsdata.CenterCrop(40)):
+            pass
+except gdsdata.StallError:
+    print("stalled")
+""")
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert done.returncode == 0 and "stalled" in done.stdout, done.stderr[-2000:]
+
+
 def test_a_batch_of_few_large_reads_is_cut_to_fill_the_queue():
     """A block-shuffled batch (one long read) becomes at least ``depth`` page-multiple pieces
     between MIN_PIECE and PIECE; a batch of many small reads keeps its reads whole."""

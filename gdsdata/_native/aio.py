@@ -48,8 +48,9 @@ class Context:
 
     def __init__(self, depth: int):
         numbers = _NUMBERS.get(platform.machine())
-        if numbers is None or not hasattr(os, "O_DIRECT"):
-            raise OSError(errno.ENOSYS, f"no native AIO binding for {platform.machine()}")
+        if numbers is None or ctypes.sizeof(ctypes.c_void_p) != 8 or not hasattr(os, "O_DIRECT"):
+            raise OSError(errno.ENOSYS, f"no native AIO binding for a {ctypes.sizeof(ctypes.c_void_p) * 8}-bit "
+                                        f"interpreter on {platform.machine()}")
         self._setup, self._destroy, self._submit, self._getevents = numbers
         self._call = _syscall()
         self.depth = depth
@@ -69,7 +70,9 @@ class Context:
 
     def submit(self, requests) -> list:
         """Submit ``requests``, each ``(fd, address, nbytes, offset)`` (at most ``room``): returns
-        the slot of each, in order; the slot comes back from ``reap`` with the result."""
+        the slots of those the kernel took, in order (a prefix of ``requests``; each slot comes back
+        from ``reap`` with its result). Raises only when it took none: a failure after some were
+        taken returns those, and the next call raises."""
         slots = [self._free.pop() for _ in requests]
         for k, (slot, (fd, address, nbytes, offset)) in enumerate(zip(slots, requests)):
             iocb = self._iocbs[slot]
@@ -85,9 +88,9 @@ class Context:
                 code = ctypes.get_errno()
                 if code == errno.EINTR:
                     continue
-                if code == errno.EAGAIN:
-                    break  # the rest are handed back: the caller reaps, then submits them again
-                self._free.extend(slots[done:])
+                if code == errno.EAGAIN or done:
+                    break  # the rest are handed back: those taken are in flight and must be reaped
+                self._free.extend(slots)
                 raise OSError(code, f"io_submit: {os.strerror(code)}")
             done += got
         self._free.extend(slots[done:])

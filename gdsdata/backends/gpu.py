@@ -99,9 +99,8 @@ class GpuBackend:
 
     def _verify(self, staging, plan, indices) -> dict:
         from gdsdata.decode.cpu import check_batch
-        from gdsdata.transforms import _triton_ready
 
-        if staging.is_cuda and _triton_ready():  # on the GPU: the bytes never pass a CPU
+        if staging.is_cuda and load_paths.checksum_kernel():  # on the GPU: the bytes never pass a CPU
             from gdsdata.io.checksums import crc32
 
             if self._check_stream is None:

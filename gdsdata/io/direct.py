@@ -61,11 +61,14 @@ class _Shard:
         with self.lock:
             if self.direct:
                 log.info("%s: read through the page cache, each range dropped after its read (%s)", self.path, why)
+                fd = _buffered(self.path)  # first: a failure leaves the handle as it was
                 self._retired.append(self.fd)
-                self.fd, self.direct = _buffered(self.path), False
+                self.fd, self.direct = fd, False
 
     def close(self):
-        for fd in [self.fd, *self._retired]:
+        with self.lock:
+            fds, self._retired = [self.fd, *self._retired], []
+        for fd in fds:
             os.close(fd)
 
 
@@ -163,7 +166,12 @@ class DirectReads:
                 self._read_aio(context, pieces)
             finally:
                 with self._lock:
-                    self._idle.append(context)
+                    if context.in_flight:  # requests the kernel still holds: never reused; destroying waits for them
+                        self._contexts.remove(context)
+                    else:
+                        self._idle.append(context)
+                if context.in_flight:
+                    context.close()
         for piece in pieces:
             if piece.got != piece.size:
                 raise FormatError(f"{self.index.shard_path(piece.shard)}: short read at offset {piece.offset} "
@@ -206,76 +214,86 @@ class DirectReads:
 
     def _read_aio(self, context, pieces):
         """The pieces through ``context``: as many in flight as it holds, the pieces of at most
-        ``max_open`` shards at once; those of shards read through the cache, and the rest of a
-        piece the kernel read short or refused, on the threads."""
+        ``max_open`` shards at once. On the threads instead: pieces of shards read through the
+        cache, pieces the kernel did not take, and the rest of a piece it read short or refused.
+        Returns or raises only once the kernel holds none of them."""
         from collections import deque
 
         waiting, flying, held, threaded = deque(pieces), {}, {}, []
         error = None
 
+        def hold(shard):
+            entry = held.get(shard)
+            if entry is None:
+                use = self._files.use(shard)
+                entry = held[shard] = [use, 0, use.__enter__()]
+            entry[1] += 1
+            return entry[2]
+
         def release(shard):
-            held[shard][1] -= 1
-            if not held[shard][1]:
-                held.pop(shard)[0].__exit__(None, None, None)
+            entry = held[shard]
+            entry[1] -= 1
+            if not entry[1]:
+                del held[shard]
+                entry[0].__exit__(None, None, None)
 
         try:
-            while waiting or flying:
+            while (waiting and error is None) or flying:
                 batch = []
                 while waiting and error is None and len(batch) < context.room:
-                    piece = waiting[0]
-                    if piece.shard not in held:
-                        if len(held) >= max(1, self._files.max_open):
-                            break
-                        use = self._files.use(piece.shard)
-                        held[piece.shard] = [use, 0, use.__enter__()]
-                    handle = held[piece.shard][2]
-                    waiting.popleft()
-                    if not handle.direct:  # read through the cache: a thread's buffered read
-                        threaded.append(self._pool.submit(self._piece, piece))
-                        continue
-                    held[piece.shard][1] += 1
-                    batch.append(piece)
-                for shard in [s for s, h in held.items() if not h[1]]:  # all of theirs went to threads
-                    held.pop(shard)[0].__exit__(None, None, None)
-                if batch:
-                    slots = context.submit([(held[p.shard][2].fd, p.dest.ctypes.data, p.size, p.offset)
-                                            for p in batch])
-                    for slot, piece in zip(slots, batch):
-                        flying[slot] = piece
-                    for piece in reversed(batch[len(slots):]):  # not taken now: again after a reap
-                        release(piece.shard)
-                        waiting.appendleft(piece)
-                    if not slots and not flying:
-                        raise OSError(errno.EAGAIN, "io_submit took no request with none in flight")
-                if not flying:
-                    if error is not None or not waiting:
+                    if waiting[0].shard not in held and len(held) >= max(1, self._files.max_open):
                         break
+                    piece = waiting.popleft()
+                    handle = hold(piece.shard)
+                    if handle.direct:
+                        batch.append((piece, handle))
+                    else:  # read through the cache: a thread's buffered read (it holds the shard itself)
+                        release(piece.shard)
+                        threaded.append(self._pool.submit(self._piece, piece))
+                if batch:
+                    try:
+                        slots = context.submit([(h.fd, p.dest.ctypes.data, p.size, p.offset) for p, h in batch])
+                    except OSError as e:  # the kernel took none: the threads read them
+                        log.debug("io_submit refused %d reads (%s): read from threads", len(batch), e)
+                        slots = []
+                    for slot, entry in zip(slots, batch):
+                        flying[slot] = entry
+                    for piece, _ in batch[len(slots):]:
+                        release(piece.shard)
+                        threaded.append(self._pool.submit(self._piece, piece))
+                if not flying:
                     continue
                 with stall.native("io_getevents (O_DIRECT)"):
-                    done = context.reap(0.5)
-                for slot, result in done:
-                    piece = flying.pop(slot)
-                    handle = held[piece.shard][2]
-                    release(piece.shard)
-                    if result == piece.size:
-                        piece.got = result
-                    elif result == -errno.EINVAL and error is None:  # the device refused the alignment
-                        handle.reopen_buffered(f"O_DIRECT refused a read of {piece.size} bytes at offset "
-                                               f"{piece.offset}")
-                        threaded.append(self._pool.submit(self._piece, piece))
-                    elif result < 0:
-                        error = error or OSError(-result, f"{self.index.shard_path(piece.shard)}: read of "
-                                                          f"{piece.size} bytes at offset {piece.offset}: "
-                                                          f"{os.strerror(-result)}")
-                    elif error is None:  # short: the rest (the end of the file, or a partial read)
-                        threaded.append(self._pool.submit(self._rest, piece, result))
+                    done = [(flying.pop(slot), result) for slot, result in context.reap(0.5) if slot in flying]
+                for (piece, handle), result in done:
+                    try:
+                        if result == piece.size:
+                            piece.got = result
+                        elif error is not None:
+                            pass
+                        elif result == -errno.EINVAL:  # the device refused the alignment
+                            handle.reopen_buffered(f"O_DIRECT refused a read of {piece.size} bytes at offset "
+                                                   f"{piece.offset}")
+                            threaded.append(self._pool.submit(self._piece, piece))
+                        elif result < 0:
+                            error = OSError(-result, f"{self.index.shard_path(piece.shard)}: read of {piece.size} "
+                                                     f"bytes at offset {piece.offset}: {os.strerror(-result)}")
+                        else:  # short: the rest (the end of the file, or a partial read)
+                            threaded.append(self._pool.submit(self._rest, piece, result))
+                    except BaseException as e:  # noqa: BLE001 - raised once nothing is in flight
+                        error = error or e
+                    finally:  # the shard is let go only once its piece is handled
+                        release(piece.shard)
         finally:  # nothing may still be writing into the buffer once this returns
-            while flying:
-                for slot, _ in context.reap(0.5):
-                    flying.pop(slot, None)
-            for use, *_ in held.values():
-                use.__exit__(None, None, None)
-            futures.wait(threaded)
+            try:
+                while context.in_flight:
+                    with stall.native("io_getevents (O_DIRECT)"):
+                        context.reap(0.5)
+            finally:
+                for use, *_ in list(held.values()):
+                    use.__exit__(None, None, None)
+                held.clear()
+                futures.wait(threaded)
         if error is not None:
             raise error
         for future in threaded:

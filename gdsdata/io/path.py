@@ -18,7 +18,6 @@ The automatic choices:
 """
 
 import functools
-import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -60,6 +59,16 @@ class Machine:
 
 
 @functools.lru_cache(maxsize=None)
+def checksum_kernel() -> bool:
+    """Whether the GPU's CRC-32 kernel can run here (``io.checksums`` imports: Triton is installed)."""
+    try:
+        import gdsdata.io.checksums  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
 def probe_machine(device_index: int) -> Machine:
     """Probe the machine once per device and process (creating a hardware decoder tells whether
     the GPU has JPEG engines)."""
@@ -82,7 +91,7 @@ def probe_machine(device_index: int) -> Machine:
     except ImportError:
         have_cupy = False
     return Machine(f"cuda:{device_index}", mode, reason, engines, entry_point() or "",
-                   host_memory(), have_cupy, importlib.util.find_spec("triton") is not None)
+                   host_memory(), have_cupy, checksum_kernel())
 
 
 @dataclass(frozen=True)
@@ -283,7 +292,8 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
         checksums = "host"
     elif verify == "always" or (verify and machine.triton):
         checksums = "gpu"
-        why.append("checksums: on the GPU, where GPU staging holds the bytes (a CRC-32 kernel)")
+        why.append("checksums: on the GPU, where GPU staging holds the bytes (a CRC-32 kernel)" if machine.triton
+                   else "checksums: GPU staging copied to the host for them (Triton is not installed)")
     else:
         checksums = "none"
         if verify:
