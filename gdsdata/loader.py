@@ -532,62 +532,30 @@ def _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1) -> bool:
     return handed
 
 
-class _ReadAhead:
-    """The read-ahead threads of a streaming pass: daemon threads (a read stuck in the kernel must
-    not keep the interpreter from exiting, as a ThreadPoolExecutor's workers would), each taking
-    the next ``_Reading`` to run."""
-
-    def __init__(self, count: int):
-        self._jobs = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"gdsdata-read-ahead_{k}", daemon=True)
-                         for k in range(count)]
-        for thread in self._threads:
-            thread.start()
-
-    def _work(self):
-        while (reading := self._jobs.get()) is not None:
-            reading.run()
-
-    def submit(self, reading: "_Reading") -> "_Reading":
-        self._jobs.put(reading)
-        return reading
-
-    def shutdown(self):
-        for _ in self._threads:
-            self._jobs.put(None)
-
-
 class _Reading:
     """A batch read on a read-ahead thread: its future, that thread once it has started (the stall
-    watchdog looks there for the native call the batch waits in), and when the read began and
-    ended."""
+    watchdog looks there for the native call the batch waits in), and when the read began."""
 
-    def __init__(self, dataset, planned, outputs):
-        from concurrent.futures import Future
-
+    def __init__(self, pool, dataset, planned, outputs):
         self.dataset, self.planned, self.outputs = dataset, planned, outputs
-        self.thread, self.started, self.ended = None, None, None
-        self.future = Future()
+        self.thread, self.started = None, None
+        self.future = pool.submit(self._run)
 
-    def run(self):
-        self.thread, self.started = threading.current_thread(), time.perf_counter()
-        try:
-            staged = self.dataset.read_staged(self.planned)
-            staged.outputs = self.outputs
-        except BaseException as e:  # noqa: BLE001 - raised where the batch is handed on
-            self.ended = time.perf_counter()
-            self.future.set_exception(e)
-        else:
-            self.ended = time.perf_counter()
-            self.future.set_result(staged)
+    def _run(self):
+        self.thread, self.started = threading.current_thread(), time.monotonic()
+        staged = self.dataset.read_staged(self.planned)
+        staged.outputs = self.outputs
+        return staged
 
 
 def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap):
     """``_read_ahead`` with ``overlap`` batches in flight on as many threads."""
     from collections import deque
-    from concurrent.futures import TimeoutError as FutureTimeout
+    from concurrent import futures
 
-    pool = _ReadAhead(overlap)
+    from gdsdata.threads import DaemonPool
+
+    pool = None
     pending = deque()  # (epoch, number, _Reading), or (epoch, None, None) for an epoch's end marker
     own = activity.thread
 
@@ -596,18 +564,16 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
         if reading is None:
             return _put(q, stop, ("end", None, epoch, None, None))
         activity.start(epoch, number)
-        while True:
+        t0 = time.perf_counter()
+        while not futures.wait([reading.future], _STOP_POLL_S).done:
             activity.thread = reading.thread or own
             if reading.started is not None:  # the stall bound counts from when the read began
-                activity.since = time.monotonic() - (time.perf_counter() - reading.started)
-            try:
-                staged = reading.future.result(timeout=_STOP_POLL_S)
-                break
-            except FutureTimeout:
-                continue
+                activity.since = reading.started
+        staged = reading.future.result()  # a failed read raises here, in order
+        t1 = time.perf_counter()
         activity.stop()
         activity.thread = own
-        return _hand_on(dataset, q, stop, stats, staged, epoch, number, reading.started, reading.ended)
+        return _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1)
 
     def hand_on_ready() -> bool:
         """Hand on what is done at the head of ``pending``, and wait for the head while
@@ -622,12 +588,13 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
         return True
 
     try:
+        pool = DaemonPool(overlap, "gdsdata-read-ahead")
         for epoch, batches in epochs:
             for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
                 indices = indices.tolist()
-                pending.append((epoch, number, pool.submit(_Reading(dataset, sources(indices, epoch), indices))))
+                pending.append((epoch, number, _Reading(pool, dataset, sources(indices, epoch), indices)))
                 if not hand_on_ready():
                     return
             pending.append((epoch, None, None))
@@ -644,7 +611,8 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
                     _release(dataset, "staged", reading.future.result())
                 except BaseException:  # noqa: BLE001, S110 - a read that failed holds nothing
                     pass
-        pool.shutdown()
+        if pool is not None:
+            pool.shutdown()
 
 
 # The stages after the I/O thread: (name, the kind of item it takes, the kind it hands on).

@@ -71,8 +71,8 @@ class Context:
     def submit(self, requests) -> list:
         """Submit ``requests``, each ``(fd, address, nbytes, offset)`` (at most ``room``): returns
         the slots of those the kernel took, in order (a prefix of ``requests``; each slot comes back
-        from ``reap`` with its result). Raises only when it took none: a failure after some were
-        taken returns those, and the next call raises."""
+        from ``reap`` with its result). Raises only when it took none: after a failure part way it
+        returns those it took."""
         slots = [self._free.pop() for _ in requests]
         for k, (slot, (fd, address, nbytes, offset)) in enumerate(zip(slots, requests)):
             iocb = self._iocbs[slot]
@@ -108,9 +108,9 @@ class Context:
             code = ctypes.get_errno()
             if code != errno.EINTR:
                 raise OSError(code, f"io_getevents: {os.strerror(code)}")
-        done = [(int(self._events[k].data), int(self._events[k].res)) for k in range(got)]
-        self._free.extend(slot for slot, _ in done)
-        return done
+        slots = [int(self._events[k].data) for k in range(got)]
+        self._free.extend(slots)  # first: nothing between the call and here may lose a slot
+        return [(slot, int(self._events[k].res)) for k, slot in enumerate(slots)]
 
     @property
     def in_flight(self) -> int:

@@ -27,7 +27,6 @@ import mmap
 import os
 import threading
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -35,6 +34,7 @@ from gdsdata import stall
 from gdsdata.errors import FormatError
 from gdsdata.format.shards import check_opened
 from gdsdata.io.cpu import OpenShards
+from gdsdata.threads import DaemonPool
 
 log = logging.getLogger(__name__)
 PIECE = 4 << 20  # most bytes of one request (kvikio's default task size)
@@ -76,7 +76,11 @@ def _buffered(path) -> int:
     """A descriptor for reads through the page cache without readahead: the pages read are dropped
     after each read, and readahead would cache pages beyond them."""
     fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -140,7 +144,7 @@ class DirectReads:
         self.index = index
         self.depth = max(1, depth)
         self._files = OpenShards(index, lambda path, shard: _open(index, path, shard), lambda h: h.close(), max_open)
-        self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="gdsdata-direct")
+        self._pool = DaemonPool(self.depth, "gdsdata-direct")  # daemons: a stuck read never blocks the exit
         self._aio = aio
         self._contexts, self._idle, self._lock = [], [], threading.Lock()  # AIO contexts: all, not in use
 
@@ -167,8 +171,9 @@ class DirectReads:
             finally:
                 with self._lock:
                     if context.in_flight:  # requests the kernel still holds: never reused; destroying waits for them
-                        self._contexts.remove(context)
-                    else:
+                        if context in self._contexts:
+                            self._contexts.remove(context)
+                    elif context in self._contexts:  # (not closed under this read)
                         self._idle.append(context)
                 if context.in_flight:
                     context.close()
@@ -304,7 +309,11 @@ class DirectReads:
             piece.got = done + _pread(handle, piece.dest[done:], piece.offset + done)
 
     def close(self):
-        self._pool.shutdown(wait=True)
+        from gdsdata import settings
+
+        if not self._pool.shutdown(wait_s=settings.get("stall_timeout")):  # a read stuck in the kernel
+            log.error("direct reads of %s still stuck in the kernel: their shards stay open", self.index.root)
+            return
         with self._lock:
             contexts, self._contexts, self._idle = self._contexts, [], []
         for context in contexts:
