@@ -371,7 +371,8 @@ def test_a_loader_reserves_the_staging_its_queues_can_hold(photos_dataset):
     assert pool.spare == 9
 
 
-def test_a_streaming_read_that_fails_arrives_after_the_batches_before_it(photos_dataset):
+@pytest.mark.parametrize("code", [errno.EIO, errno.ETIMEDOUT])  # ETIMEDOUT: an OSError that is a TimeoutError
+def test_a_streaming_read_that_fails_arrives_after_the_batches_before_it(photos_dataset, code):
     _, _, root = photos_dataset
     ds = _direct(root)
     original, calls = ds.read_staged, {"n": 0}
@@ -379,12 +380,12 @@ def test_a_streaming_read_that_fails_arrives_after_the_batches_before_it(photos_
     def read_staged(indices):
         calls["n"] += 1
         if calls["n"] == 4:
-            raise OSError(5, "Input/output error (the drive)")
+            raise OSError(code, f"{os.strerror(code)} (the drive)")
         return original(indices)
 
     ds.read_staged = read_staged
     got = 0
-    with pytest.raises(OSError, match="Input/output error"):
+    with pytest.raises(OSError, match=os.strerror(code)):
         for _ in gdsdata.Loader(ds, 5, shuffle=None, transform=gdsdata.CenterCrop(40)):
             got += 1
     assert got == 3
