@@ -12,17 +12,24 @@ from concurrent.futures import Future
 
 
 class DaemonPool:
-    """``count`` daemon threads named ``name_k`` running submitted calls in order of submission."""
+    """Up to ``count`` daemon threads named ``name_k`` running submitted calls in order of
+    submission; a thread is started when a call finds every started one busy."""
 
     def __init__(self, count: int, name: str):
         self._jobs = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{k}", daemon=True)
-                         for k in range(max(1, count))]
-        for thread in self._threads:
-            thread.start()
+        self._count, self._name = max(1, count), name
+        self._threads, self._idle = [], 0
+        self._lock = threading.Lock()
 
     def _work(self):
-        while (job := self._jobs.get()) is not None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            job = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+            if job is None:
+                return
             future, call, args = job
             if not future.set_running_or_notify_cancel():
                 continue
@@ -35,6 +42,11 @@ class DaemonPool:
 
     def submit(self, call, *args) -> Future:
         future = Future()
+        with self._lock:
+            if self._idle <= self._jobs.qsize() and len(self._threads) < self._count:
+                thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
         self._jobs.put((future, call, args))
         return future
 
@@ -43,10 +55,12 @@ class DaemonPool:
         ``wait_s`` seconds; True if they all ended."""
         import time
 
-        for _ in self._threads:
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
             self._jobs.put(None)
         deadline = time.monotonic() + wait_s
-        for thread in self._threads:
+        for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._threads if t is not threading.current_thread())
+        return not any(t.is_alive() for t in threads if t is not threading.current_thread())

@@ -221,7 +221,6 @@ def test_a_stuck_streaming_read_does_not_keep_the_interpreter_from_exiting(photo
     script = tmp_path / "stuck.py"
     script.write_text(f"""
 import threading, gdsdata
-from gdsdata._native import aio
 from gdsdata.io import direct
 with gdsdata.settings.set(io_engine="direct"):
     ds = gdsdata.GDSDataset({root!r})
@@ -231,10 +230,7 @@ def read_staged(indices):
     if calls["n"] == 3:
         if {where!r} == "read-ahead":
             threading.Event().wait()
-        def refused(depth):
-            raise OSError(11, "no AIO")
-        aio.Context = refused  # reads from the direct threads from now on (new contexts refused)
-        ds._backend.reader._direct._idle.clear()
+        direct.DirectReads._context = lambda self: None  # every read from the direct threads from now on
         direct._pread = lambda *a: threading.Event().wait()
     return original(indices)
 ds.read_staged = read_staged
