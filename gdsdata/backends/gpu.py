@@ -39,7 +39,8 @@ class GpuBackend:
                                 fallback=self.path.fallback or None)
         self.decoder = GpuDecoder(index, device, self.path.backend)
         self._slots = SlotPool(self.path.staging, device)
-        self._check_stream = None  # the GPU checksums' stream (device staging, verify_checksums=True)
+        self._check_stream = None  # the GPU checksums' stream (device staging)
+        self._kernel_failed = False  # the CRC-32 kernel could not run here: checked through the host
         log.info("GPU path on %s: %s (%s)", device, self.path.describe(), "; ".join(self.path.why))
 
     @property
@@ -100,14 +101,21 @@ class GpuBackend:
     def _verify(self, staging, plan, indices) -> dict:
         from gdsdata.decode.cpu import check_batch
 
-        if staging.is_cuda and load_paths.checksum_kernel():  # on the GPU: the bytes never pass a CPU
+        if staging.is_cuda and load_paths.checksum_kernel() and not self._kernel_failed:  # the bytes never pass a CPU
             from gdsdata.io.checksums import crc32
 
             if self._check_stream is None:
                 self._check_stream = torch.cuda.Stream(self.device)
             with torch.cuda.stream(self._check_stream):
                 got = torch.empty(len(indices), dtype=torch.int64, pin_memory=True)
-                got.copy_(crc32(staging, plan.sample_offsets, plan.sample_lengths), non_blocking=True)
+                try:
+                    sums = crc32(staging, plan.sample_offsets, plan.sample_lengths)
+                except Exception as e:  # noqa: BLE001 - Triton could not build the kernel for this GPU
+                    log.warning("the GPU's CRC-32 kernel failed (%s: %s): GPU staging is checked through a copy "
+                                "to the host from now on", type(e).__name__, e)
+                    self._kernel_failed = True
+                    return self._verify(staging, plan, indices)
+                got.copy_(sums, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
             stall.wait(done, "checking a batch's checksums on the GPU")
