@@ -550,13 +550,12 @@ class _Reading:
 
 def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap):
     """``_read_ahead`` with ``overlap`` batches in flight on as many threads."""
-    from collections import deque
     from concurrent import futures
 
     from gdsdata.threads import DaemonPool
 
     pool = None
-    pending = deque()  # (epoch, number, _Reading), or (epoch, None, None) for an epoch's end marker
+    pending = collections.deque()  # (epoch, number, _Reading), or (epoch, None, None) for an epoch's end marker
     own = activity.thread
 
     def hand_on_first() -> bool:
@@ -712,10 +711,11 @@ class _Prefetcher:
         maker = _BatchMaker(loader)
         # what each thread works on, for the stall watchdog (``stall.stalled``)
         self.activities = [stall.Activity(name) for name in ("read", _DECODE[0], _TRANSFORM[0])]
+        overlap = _read_overlap(loader.dataset)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
-                                   self.stats, self.activities[0], maker.sources, _read_overlap(loader.dataset))),
+                                   self.stats, self.activities[0], maker.sources, overlap)),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
                                     self.stats, activity))
@@ -727,7 +727,7 @@ class _Prefetcher:
         reserve = getattr(loader.dataset, "reserve_staging", None)
         if reserve is not None:  # staged batches this pass can hold at once: in flight, queued for decode,
             # decoding, queued for the transform, transforming (and with pixels=True those handed on)
-            reserve(_read_overlap(loader.dataset) + self.staged.maxsize + 1 + self.decoded.maxsize + 1
+            reserve(overlap + self.staged.maxsize + 1 + self.decoded.maxsize + 1
                     + (self.queue.maxsize + 1 if loader.pixels else 0))
         register = getattr(loader.dataset, "register_pass", None)  # GDSDataset.close() stops its passes
         if register is not None:

@@ -8,6 +8,7 @@ instead.
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 
@@ -53,8 +54,6 @@ class DaemonPool:
     def shutdown(self, wait_s: float = 0.0) -> bool:
         """Let the workers end once the calls already submitted are done, waiting for that at most
         ``wait_s`` seconds; True if they all ended."""
-        import time
-
         with self._lock:
             threads = list(self._threads)
         for _ in threads:

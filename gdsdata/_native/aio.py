@@ -92,6 +92,8 @@ class Context:
                     break  # the rest are handed back: those taken are in flight and must be reaped
                 self._free.extend(slots)
                 raise OSError(code, f"io_submit: {os.strerror(code)}")
+            if not got:  # took nothing without an error: the rest are handed back
+                break
             done += got
         self._free.extend(slots[done:])
         return slots[:done]

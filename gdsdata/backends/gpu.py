@@ -114,7 +114,7 @@ class GpuBackend:
                     log.warning("the GPU's CRC-32 kernel failed (%s: %s): GPU staging is checked through a copy "
                                 "to the host from now on", type(e).__name__, e)
                     self._kernel_failed = True
-                    return self._verify(staging, plan, indices)
+                    return check_batch(self.index, staging.cpu().numpy(), plan, indices)
                 got.copy_(sums, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
@@ -134,8 +134,6 @@ class GpuBackend:
                         "main process (num_workers=0) or gdsdata.Loader")
 
 
-
-
 def confirm_mismatches(index, staging: torch.Tensor, plan, indices, positions) -> dict:
     """The samples at ``positions`` failed the GPU's check where they sit in ``staging``: confirm
     on the host before calling them corrupt. Returns position -> ``CorruptSampleError`` for those
@@ -143,9 +141,8 @@ def confirm_mismatches(index, staging: torch.Tensor, plan, indices, positions) -
     bytes in staging pass the host's check is logged as the kernel's fault; one whose stored bytes
     are good but whose staged bytes are not (a fault in the transfer) is logged and staged again
     from the shard."""
-    import os
-
     from gdsdata.decode.cpu import checksum_error, crc32
+    from gdsdata.io.cpu import CpuReader
 
     failed = {}
     for k in (int(k) for k in positions):
@@ -156,11 +153,12 @@ def confirm_mismatches(index, staging: torch.Tensor, plan, indices, positions) -
             log.error("%s: the GPU's CRC-32 kernel disagreed with the host on the same staged bytes; "
                       "the host's check passed", name)
             continue
-        fd = os.open(index.shard_path(int(record["shard"])), os.O_RDONLY)
+        reader = CpuReader(index)  # the shard opened and checked as every read does
         try:
-            stored = np.frombuffer(os.pread(fd, length, int(record["offset"])), np.uint8)
+            buffer, again = reader.read([int(indices[k])])
         finally:
-            os.close(fd)
+            reader.close()
+        stored = buffer[int(again.sample_offsets[0]):][:length]
         if len(stored) != length or crc32(stored) != expected:
             failed[k] = checksum_error(name)
             continue

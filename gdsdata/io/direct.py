@@ -6,9 +6,9 @@ dataset larger than the host's memory neither evicts the training process's own 
 the last epoch's bytes. The planned reads are cut into pieces, and the pieces of the whole batch
 are submitted together, ``depth`` at a time, through Linux native AIO (``_native.aio``), or where
 the system refuses an AIO context issued by ``depth`` threads (``os.preadv``): the requests in
-flight that a drive's queue needs to give its rate. A batch of a few
-large reads (file order, block shuffle) is cut into at least ``depth`` pieces (no smaller than
-``MIN_PIECE``), so that it too keeps the queue full; no piece is larger than ``PIECE``.
+flight that a drive's queue needs to give its rate. A batch of a few large reads (file order,
+block shuffle) is cut into at least ``depth`` pieces (no smaller than ``MIN_PIECE``), so that it
+too keeps the queue full; no piece is larger than ``PIECE``.
 
 Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and FUSE filesystems) or a read's
 alignment does not suit the device (a dataset packed with an alignment under the device's logical
@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import threading
+from collections import deque
 from concurrent import futures
 
 import numpy as np
@@ -158,10 +159,12 @@ class DirectReads:
         """Fill ``dest`` (uint8, page aligned, at least ``plan.total`` bytes) with the plan's reads."""
         if dest.ctypes.data % PAGE:
             raise ValueError("direct reads need a page-aligned buffer")
-        size = self.pieces(plan)
-        pieces = [_Piece(read.shard, read.offset + start, min(size, read.size - start),
-                         dest[read.buffer_offset + start:read.buffer_offset + start + min(size, read.size - start)])
-                  for read in plan.reads for start in range(0, read.size, size)]
+        most, pieces = self.pieces(plan), []
+        for read in plan.reads:
+            for start in range(0, read.size, most):
+                size = min(most, read.size - start)
+                at = read.buffer_offset + start
+                pieces.append(_Piece(read.shard, read.offset + start, size, dest[at:at + size]))
         context = self._context()
         if context is None:
             self._read_threads(pieces)
@@ -169,13 +172,14 @@ class DirectReads:
             try:
                 self._read_aio(context, pieces)
             finally:
+                busy = context.in_flight  # requests the kernel still holds: never reused; destroying waits for them
                 with self._lock:
-                    if context.in_flight:  # requests the kernel still holds: never reused; destroying waits for them
-                        if context in self._contexts:
+                    if context in self._contexts:  # (not closed under this read)
+                        if busy:
                             self._contexts.remove(context)
-                    elif context in self._contexts:  # (not closed under this read)
-                        self._idle.append(context)
-                if context.in_flight:
+                        else:
+                            self._idle.append(context)
+                if busy:
                     context.close()
         for piece in pieces:
             if piece.got != piece.size:
@@ -202,9 +206,10 @@ class DirectReads:
             self._contexts.append(context)
         return context
 
-    def _piece(self, piece: _Piece):
+    def _piece(self, piece: _Piece, done: int = 0):
+        """Read ``piece`` (from its byte ``done`` on: the rest of a short read) on this thread."""
         with self._files.use(piece.shard) as handle:
-            piece.got = _pread(handle, piece.dest, piece.offset)
+            piece.got = done + _pread(handle, piece.dest[done:], piece.offset + done)
 
     def _read_threads(self, pieces):
         pending = []
@@ -222,8 +227,6 @@ class DirectReads:
         ``max_open`` shards at once. On the threads instead: pieces of shards read through the
         cache, pieces the kernel did not take, and the rest of a piece it read short or refused.
         Returns or raises only once the kernel holds none of them."""
-        from collections import deque
-
         waiting, flying, held, threaded = deque(pieces), {}, {}, []
         error = None
 
@@ -284,7 +287,7 @@ class DirectReads:
                             error = OSError(-result, f"{self.index.shard_path(piece.shard)}: read of {piece.size} "
                                                      f"bytes at offset {piece.offset}: {os.strerror(-result)}")
                         else:  # short: the rest (the end of the file, or a partial read)
-                            threaded.append(self._pool.submit(self._rest, piece, result))
+                            threaded.append(self._pool.submit(self._piece, piece, result))
                     except BaseException as e:  # noqa: BLE001 - raised once nothing is in flight
                         error = error or e
                     finally:  # the shard is let go only once its piece is handled
@@ -303,10 +306,6 @@ class DirectReads:
             raise error
         for future in threaded:
             future.result()
-
-    def _rest(self, piece: _Piece, done: int):
-        with self._files.use(piece.shard) as handle:
-            piece.got = done + _pread(handle, piece.dest[done:], piece.offset + done)
 
     def close(self):
         from gdsdata import settings
