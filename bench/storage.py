@@ -94,15 +94,15 @@ def cold_epoch(root, engine, shuffle, args, paths):
     epoch = loader_epoch(ds, transform, shuffle=shuffle, batch=args.batch)
     cached0 = page_cache_bytes()
     t0 = time.perf_counter()
-    epoch()
+    first = epoch()
     seconds = time.perf_counter() - t0
     grew = page_cache_bytes() - cached0
     pages = sum(resident_pages(p) for p in paths)
     reads = ds.load_path.reads
     epoch.close()
     ds.close()
-    return {"seconds": seconds, "cache_growth": grew, "resident_pages": pages, "reads": reads, "cold": how,
-            "stages": epoch.stages[-1]}
+    return {"seconds": seconds, "first_batch_s": first, "cache_growth": grew, "resident_pages": pages,
+            "reads": reads, "cold": how, "stages": epoch.stages[-1]}
 
 
 def main(argv=None):
@@ -169,10 +169,12 @@ def main(argv=None):
                        "of_limit": nbytes[k] / seconds / limits[k],
                        "cache_growth_mib": statistics.median(r["cache_growth"] for r in runs) / 2**20,
                        "resident_mib": statistics.median(r["resident_pages"] for r in runs) * mmap.PAGESIZE / 2**20,
+                       "first_batch_ms": statistics.median(r["first_batch_s"] for r in runs) * 1e3,
                        "rates": [n / r["seconds"] for r in runs], "stages": [r["stages"] for r in runs]}
                 rows.append(row)
                 print(f"{k:<4} shuffle={shuffle:<5} reads={row['reads']:<7} {row['images_per_s']:8.0f} images/s "
-                      f"{row['bytes_per_s'] / 1e9:5.2f} GB/s = {row['of_limit']:.2f} of the limit; page cache "
+                      f"{row['bytes_per_s'] / 1e9:5.2f} GB/s = {row['of_limit']:.2f} of the limit, first batch "
+                      f"{row['first_batch_ms']:.0f} ms; page cache "
                       f"+{row['cache_growth_mib']:.0f} MiB, shards cached after: {row['resident_mib']:.0f} MiB "
                       f"({row['cold']})", flush=True)
     with open(os.path.join(args.out, "storage.json"), "w") as f:

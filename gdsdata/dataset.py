@@ -11,6 +11,7 @@ staging buffer lives and who decodes (``reader_cpu``/``decode_cpu`` here, the GP
 import logging
 import os
 import threading
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -56,6 +57,12 @@ class GDSDataset(torch.utils.data.Dataset):
         staging (a CRC-32 kernel on the GPU, where Triton is installed); True: also without Triton,
         through a copy to the host; False: never.
 
+    Attributes
+    ----------
+    settings : Mapping
+        The ``gdsdata.settings`` the dataset was built with (read-only; later changes do not reach
+        it). ``load_path`` says which path they led to.
+
     Notes
     -----
     ``gdsdata.Loader`` (batched, prefetched, on the device) is the fast way to train; with torch's
@@ -83,6 +90,7 @@ class GDSDataset(torch.utils.data.Dataset):
         self._book = threading.Lock()  # the replacement bookkeeping: read, decode and user threads share it
         self._passes = weakref.WeakSet()  # Loader passes reading from this dataset (close() stops them)
         config = settings.snapshot()  # a dataset keeps the settings it was built with
+        self.settings = config
         verify = config["verify_checksums"] if verify_checksums is None else (
             "always" if verify_checksums else False)
         if self.device.type == "cpu":
@@ -303,11 +311,13 @@ class GDSDataset(torch.utils.data.Dataset):
     def __getstate__(self):  # DataLoader workers get the dataset, not the Loaders over it
         with self._book:
             state = {k: v for k, v in self.__dict__.items() if k not in ("_passes", "_book")}
-            state.update(_bad=set(self._bad), _good=set(self._good), _replaced=dict(self._replaced))
+            state.update(_bad=set(self._bad), _good=set(self._good), _replaced=dict(self._replaced),
+                         settings=dict(self.settings))
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.settings = types.MappingProxyType(state["settings"])
         self._passes = weakref.WeakSet()
         self._book = threading.Lock()
 

@@ -42,6 +42,7 @@ DETECTION_TRANSFORMS = (D.YoloAugment, D.Letterbox)
 
 log = logging.getLogger(__name__)
 _STOP_POLL_S = 0.1
+_MAX_OVERLAP = 8  # batches a streaming Loader reads at once, at most (``direct_ahead``)
 
 
 def _distributed_rank():
@@ -513,12 +514,18 @@ def _read_ahead(dataset, epochs, q, stop, stats, activity, sources, overlap=1):
         _put(q, stop, ("error", e, None, None, None))
 
 
-def _read_overlap(dataset) -> int:
-    """Batches the I/O thread reads at once: two for streaming reads (``reads=direct``: every byte
-    from the drive, whose queue would drain between one batch's last read and the next batch's
-    first), else one (reads from the page cache, or kvikio's own threads)."""
+def _read_overlap(dataset, batch_size: int) -> int:
+    """Batches the I/O thread reads at once: for streaming reads (``reads=direct``: every byte from
+    the drive, whose queue would drain between one batch's last read and the next batch's first) as
+    many as keep the ``direct_ahead`` setting's bytes in flight, 2 to 8; else one (reads from the
+    page cache, or kvikio's own threads)."""
     path = getattr(dataset, "load_path", None)
-    return 2 if getattr(path, "reads", None) == "direct" else 1
+    if getattr(path, "reads", None) != "direct":
+        return 1
+    config = getattr(dataset, "settings", None) or settings.snapshot()
+    lengths = dataset.index.samples["length"]
+    batch_bytes = max(1, int(lengths.mean() * batch_size)) if len(lengths) else 1
+    return min(_MAX_OVERLAP, max(2, -(-config["direct_ahead"] // batch_bytes)))
 
 
 def _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1) -> bool:
@@ -711,7 +718,7 @@ class _Prefetcher:
         maker = _BatchMaker(loader)
         # what each thread works on, for the stall watchdog (``stall.stalled``)
         self.activities = [stall.Activity(name) for name in ("read", _DECODE[0], _TRANSFORM[0])]
-        overlap = _read_overlap(loader.dataset)
+        overlap = _read_overlap(loader.dataset, loader.spec.batch_size)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,

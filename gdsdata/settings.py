@@ -20,6 +20,8 @@ made) and ``stall_timeout`` is read as each Loader pass starts.
 | io_threads | GDSDATA_IO_THREADS | 16 | threads of kvikio's reads (GPU path) |
 | direct_depth | GDSDATA_DIRECT_DEPTH | 64 | direct reads (``io_engine=direct``) in flight at once: the requests the |
 | | | | drive's queue holds; a batch's reads are cut into at least this many pieces |
+| direct_ahead | GDSDATA_DIRECT_AHEAD | 134217728 | bytes of direct reads a Loader keeps in flight: it reads as |
+| | | | many batches at once as that takes (2 to 8), so the drive's queue never drains between batches |
 | gather_threads | GDSDATA_GATHER_THREADS | min(8, cores) | threads of the page gather (``mmap``, ``mixed``) |
 | staging | GDSDATA_STAGING | auto | GPU path: device (GPU memory) or host (pinned) |
 | io_engine | GDSDATA_IO_ENGINE | auto | GPU path reads: kvikio (CuFile.pread), mmap or mixed (page gather, per |
@@ -47,6 +49,7 @@ _DEFAULTS = {
     "cpu_threads": os.cpu_count() or 1,
     "io_threads": 16,
     "direct_depth": 64,
+    "direct_ahead": 128 * 1024 * 1024,
     "io_engine": "auto",
     "gather_threads": min(8, os.cpu_count() or 1),
     "max_gap": 256 * 1024,
@@ -94,7 +97,7 @@ def _parse(name, value):
             number = int(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"setting {name}: expected an integer, got {value!r}") from e
-        if number < 0 or (number == 0 and name.endswith(("threads", "depth"))):
+        if number < 0 or (number == 0 and name.endswith(("threads", "depth", "ahead"))):
             raise ValueError(f"setting {name}: must be positive, got {number}")
         return number
     value = str(value).strip().lower()

@@ -222,7 +222,7 @@ def test_a_stuck_streaming_read_does_not_keep_the_interpreter_from_exiting(photo
     script.write_text(f"""
 import threading, gdsdata
 from gdsdata.io import direct
-with gdsdata.settings.set(io_engine="direct"):
+with gdsdata.settings.set(io_engine="direct", direct_ahead=1):  # two batches at once: the third read stalls
     ds = gdsdata.GDSDataset({root!r})
 original, calls = ds.read_staged, {{"n": 0}}
 def read_staged(indices):
@@ -318,14 +318,20 @@ def _direct(root):
 
 
 def test_streaming_loaders_read_two_batches_at_once_and_hand_them_on_in_order(photos_dataset):
-    """reads=direct: the I/O thread keeps two batches in flight (loader._read_overlap); epochs,
-    their order and their ends are those of the one-batch-at-a-time reads."""
+    """reads=direct: the I/O thread keeps the direct_ahead setting's bytes in flight, two to eight
+    batches (loader._read_overlap); epochs, their order and their ends are those of the
+    one-batch-at-a-time reads."""
     from conftest import loader_threads
     from gdsdata.loader import _read_overlap
 
     _, _, root = photos_dataset
     ds, plain = _direct(root), gdsdata.GDSDataset(root)
-    assert (_read_overlap(ds), _read_overlap(plain)) == (2, 1)
+    batch_bytes = int(ds.index.samples["length"].mean() * 5)
+    assert (_read_overlap(ds, 5), _read_overlap(plain, 5)) == (8, 1)  # small samples: the most batches
+    with gdsdata.settings.set(direct_ahead=3 * batch_bytes):
+        assert _read_overlap(_direct(root), 5) == 3
+    with gdsdata.settings.set(direct_ahead=1):
+        assert _read_overlap(_direct(root), 5) == 2
     streamed = gdsdata.Loader(ds, 5, shuffle=True, transform=gdsdata.CenterCrop(40))
     cached = gdsdata.Loader(plain, 5, shuffle=True, transform=gdsdata.CenterCrop(40))
     for epoch in range(3):
@@ -354,7 +360,8 @@ def test_a_loader_reserves_the_staging_its_queues_can_hold(photos_dataset):
     from gdsdata.io.gpu import SlotPool
 
     _, _, root = photos_dataset
-    for ds, pixels, expected in ((gdsdata.GDSDataset(root), False, 6), (_direct(root), False, 7),
+    for ds, pixels, expected in ((gdsdata.GDSDataset(root), False, 6),
+                                 (_direct(root), False, 13),  # streaming: 8 batches in flight, not 1
                                  (gdsdata.GDSDataset(root), True, 9)):
         seen = []
         ds.reserve_staging = seen.append
@@ -373,9 +380,9 @@ def test_a_streaming_read_that_fails_arrives_after_the_batches_before_it(photos_
     ds = _direct(root)
     original, calls = ds.read_staged, {"n": 0}
 
-    def read_staged(indices):
+    def read_staged(indices):  # batches read on several threads at once: batch 3 (of 5 samples) fails
         calls["n"] += 1
-        if calls["n"] == 4:
+        if 15 in indices:
             raise OSError(code, f"{os.strerror(code)} (the drive)")
         return original(indices)
 
@@ -396,7 +403,7 @@ def test_a_stuck_streaming_read_names_the_io_thread_and_its_call(photos_dataset)
 
     def read_staged(indices):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if 10 in indices:  # batch 2
             with stall.native("pread (O_DIRECT)"):
                 release.wait(60)
         return original(indices)

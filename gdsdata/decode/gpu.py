@@ -6,6 +6,7 @@ Raw samples are used where they lie: in the device staging buffer, or in one upl
 staging buffer.
 """
 
+import atexit
 import logging
 import threading
 from dataclasses import dataclass
@@ -47,13 +48,15 @@ class _SharedDecoder:
     hangs: docs/design.md). Any thread may decode (two datasets,
     two Loaders over one dataset, ``__getitems__`` beside a Loader): calls take turns under
     ``lock``, and a call on another stream waits on the GPU for the previous one, whose work still
-    uses the state's buffers. Destroyed when the last dataset using it closes."""
+    uses the state's buffers. It outlives the datasets that use it (creating a hardware decoder
+    takes most of a second, which a fresh dataset would otherwise pay on its first batch), until
+    the interpreter exits."""
 
     _open = {}  # (device index, backend) -> _SharedDecoder
     _open_lock = threading.Lock()
 
     def __init__(self, key):
-        self.key, self.users = key, 0
+        self.key, self.users = key, 0  # users: the datasets decoding with it now
         self.lock = threading.Lock()
         self.last = None  # (stream, event) of the previous decode
         with torch.cuda.device(key[0]):
@@ -71,15 +74,28 @@ class _SharedDecoder:
     def release(self):
         with self._open_lock:
             self.users -= 1
-            if self.users:
-                return
-            if self._open.get(self.key) is self:
-                del self._open[self.key]
-        with self.lock:
-            if self.last is not None:  # the previous decode's GPU work still uses the state's buffers
-                stall.wait(self.last[1], "waiting for the last nvJPEG decode before destroying its decoder")
-                self.last = None
-            self.nvjpeg.close()
+
+    @classmethod
+    def close_idle(cls, timeout: float = 5.0):
+        """Destroy the decoders no dataset uses (at exit, while CUDA is still up: nvJPEG torn down
+        with the interpreter's last objects could outlive the CUDA context). One still in use is
+        left to the process's end."""
+        with cls._open_lock:
+            idle = [shared for shared in cls._open.values() if not shared.users]
+            for shared in idle:
+                del cls._open[shared.key]
+        for shared in idle:
+            with shared.lock:
+                try:
+                    if shared.last is not None:  # its last decode's GPU work still uses the state's buffers
+                        stall.wait(shared.last[1], "waiting for the last nvJPEG decode before destroying its decoder",
+                                   timeout)
+                    shared.nvjpeg.close()
+                except Exception:  # noqa: BLE001 - at exit: the process's end frees it
+                    pass
+
+
+atexit.register(_SharedDecoder.close_idle)
 
 
 class GpuDecoder:
