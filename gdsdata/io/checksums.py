@@ -112,10 +112,22 @@ def _combine(data, offsets, lengths, first, chunk_crcs, columns, tables, out, co
     tl.store(out + i, (state ^ ones).to(tl.int32, bitcast=True), mask=mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _device_tables(device: torch.device):
+    """The byte tables and a full chunk's shift matrix on ``device``, uploaded once."""
+    tables = torch.from_numpy(_tables().view(np.int32).ravel().copy()).to(device)
+    columns = torch.from_numpy(_shift_columns(CHUNK).view(np.int32).copy()).to(device)
+    return tables, columns
+
+
 def crc32(staging: torch.Tensor, offsets, lengths) -> torch.Tensor:
     """CRC-32 (as ``zlib.crc32``) of ``staging[offsets[k]:offsets[k] + lengths[k]]`` for every k, as
     an int64 tensor on the staging's device, queued on the current stream. ``staging`` is a flat
-    uint8 tensor whose length and ``offsets`` are multiples of 4."""
+    uint8 tensor whose length and ``offsets`` are multiples of 4.
+
+    Only per-sample arrays leave the host; the per-chunk table is built on the device (a host
+    array as long as the chunks would be copied by torch's intra-op threads, whose wait after
+    each copy costs every core CPU time)."""
     device = staging.device
     offsets = np.asarray(offsets, np.int64)
     lengths = np.asarray(lengths, np.int64)
@@ -124,15 +136,17 @@ def crc32(staging: torch.Tensor, offsets, lengths) -> torch.Tensor:
     first = np.zeros(n, np.int64)
     np.cumsum(full[:-1], out=first[1:])
     total = int(full.sum())
-    starts = (np.repeat(offsets - first * CHUNK, full) + np.arange(total) * CHUNK) // 4
-    tables = upload(torch.from_numpy(_tables().view(np.int32).ravel().copy()), device)
-    columns = upload(torch.from_numpy(_shift_columns(CHUNK).view(np.int32).copy()), device)
+    tables, columns = _device_tables(device)
+    rows = np.zeros((5, n + n % 2), np.int64)  # even rows: each 16-byte aligned (one Triton variant)
+    rows[:, :n] = offsets, lengths, first, (offsets - first * CHUNK) // 4, full
+    per_sample = upload(torch.from_numpy(rows), device)
     chunk_crcs = torch.empty(max(total, 1), dtype=torch.int32, device=device)
-    if total:
-        _chunks[(triton.cdiv(total, _BLOCK),)](staging.view(torch.int32), upload(torch.from_numpy(starts), device),
-                                                total, tables, chunk_crcs, WORDS=CHUNK // 4, BLOCK=_BLOCK)
+    if total:  # chunk j of the batch starts at word (offset - first * CHUNK) / 4 of its sample + j * CHUNK / 4
+        starts = torch.repeat_interleave(per_sample[3], per_sample[4], output_size=total)
+        starts += torch.arange(0, total * (CHUNK // 4), CHUNK // 4, dtype=torch.int64, device=device)
+        _chunks[(triton.cdiv(total, _BLOCK),)](staging.view(torch.int32), starts, total, tables, chunk_crcs,
+                                                WORDS=CHUNK // 4, BLOCK=_BLOCK)
     out = torch.empty(n, dtype=torch.int32, device=device)
-    sample_tables = [upload(torch.from_numpy(a), device) for a in (offsets, lengths, first)]
-    _combine[(triton.cdiv(n, _BLOCK),)](staging, *sample_tables, chunk_crcs, columns, tables, out, n,
-                                        int(full.max()) if n else 0, CHUNK_BYTES=CHUNK, BLOCK=_BLOCK)
+    _combine[(triton.cdiv(n, _BLOCK),)](staging, per_sample[0], per_sample[1], per_sample[2], chunk_crcs, columns,
+                                        tables, out, n, int(full.max()) if n else 0, CHUNK_BYTES=CHUNK, BLOCK=_BLOCK)
     return out.to(torch.int64) & 0xFFFFFFFF
