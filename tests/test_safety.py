@@ -1,7 +1,8 @@
 """Data safety under hostile conditions: concurrent writers, decompression bombs, dead workers,
 hostile source trees, bit flips, a dataset replaced under a reader, merge sets, a full disk, Ctrl-C,
 corrupted states, many shards under a low descriptor limit. One test (or a few) per class of fault;
-the heaviest repeat more under ``-m slow``."""
+the racy ones repeat many more times under ``pytest -m heavy`` (deselected by default: run before
+calling a change to them done)."""
 
 import json
 import os
@@ -25,6 +26,12 @@ from gdsdata.packing.packer import pack
 from gdsdata.commands.verify import verify
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
+HEAVY = pytest.mark.heavy
+
+
+def trials(light: int, heavy: int):
+    """Trial numbers: ``light`` of them in every run, up to ``heavy`` under ``-m heavy``."""
+    return [*range(light), *(pytest.param(k, marks=HEAVY) for k in range(light, heavy))]
 
 
 def cli(*args, env=None, timeout=300, **kwargs):
@@ -58,7 +65,7 @@ def src(tmp_path_factory):
 
 
 # --- concurrent writers ---------------------------------------------------------------------
-@pytest.mark.parametrize("trial", range(3))
+@pytest.mark.parametrize("trial", trials(3, 20))
 def test_two_packs_into_one_out_never_break_the_winner(src, tmp_path, trial):
     out = str(tmp_path / "ds")
     first, second = cli("pack", src, out, "-q", "--workers", "2"), cli("pack", src, out, "-q", "--workers", "2")
@@ -87,7 +94,7 @@ def test_a_second_writer_is_refused_naming_the_holder(src, tmp_path):
     pack(src, out, workers=1)  # free again once the holder is done
 
 
-@pytest.mark.parametrize("trial", range(2))
+@pytest.mark.parametrize("trial", trials(2, 12))
 def test_two_appends_never_lose_images(src, tmp_path, trial):
     appends = []
     for tag in ("a", "b"):
@@ -301,15 +308,16 @@ def test_broken_sources_give_one_line(tmp_path):
 
 
 # --- silently wrong pixels ------------------------------------------------------------------------
+@pytest.mark.parametrize("flips", [20, pytest.param(400, marks=HEAVY)])
 @pytest.mark.parametrize("codec", ["jpeg", "raw"])
-def test_every_bit_flip_is_caught_by_default(tmp_path, codec):
+def test_every_bit_flip_is_caught_by_default(tmp_path, codec, flips):
     src = tmp_path / "src"
     write_photos(str(src), 6, classes=2, start_seed=110)
     out = str(tmp_path / "ds")
     pack(str(src), out, workers=1, options=gdsdata.PackOptions(codec=codec, raw_size=48))
     index = load(out)
     rng = random.Random(7)
-    for trial in range(20):
+    for trial in range(flips):
         k = rng.randrange(len(index))
         record = index.samples[k]
         at = int(record["offset"]) + rng.randrange(int(record["length"]))
@@ -418,7 +426,8 @@ def bigger_src(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.2, 0.5])
+@pytest.mark.parametrize("delay", [0.0, 0.2, 0.5, *(pytest.param(d, marks=HEAVY)
+                                                   for d in (0.05, 0.1, 0.3, 0.4, 0.7, 1.0, 1.5, 2.0))])
 def test_sigint_at_any_point_exits_130_in_one_line_and_resumes(bigger_src, tmp_path, delay):
     out = str(tmp_path / "ds")
     process = cli("pack", bigger_src, out, "-q", "--workers", "2", "--shard-size", "1000000")
