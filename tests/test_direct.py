@@ -135,8 +135,8 @@ def test_a_device_that_refuses_every_aio_read_is_read_buffered_without_losing_a_
 
     _aio_or_skip()
     real_reap = aio.Context.reap
-    monkeypatch.setattr(aio.Context, "reap", lambda self, *wait: [(slot, -errno.EINVAL)
-                                                              for slot, _ in real_reap(self, *wait)])
+    monkeypatch.setattr(aio.Context, "reap", lambda self, wait_s: [(slot, -errno.EINVAL)
+                                                                  for slot, _ in real_reap(self, wait_s)])
     _, _, root = photos_dataset
     index = load_index(root)
     plain = CpuReader(index)
@@ -158,8 +158,8 @@ def test_a_failure_while_handling_completions_raises_instead_of_hanging(photos_d
 
     _aio_or_skip()
     real_reap = aio.Context.reap
-    monkeypatch.setattr(aio.Context, "reap", lambda self, *wait: [(slot, -errno.EINVAL)
-                                                              for slot, _ in real_reap(self, *wait)])
+    monkeypatch.setattr(aio.Context, "reap", lambda self, wait_s: [(slot, -errno.EINVAL)
+                                                                  for slot, _ in real_reap(self, wait_s)])
 
     def no_descriptors(path):
         raise OSError(errno.EMFILE, "Too many open files", path)

@@ -98,14 +98,12 @@ class Context:
         self._free.extend(slots[done:])
         return slots[:done]
 
-    def reap(self, wait_s: float, least: int = 1) -> list:
-        """``(slot, result)`` of the requests done, waiting up to ``wait_s`` seconds for ``least``
-        of them (at most those in flight; fewer when the time runs out); result: bytes read, or
-        ``-errno``."""
-        least = max(1, min(least, self.in_flight))
+    def reap(self, wait_s: float) -> list:
+        """``(slot, result)`` of the requests done, waiting up to ``wait_s`` seconds for at least
+        one; result: bytes read, or ``-errno``."""
         timeout = _Timespec(int(wait_s), int((wait_s % 1) * 1e9))
         while True:
-            got = self._call(self._getevents, self._handle, ctypes.c_long(least), ctypes.c_long(self.depth),
+            got = self._call(self._getevents, self._handle, ctypes.c_long(1), ctypes.c_long(self.depth),
                              self._events, ctypes.byref(timeout))
             if got >= 0:
                 break

@@ -4,11 +4,11 @@ A planned batch (``io.plan``: whole aligned pages, coalesced) is read with ``O_D
 DMAs into the staging buffer and nothing of the shard stays in the page cache, so an epoch over a
 dataset larger than the host's memory neither evicts the training process's own pages nor keeps
 the last epoch's bytes. The planned reads are cut into pieces, and the pieces of the whole batch
-are submitted together through Linux native AIO (``_native.aio``: up to ``AIO_DEPTH`` in one call,
-all of them waited for in one), or where the system refuses an AIO context issued by ``depth``
-threads (``os.preadv``): the requests in flight that a drive's queue needs to give its rate. A
-batch of a few large reads (file order, block shuffle) is cut into at least ``depth`` pieces (no
-smaller than ``MIN_PIECE``), so that it too keeps the queue full; no piece is larger than ``PIECE``.
+are submitted together, ``depth`` at a time, through Linux native AIO (``_native.aio``), or where
+the system refuses an AIO context issued by ``depth`` threads (``os.preadv``): the requests in
+flight that a drive's queue needs to give its rate. A batch of a few large reads (file order,
+block shuffle) is cut into at least ``depth`` pieces (no smaller than ``MIN_PIECE``), so that it
+too keeps the queue full; no piece is larger than ``PIECE``.
 
 Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and FUSE filesystems) or a read's
 alignment does not suit the device (a dataset packed with an alignment under the device's logical
@@ -40,11 +40,6 @@ from gdsdata.threads import DaemonPool
 log = logging.getLogger(__name__)
 PIECE = 4 << 20  # most bytes of one request (kvikio's default task size)
 MIN_PIECE = 256 << 10  # fewest bytes of a piece cut from a larger read
-# Requests an AIO context holds: a batch's pieces go to the kernel in one io_submit and come back
-# from one io_getevents that waits for all of them. Each such call lets go of the interpreter lock
-# and must take it back, which can mean waiting behind the training loop's thread: a few calls a
-# batch, not one per handful of completions.
-AIO_DEPTH = 1024
 PAGE = mmap.PAGESIZE
 
 
@@ -139,8 +134,8 @@ class _Piece:
 
 
 class DirectReads:
-    """Reads planned batches past the page cache into host buffers, at least ``depth`` requests at
-    a time, with at most ``max_open`` shard files open (``OpenShards``: each held only while a piece of it
+    """Reads planned batches past the page cache into host buffers, ``depth`` requests at a time,
+    with at most ``max_open`` shard files open (``OpenShards``: each held only while a piece of it
     is read). The requests go to the kernel through native AIO (``_native.aio``: one submission a
     batch, no thread per request) where the system allows it (``aio``), else from ``depth``
     threads; shards read through the page cache (filesystems without ``O_DIRECT``) always take the
@@ -202,7 +197,7 @@ class DirectReads:
         from gdsdata._native.aio import Context
 
         try:
-            context = Context(max(self.depth, AIO_DEPTH))
+            context = Context(self.depth)
         except OSError as e:
             self._aio = False
             log.info("native AIO unavailable (%s): direct reads issued from %d threads", e, self.depth)
@@ -277,8 +272,7 @@ class DirectReads:
                 if not flying:
                     continue
                 with stall.native("io_getevents (O_DIRECT)"):
-                    done = [(flying.pop(slot), result) for slot, result in context.reap(0.5, len(flying))
-                            if slot in flying]
+                    done = [(flying.pop(slot), result) for slot, result in context.reap(0.5) if slot in flying]
                 for (piece, handle), result in done:
                     try:
                         if result == piece.size:
@@ -302,7 +296,7 @@ class DirectReads:
             try:
                 while context.in_flight:
                     with stall.native("io_getevents (O_DIRECT)"):
-                        context.reap(0.5, context.in_flight)
+                        context.reap(0.5)
             finally:
                 for use, *_ in list(held.values()):
                     use.__exit__(None, None, None)
