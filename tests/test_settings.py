@@ -29,3 +29,24 @@ def test_environment_variables_are_read():
     env = {"GDSDATA_IO_THREADS": "7", "GDSDATA_VERIFY_CHECKSUMS": "yes", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["7", "True"]
+
+
+def test_a_dataset_keeps_the_settings_it_was_built_with(photos_dataset):
+    """``ds.settings``: the snapshot taken when the dataset was built, read-only, unchanged by later
+    settings, and carried to DataLoader workers (pickled)."""
+    import pickle
+
+    import gdsdata
+
+    with settings.set(direct_ahead=12345, max_gap=4096):
+        ds = gdsdata.GDSDataset(photos_dataset[2])
+    with settings.set(direct_ahead=777):
+        assert ds.settings["direct_ahead"] == 12345 and ds.settings["max_gap"] == 4096
+    with pytest.raises(TypeError):
+        ds.settings["max_gap"] = 1
+    again = pickle.loads(pickle.dumps(ds))
+    assert dict(again.settings) == dict(ds.settings)
+    with pytest.raises(TypeError):
+        again.settings["max_gap"] = 1
+    again.close()
+    ds.close()
