@@ -104,3 +104,30 @@ def test_plan_follows_the_greedy_rule(lengths, per_shard, data, alignment, max_g
     reads, placed = _greedy(samples, indices, alignment, max_gap, max_read)
     assert [(r.shard, r.offset, r.size) for r in plan.reads] == reads
     assert np.array_equal(plan.sample_offsets, placed)
+
+
+def test_direct_reads_do_not_read_block_shuffled_holes_from_the_drive():
+    """Block-shuffled batches of ~84 KB samples: joined across the general 256 KiB holes, a plan reads
+    far more than the samples (free from the page cache, not from a drive); direct reads join only
+    across holes of up to DIRECT_MAX_GAP and read about the samples' bytes."""
+    from gdsdata import settings as gsettings
+    from gdsdata.io.plan import DIRECT_MAX_GAP, max_gap
+    from gdsdata.sampler import ShardSpec, epoch_order
+
+    rng = np.random.default_rng(0)
+    n, alignment = 4096, 4096
+    lengths = rng.normal(84_000, 25_000, n).clip(20_000, 400_000).astype(np.int64)
+    samples = np.zeros(n, fmt.SAMPLE_RECORD)
+    samples["length"] = lengths
+    samples["offset"] = np.r_[0, np.cumsum(-(-lengths // alignment) * alignment)[:-1]]
+    order = epoch_order(ShardSpec(n, batch_size=256, shuffle="block"), 0)
+    config = gsettings.snapshot()
+    assert max_gap(config, direct=False) == config["max_gap"] == 256 << 10
+    assert max_gap(config, direct=True) == DIRECT_MAX_GAP
+
+    def amplification(gap):
+        return sum(int(plan_reads(samples, order[b:b + 256], alignment, gap, 64 << 20).sizes.sum())
+                   for b in range(0, n, 256)) / lengths.sum()
+
+    assert amplification(max_gap(config, direct=False)) > 1.4
+    assert amplification(max_gap(config, direct=True)) < 1.05

@@ -13,7 +13,7 @@ from gdsdata.decode.gpu import GpuDecoder
 from gdsdata.errors import GpuUnavailableError
 from gdsdata.io import path as load_paths
 from gdsdata.io.gpu import GpuReader, SlotPool
-from gdsdata.io.plan import plan_reads
+from gdsdata.io.plan import max_gap, plan_reads
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class GpuBackend:
         (``Staged.job``). Returns once the reads are done, or, for reads still in flight on a CUDA
         stream, with ``Staged.ready``: an event that ``decode`` makes its stream wait for."""
         plan = plan_reads(self.index.samples, indices, self.index.alignment,
-                          self.config["max_gap"], self.config["max_read"])
+                          max_gap(self.config, self.reader.engine == "direct"), self.config["max_read"])
         slot = self._slots.acquire()
         try:
             staging, ready = self.reader.read(plan, slot)

@@ -12,7 +12,7 @@ from gdsdata import settings
 from gdsdata import stall
 from gdsdata.errors import FormatError
 from gdsdata.format.shards import check_opened
-from gdsdata.io.plan import Plan, plan_reads
+from gdsdata.io.plan import Plan, max_gap, plan_reads
 
 
 def open_files_budget() -> int:
@@ -106,7 +106,7 @@ class CpuReader:
 
     def plan(self, indices) -> Plan:
         return plan_reads(self.index.samples, indices, self.index.alignment,
-                          self.config["max_gap"], self.config["max_read"])
+                          max_gap(self.config, self.direct), self.config["max_read"])
 
     def read(self, indices):
         """Returns (staging buffer, plan); sample k of ``indices`` is

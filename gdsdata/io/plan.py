@@ -41,6 +41,18 @@ class Plan:
                                       self.buffer_offsets.tolist())]
 
 
+# The largest hole that reads past the page cache (``io_engine=direct``) read through to join two
+# samples: those bytes come from the drive, where the page cache gives them for a memory copy
+# (docs/design.md: what holes cost block-shuffled batches).
+DIRECT_MAX_GAP = 16 << 10
+
+
+def max_gap(config, direct: bool) -> int:
+    """The hole a plan may read through: the ``max_gap`` setting, at most ``DIRECT_MAX_GAP`` for
+    direct reads."""
+    return min(config["max_gap"], DIRECT_MAX_GAP) if direct else config["max_gap"]
+
+
 def _round_up(x, alignment):
     return -(-x // alignment) * alignment
 
