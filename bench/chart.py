@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Render a results JSON written by bench/gpu.py or bench/run.py as a PNG bar chart.
 
-    python bench/chart.py docs/results/h200-gpu-435911e.json docs/results/h200-gpu-435911e.png
+    python bench/chart.py bench-results/gpu.json bench-results/gpu.png
 """
 
 import argparse

@@ -5,8 +5,6 @@
     torchrun --nproc_per_node 2 bench/ddp.py train --dir /tmp/ddp --epochs 3 --out result.json
     python bench/ddp.py summary run1.json run2.json ...                  # scaling over several runs
 
-``bench/h200x2.sh`` runs the whole comparison (one and two GPUs, alternating) in one command.
-
 Each rank loads its share with ``gdsdata.Loader`` (rank and world size from torch.distributed),
 random-resized-crop 224 + flip + normalise fp16 on its GPU, and takes a step of a small DDP model
 (light enough that the loader, not the model, sets the pace). Rank 0 checks that every sample was

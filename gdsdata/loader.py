@@ -772,7 +772,7 @@ class _Prefetcher:
             except queue.Empty:
                 if not self.threads[-1].is_alive() and self.queue.empty():
                     self.close()
-                    raise RuntimeError("gdsdata prefetch thread stopped without a result") from None
+                    raise GdsDataError("gdsdata Loader: its transform thread stopped without a result") from None
                 error = stall.stalled(self.activities, timeout)
                 if error is not None:
                     log.error("%s", error)

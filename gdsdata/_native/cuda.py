@@ -3,8 +3,8 @@ CUDA 12.8 and later), through ctypes over ``libcuda.so.1``.
 
 The ``mapped`` engine moves a batch's reads from registered page-cache pages into GPU staging with
 one such call per batch: the copy engines take every read (no SM and no CPU core copies a byte) and
-the call returns at once (faster than a ``cudaMemcpyAsync`` per read or the SMs' page gather for
-shuffled batches: docs/benchmarks.md).
+the call returns at once (why rather than a ``cudaMemcpyAsync`` per read or the SMs' page gather:
+docs/design.md, "Who issues the reads").
 
 CUDA 13 drivers export ``cuMemcpyBatchAsync_v2``; CUDA 12.8 and 12.9 drivers export
 ``cuMemcpyBatchAsync``, which takes a failure index before the stream. Both are bound.

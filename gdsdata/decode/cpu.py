@@ -31,7 +31,7 @@ def cpu_pool() -> ThreadPoolExecutor:
         return _pool["executor"]
 
 
-try:  # Intel ISA-L's CRC-32 (the same polynomial as zlib's), 4x zlib's speed where installed
+try:  # Intel ISA-L's CRC-32 (the same polynomial as zlib's), faster than zlib's
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib computes the same value
     from zlib import crc32

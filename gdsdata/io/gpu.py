@@ -284,7 +284,7 @@ class MappedShards(ShardMaps):
     (``cudaHostRegister``, mapped and read-only) on first use, so that a batch's reads go from the
     page cache into GPU staging without any CPU core copying a byte. Registering pins the whole
     shard, so it suits datasets that fit in host memory; CUDA reads a cold shard in as it registers
-    it (faulting it in from 16 threads first was no faster).
+    it.
 
     How the bytes move (``copy``, from the ``LoadPath``): ``dma`` queues every read of a batch on the
     copy engines with one ``cuMemcpyBatchAsync`` call (``_native/cuda.py``; drivers for CUDA 12.8 and
