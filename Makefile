@@ -1,4 +1,4 @@
-# gdsdata: make demo | make test | make bench | make bench-gpu
+# gdsdata: make demo | make test | make bench (CPU tables) | make bench-gpu (GPU tables) | make bench-suite
 PYTHON ?= python3
 VENV ?= .venv
 # torch and torchvision from PyPI: on Linux x86_64 these are the CUDA 13 builds, which also run on a
@@ -8,7 +8,7 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= test,bench
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-gpu bench bench-gpu fuzz clean
+.PHONY: demo test test-gpu bench bench-gpu bench-suite fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,11 +30,20 @@ test-gpu: $(VENV)/.installed
 fuzz: $(VENV)/.installed
 	GDSDATA_FUZZ_EXAMPLES=25000 $(PY) -m pytest -q tests/test_fuzz.py
 
+# the tables of docs/benchmarks.md: the CPU path (FFCV and litdata rows where they are installed) ...
 bench: $(VENV)/.installed
-	$(PY) bench/run.py --size small --out bench-results
+	$(PY) bench/cpu.py --dir bench-data/cpu --model --out bench-results/cpu-uint8
+	$(PY) bench/cpu.py --dir bench-data/cpu --float --model --out bench-results/cpu-float
 
+# ... and on a GPU machine the training client, the loader alone and cold storage (DALI rows where it imports)
 bench-gpu: $(VENV)/.installed
-	$(PY) bench/run.py --size full --out bench-results
+	$(PY) bench/train.py --dir bench-data/train --out bench-results/train
+	$(PY) bench/gpu.py --dir bench-data/gpu --out bench-results/gpu
+	$(PY) bench/storage.py --dir bench-data/storage --out bench-results/storage
+
+# every pipeline side by side on any machine, small
+bench-suite: $(VENV)/.installed
+	$(PY) bench/run.py --size small --out bench-results
 
 clean:
 	rm -rf demo-data bench-data bench-results .pytest_cache

@@ -12,8 +12,8 @@ Metrics: images/s (median, spread), GB/s of payload, CPU-seconds per 1,000 image
 time to first batch. Output: a table, OUT/suite.json and the chart OUT/suite.png. The page cache is
 warm; --cold drops it before every timed epoch when permitted (and says so when not).
 
-    python bench/run.py --size small --out bench-results     # make bench: CPU-sized, any machine
-    python bench/run.py --size full --out bench-results      # make bench-gpu
+    python bench/run.py --size small --out bench-results     # make bench-suite: any machine
+    python bench/run.py --size full --out bench-results
 """
 
 import argparse
