@@ -297,7 +297,8 @@ class GDSDataset(torch.utils.data.Dataset):
 
     def close(self) -> None:
         """Stop any Loader still reading from this dataset, then release file descriptors, threads
-        and (on the GPU) staging memory and the decoder."""
+        and (on the GPU) staging memory. The process's nvJPEG decoder stays for the next dataset
+        (creating one is slow) and is destroyed at exit."""
         while True:
             try:
                 passes = list(self._passes)
@@ -317,7 +318,7 @@ class GDSDataset(torch.utils.data.Dataset):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.settings = types.MappingProxyType(state["settings"])
+        self.settings = types.MappingProxyType(state.get("settings") or dict(settings.snapshot()))
         self._passes = weakref.WeakSet()
         self._book = threading.Lock()
 

@@ -21,6 +21,7 @@ import collections
 import hashlib
 import logging
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -683,6 +684,9 @@ def _close_at_exit():
             active.close(grace=_EXIT_GRACE_S)
         except Exception:  # noqa: BLE001 - at exit, nothing more to do
             pass
+    decoders = sys.modules.get("gdsdata.decode.gpu")  # then the GPU decoders no dataset uses
+    if decoders is not None:
+        decoders.close_idle()
 
 
 atexit.register(_close_at_exit)

@@ -22,6 +22,11 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if "heavy" not in (config.option.markexpr or ""):  # the many-trial runs only when asked for by name
+        kept = [item for item in items if "heavy" not in item.keywords]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if "heavy" in item.keywords])
+            items[:] = kept
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device: GPU tests run on a machine with one (pytest -m gpu)")

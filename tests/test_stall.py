@@ -1,6 +1,7 @@
 """Nothing hangs: a Loader stage stuck inside a call becomes a StallError in the training loop,
 naming the stage, the batch and the call, within the stall_timeout bound."""
 
+import os
 import threading
 import time
 
@@ -100,3 +101,34 @@ print("done")
     for _ in range(6):
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 0 and "done" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_exit_does_not_wait_forever_for_a_decoder_a_stuck_decode_holds():
+    """At exit the idle nvJPEG decoders are destroyed, each only if its lock comes within the bound:
+    a decode stuck in nvJPEG (its thread left behind by close) holds that lock for good."""
+    from gdsdata.decode import gpu
+
+    class Stuck:
+        key, users, pid, last = ("stuck", "hardware"), 0, os.getpid(), None
+        lock = threading.Lock()
+
+        class nvjpeg:
+            closed = False
+
+            @classmethod
+            def close(cls):
+                cls.closed = True
+
+    Stuck.lock.acquire()  # the stuck decode
+    gpu._SharedDecoder._open[Stuck.key] = Stuck
+    try:
+        t0 = time.monotonic()
+        gpu._SharedDecoder.close_idle(timeout=0.5)
+        assert time.monotonic() - t0 < 5 and not Stuck.nvjpeg.closed
+        assert Stuck.key not in gpu._SharedDecoder._open
+        Stuck.lock.release()
+        gpu._SharedDecoder._open[Stuck.key] = Stuck  # free: destroyed
+        gpu._SharedDecoder.close_idle(timeout=0.5)
+        assert Stuck.nvjpeg.closed
+    finally:
+        gpu._SharedDecoder._open.pop(Stuck.key, None)

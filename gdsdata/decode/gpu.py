@@ -6,8 +6,8 @@ Raw samples are used where they lie: in the device staging buffer, or in one upl
 staging buffer.
 """
 
-import atexit
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
@@ -57,6 +57,7 @@ class _SharedDecoder:
 
     def __init__(self, key):
         self.key, self.users = key, 0  # users: the datasets decoding with it now
+        self.pid = os.getpid()  # a forked child inherits the map, not the decoder
         self.lock = threading.Lock()
         self.last = None  # (stream, event) of the previous decode
         with torch.cuda.device(key[0]):
@@ -77,25 +78,31 @@ class _SharedDecoder:
 
     @classmethod
     def close_idle(cls, timeout: float = 5.0):
-        """Destroy the decoders no dataset uses (at exit, while CUDA is still up: nvJPEG torn down
-        with the interpreter's last objects could outlive the CUDA context). One still in use is
-        left to the process's end."""
+        """Destroy this process's decoders that no dataset uses (at exit, while CUDA is still up:
+        nvJPEG torn down with the interpreter's last objects could outlive the CUDA context). One
+        still in use, or whose lock a thread stuck in a decode holds, is left to the process's end."""
         with cls._open_lock:
-            idle = [shared for shared in cls._open.values() if not shared.users]
+            idle = [shared for shared in cls._open.values() if not shared.users and shared.pid == os.getpid()]
             for shared in idle:
                 del cls._open[shared.key]
         for shared in idle:
-            with shared.lock:
-                try:
-                    if shared.last is not None:  # its last decode's GPU work still uses the state's buffers
-                        stall.wait(shared.last[1], "waiting for the last nvJPEG decode before destroying its decoder",
-                                   timeout)
-                    shared.nvjpeg.close()
-                except Exception:  # noqa: BLE001 - at exit: the process's end frees it
-                    pass
+            if not shared.lock.acquire(timeout=timeout):
+                continue
+            try:
+                if shared.last is not None:  # its last decode's GPU work still uses the state's buffers
+                    stall.wait(shared.last[1], "waiting for the last nvJPEG decode before destroying its decoder",
+                               timeout)
+                shared.nvjpeg.close()
+            except Exception:  # noqa: BLE001 - at exit: the process's end frees it
+                pass
+            finally:
+                shared.lock.release()
 
 
-atexit.register(_SharedDecoder.close_idle)
+def close_idle():
+    """Destroy the process's idle nvJPEG decoders (the Loader's exit handler calls it once every
+    pass has stopped)."""
+    _SharedDecoder.close_idle()
 
 
 class GpuDecoder:
