@@ -29,7 +29,7 @@ made) and ``stall_timeout`` is read as each Loader pass starts.
 | | | | both paths: direct (O_DIRECT past the page cache; auto picks it for shards over half the memory) |
 | decode_backend | GDSDATA_DECODE_BACKEND | auto | nvJPEG: hardware (the JPEG engines) or gpu_hybrid (CUDA cores) |
 | max_gap | GDSDATA_MAX_GAP | 262144 | largest hole (bytes) read through to join two neighbouring samples |
-| | | | (direct reads: at most 16 KiB, the holes' bytes coming from the drive) |
+| | | | (reads past the page cache: at most 16 KiB, the holes' bytes coming from the drive) |
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 1 | check every sample's CRC-32 where its bytes are: in host |
 | | | | memory (CPU path, pinned staging), or GPU staging (a CRC-32 kernel; needs Triton); 0: never |

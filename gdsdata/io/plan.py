@@ -41,7 +41,7 @@ class Plan:
                                       self.buffer_offsets.tolist())]
 
 
-# The largest hole that reads past the page cache (``io_engine=direct``) read through to join two
+# The largest hole that reads past the page cache (``io_engine=direct``, cuFile with GDS) read through to join two
 # samples: those bytes come from the drive, where the page cache gives them for a memory copy
 # (docs/design.md: what holes cost block-shuffled batches).
 DIRECT_MAX_GAP = 16 << 10
