@@ -48,8 +48,12 @@ def staged_batches(ds, batch, device_bitstreams):
     for the device-bitstream backends), cut into batches with their output arenas allocated."""
     import numpy as np
 
+    from gdsdata.io.cpu import CpuReader
+
     samples = ds.index.samples
-    buffer, plan = ds._backend.reader.read(list(range(len(samples))))
+    reader = CpuReader(ds.index)
+    buffer, plan = reader.read(list(range(len(samples))))
+    reader.close()
     host = torch.from_numpy(buffer).pin_memory()
     staged = host.cuda() if device_bitstreams else host
     sizes = samples["height"].astype(np.int64) * samples["width"].astype(np.int64) * 3

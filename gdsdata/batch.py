@@ -43,7 +43,14 @@ class PixelBatch:
         return pixels if self.owned else pixels.contiguous()
 
     def release(self, stream):
-        """Say that the GPU work queued on ``stream`` so far is the last to read the buffer."""
+        """Say that the GPU work queued on ``stream`` so far is the last to read the buffer.
+
+        Parameters
+        ----------
+        stream : torch.cuda.Stream or None
+            The stream of the last work that reads the pixels (None: nothing on the GPU reads
+            them any more). A staging buffer is reused only once that work is done.
+        """
         if self.release_fn is not None:
             self.release_fn(stream)
             self.release_fn = None
@@ -68,7 +75,18 @@ def collate(samples):
     """torch DataLoader's ``collate_fn`` for a GDSDataset: ``(images, labels)`` with images stacked
     into one tensor when they all have the same shape (after a transform that resizes), else a
     list, and labels as an int64 tensor. A module-level function, so it pickles for worker
-    processes under fork, spawn and forkserver."""
+    processes under fork, spawn and forkserver.
+
+    Parameters
+    ----------
+    samples : list of (torch.Tensor, int)
+        What ``GDSDataset.__getitem__`` returns, one pair per sample.
+
+    Returns
+    -------
+    (torch.Tensor or list of torch.Tensor, torch.Tensor)
+        The images (stacked when their shapes agree) and the labels.
+    """
     images = [image for image, _ in samples]
     labels = [label for _, label in samples]
     if images and all(isinstance(im, torch.Tensor) for im in images) and len({tuple(im.shape) for im in images}) == 1:

@@ -157,7 +157,13 @@ class Loader:
     # --- epochs and state -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass read ``epoch`` (as ``DistributedSampler.set_epoch``). Setting the epoch
-        a loaded state is in keeps the resume; another epoch starts from its beginning."""
+        a loaded state is in keeps the resume; another epoch starts from its beginning.
+
+        Parameters
+        ----------
+        epoch : int
+            The epoch number (0 or more): with the seed it fixes the order, crops and flips.
+        """
         epoch = _count("epoch", epoch, minimum=0)
         if epoch != self.epoch:
             self.epoch = epoch
@@ -175,7 +181,15 @@ class Loader:
         return len(rank_batches(self.spec, self.epoch, self._consumed)) - self._done
 
     def state_dict(self) -> dict:
-        """Where the epoch stands (the same on every rank): save it with the checkpoint."""
+        """Where the epoch stands (the same on every rank): save it with the checkpoint.
+
+        Returns
+        -------
+        dict
+            The epoch, the batches delivered, which samples were consumed, and what the state is
+            valid for (the dataset's fingerprint, size, seed, shuffle, world size, batch size);
+            plain Python values, so ``torch.save`` and ``json`` take it.
+        """
         consumed = None if self._consumed is None else np.packbits(self._consumed).tobytes()
         return {"version": _STATE_VERSION, "dataset": self._dataset_fingerprint(), "epoch": self.epoch,
                 "batches_done": self._done, "consumed": consumed, "size": self.spec.size,
@@ -186,7 +200,15 @@ class Loader:
     def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` (from ``state_dict``) stood: the next pass resumes there. With
         another world size, batch size or drop_last, the samples the old ranks had not yet delivered
-        are split over the new ones, so the epoch still delivers each sample once."""
+        are split over the new ones, so the epoch still delivers each sample once.
+
+        Parameters
+        ----------
+        state : dict
+            What ``state_dict`` returned, on this dataset. A state of another dataset, a corrupted
+            one or one out of range raises ``ValueError`` (``TypeError`` for what is not a dict)
+            saying why.
+        """
         self.close()
         state = _checked_state(state, self.spec, self._dataset_fingerprint())
         consumed = None

@@ -216,8 +216,8 @@ def test_mixed_engine_reads_each_batch_its_way_and_equals_cpu(raw_dataset, monke
         gpu = gdsdata.GDSDataset(raw_dataset, device="cuda")
     if gpu.load_path.io_mode != "compat":
         pytest.skip("the mixed engine is the automatic choice in compatibility mode")
-    reader, used = gpu._backend.reader, []
-    assert reader.engine == "mixed"
+    assert gpu.load_path.reads == "mixed"
+    reader, used = gpu._backend.reader, []  # the engine's two ways, watched
     gather, use = reader.maps.gather, reader._files.use
     monkeypatch.setattr(reader.maps, "gather", lambda *a: used.append("gather") or gather(*a))
     monkeypatch.setattr(reader._files, "use", lambda *a: used.append("kvikio") or use(*a))

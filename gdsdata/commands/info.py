@@ -23,7 +23,18 @@ def _tally(values, names):
 def info(root) -> dict:
     """What a dataset holds (what ``gdsdata inspect`` shows), as a dict: samples, classes and the
     count per class, shards, payload and alignment overhead, image sizes, codecs and chroma
-    subsampling, what was converted at pack time, and where it came from (parts, merges, appends)."""
+    subsampling, what was converted at pack time, and where it came from (parts, merges, appends).
+
+    Parameters
+    ----------
+    root : str or os.PathLike
+        The dataset folder.
+
+    Returns
+    -------
+    dict
+        Plain values (``json.dumps`` takes it); ``gdsdata inspect --json`` prints the same.
+    """
     index = index_io.load(root)
     samples, shards = index.samples, index.shards
     payload = int(samples["length"].sum())

@@ -143,6 +143,8 @@ class LoadPath:
         return self.decoder.split(" ", 1)[1] if self.decoder.startswith("nvJPEG ") else ""
 
     def describe(self) -> str:
+        """The path in one line, as the bench and ``doctor`` print it, e.g.
+        ``io=compat reads=mixed staging=host decode=nvJPEG:hardware checksums=host``."""
         reads = f"{self.reads}:{self.copy}" if self.copy else self.reads
         return (f"io={self.io_mode} reads={reads} staging={self.staging} "
                 f"decode={self.decoder.replace(' ', ':')} checksums={self.checksums}")

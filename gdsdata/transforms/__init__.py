@@ -111,6 +111,22 @@ class RandomResizedCrop:
         return _pair(self.size)
 
     def params(self, heights, widths, indices: Sequence[int], epoch: int = 0) -> CropParams:
+        """The crop window and flip of each sample, as torchvision draws them.
+
+        Parameters
+        ----------
+        heights, widths : array-like of int
+            Each source image's size.
+        indices : sequence of int
+            The samples' indices in the dataset: with ``seed`` and ``epoch`` they fix the draw.
+        epoch : int
+            The epoch the batch belongs to.
+
+        Returns
+        -------
+        CropParams
+            Per sample: top, left, height, width of the window in the source image, and flip.
+        """
         heights = np.asarray(heights, np.float64)
         widths = np.asarray(widths, np.float64)
         n = len(heights)
@@ -176,6 +192,18 @@ class CenterCrop:
         return _pair(self.size)
 
     def params(self, heights, widths, indices: Sequence[int] | None = None, epoch: int = 0) -> CropParams:
+        """The centre window of each sample (no randomness: ``indices`` and ``epoch`` are not used).
+
+        Parameters
+        ----------
+        heights, widths : array-like of int
+            Each source image's size.
+
+        Returns
+        -------
+        CropParams
+            Per sample: the window in the source image that resizes to ``output_size``; flip False.
+        """
         heights = np.asarray(heights, np.float64)
         widths = np.asarray(widths, np.float64)
         out_h, out_w = self.output_size
