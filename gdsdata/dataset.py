@@ -140,7 +140,13 @@ class GDSDataset(torch.utils.data.Dataset):
         return dict(self.index.meta)
 
     def source(self, i: int) -> str:
-        """The sample's path relative to the packed source folder."""
+        """The sample's path relative to the packed source folder.
+
+        Parameters
+        ----------
+        i : int
+            The sample's index (negative counts from the end).
+        """
         return self.index.path(self._check(i))
 
     def _check(self, i):
@@ -167,7 +173,13 @@ class GDSDataset(torch.utils.data.Dataset):
     def target(self, i: int) -> dict:
         """Sample i's objects as torchvision's detection models take them: ``{"boxes": float32 [K, 4]
         XYXY in pixels of the decoded image, "labels": int64 [K], "iscrowd": uint8 [K]}``, on the
-        dataset's device. Detection datasets only."""
+        dataset's device. Detection datasets only.
+
+        Parameters
+        ----------
+        i : int
+            The sample's index (negative counts from the end).
+        """
         i = self._check(i)
         if self.task != "detect":
             raise TypeError(f"{self.root} is a classification dataset: ds.labels[i] is its label")
@@ -199,15 +211,39 @@ class GDSDataset(torch.utils.data.Dataset):
         return out
 
     def load_batch(self, indices: Sequence[int], stream: torch.cuda.Stream | None = None) -> PixelBatch:
-        """(PixelBatch, indices): decoded pixels of a batch, bad samples raised or replaced per
-        ``on_error`` (the returned indices say which sample each position finally holds)."""
+        """Decoded pixels of a batch, bad samples raised or replaced per ``on_error``.
+
+        Parameters
+        ----------
+        indices : sequence of int
+            The samples.
+        stream : torch.cuda.Stream, optional
+            GPU path: the stream the decode is queued on (default: the current one).
+
+        Returns
+        -------
+        (PixelBatch, list of int)
+            The pixels, and which sample each position finally holds (a replacement's index where
+            ``on_error="skip"`` replaced one).
+        """
         return self.decode_staged(self.read_staged(indices), stream)
 
     def read_staged(self, indices: Sequence[int]) -> Staged:
         """The storage half of ``load_batch``: the batch's payloads in a staging buffer. With
         ``on_error="skip"`` the replacement of a bad sample is decided here, where reads are planned:
         samples already found bad are read as their replacements, and samples whose checksums fail
-        as they are read get theirs before decode (``Staged.asked`` keeps what was asked for)."""
+        as they are read get theirs before decode (``Staged.asked`` keeps what was asked for).
+
+        Parameters
+        ----------
+        indices : sequence of int
+            The samples.
+
+        Returns
+        -------
+        Staged
+            The payloads in a staging buffer, for ``decode_staged`` (or ``release_staged``).
+        """
         asked = list(indices)
         if self.on_error != "skip":
             return self._backend.read(asked)
@@ -224,7 +260,8 @@ class GDSDataset(torch.utils.data.Dataset):
         return staged
 
     def decode_staged(self, staged: Staged, stream: torch.cuda.Stream | None = None) -> tuple[PixelBatch, list]:
-        """The decode half of ``load_batch``."""
+        """The decode half of ``load_batch``: ``staged`` (from ``read_staged``) decoded on ``stream``;
+        returns what ``load_batch`` returns."""
         indices = list(staged.indices)
         batch = self._backend.decode(staged, stream)
         for k in sorted(batch.errors):  # found only by decoding: replaced here the first time, at planning after
