@@ -142,7 +142,7 @@ def stage_ms(stats, since=None) -> dict:
     if since is not None and since["batches"] <= stats["batches"]:  # else a new pass began: no delta
         stats = {k: v - since[k] for k, v in stats.items()}
     batches = max(1, stats["batches"])
-    return {k[:-2]: round(v / batches * 1000, 2) for k, v in stats.items() if k != "batches"}
+    return {k[:-2]: round(v / batches * 1000, 2) for k, v in stats.items() if k.endswith("_s")}
 
 
 def print_stages(stats, indent="      "):
@@ -320,7 +320,9 @@ def loader_epoch(ds, transform, shuffle="full", batch=256):
                 first = time.perf_counter() - t0
         sync()
         seconds = time.perf_counter() - t0
-        epoch.stages.append({"seconds": round(seconds, 4), **stage_ms(loader.stats(), before)})
+        after = loader.stats()
+        read = after["read_bytes"] - (before["read_bytes"] if before and before["batches"] <= after["batches"] else 0)
+        epoch.stages.append({"seconds": round(seconds, 4), "read_bytes": read, **stage_ms(after, before)})
         return first
 
     epoch.loader, epoch.close = loader, loader.close

@@ -13,7 +13,9 @@ evicted from it) with a fresh dataset object, and times one epoch of --batch bat
                cached engine the automatic choice takes for a dataset that fits in memory
 
 Per row: images/s, the shards' bytes per second (each epoch reads every sample's pages once), that
-as a fraction of the limit, how much the page cache grew during the epoch (``Cached`` in
+as a fraction of the limit, the time to the first batch, how many bytes the epoch's planned reads
+cover against the shards' (holes read through to join samples come from the drive when reads go
+past the page cache), how much the page cache grew during the epoch (``Cached`` in
 /proc/meminfo), and how many of the shards' pages are cached after it (``mincore``). A warm-up epoch
 of each dataset runs first (untimed; the GPU, nvJPEG and the pools started). Rows repeat --runs
 times (each cold); figures are medians.
@@ -86,6 +88,18 @@ def prepare(args):
     return roots
 
 
+def planned_bytes(ds, shuffle, batch, epoch=0) -> int:
+    """The bytes the plans of one epoch's batches read (holes and alignment included), as the
+    dataset plans them: against the shards' bytes, what the reads cost the drive."""
+    from gdsdata.io.plan import max_gap, plan_reads
+    from gdsdata.sampler import ShardSpec, epoch_order
+
+    order = epoch_order(ShardSpec(len(ds), batch_size=batch, shuffle=shuffle), epoch)
+    gap = max_gap(ds.settings, ds.load_path.past_cache)
+    return sum(int(plan_reads(ds.index.samples, order[b:b + batch], ds.index.alignment, gap,
+                              ds.settings["max_read"]).total) for b in range(0, len(order), batch))
+
+
 def crop(ds):
     return gdsdata.RandomResizedCrop(224, dtype="float16" if ds.device.type == "cuda" else "float32")
 
@@ -102,10 +116,11 @@ def cold_epoch(root, engine, shuffle, args, paths):
     grew = page_cache_bytes() - cached0
     pages = sum(resident_pages(p) for p in paths)
     reads = ds.load_path.reads
+    planned = planned_bytes(ds, shuffle, args.batch)
     epoch.close()
     ds.close()
     return {"seconds": seconds, "first_batch_s": first, "cache_growth": grew, "resident_pages": pages,
-            "reads": reads, "cold": how, "stages": epoch.stages[-1]}
+            "reads": reads, "planned_bytes": planned, "cold": how, "stages": epoch.stages[-1]}
 
 
 def main(argv=None):
@@ -170,6 +185,7 @@ def main(argv=None):
                 row = {"kind": k, "row": "gdsdata", "shuffle": shuffle, "engine": engine, "reads": runs[0]["reads"],
                        "cold": runs[0]["cold"], "images_per_s": n / seconds, "bytes_per_s": nbytes[k] / seconds,
                        "of_limit": nbytes[k] / seconds / limits[k],
+                       "read_amplification": runs[0]["planned_bytes"] / nbytes[k],
                        "cache_growth_mib": statistics.median(r["cache_growth"] for r in runs) / 2**20,
                        "resident_mib": statistics.median(r["resident_pages"] for r in runs) * mmap.PAGESIZE / 2**20,
                        "first_batch_ms": statistics.median(r["first_batch_s"] for r in runs) * 1e3,
@@ -177,7 +193,7 @@ def main(argv=None):
                 rows.append(row)
                 print(f"{k:<4} shuffle={shuffle:<5} reads={row['reads']:<7} {row['images_per_s']:8.0f} images/s "
                       f"{row['bytes_per_s'] / 1e9:5.2f} GB/s = {row['of_limit']:.2f} of the limit, first batch "
-                      f"{row['first_batch_ms']:.0f} ms; page cache "
+                      f"{row['first_batch_ms']:.0f} ms, reads {row['read_amplification']:.2f}x the shards; page cache "
                       f"+{row['cache_growth_mib']:.0f} MiB, shards cached after: {row['resident_mib']:.0f} MiB "
                       f"({row['cold']})", flush=True)
     with open(os.path.join(args.out, "storage.json"), "w") as f:

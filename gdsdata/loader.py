@@ -504,6 +504,7 @@ class PipelineStats:
     transform_blocked_s: float = 0.0  # transform thread: waiting to hand a batch on (the loop is behind)
     consumer_wait_s: float = 0.0  # the training loop waiting for its next batch
     consumer_gpu_wait_s: float = 0.0  # the loop's CUDA stream waiting on the GPU for a batch's work
+    read_bytes: int = 0  # bytes the batches' reads covered (the holes they read through included)
 
     def add(self, field: str, seconds: float):
         setattr(self, field, getattr(self, field) + seconds)
@@ -556,6 +557,7 @@ def _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1) -> bool:
     batch's staging handed back)."""
     handed = _put(q, stop, ("staged", staged, epoch, number, None))
     stats.read_s += t1 - t0
+    stats.read_bytes += int(getattr(staged.plan, "total", 0))
     stats.read_blocked_s += time.perf_counter() - t1
     if not handed:
         _release(dataset, "staged", staged)

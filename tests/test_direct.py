@@ -471,3 +471,22 @@ def test_direct_reads_keep_to_the_open_file_budget(photos_dataset, tmp_path):
     assert np.array_equal(got[:plan.total], expected[:plan.total])
     assert len(reader._direct._files) <= 2 + gdsdata.settings.get("direct_depth")
     reader.close()
+
+
+def test_the_loader_counts_the_bytes_its_reads_cover(photos_dataset):
+    """``stats()["read_bytes"]``: at least every sample's bytes over an epoch (more: alignment, the
+    holes read through, the next epoch's first batches read ahead); ``load_path.past_cache`` says
+    which reads come from the drive (test_plan: they join only small holes)."""
+    _, _, root = photos_dataset
+    ds, plain = _direct(root), gdsdata.GDSDataset(root)
+    assert ds.load_path.past_cache and not plain.load_path.past_cache
+    counted = []
+    for dataset in (ds, plain):
+        loader = gdsdata.Loader(dataset, 5, shuffle="block", transform=gdsdata.CenterCrop(40))
+        for _ in loader:
+            pass
+        counted.append(loader.stats()["read_bytes"])
+        loader.close()
+    assert min(counted) >= int(ds.index.samples["length"].sum())
+    ds.close()
+    plain.close()

@@ -57,7 +57,7 @@ class GpuBackend:
         (``Staged.job``). Returns once the reads are done, or, for reads still in flight on a CUDA
         stream, with ``Staged.ready``: an event that ``decode`` makes its stream wait for."""
         plan = plan_reads(self.index.samples, indices, self.index.alignment,
-                          max_gap(self.config, self._past_cache()), self.config["max_read"])
+                          max_gap(self.config, self.load_path.past_cache), self.config["max_read"])
         slot = self._slots.acquire()
         try:
             staging, ready = self.reader.read(plan, slot)
@@ -94,11 +94,6 @@ class GpuBackend:
 
     def load_batch(self, indices, stream=None) -> PixelBatch:
         return self.decode(self.read(indices), stream)
-
-    def _past_cache(self) -> bool:
-        """Whether this batch's reads bypass the page cache (O_DIRECT, or cuFile with GDS): the
-        holes they read through then come from the drive."""
-        return self.reader.engine == "direct" or (self.reader.engine == "kvikio" and self.path.io_mode == "gds")
 
     def reserve_staging(self, count: int):
         self._slots.reserve(count)

@@ -142,6 +142,12 @@ class LoadPath:
         """The nvJPEG backend ("hardware_device", ...), or "" on the CPU path."""
         return self.decoder.split(" ", 1)[1] if self.decoder.startswith("nvJPEG ") else ""
 
+    @property
+    def past_cache(self) -> bool:
+        """Whether reads bypass the page cache (``direct``, or cuFile with GDS): every byte they
+        cover, holes included, comes from the drive."""
+        return self.reads == "direct" or (self.reads == "kvikio" and self.io_mode == "gds")
+
     def describe(self) -> str:
         """The path in one line, as the bench and ``doctor`` print it, e.g.
         ``io=compat reads=mixed staging=host decode=nvJPEG:hardware checksums=host``."""
