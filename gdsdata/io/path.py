@@ -124,6 +124,8 @@ class LoadPath:
         The engine that takes over if CUDA cannot register the shards of an automatic ``mapped``.
     why : tuple of str
         One line per decision, in the order taken.
+    past_cache : bool
+        (A property.) Whether the reads bypass the page cache: ``direct``, or cuFile with GDS.
     """
 
     device: str
