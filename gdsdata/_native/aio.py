@@ -14,6 +14,8 @@ import errno
 import os
 import platform
 
+import numpy as np
+
 # (io_setup, io_destroy, io_submit, io_getevents) by machine: the kernel's system call numbers
 _NUMBERS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4)}
 _IOCB_CMD_PREAD = 0
@@ -58,9 +60,15 @@ class Context:
         if self._call(self._setup, ctypes.c_long(depth), ctypes.byref(self._handle)) < 0:
             code = ctypes.get_errno()
             raise OSError(code, f"io_setup({depth}): {os.strerror(code)}")
+        # filled and read through numpy views: a batch's requests in a few array operations, not
+        # ctypes attribute by attribute (interpreter time the training loop's thread waits for)
         self._iocbs = (_Iocb * depth)()
-        self._pointers = (ctypes.POINTER(_Iocb) * depth)()
+        self._requests = np.ctypeslib.as_array(self._iocbs)
+        self._pointers = (ctypes.c_uint64 * depth)()  # struct iocb *[]: the slots' addresses
+        self._addresses = np.ctypeslib.as_array(self._pointers)
         self._events = (_Event * depth)()
+        self._done = np.ctypeslib.as_array(self._events)
+        self._base = ctypes.addressof(self._iocbs)
         self._free = list(range(depth))  # iocb slots not in flight
 
     @property
@@ -73,13 +81,20 @@ class Context:
         the slots of those the kernel took, in order (a prefix of ``requests``; each slot comes back
         from ``reap`` with its result). Raises only when it took none: after a failure part way it
         returns those it took."""
-        slots = [self._free.pop() for _ in requests]
-        for k, (slot, (fd, address, nbytes, offset)) in enumerate(zip(slots, requests)):
-            iocb = self._iocbs[slot]
-            ctypes.memset(ctypes.byref(iocb), 0, ctypes.sizeof(_Iocb))
-            iocb.data, iocb.opcode, iocb.fildes = slot, _IOCB_CMD_PREAD, fd
-            iocb.buf, iocb.nbytes, iocb.offset = address, nbytes, offset
-            self._pointers[k] = ctypes.pointer(iocb)
+        if not requests:
+            return []
+        count = len(requests)
+        if count > len(self._free):
+            raise ValueError(f"{count} requests for {len(self._free)} free slots")
+        slots = self._free[len(self._free) - count:]
+        del self._free[len(self._free) - count:]
+        columns = np.array(requests, dtype=np.int64).reshape(count, 4)
+        at = np.array(slots, dtype=np.int64)
+        self._requests[at] = np.zeros(count, self._requests.dtype)
+        for field, values in (("data", at), ("opcode", _IOCB_CMD_PREAD), ("fildes", columns[:, 0]),
+                              ("buf", columns[:, 1]), ("nbytes", columns[:, 2]), ("offset", columns[:, 3])):
+            self._requests[field][at] = values
+        self._addresses[:count] = self._base + at * ctypes.sizeof(_Iocb)
         done = 0
         while done < len(slots):
             got = self._call(self._submit, self._handle, ctypes.c_long(len(slots) - done),
@@ -110,9 +125,9 @@ class Context:
             code = ctypes.get_errno()
             if code != errno.EINTR:
                 raise OSError(code, f"io_getevents: {os.strerror(code)}")
-        slots = [int(self._events[k].data) for k in range(got)]
+        slots = self._done["data"][:got].tolist()
         self._free.extend(slots)  # first: nothing between the call and here may lose a slot
-        return [(slot, int(self._events[k].res)) for k, slot in enumerate(slots)]
+        return list(zip(slots, self._done["res"][:got].tolist()))
 
     @property
     def in_flight(self) -> int:

@@ -127,10 +127,11 @@ def _pread(handle: _Shard, dest: np.ndarray, offset: int) -> int:
 class _Piece:
     """One request of a batch: ``size`` bytes of shard ``shard`` at ``offset`` into ``dest``."""
 
-    __slots__ = ("shard", "offset", "size", "dest", "got")
+    __slots__ = ("shard", "offset", "size", "dest", "address", "got")
 
-    def __init__(self, shard, offset, size, dest):
+    def __init__(self, shard, offset, size, dest, address):
         self.shard, self.offset, self.size, self.dest, self.got = shard, offset, size, dest, 0
+        self.address = address  # of ``dest``'s first byte
 
 
 class DirectReads:
@@ -159,12 +160,12 @@ class DirectReads:
         """Fill ``dest`` (uint8, page aligned, at least ``plan.total`` bytes) with the plan's reads."""
         if dest.ctypes.data % PAGE:
             raise ValueError("direct reads need a page-aligned buffer")
-        most, pieces = self.pieces(plan), []
+        most, pieces, base = self.pieces(plan), [], dest.ctypes.data
         for read in plan.reads:
             for start in range(0, read.size, most):
                 size = min(most, read.size - start)
                 at = read.buffer_offset + start
-                pieces.append(_Piece(read.shard, read.offset + start, size, dest[at:at + size]))
+                pieces.append(_Piece(read.shard, read.offset + start, size, dest[at:at + size], base + at))
         context = self._context()
         if context is None:
             self._read_threads(pieces)
@@ -260,7 +261,7 @@ class DirectReads:
                         threaded.append(self._pool.submit(self._piece, piece))
                 if batch:
                     try:
-                        slots = context.submit([(h.fd, p.dest.ctypes.data, p.size, p.offset) for p, h in batch])
+                        slots = context.submit([(h.fd, p.address, p.size, p.offset) for p, h in batch])
                     except OSError as e:  # the kernel took none: the threads read them
                         log.debug("io_submit refused %d reads (%s): read from threads", len(batch), e)
                         slots = []
