@@ -10,19 +10,15 @@ import os
 import sys
 
 from gdsdata import __version__
-
-_SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+from gdsdata.settings import parse_size
 
 
 def _size(text: str) -> int:
     """Parse '512M', '1G', '4096' into bytes."""
-    raw = text.strip().lower().rstrip("ib")
     try:
-        if raw and raw[-1] in _SIZE_UNITS:
-            return int(float(raw[:-1]) * _SIZE_UNITS[raw[-1]])
-        return int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 512M, 1G)") from None
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _human(n: float) -> str:
@@ -181,9 +177,14 @@ def _cmd_doctor(args):
 
     info = report()
     if args.dataset:
+        import torch
+
         from gdsdata.dataset import GDSDataset
 
-        with GDSDataset(args.dataset, device=args.device) as ds:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+        with GDSDataset(args.dataset, device=device) as ds:
             info["dataset"] = args.dataset
             info.update(path_fields(ds.load_path))
     if args.json:
@@ -293,7 +294,7 @@ def build_parser():
                        "its hardware engines, and the settings in effect; with DATASET, the path its samples take "
                        "on DEVICE.")
     p.add_argument("dataset", nargs="?", help="a packed dataset: show how it loads")
-    p.add_argument("--device", default="cuda", help="for DATASET: cpu or cuda (default)")
+    p.add_argument("--device", default=None, help="for DATASET: cpu or cuda (default: cuda where torch sees a GPU)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_cmd_doctor)
     return parser

@@ -74,6 +74,20 @@ _RENAMED_VALUES = {
     ("decode_backend", "gpu_hybrid_device"): "decode_backend=gpu_hybrid with staging=device",
 }
 _lock = threading.Lock()
+_BYTES = ("direct_ahead", "max_gap", "max_read")  # sizes: also as 512K, 128M, 1G
+_SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text) -> int:
+    """'512M', '1G', '4096' (binary units, an optional trailing 'iB' or 'B') as bytes; ValueError
+    for anything else."""
+    raw = str(text).strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        if raw and raw[-1] in _SIZE_UNITS:
+            return int(float(raw[:-1]) * _SIZE_UNITS[raw[-1]])
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512M, 1G)") from None
 
 
 def _parse(name, value):
@@ -95,9 +109,10 @@ def _parse(name, value):
         return number
     if isinstance(default, int):
         try:
-            number = int(value)
+            number = parse_size(value) if name in _BYTES and isinstance(value, str) else int(value)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"setting {name}: expected an integer, got {value!r}") from e
+            raise ValueError(f"setting {name}: expected {'a size' if name in _BYTES else 'an integer'}, "
+                             f"got {value!r}") from e
         if number < 0 or (number == 0 and name.endswith(("threads", "depth", "ahead"))):
             raise ValueError(f"setting {name}: must be positive, got {number}")
         return number
@@ -113,29 +128,42 @@ def _from_environment():
     for old, new in _RENAMED.items():
         if os.environ.get(f"GDSDATA_{old.upper()}"):
             logging.getLogger(__name__).warning("GDSDATA_%s is ignored: it is gone; use %s", old.upper(), new)
-    values = dict(_DEFAULTS)
+    values, errors = dict(_DEFAULTS), []
     for name in _DEFAULTS:
         raw = os.environ.get(f"GDSDATA_{name.upper()}")
         if raw is not None and raw != "":
-            values[name] = _parse(name, raw)
-    return values
+            try:
+                values[name] = _parse(name, raw)
+            except ValueError as e:
+                errors.append(f"GDSDATA_{name.upper()}={raw!r}: {e}")
+    return values, errors
 
 
-_values = _from_environment()
+# A bad variable is raised where the settings are first used, not while gdsdata is imported (where
+# the command line could only show a traceback).
+_values, _environment_errors = _from_environment()
+
+
+def _check_environment():
+    if _environment_errors:
+        raise ValueError("; ".join(_environment_errors))
 
 
 def get(name):
+    _check_environment()
     if name not in _values:
         raise KeyError(f"unknown gdsdata setting {name!r}; known: {', '.join(sorted(_values))}")
     return _values[name]
 
 
 def as_dict():
+    _check_environment()
     return dict(_values)
 
 
 def snapshot():
     """The settings now, as a read-only mapping (what a dataset keeps when it is built)."""
+    _check_environment()
     return types.MappingProxyType(dict(_values))
 
 
@@ -156,6 +184,7 @@ def set(**changes):  # noqa: A001 - mirrors kvikio.defaults.set
     unknown = sorted(k for k in changes if k not in _values)
     if unknown:
         raise KeyError(f"unknown gdsdata setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_values))}")
+    _check_environment()
     parsed = {k: _parse(k, v) for k, v in changes.items()}
     with _lock:
         previous = {k: _values[k] for k in parsed}

@@ -2,6 +2,7 @@
 worker and gives the dataset a single process gives; a local S3 server (moto) serves a source that
 packs into the dataset the same files give from disk."""
 
+import glob
 import os
 import socket
 import subprocess
@@ -198,8 +199,12 @@ def test_tar_shards_on_s3_are_fetched_and_packed(source, s3, tmp_path):
             label.write_text("1")
             tar.add(label, arcname=f"s{k:03d}.cls")
     boto3.client("s3").upload_file(str(shard), "images", "wds/shard-0.tar")
+    import tempfile
+
+    fetched = set(glob.glob(os.path.join(tempfile.gettempdir(), "gdsdata-fetch-*")))
     result = pack("s3://images/wds", str(tmp_path / "ds"), workers=1)
     assert result.packed == 5
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "gdsdata-fetch-*"))) == fetched  # the copy removed
 
 
 def test_a_missing_bucket_is_one_line(s3, tmp_path):

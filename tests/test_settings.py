@@ -1,5 +1,6 @@
 """Settings: environment variables, scoped overrides, validation."""
 
+import os
 import subprocess
 import sys
 
@@ -50,3 +51,26 @@ def test_a_dataset_keeps_the_settings_it_was_built_with(photos_dataset):
         again.settings["max_gap"] = 1
     again.close()
     ds.close()
+
+
+def test_a_bad_environment_variable_is_one_line_not_an_import_failure():
+    """``import gdsdata`` works with a bad GDSDATA_* variable; the first use of the settings raises
+    naming the variable, and the command line prints that in one line and exits 1."""
+    env = {**os.environ, "GDSDATA_IO_ENGINE": "bogus", "GDSDATA_DIRECT_AHEAD": "1X"}
+    code = ("import gdsdata\ntry:\n    gdsdata.settings.snapshot()\nexcept ValueError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "GDSDATA_IO_ENGINE='bogus'" in out.stdout and "GDSDATA_DIRECT_AHEAD='1X'" in out.stdout
+    done = subprocess.run([sys.executable, "-m", "gdsdata", "doctor"], env=env, capture_output=True, text=True)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "Traceback" not in done.stderr
+    assert lines[0].startswith("gdsdata: error: GDSDATA_") and "GDSDATA_IO_ENGINE='bogus'" in lines[0]
+
+
+def test_byte_settings_take_sizes():
+    with settings.set(direct_ahead="64M", max_gap="16K", max_read="1GiB"):
+        assert (settings.get("direct_ahead"), settings.get("max_gap"), settings.get("max_read")) == (
+            64 << 20, 16 << 10, 1 << 30)
+    with pytest.raises(ValueError, match="expected a size"):
+        settings.set(max_gap="lots")
+    with pytest.raises(ValueError, match="expected an integer"):
+        settings.set(io_threads="8M")

@@ -329,11 +329,25 @@ def open_source(src, strict=False, allow_empty=False):
         return src
     if is_url(src):
         if src.rstrip("/").endswith((".tar", ".tar.gz", ".tgz", ".lmdb", ".mdb")) or _remote_kind(src) != "folder":
+            import shutil
             import tempfile
 
             where = tempfile.mkdtemp(prefix="gdsdata-fetch-")
-            source = open_source(_fetched(src, where), strict, allow_empty)
+            try:
+                source = open_source(_fetched(src, where), strict, allow_empty)
+            except BaseException:
+                shutil.rmtree(where, ignore_errors=True)
+                raise
             source.root = src
+            close = source.close
+
+            def close_and_remove():  # the fetched copy goes with the source: nothing left filling the disk
+                try:
+                    close()
+                finally:
+                    shutil.rmtree(where, ignore_errors=True)
+
+            source.close = close_and_remove
             return source
         return RemoteFolderSource(src, allow_empty=allow_empty)
     src = os.fspath(src)
