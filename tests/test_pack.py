@@ -98,6 +98,8 @@ def test_strict_stops_at_first_bad_file_and_leaves_no_dataset(kinds_source, tmp_
     assert not [n for n in os.listdir(out) if n.endswith((".gds", fmt.TMP_SUFFIX))]
     with open(os.path.join(out, fmt.REPORT_NAME)) as f:
         assert json.load(f)["status"] == "failed"
+    result = pack(src, out, workers=1)  # only a failed pack's report there: packing again needs no --overwrite
+    assert os.path.exists(os.path.join(out, fmt.INDEX_NAME)) and result.packed > 0
 
 
 def test_max_side_resizes(tmp_path):

@@ -124,6 +124,15 @@ def gdsdata_owned(name):
             or (name.startswith("shard-") and name.endswith(".gds")))
 
 
+def _failed_report(path) -> bool:
+    """Whether ``path`` is the report of a pack that failed (and so wrote no dataset)."""
+    try:
+        with open(path) as f:
+            return json.load(f).get("status") == "failed"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def check_output(out, overwrite) -> bool:
     """Refuse an ``out`` that must not be written: a dataset (or any other file) without
     ``overwrite``, files gdsdata did not write even with it. Returns whether ``out`` holds anything
@@ -131,6 +140,8 @@ def check_output(out, overwrite) -> bool:
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputExistsError(f"{out}: exists and is not a folder")
     existing = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if existing == [fmt.REPORT_NAME] and _failed_report(os.path.join(out, fmt.REPORT_NAME)):
+        return False  # a pack that failed left only its report: nothing to keep, pack again
     if existing and not overwrite:
         what = "holds a gdsdata dataset" if fmt.INDEX_NAME in existing else "is not empty"
         hint = "" if fmt.INDEX_NAME in existing else " (or --resume to finish an interrupted pack)"
