@@ -243,3 +243,11 @@ def test_python_dash_m_and_help_for_every_command():
         assert done.returncode == 0
         described = done.stdout.split("\n\n")[1]
         assert not described.startswith(("positional", "options")), (command, done.stdout[:300])
+
+
+def test_transforms_take_torch_dtypes_as_well_as_their_names():
+    for make in (gdsdata.RandomResizedCrop, gdsdata.CenterCrop):
+        assert make(32, dtype=torch.float16) == make(32, dtype="float16")
+        assert make(32, dtype=torch.uint8).dtype == "uint8"
+        with pytest.raises(ValueError, match="dtype must be"):
+            make(32, dtype=torch.int32)

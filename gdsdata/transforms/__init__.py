@@ -73,9 +73,9 @@ class RandomResizedCrop:
         Probability of a horizontal flip.
     mean, std : 3 floats or None
         Per-channel normalisation on the 0-255 scale; None skips it.
-    dtype : str or None
-        "float16", "bfloat16", "float32" or "uint8" (uint8 is never normalised); None: float16 on the
-        GPU, float32 on the CPU.
+    dtype : str, torch.dtype or None
+        "float16", "bfloat16", "float32" or "uint8", or the torch dtype of one of those names (uint8
+        is never normalised); None: float16 on the GPU, float32 on the CPU.
     layout : str
         "NCHW" or "NHWC".
     antialias : bool
@@ -224,6 +224,8 @@ def _pair(size) -> tuple:
 
 
 def _validate(t):
+    if isinstance(t.dtype, torch.dtype):  # torch.float16 as well as "float16"
+        object.__setattr__(t, "dtype", next((name for name, d in _DTYPES.items() if d == t.dtype), t.dtype))
     if t.dtype is not None and t.dtype not in _DTYPES:
         raise ValueError(f"dtype must be None or one of {', '.join(_DTYPES)}, got {t.dtype!r}")
     if t.layout not in ("NCHW", "NHWC"):
