@@ -132,6 +132,9 @@ def load(root) -> Index:
     root = os.fspath(root)
     path = os.path.join(root, fmt.INDEX_NAME)
     if not os.path.isdir(root):
+        if os.path.exists(root):
+            raise FormatError(f"{root}: a file, not a dataset folder (give the folder that holds "
+                              f"{fmt.INDEX_NAME} and the shards)")
         raise FormatError(f"{root}: no such dataset folder")
     if not os.path.exists(path):
         hint = (" (an unfinished pack: finish it with --resume, or pack again with --overwrite)"
