@@ -320,9 +320,7 @@ def loader_epoch(ds, transform, shuffle="full", batch=256):
                 first = time.perf_counter() - t0
         sync()
         seconds = time.perf_counter() - t0
-        after = loader.stats()
-        read = after["read_bytes"] - (before["read_bytes"] if before and before["batches"] <= after["batches"] else 0)
-        epoch.stages.append({"seconds": round(seconds, 4), "read_bytes": read, **stage_ms(after, before)})
+        epoch.stages.append({"seconds": round(seconds, 4), **stage_ms(loader.stats(), before)})
         return first
 
     epoch.loader, epoch.close = loader, loader.close

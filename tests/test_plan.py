@@ -122,12 +122,12 @@ def test_direct_reads_do_not_read_block_shuffled_holes_from_the_drive():
     samples["offset"] = np.r_[0, np.cumsum(-(-lengths // alignment) * alignment)[:-1]]
     order = epoch_order(ShardSpec(n, batch_size=256, shuffle="block"), 0)
     config = gsettings.snapshot()
-    assert max_gap(config, direct=False) == config["max_gap"] == 256 << 10
-    assert max_gap(config, direct=True) == DIRECT_MAX_GAP
+    assert max_gap(config, past_cache=False) == config["max_gap"] == 256 << 10
+    assert max_gap(config, past_cache=True) == DIRECT_MAX_GAP
 
     def amplification(gap):
         return sum(int(plan_reads(samples, order[b:b + 256], alignment, gap, 64 << 20).sizes.sum())
                    for b in range(0, n, 256)) / lengths.sum()
 
-    assert amplification(max_gap(config, direct=False)) > 1.4
-    assert amplification(max_gap(config, direct=True)) < 1.05
+    assert amplification(max_gap(config, past_cache=False)) > 1.4
+    assert amplification(max_gap(config, past_cache=True)) < 1.05

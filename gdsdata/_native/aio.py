@@ -90,10 +90,10 @@ class Context:
         del self._free[len(self._free) - count:]
         columns = np.array(requests, dtype=np.int64).reshape(count, 4)
         at = np.array(slots, dtype=np.int64)
-        self._requests[at] = np.zeros(count, self._requests.dtype)
-        for field, values in (("data", at), ("opcode", _IOCB_CMD_PREAD), ("fildes", columns[:, 0]),
-                              ("buf", columns[:, 1]), ("nbytes", columns[:, 2]), ("offset", columns[:, 3])):
-            self._requests[field][at] = values
+        iocbs = np.zeros(count, self._requests.dtype)  # the other fields stay 0
+        iocbs["data"], iocbs["opcode"] = at, _IOCB_CMD_PREAD
+        iocbs["fildes"], iocbs["buf"], iocbs["nbytes"], iocbs["offset"] = columns.T
+        self._requests[at] = iocbs
         self._addresses[:count] = self._base + at * ctypes.sizeof(_Iocb)
         done = 0
         while done < len(slots):

@@ -47,10 +47,10 @@ class Plan:
 DIRECT_MAX_GAP = 16 << 10
 
 
-def max_gap(config, direct: bool) -> int:
+def max_gap(config, past_cache: bool) -> int:
     """The hole a plan may read through: the ``max_gap`` setting, at most ``DIRECT_MAX_GAP`` for
-    direct reads."""
-    return min(config["max_gap"], DIRECT_MAX_GAP) if direct else config["max_gap"]
+    reads that bypass the page cache (``LoadPath.past_cache``)."""
+    return min(config["max_gap"], DIRECT_MAX_GAP) if past_cache else config["max_gap"]
 
 
 def _round_up(x, alignment):
