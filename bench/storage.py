@@ -5,9 +5,10 @@ Each row starts cold (the page cache dropped, or, without the root that needs, t
 evicted from it) with a fresh dataset object, and times one epoch of --batch batches:
 
   limit        the storage's own rate over the same shards: ``dd iflag=direct bs=16M`` one shard after
-               another, and a parallel direct read of every shard in 16 MiB blocks with each of --threads
-               requests in flight (16 and 64: some drives give their rate only at a deep queue); the
-               best of these is the limit the rows are a fraction of
+               another, and a parallel direct read of every shard in blocks of each of --blocks
+               (1, 4 and 16 MiB) with each of --threads requests in flight (16 and 64: some drives
+               give their rate only at a deep queue), repeated over the shards for at least a second;
+               the best of these is the limit the rows are a fraction of
   gdsdata      Loader epochs over the JPEG pack and the raw pack (``tools/make_images.py`` images),
                shuffle full and block, reads ``direct`` (streaming: past the page cache) and the
                cached engine the automatic choice takes for a dataset that fits in memory
@@ -56,11 +57,14 @@ def dd_rate(paths) -> float:
     return total / (time.perf_counter() - t0)
 
 
-def parallel_direct_rate(paths, threads) -> float:
-    """Bytes/s of O_DIRECT reads of every shard in BLOCK pieces, ``threads`` in flight."""
-    buffers = [np.frombuffer(mmap.mmap(-1, BLOCK), np.uint8) for _ in range(threads)]  # page aligned
-    jobs = [(p, off) for p in paths for off in range(0, os.path.getsize(p), BLOCK)]
+def parallel_direct_rate(paths, threads, block=BLOCK, seconds=1.0) -> float:
+    """Bytes/s of O_DIRECT reads of every shard in ``block`` pieces, ``threads`` in flight, the
+    shards read over again until ``seconds`` have passed (a pass over a small pack is over before a
+    deep queue has filled)."""
+    buffers = [np.frombuffer(mmap.mmap(-1, block), np.uint8) for _ in range(threads)]  # page aligned
+    jobs = [(p, off) for p in paths for off in range(0, os.path.getsize(p), block)]
     fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths}
+    passes = [0]
 
     def worker(t):  # thread t reads jobs t, t + threads, ... into its own buffer
         done = 0
@@ -69,10 +73,13 @@ def parallel_direct_rate(paths, threads) -> float:
         return done
 
     try:
-        t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
-            total = sum(pool.map(worker, range(threads)))
-        return total / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            total = 0
+            while not passes[0] or time.perf_counter() - t0 < seconds:
+                total += sum(pool.map(worker, range(threads)))
+                passes[0] += 1
+            return total / (time.perf_counter() - t0)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -89,15 +96,18 @@ def prepare(args):
 
 
 def planned_bytes(ds, shuffle, batch, epoch=0) -> int:
-    """The bytes the plans of one epoch's batches read (holes and alignment included), as the
-    dataset plans them: against the shards' bytes, what the reads cost the drive."""
+    """The bytes the plans of one epoch's reads cover (holes and alignment included), as the dataset
+    and a Loader plan them (each batch, or each window of block-shuffled streaming batches): against
+    the shards' bytes, what the reads cost the drive."""
     from gdsdata.io.plan import max_gap, plan_reads
+    from gdsdata.loader import _window_batches
     from gdsdata.sampler import ShardSpec, epoch_order
 
-    order = epoch_order(ShardSpec(len(ds), batch_size=batch, shuffle=shuffle), epoch)
-    gap = max_gap(ds.settings, ds.load_path.past_cache)
-    return sum(int(plan_reads(ds.index.samples, order[b:b + batch], ds.index.alignment, gap,
-                              ds.settings["max_read"]).total) for b in range(0, len(order), batch))
+    spec = ShardSpec(len(ds), batch_size=batch, shuffle=shuffle)
+    order = epoch_order(spec, epoch)
+    gap, step = max_gap(ds.settings, ds.load_path.past_cache), batch * _window_batches(ds, spec)
+    return sum(int(plan_reads(ds.index.samples, order[b:b + step], ds.index.alignment, gap,
+                              ds.settings["max_read"]).total) for b in range(0, len(order), step))
 
 
 def crop(ds):
@@ -132,6 +142,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", default="16,64",
                         help="requests in flight of the parallel direct read, comma-separated (the best counts)")
+    parser.add_argument("--blocks", default="1,4,16", help="MiB a request of the parallel direct read, comma-separated")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kinds", default="JPEG,raw")
     parser.add_argument("--shuffles", default="block,full")
@@ -155,17 +166,19 @@ def main(argv=None):
     limits = {}
     for k in kinds:
         counts = [int(t) for t in str(args.threads).split(",")]
-        dd, par = [], {t: [] for t in counts}
+        blocks = [int(b) for b in str(args.blocks).split(",")]
+        dd, par = [], {f"{t}x{b}M": [] for t in counts for b in blocks}
         for _ in range(args.runs):
             drop_caches(every)
             dd.append(dd_rate(files[k]))
             for t in counts:
-                drop_caches(every)
-                par[t].append(parallel_direct_rate(files[k], t))
+                for b in blocks:
+                    drop_caches(every)
+                    par[f"{t}x{b}M"].append(parallel_direct_rate(files[k], t, b << 20))
         parallel = {t: statistics.median(v) for t, v in par.items()}
         limits[k] = max(statistics.median(dd), *parallel.values())
         print(f"limit {k} shards ({nbytes[k] / 1e9:.2f} GB): dd iflag=direct {statistics.median(dd) / 1e9:.2f} GB/s, "
-              + ", ".join(f"parallel direct x{t} {v / 1e9:.2f} GB/s" for t, v in parallel.items()), flush=True)
+              + ", ".join(f"parallel direct {t} {v / 1e9:.2f} GB/s" for t, v in parallel.items()), flush=True)
         rows.append({"kind": k, "row": "limit", "dd_bytes_per_s": statistics.median(dd),
                      "parallel_bytes_per_s": max(parallel.values()), "parallel_by_requests": parallel,
                      "limit_bytes_per_s": limits[k]})

@@ -11,7 +11,9 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
               gdsdata:nocrc turns checksums off (what they cost), gdsdata:bilinear resamples
               without antialiasing (what torchvision v2's antialiased default costs),
               gdsdata:direct streams from storage (io_engine=direct: the page cache dropped, or the
-              pack's files evicted, before the row; every epoch then comes from the drive)
+              pack's files evicted, before the row; every epoch then comes from the drive),
+              gdsdata:direct_block the same with shuffle="block" (each shuffle window's whole blocks
+              read at once)
   raw         the same over a raw-pixel pack of the images (shorter side 256), each sample's CRC-32
               checked where it lands in GPU staging (the GPU kernel, by default); raw:nocrc without
               (what the checksums cost)
@@ -104,11 +106,11 @@ def _synthetic(count):
     return epoch
 
 
-def _gdsdata(root, antialias=True, verify=None):
+def _gdsdata(root, antialias=True, verify=None, shuffle=True):
     import gdsdata
 
     ds = gdsdata.GDSDataset(root, device="cuda", verify_checksums=verify)
-    loader = gdsdata.Loader(ds, BATCH, shuffle=True, drop_last=True,
+    loader = gdsdata.Loader(ds, BATCH, shuffle=shuffle, drop_last=True,
                             transform=gdsdata.RandomResizedCrop(224, dtype="float16", antialias=antialias))
     state = {"epoch": 0}
 
@@ -176,7 +178,7 @@ def _variant(name):
     checksums) or ``direct`` (streaming reads past the page cache)."""
     if name == "nocrc":
         return {"verify_checksums": False}
-    if name == "direct":
+    if name in ("direct", "direct_block"):
         return {"io_engine": "direct"}
     device = name.endswith("_device")
     return {"decode_backend": name.removesuffix("_device"), "staging": "device" if device else "host"}
@@ -216,11 +218,12 @@ def run_row(args):
 
             variant = args.input.split(":", 1)[1]
             settings.set(**({} if variant == "bilinear" else _variant(variant)))
-            if variant == "direct":  # from the drive: nothing of the pack in the page cache
+            if variant.startswith("direct"):  # from the drive: nothing of the pack in the page cache
                 from common import drop_caches
 
                 drop_caches([os.path.join(d, f) for d, _, files in os.walk(args.jpeg) for f in files])
-        epoch = _gdsdata(args.jpeg, antialias=args.input != "gdsdata:bilinear")
+        epoch = _gdsdata(args.jpeg, antialias=args.input != "gdsdata:bilinear",
+                         shuffle="block" if args.input == "gdsdata:direct_block" else True)
     elif args.input in ("raw", "raw:nocrc"):
         epoch = _gdsdata(args.raw, verify=False if args.input == "raw:nocrc" else None)
     elif args.input == "dali":

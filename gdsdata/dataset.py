@@ -228,7 +228,29 @@ class GDSDataset(torch.utils.data.Dataset):
         """
         return self.decode_staged(self.read_staged(indices), stream)
 
-    def read_staged(self, indices: Sequence[int]) -> Staged:
+    def read_window(self, batches: Sequence[Sequence[int]]):
+        """Where reads go past the page cache (``load_path.reads == "direct"``), a window over the
+        samples of ``batches`` for ``read_staged``: their joint plan read at once when the first
+        of them is read (block-shuffled batches of one shuffle window: whole blocks, a few large
+        reads), each batch then copied from it. None where reads go through the page cache.
+
+        Parameters
+        ----------
+        batches : sequence of sequences of int
+            The batches that will be read with the window, each once.
+
+        Returns
+        -------
+        Window or None
+            For ``read_staged(indices, window=...)``.
+        """
+        window = getattr(self._backend, "window", None)
+        if window is None or self.load_path.reads != "direct":
+            return None
+        samples = [self._replaced.get(i, i) for batch in batches for i in batch]
+        return window(samples, len(batches)) if samples else None
+
+    def read_staged(self, indices: Sequence[int], window=None) -> Staged:
         """The storage half of ``load_batch``: the batch's payloads in a staging buffer. With
         ``on_error="skip"`` the replacement of a bad sample is decided here, where reads are planned:
         samples already found bad are read as their replacements, and samples whose checksums fail
@@ -238,6 +260,9 @@ class GDSDataset(torch.utils.data.Dataset):
         ----------
         indices : sequence of int
             The samples.
+        window : Window, optional
+            From ``read_window``: the batch's samples are copied from it (those it does not hold,
+            a replacement's, are read).
 
         Returns
         -------
@@ -245,10 +270,11 @@ class GDSDataset(torch.utils.data.Dataset):
             The payloads in a staging buffer, for ``decode_staged`` (or ``release_staged``).
         """
         asked = list(indices)
+        read = self._backend.read if window is None else lambda planned: self._backend.read(planned, window)
         if self.on_error != "skip":
-            return self._backend.read(asked)
+            return read(asked)
         planned = [self._replaced.get(i, i) for i in asked]
-        staged = self._backend.read(planned)
+        staged = read(planned)
         if staged.failed:
             try:
                 for k in sorted(staged.failed):

@@ -44,6 +44,7 @@ DETECTION_TRANSFORMS = (D.YoloAugment, D.Letterbox)
 log = logging.getLogger(__name__)
 _STOP_POLL_S = 0.1
 _MAX_OVERLAP = 8  # batches a streaming Loader reads at once, at most (``direct_ahead``)
+_MAX_WINDOW = 16  # batches read through one window (block shuffle, streaming reads), at most
 
 
 def _distributed_rank():
@@ -510,13 +511,14 @@ class PipelineStats:
         setattr(self, field, getattr(self, field) + seconds)
 
 
-def _read_ahead(dataset, epochs, q, stop, stats, activity, sources, overlap=1):
+def _read_ahead(dataset, epochs, q, stop, stats, activity, sources, overlap=1, window=1):
     """The I/O thread: storage -> staging buffers, as far ahead as the queue allows, on into the
     next epochs (an "end" marker between epochs). ``sources(indices, epoch)``: what a batch reads.
     ``overlap`` > 1: that many batches read at once, on threads of their own, handed on in order
-    (streaming reads: the drive's queue stays full from one batch to the next)."""
+    (streaming reads: the drive's queue stays full from one batch to the next); ``window`` > 1:
+    each run of that many batches read through one ``GDSDataset.read_window``."""
     if overlap > 1:
-        return _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap)
+        return _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap, window)
     try:
         for epoch, batches in epochs:
             for number, indices in enumerate(batches):
@@ -552,6 +554,17 @@ def _read_overlap(dataset, batch_size: int) -> int:
     return min(_MAX_OVERLAP, max(2, -(-config["direct_ahead"] // batch_bytes)))
 
 
+def _window_batches(dataset, spec) -> int:
+    """Batches read through one window (``GDSDataset.read_window``): for streaming reads of
+    block-shuffled batches, those of one shuffle window (``window`` blocks of ``block_size``
+    consecutive samples: read together, a few reads of whole blocks), at most ``_MAX_WINDOW``; else
+    one (each batch its own reads)."""
+    if spec.shuffle != "block" or getattr(getattr(dataset, "load_path", None), "reads", None) != "direct" \
+            or not hasattr(dataset, "read_window"):
+        return 1
+    return min(_MAX_WINDOW, max(1, round(spec.window * spec.block_size / spec.batch_size)))
+
+
 def _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1) -> bool:
     """Queue a staged batch read from ``t0`` to ``t1`` for decode (False: the pass stopped, the
     batch's staging handed back)."""
@@ -568,20 +581,24 @@ class _Reading:
     """A batch read on a read-ahead thread: its future, that thread once it has started (the stall
     watchdog looks there for the native call the batch waits in), and when the read began."""
 
-    def __init__(self, pool, dataset, planned, outputs):
-        self.dataset, self.planned, self.outputs = dataset, planned, outputs
+    def __init__(self, pool, dataset, planned, outputs, window=None):
+        self.dataset, self.planned, self.outputs, self.window = dataset, planned, outputs, window
         self.thread, self.started = None, None
         self.future = pool.submit(self._run)
 
     def _run(self):
         self.thread, self.started = threading.current_thread(), time.monotonic()
-        staged = self.dataset.read_staged(self.planned)
+        if self.window is None:
+            staged = self.dataset.read_staged(self.planned)
+        else:
+            staged = self.dataset.read_staged(self.planned, window=self.window)
         staged.outputs = self.outputs
         return staged
 
 
-def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap):
-    """``_read_ahead`` with ``overlap`` batches in flight on as many threads."""
+def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap, window=1):
+    """``_read_ahead`` with ``overlap`` batches in flight on as many threads, each run of ``window``
+    batches through one ``read_window``."""
     from concurrent import futures
 
     from gdsdata.threads import DaemonPool
@@ -621,11 +638,15 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
     try:
         pool = DaemonPool(overlap, "gdsdata-read-ahead")
         for epoch, batches in epochs:
+            batches = [indices.tolist() for indices in batches]
+            shared, planned = None, []
             for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
-                indices = indices.tolist()
-                pending.append((epoch, number, _Reading(pool, dataset, sources(indices, epoch), indices)))
+                if number % window == 0:  # the next run of batches: what they read, and their window
+                    planned = [sources(b, epoch) for b in batches[number:number + window]]
+                    shared = dataset.read_window(planned) if window > 1 else None
+                pending.append((epoch, number, _Reading(pool, dataset, planned[number % window], indices, shared)))
                 if not hand_on_ready():
                     return
             pending.append((epoch, None, None))
@@ -747,10 +768,13 @@ class _Prefetcher:
         # what each thread works on, for the stall watchdog (``stall.stalled``)
         self.activities = [stall.Activity(name) for name in ("read", _DECODE[0], _TRANSFORM[0])]
         overlap = _read_overlap(loader.dataset, loader.spec.batch_size)
+        window = _window_batches(loader.dataset, loader.spec)
+        if window > 1:  # two windows' batches in flight: the next window is read while this one is copied out
+            overlap = max(overlap, 2 * window)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
-                                   self.stats, self.activities[0], maker.sources, overlap)),
+                                   self.stats, self.activities[0], maker.sources, overlap, window)),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
                                     self.stats, activity))

@@ -490,3 +490,96 @@ def test_the_loader_counts_the_bytes_its_reads_cover(photos_dataset):
     assert min(counted) >= int(ds.index.samples["length"].sum())
     ds.close()
     plain.close()
+
+
+def _recorded_plans(monkeypatch):
+    """Every plan DirectReads reads from the drive, as (reads, bytes)."""
+    plans, real = [], direct.DirectReads.read
+
+    def read(self, plan, dest):
+        plans.append((len(plan.sizes), int(plan.total)))
+        return real(self, plan, dest)
+
+    monkeypatch.setattr(direct.DirectReads, "read", read)
+    return plans
+
+
+def test_block_shuffled_streaming_batches_are_read_a_window_at_a_time(photos_dataset, mode, monkeypatch):
+    """reads=direct, shuffle="block": the batches of one shuffle window are read through one
+    ``read_window`` (their joint plan: whole blocks, a read per block or fewer, where each batch
+    alone would read its samples one by one) and copied from it: the same batches, in the same
+    order, as through the page cache, every sample's bytes read from the drive once."""
+    from gdsdata.loader import _window_batches
+
+    _, _, root = photos_dataset
+    ds, plain = _direct(root), gdsdata.GDSDataset(root)
+    spec = dict(shuffle="block", block_size=6, window=2, transform=gdsdata.CenterCrop(40))
+    streamed, cached = gdsdata.Loader(ds, 4, **spec), gdsdata.Loader(plain, 4, **spec)
+    assert _window_batches(ds, streamed.spec) == 3 and _window_batches(plain, cached.spec) == 1
+    plans = _recorded_plans(monkeypatch)
+    for epoch in range(2):
+        streamed.set_epoch(epoch)
+        cached.set_epoch(epoch)
+        got, want = list(streamed), list(cached)
+        assert len(got) == len(want) == 15
+        for (a, la), (b, lb) in zip(got, want):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+    streamed.close()
+    windows = len(ds) // 12
+    assert len(plans) >= 2 * windows  # (and the next epoch's first windows, read ahead)
+    assert all(reads <= 2 * 2 + 2 for reads, _ in plans)  # a window: its 2 blocks, cut at shard ends
+    epoch_bytes = sum(size for _, size in plans[:windows])
+    assert epoch_bytes < 1.1 * int(ds.index.samples["length"].sum()) + len(ds) * ds.index.alignment
+    ds.close()
+    plain.close()
+
+
+def test_a_window_fills_the_batches_it_holds_and_refuses_the_others(photos_dataset):
+    """``Window.fill`` copies exactly what a direct read of the batch's plan reads (every sample's
+    bytes); a plan with a sample the window was not planned with (a replacement) is refused, and
+    read from the drive instead."""
+    _, _, root = photos_dataset
+    reader = CpuReader(load_index(root), direct=True)
+    rng = np.random.default_rng(3)
+    batches = [sorted(rng.choice(60, 7, replace=False).tolist()) for _ in range(3)]
+    window = reader.window(reader.plan([i for b in batches for i in b]), len(batches))
+    for batch in batches:
+        plan = reader.plan(batch)
+        filled, read = direct.aligned_empty(plan.total), direct.aligned_empty(plan.total)
+        assert window.fill(plan, filled)
+        reader._direct_reads().read(plan, read)
+        for start, length in zip(plan.sample_offsets.tolist(), plan.sample_lengths.tolist()):
+            assert np.array_equal(filled[start:start + length], read[start:start + length])
+    outside = next(i for i in range(60) if all(i not in b for b in batches))
+    plan = reader.plan([batches[0][0], outside])
+    assert not window.fill(plan, direct.aligned_empty(plan.total))
+    buffer, plan = reader.read([batches[0][0], outside], window)
+    plain = CpuReader(load_index(root))
+    want, want_plan = plain.read([batches[0][0], outside])
+    for k in range(2):
+        got_at, want_at = int(plan.sample_offsets[k]), int(want_plan.sample_offsets[k])
+        length = int(plan.sample_lengths[k])
+        assert np.array_equal(buffer[got_at:got_at + length], want[want_at:want_at + length])
+    reader.close()
+    plain.close()
+
+
+def test_a_window_that_fails_to_read_raises_in_order_instead_of_hanging(photos_dataset, monkeypatch):
+    _, _, root = photos_dataset
+    ds = _direct(root)
+    real = direct.DirectReads.read
+    seen = []
+
+    def read(self, plan, dest):
+        seen.append(plan.total)
+        if len(seen) == 2:  # the second window
+            raise OSError(errno.EIO, "Input/output error (the drive)")
+        return real(self, plan, dest)
+
+    monkeypatch.setattr(direct.DirectReads, "read", read)
+    got = 0
+    with pytest.raises(OSError, match="Input/output error"):
+        for _ in gdsdata.Loader(ds, 4, shuffle="block", block_size=6, window=2, transform=gdsdata.CenterCrop(40)):
+            got += 1
+    assert got == 3  # the first window's batches, then the second's error
+    ds.close()

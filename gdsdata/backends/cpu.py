@@ -22,10 +22,14 @@ class CpuBackend:
         self.reader = CpuReader(index, config=config, direct=self.load_path.reads == "direct")
         self.verify = verify
 
-    def read(self, indices) -> Staged:
+    def window(self, indices, uses: int):
+        """A ``Window`` over the samples ``indices`` (several batches'), or None (``GDSDataset.read_window``)."""
+        return self.reader.window(self.reader.plan(indices), uses)
+
+    def read(self, indices, window=None) -> Staged:
         """Storage -> host buffer, each sample's CRC-32 checked there (failures in ``Staged.failed``,
-        so that a replacement is read before decode)."""
-        buffer, plan = self.reader.read(indices)
+        so that a replacement is read before decode). ``window``: from ``window()``."""
+        buffer, plan = self.reader.read(indices, window)
         failed = check_batch(self.index, buffer, plan, indices) if self.verify else {}
         return Staged(list(indices), plan, buffer, None, failed)
 

@@ -52,15 +52,23 @@ class GpuBackend:
                                    why=self.path.why + (f"reads {self.reader.engine}: CUDA could not register "
                                                         f"the shards for mapped",))
 
-    def read(self, indices) -> Staged:
+    def _plan(self, indices):
+        return plan_reads(self.index.samples, indices, self.index.alignment,
+                          max_gap(self.config, self.load_path.past_cache), self.config["max_read"])
+
+    def window(self, indices, uses: int):
+        """A ``Window`` over the samples ``indices`` (several batches'), or None (``GDSDataset.read_window``)."""
+        return self.reader.window(self._plan(indices), uses)
+
+    def read(self, indices, window=None) -> Staged:
         """Storage -> staging: plan and issue the batch's reads, and prepare its decode on the host
         (``Staged.job``). Returns once the reads are done, or, for reads still in flight on a CUDA
-        stream, with ``Staged.ready``: an event that ``decode`` makes its stream wait for."""
-        plan = plan_reads(self.index.samples, indices, self.index.alignment,
-                          max_gap(self.config, self.load_path.past_cache), self.config["max_read"])
+        stream, with ``Staged.ready``: an event that ``decode`` makes its stream wait for.
+        ``window``: from ``window()``, holding the batch's samples (else they are read)."""
+        plan = self._plan(indices)
         slot = self._slots.acquire()
         try:
-            staging, ready = self.reader.read(plan, slot)
+            staging, ready = self.reader.read(plan, slot, window)
             if self.verify and ready is not None:
                 stall.wait(ready, "waiting for a batch's reads to land before checking checksums")
             failed = self._verify(staging, plan, indices) if self.verify else {}

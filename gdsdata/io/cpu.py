@@ -108,15 +108,22 @@ class CpuReader:
         return plan_reads(self.index.samples, indices, self.index.alignment,
                           max_gap(self.config, self.direct), self.config["max_read"])
 
-    def read(self, indices):
+    def window(self, plan, uses: int):
+        """A ``Window`` over ``plan`` for ``read`` (``io.direct``), or None where reads go through
+        the page cache."""
+        return self._direct_reads().window(plan, uses) if self.direct else None
+
+    def read(self, indices, window=None):
         """Returns (staging buffer, plan); sample k of ``indices`` is
-        ``buffer[plan.sample_offsets[k]:][:plan.sample_lengths[k]]``."""
+        ``buffer[plan.sample_offsets[k]:][:plan.sample_lengths[k]]``. ``window``: a ``Window`` of
+        ``window()`` that holds the samples (else they are read)."""
         plan = self.plan(indices)
         if self.direct:
             from gdsdata.io.direct import aligned_empty
 
             buffer = aligned_empty(plan.total)
-            self._direct_reads().read(plan, buffer)
+            if window is None or not window.fill(plan, buffer):
+                self._direct_reads().read(plan, buffer)
             return buffer, plan
         buffer = np.empty(plan.total, np.uint8)
         for read in plan.reads:

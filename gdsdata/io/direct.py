@@ -10,6 +10,11 @@ flight that a drive's queue needs to give its rate. A batch of a few large reads
 block shuffle) is cut into at least ``depth`` pieces (no smaller than ``MIN_PIECE``), so that it
 too keeps the queue full; no piece is larger than ``PIECE``.
 
+A ``Window`` reads the samples of several batches at once (a Loader's block-shuffled batches of one
+shuffle window: whole blocks of consecutive samples, so a few reads of megabytes each where the
+batches alone would make one small read per sample) and fills each batch's staging from it with a
+memory copy.
+
 Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and FUSE filesystems) or a read's
 alignment does not suit the device (a dataset packed with an alignment under the device's logical
 block size), that shard is read through the page cache and each range is dropped from it again
@@ -149,6 +154,7 @@ class DirectReads:
         self._pool = DaemonPool(self.depth, "gdsdata-direct")  # daemons: a stuck read never blocks the exit
         self._aio = aio
         self._contexts, self._idle, self._lock = [], [], threading.Lock()  # AIO contexts: all, not in use
+        self._spares = []  # buffers of finished windows (``Window``), for the next ones
 
     def pieces(self, plan) -> int:
         """The bytes of each piece the plan's reads are cut into: enough pieces to keep ``depth``
@@ -186,6 +192,10 @@ class DirectReads:
             if piece.got != piece.size:
                 raise FormatError(f"{self.index.shard_path(piece.shard)}: short read at offset {piece.offset} "
                                   f"({piece.got} of {piece.size} bytes): truncated shard")
+
+    def window(self, plan, uses: int) -> "Window":
+        """A ``Window`` over ``plan`` (the joint plan of ``uses`` batches), read when first used."""
+        return Window(self, plan, uses)
 
     def _context(self):
         """An AIO context no other read uses (one per batch read at once), or None where native AIO
@@ -308,6 +318,19 @@ class DirectReads:
         for future in threaded:
             future.result()
 
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """A page-aligned buffer of at least ``nbytes`` for a window: one an earlier window handed
+        back where it is large enough (its pages already faulted in), else a new one."""
+        with self._lock:
+            for k, spare in enumerate(self._spares):
+                if len(spare) >= nbytes:
+                    return self._spares.pop(k)
+        return aligned_empty(nbytes)
+
+    def _give_back(self, buffer: np.ndarray):
+        with self._lock:
+            self._spares = [*self._spares, buffer][-_SPARE_WINDOWS:]
+
     def close(self):
         from gdsdata import settings
 
@@ -319,3 +342,79 @@ class DirectReads:
         for context in contexts:
             context.close()
         self._files.close()
+
+
+_SPARE_WINDOWS = 2  # window buffers a reader keeps for the next windows
+
+
+class Window:
+    """The pages of several batches' samples, read in one plan past the page cache (``plan``: their
+    joint plan, so that samples next to each other in a shard are one read whichever batch they
+    belong to), and each batch's staging filled from them by a memory copy.
+
+    Read once, by the first ``fill`` (the other batches' fills wait for it); ``uses``: how many
+    fills the window serves, after which its buffer goes back to the reader for the next window."""
+
+    def __init__(self, reads: DirectReads, plan, uses: int = 1):
+        self.reads, self.plan, self.uses = reads, plan, uses
+        self.buffer, self.error = None, None
+        self._lock = threading.Lock()
+        alignment = reads.index.alignment
+        self._keys = (plan.shards << 40) | (plan.offsets // alignment)  # first page of each read, sorted
+        self._pages = plan.sizes // alignment
+        self._first = plan.buffer_offsets // alignment
+
+    def _load(self):
+        with self._lock:
+            if self.error is not None:
+                raise self.error
+            if self.buffer is None:
+                buffer = self.reads._buffer(self.plan.total)
+                try:
+                    self.reads.read(self.plan, buffer[:self.plan.total])
+                except BaseException as e:
+                    self.error = e
+                    raise
+                self.buffer = buffer
+            return self.buffer
+
+    def sources(self, plan):
+        """For each page of ``plan``'s staging, the window's page holding the same shard page; None
+        when a page holding sample bytes is not in the window (a sample the window was not planned
+        with: a replacement). Pages of holes outside the window map to page 0 (nothing reads them)."""
+        alignment = self.reads.index.alignment
+        counts = plan.sizes // alignment
+        total = int(counts.sum())
+        if not total:
+            return np.zeros(0, np.int64)
+        first = np.cumsum(counts) - counts
+        keys = np.repeat(((plan.shards << 40) | (plan.offsets // alignment)) - first, counts) + np.arange(total)
+        read = np.searchsorted(self._keys, keys, "right") - 1
+        inside = (read >= 0) & (keys - self._keys[np.maximum(read, 0)] < self._pages[np.maximum(read, 0)])
+        needed = np.zeros(total + 1, np.int64)  # staging pages holding sample bytes
+        starts = plan.sample_offsets // alignment
+        ends = -(-(plan.sample_offsets + plan.sample_lengths) // alignment)
+        np.add.at(needed, starts, 1)
+        np.add.at(needed, ends, -1)
+        if not np.all(inside[np.cumsum(needed[:-1]) > 0]):
+            return None
+        read = np.maximum(read, 0)
+        return np.where(inside, self._first[read] + keys - self._keys[read], 0)
+
+    def fill(self, plan, dest: np.ndarray) -> bool:
+        """Copy ``plan``'s reads from the window into ``dest`` (at least ``plan.total`` bytes); False
+        (nothing copied) when the window does not hold all of its samples."""
+        sources = self.sources(plan)
+        if sources is None:
+            return False
+        buffer = self._load()
+        alignment = self.reads.index.alignment
+        if len(sources):  # one np.take: the interpreter lock is let go while it copies
+            pages = buffer[:self.plan.total].reshape(-1, alignment)
+            np.take(pages, sources, axis=0, out=dest[:plan.total].reshape(-1, alignment), mode="clip")
+        with self._lock:
+            self.uses -= 1
+            done, self.buffer = (self.uses <= 0), (None if self.uses <= 0 else self.buffer)
+        if done:
+            self.reads._give_back(buffer)
+        return True

@@ -418,10 +418,16 @@ class GpuReader:
             check_opened(f.read(4096), path, self.index, shard)
         return self.kvikio.CuFile(path, "r")
 
-    def read(self, plan, staging: StagingBuffer):
+    def window(self, plan, uses: int):
+        """A ``Window`` over ``plan`` for ``read`` (``io.direct``), or None: only streaming reads
+        (``direct``) read several batches' samples at once."""
+        return self.maps.window(plan, uses) if self.engine == "direct" else None
+
+    def read(self, plan, staging: StagingBuffer, window=None):
         """Issue every read of ``plan`` in parallel into ``staging``; returns ``(tensor, ready)``:
         the staging tensor and, where the reads are still in flight on a CUDA stream (``mapped``), a
-        CUDA event that completes with them (else None: the tensor is filled)."""
+        CUDA event that completes with them (else None: the tensor is filled). ``window``: a
+        ``Window`` of ``window()`` that holds the plan's samples (else they are read)."""
         target = staging.ensure(plan.total)
         if self.engine == "mapped":
             try:
@@ -431,7 +437,8 @@ class GpuReader:
                     raise
                 self._fall_back(e)
         if self.engine == "direct":
-            self.maps.read(plan, target.numpy())
+            if window is None or not window.fill(plan, target.numpy()):
+                self.maps.read(plan, target.numpy())
             return target, None
         few_large = plan.total >= _KVIKIO_READ * len(plan.sizes)
         if self.engine == "mmap" or (self.engine == "mixed" and not few_large):
