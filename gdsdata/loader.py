@@ -598,14 +598,27 @@ class _Reading:
 
 def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap, window=1):
     """``_read_ahead`` with ``overlap`` batches in flight on as many threads, each run of ``window``
-    batches through one ``read_window``."""
+    batches through one ``read_window``: a window is planned, and read on a thread of its own, as
+    the one before it begins (the drive reads it while the batches before are copied out)."""
     from concurrent import futures
 
     from gdsdata.threads import DaemonPool
 
-    pool = None
+    pool = loads = None
     pending = collections.deque()  # (epoch, number, _Reading), or (epoch, None, None) for an epoch's end marker
     own = activity.thread
+    windows = {}  # (epoch, first batch) -> (what its batches read, its Window or None), planned ahead
+
+    def plan_window(epoch, batches, first):
+        """The window of the batches from ``first`` on (planned once), and the next one's, loading."""
+        for start in (first, first + window):
+            if (epoch, start) not in windows and start < len(batches):
+                planned = [sources(b, epoch) for b in batches[start:start + window]]
+                shared = dataset.read_window(planned)
+                if shared is not None:
+                    loads.submit(shared.load)  # a failure stays with the window: its batches raise it
+                windows[epoch, start] = planned, shared
+        return windows.pop((epoch, first))
 
     def hand_on_first() -> bool:
         epoch, number, reading = pending.popleft()
@@ -637,15 +650,17 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
 
     try:
         pool = DaemonPool(overlap, "gdsdata-read-ahead")
+        loads = DaemonPool(1, "gdsdata-window") if window > 1 else None
         for epoch, batches in epochs:
             batches = [indices.tolist() for indices in batches]
             shared, planned = None, []
             for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
-                if number % window == 0:  # the next run of batches: what they read, and their window
-                    planned = [sources(b, epoch) for b in batches[number:number + window]]
-                    shared = dataset.read_window(planned) if window > 1 else None
+                if window == 1:
+                    planned = [sources(indices, epoch)]
+                elif number % window == 0:  # the next run of batches: what they read, and their window
+                    planned, shared = plan_window(epoch, batches, number)
                 pending.append((epoch, number, _Reading(pool, dataset, planned[number % window], indices, shared)))
                 if not hand_on_ready():
                     return
@@ -663,8 +678,9 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
                     _release(dataset, "staged", reading.future.result())
                 except BaseException:  # noqa: BLE001, S110 - a read that failed holds nothing
                     pass
-        if pool is not None:
-            pool.shutdown()
+        for done in (pool, loads):
+            if done is not None:
+                done.shutdown()
 
 
 # The stages after the I/O thread: (name, the kind of item it takes, the kind it hands on).

@@ -352,8 +352,10 @@ class Window:
     joint plan, so that samples next to each other in a shard are one read whichever batch they
     belong to), and each batch's staging filled from them by a memory copy.
 
-    Read once, by the first ``fill`` (the other batches' fills wait for it); ``uses``: how many
-    fills the window serves, after which its buffer goes back to the reader for the next window."""
+    Read once, by ``load`` (a Loader calls it on a thread of its own as soon as the window is
+    planned, so that the drive reads the next window while this one's batches are copied out) or
+    else by the first ``fill``; the other fills wait for it. ``uses``: how many fills the window
+    serves, after which its buffer goes back to the reader for the next window."""
 
     def __init__(self, reads: DirectReads, plan, uses: int = 1):
         self.reads, self.plan, self.uses = reads, plan, uses
@@ -364,8 +366,11 @@ class Window:
         self._pages = plan.sizes // alignment
         self._first = plan.buffer_offsets // alignment
 
-    def _load(self):
-        with self._lock:
+    def load(self) -> np.ndarray:
+        """Read the window (once: later calls wait for the first and return its buffer)."""
+        with stall.native("direct reads of a window (read by the first of its batches or ahead)"):
+            self._lock.acquire()
+        try:
             if self.error is not None:
                 raise self.error
             if self.buffer is None:
@@ -377,6 +382,8 @@ class Window:
                     raise
                 self.buffer = buffer
             return self.buffer
+        finally:
+            self._lock.release()
 
     def sources(self, plan):
         """For each page of ``plan``'s staging, the window's page holding the same shard page; None
@@ -407,7 +414,7 @@ class Window:
         sources = self.sources(plan)
         if sources is None:
             return False
-        buffer = self._load()
+        buffer = self.load()
         alignment = self.reads.index.alignment
         if len(sources):  # one np.take: the interpreter lock is let go while it copies
             pages = buffer[:self.plan.total].reshape(-1, alignment)
