@@ -252,6 +252,21 @@ def test_resampled_gpu_batches_match_cpu_within_one(raw_dataset):
         assert (a.int() - b.cpu().int()).abs().max() <= 1
 
 
+@pytest.mark.parametrize("antialias", [True, False])
+def test_gpus_without_triton_resample_in_torch_as_the_cpu_does(raw_dataset, monkeypatch, antialias):
+    """Without Triton the GPU path resamples with torch's interpolate, which on CUDA takes no uint8:
+    in float32, rounded back, as torchvision v2 does; within one of the CPU path."""
+    from gdsdata import transforms
+
+    transform = gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=7, antialias=antialias)
+    monkeypatch.setattr(transforms, "_TRITON", False)
+    cpu = gdsdata.Loader(gdsdata.GDSDataset(raw_dataset), 8, transform=transform, seed=3)
+    gpu = gdsdata.Loader(gdsdata.GDSDataset(raw_dataset, device="cuda"), 8, transform=transform, seed=3)
+    for (a, la), (b, lb) in zip(cpu, gpu):
+        assert b.is_cuda and torch.equal(la, lb.cpu())
+        assert (a.int() - b.cpu().int()).abs().max() <= 1
+
+
 def test_float16_gpu_batches_match_cpu(raw_dataset):
     transform = gdsdata.RandomResizedCrop(48, seed=1)
     cpu = next(iter(gdsdata.Loader(gdsdata.GDSDataset(raw_dataset), 12, transform=transform)))[0]

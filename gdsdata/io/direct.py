@@ -325,7 +325,7 @@ class DirectReads:
             for k, spare in enumerate(self._spares):
                 if len(spare) >= nbytes:
                     return self._spares.pop(k)
-        return aligned_empty(nbytes)
+        return aligned_empty(-(-nbytes * 5 // 4 // PAGE) * PAGE)  # room for the next windows, a little larger
 
     def _give_back(self, buffer: np.ndarray):
         with self._lock:

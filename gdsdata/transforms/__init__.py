@@ -287,8 +287,12 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
         off, height, width, chans, top, left, crop_h, crop_w, flip = (int(v) for v in meta[k])
         pixels = buffer[off:off + height * width * chans].view(height, width, chans)
         crop = pixels[top:top + crop_h, left:left + crop_w].permute(2, 0, 1)[None]
-        value = torch.nn.functional.interpolate(crop, size=size, mode="bilinear", align_corners=False,
-                                                antialias=antialias)[0]
+        if crop.is_cuda:  # CUDA's interpolate takes no uint8: in float32, rounded back (torchvision v2's way)
+            value = torch.nn.functional.interpolate(crop.float(), size=size, mode="bilinear", align_corners=False,
+                                                    antialias=antialias)[0].round_().clamp_(0, 255).to(torch.uint8)
+        else:
+            value = torch.nn.functional.interpolate(crop, size=size, mode="bilinear", align_corners=False,
+                                                    antialias=antialias)[0]
         if flip:
             value = value.flip(-1)
         resized[k] = value  # a gray image's one channel fills all three
