@@ -317,6 +317,17 @@ def _direct(root):
         return gdsdata.GDSDataset(root)
 
 
+def _same_epochs(streamed, cached, epochs, batches):
+    """``epochs`` epochs of two Loaders give the same ``batches`` batches, pixels and labels."""
+    for epoch in range(epochs):
+        streamed.set_epoch(epoch)
+        cached.set_epoch(epoch)
+        got, want = list(streamed), list(cached)
+        assert len(got) == len(want) == batches
+        for (a, la), (b, lb) in zip(got, want):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+
+
 def test_streaming_loaders_read_two_batches_at_once_and_hand_them_on_in_order(photos_dataset):
     """reads=direct: the I/O thread keeps the direct_ahead setting's bytes in flight, two to eight
     batches (loader._read_overlap); epochs, their order and their ends are those of the
@@ -334,13 +345,7 @@ def test_streaming_loaders_read_two_batches_at_once_and_hand_them_on_in_order(ph
         assert _read_overlap(_direct(root), 5) == 2
     streamed = gdsdata.Loader(ds, 5, shuffle=True, transform=gdsdata.CenterCrop(40))
     cached = gdsdata.Loader(plain, 5, shuffle=True, transform=gdsdata.CenterCrop(40))
-    for epoch in range(3):
-        streamed.set_epoch(epoch)
-        cached.set_epoch(epoch)
-        got, want = list(streamed), list(cached)
-        assert len(got) == len(want) == 12
-        for (a, la), (b, lb) in zip(got, want):
-            assert torch.equal(a, b) and torch.equal(la, lb)
+    _same_epochs(streamed, cached, 3, 12)
     for k, _ in enumerate(streamed):  # left early: the threads end, the staging comes back
         if k == 2:
             break
@@ -517,13 +522,7 @@ def test_block_shuffled_streaming_batches_are_read_a_window_at_a_time(photos_dat
     streamed, cached = gdsdata.Loader(ds, 4, **spec), gdsdata.Loader(plain, 4, **spec)
     assert _window_batches(ds, streamed.spec) == 3 and _window_batches(plain, cached.spec) == 1
     plans = _recorded_plans(monkeypatch)
-    for epoch in range(2):
-        streamed.set_epoch(epoch)
-        cached.set_epoch(epoch)
-        got, want = list(streamed), list(cached)
-        assert len(got) == len(want) == 15
-        for (a, la), (b, lb) in zip(got, want):
-            assert torch.equal(a, b) and torch.equal(la, lb)
+    _same_epochs(streamed, cached, 2, 15)
     streamed.close()
     windows = len(ds) // 12
     assert len(plans) >= 2 * windows  # (and the next epoch's first windows, read ahead)
