@@ -97,17 +97,22 @@ def prepare(args):
 
 def planned_bytes(ds, shuffle, batch, epoch=0) -> int:
     """The bytes the plans of one epoch's reads cover (holes and alignment included), as the dataset
-    and a Loader plan them (each batch, or each window of block-shuffled streaming batches): against
-    the shards' bytes, what the reads cost the drive."""
+    and a Loader plan them (each batch, or each shuffle window of block-shuffled streaming batches):
+    against the shards' bytes, what the reads cost the drive."""
     from gdsdata.io.plan import max_gap, plan_reads
     from gdsdata.loader import _window_batches
-    from gdsdata.sampler import ShardSpec, epoch_order
+    from gdsdata.sampler import ShardSpec, epoch_order, window_numbers
 
     spec = ShardSpec(len(ds), batch_size=batch, shuffle=shuffle)
     order = epoch_order(spec, epoch)
-    gap, step = max_gap(ds.settings, ds.load_path.past_cache), batch * _window_batches(ds, spec)
-    return sum(int(plan_reads(ds.index.samples, order[b:b + step], ds.index.alignment, gap,
-                              ds.settings["max_read"]).total) for b in range(0, len(order), step))
+    if _window_batches(ds, spec) > 1:  # one plan a window
+        numbers = window_numbers(spec, epoch)[order]
+        cuts = np.r_[0, np.flatnonzero(numbers[1:] != numbers[:-1]) + 1, len(order)]
+    else:
+        cuts = np.r_[np.arange(0, len(order), batch), len(order)]
+    gap = max_gap(ds.settings, ds.load_path.past_cache)
+    return sum(int(plan_reads(ds.index.samples, order[lo:hi], ds.index.alignment, gap,
+                              ds.settings["max_read"]).total) for lo, hi in zip(cuts[:-1], cuts[1:]))
 
 
 def crop(ds):

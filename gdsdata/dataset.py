@@ -228,29 +228,30 @@ class GDSDataset(torch.utils.data.Dataset):
         """
         return self.decode_staged(self.read_staged(indices), stream)
 
-    def read_window(self, batches: Sequence[Sequence[int]]):
-        """Where reads go past the page cache (``load_path.reads == "direct"``), a window over the
-        samples of ``batches`` for ``read_staged``: their joint plan read at once when the first
-        of them is read (block-shuffled batches of one shuffle window: whole blocks, a few large
-        reads), each batch then copied from it. None where reads go through the page cache.
+    def read_window(self, samples: Sequence[int], uses: int):
+        """Where reads go past the page cache (``load_path.reads == "direct"``), a window over
+        ``samples`` for ``read_staged``: their joint plan, read at once when first needed (a shuffle
+        window's samples: whole blocks, a few large reads), from which ``uses`` batches are then
+        copied. None where reads go through the page cache.
 
         Parameters
         ----------
-        batches : sequence of sequences of int
-            The batches that will be read with the window, each once.
+        samples : sequence of int
+            The samples the window holds.
+        uses : int
+            How many ``read_staged`` calls will draw from it (its buffer is reused after the last).
 
         Returns
         -------
         Window or None
-            For ``read_staged(indices, window=...)``.
+            For ``read_staged(indices, windows=[...])``.
         """
         window = getattr(self._backend, "window", None)
-        if window is None or self.load_path.reads != "direct":
+        if window is None or self.load_path.reads != "direct" or not len(samples):
             return None
-        samples = [self._replaced.get(i, i) for batch in batches for i in batch]
-        return window(samples, len(batches)) if samples else None
+        return window([self._replaced.get(int(i), int(i)) for i in samples], uses)
 
-    def read_staged(self, indices: Sequence[int], window=None) -> Staged:
+    def read_staged(self, indices: Sequence[int], windows: Sequence = ()) -> Staged:
         """The storage half of ``load_batch``: the batch's payloads in a staging buffer. With
         ``on_error="skip"`` the replacement of a bad sample is decided here, where reads are planned:
         samples already found bad are read as their replacements, and samples whose checksums fail
@@ -260,9 +261,10 @@ class GDSDataset(torch.utils.data.Dataset):
         ----------
         indices : sequence of int
             The samples.
-        window : Window, optional
-            From ``read_window``: the batch's samples are copied from it (those it does not hold,
-            a replacement's, are read).
+        windows : sequence of Window, optional
+            From ``read_window``, each counting this read as one of its uses: the batch's samples
+            are copied from them (a batch they do not wholly hold, with a replacement's sample, is
+            read).
 
         Returns
         -------
@@ -270,7 +272,7 @@ class GDSDataset(torch.utils.data.Dataset):
             The payloads in a staging buffer, for ``decode_staged`` (or ``release_staged``).
         """
         asked = list(indices)
-        read = self._backend.read if window is None else lambda planned: self._backend.read(planned, window)
+        read = self._backend.read if not windows else lambda planned: self._backend.read(planned, windows)
         if self.on_error != "skip":
             return read(asked)
         planned = [self._replaced.get(i, i) for i in asked]

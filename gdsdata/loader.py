@@ -37,14 +37,14 @@ from gdsdata import transforms as T
 from gdsdata.batch import PixelBatch, upload
 from gdsdata.errors import GdsDataError
 from gdsdata.transforms import detection as D
-from gdsdata.sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches
+from gdsdata.sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches, window_numbers
 
 DETECTION_TRANSFORMS = (D.YoloAugment, D.Letterbox)
 
 log = logging.getLogger(__name__)
 _STOP_POLL_S = 0.1
 _MAX_OVERLAP = 8  # batches a streaming Loader reads at once, at most (``direct_ahead``)
-_MAX_WINDOW = 16  # batches read through one window (block shuffle, streaming reads), at most
+_MAX_WINDOW = 16  # batches a shuffle window holds, as counted for the read-ahead (two windows in flight), at most
 
 
 def _distributed_rank():
@@ -511,14 +511,14 @@ class PipelineStats:
         setattr(self, field, getattr(self, field) + seconds)
 
 
-def _read_ahead(dataset, epochs, q, stop, stats, activity, sources, overlap=1, window=1):
+def _read_ahead(dataset, epochs, q, stop, stats, activity, sources, overlap=1, windows=None):
     """The I/O thread: storage -> staging buffers, as far ahead as the queue allows, on into the
     next epochs (an "end" marker between epochs). ``sources(indices, epoch)``: what a batch reads.
     ``overlap`` > 1: that many batches read at once, on threads of their own, handed on in order
-    (streaming reads: the drive's queue stays full from one batch to the next); ``window`` > 1:
-    each run of that many batches read through one ``GDSDataset.read_window``."""
+    (streaming reads: the drive's queue stays full from one batch to the next); ``windows``: the
+    Loader's ShardSpec where each shuffle window is read at once (``_EpochWindows``)."""
     if overlap > 1:
-        return _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap, window)
+        return _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap, windows)
     try:
         for epoch, batches in epochs:
             for number, indices in enumerate(batches):
@@ -555,14 +555,51 @@ def _read_overlap(dataset, batch_size: int) -> int:
 
 
 def _window_batches(dataset, spec) -> int:
-    """Batches read through one window (``GDSDataset.read_window``): for streaming reads of
-    block-shuffled batches, those of one shuffle window (``window`` blocks of ``block_size``
-    consecutive samples: read together, a few reads of whole blocks), at most ``_MAX_WINDOW``; else
-    one (each batch its own reads)."""
+    """About how many batches a shuffle window holds where a streaming Loader reads each window at
+    once (``_EpochWindows``: streaming reads of block-shuffled batches whose windows hold more than
+    one batch), at most ``_MAX_WINDOW``; else 1 (each batch its own reads)."""
     if spec.shuffle != "block" or getattr(getattr(dataset, "load_path", None), "reads", None) != "direct" \
             or not hasattr(dataset, "read_window"):
         return 1
     return min(_MAX_WINDOW, max(1, round(spec.window * spec.block_size / spec.batch_size)))
+
+
+class _EpochWindows:
+    """The shuffle windows of one epoch of this rank's batches (streaming reads, block shuffle):
+    each run of consecutive samples that the epoch draws from one window (``sampler.window_numbers``)
+    becomes one ``GDSDataset.read_window``, and a batch is filled from the windows its samples lie
+    in (two where it straddles the end of one: batch sizes that do not divide a window, DDP shares,
+    resumed epochs). Calling it with a batch's number gives that batch's windows; the window after
+    them is planned then too and queued on ``loads``, so that the drive reads it while these are
+    copied out."""
+
+    def __init__(self, dataset, spec, epoch, batches, loads):
+        lengths = np.array([len(b) for b in batches], np.int64)
+        self.samples = np.concatenate(batches) if len(batches) else np.zeros(0, np.int64)
+        numbers = window_numbers(spec, epoch)[self.samples]
+        starts = np.flatnonzero(np.r_[True, numbers[1:] != numbers[:-1]]) if len(numbers) else numbers
+        self.bounds = np.r_[starts, len(self.samples)]
+        ends = np.cumsum(lengths)
+        self.first = np.searchsorted(starts, ends - lengths, "right") - 1  # each batch's first and last run
+        self.last = np.searchsorted(starts, ends - 1, "right") - 1
+        marks = np.zeros(len(starts) + 1, np.int64)
+        np.add.at(marks, self.first, 1)
+        np.add.at(marks, self.last + 1, -1)
+        self.uses = np.cumsum(marks[:-1])  # the batches drawing from each run
+        self.dataset, self.loads, self.made = dataset, loads, {}
+
+    def __call__(self, number: int) -> list:
+        first, last = int(self.first[number]), int(self.last[number])
+        for run in range(first, min(last + 2, len(self.uses))):
+            if run not in self.made:
+                lo, hi = int(self.bounds[run]), int(self.bounds[run + 1])
+                window = self.dataset.read_window(self.samples[lo:hi], int(self.uses[run]))
+                if window is not None:
+                    self.loads.submit(window.load)  # a failure stays with the window: its batches raise it
+                self.made[run] = window
+        for run in [r for r in self.made if r < first]:  # windows no batch still to come draws from
+            del self.made[run]
+        return [self.made[r] for r in range(first, last + 1) if self.made[r] is not None]
 
 
 def _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1) -> bool:
@@ -581,25 +618,24 @@ class _Reading:
     """A batch read on a read-ahead thread: its future, that thread once it has started (the stall
     watchdog looks there for the native call the batch waits in), and when the read began."""
 
-    def __init__(self, pool, dataset, planned, outputs, window=None):
-        self.dataset, self.planned, self.outputs, self.window = dataset, planned, outputs, window
+    def __init__(self, pool, dataset, planned, outputs, windows=()):
+        self.dataset, self.planned, self.outputs, self.windows = dataset, planned, outputs, windows
         self.thread, self.started = None, None
         self.future = pool.submit(self._run)
 
     def _run(self):
         self.thread, self.started = threading.current_thread(), time.monotonic()
-        if self.window is None:
-            staged = self.dataset.read_staged(self.planned)
+        if self.windows:
+            staged = self.dataset.read_staged(self.planned, windows=self.windows)
         else:
-            staged = self.dataset.read_staged(self.planned, window=self.window)
+            staged = self.dataset.read_staged(self.planned)
         staged.outputs = self.outputs
         return staged
 
 
-def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap, window=1):
-    """``_read_ahead`` with ``overlap`` batches in flight on as many threads, each run of ``window``
-    batches through one ``read_window``: a window is planned, and read on a thread of its own, as
-    the one before it begins (the drive reads it while the batches before are copied out)."""
+def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap, windows=None):
+    """``_read_ahead`` with ``overlap`` batches in flight on as many threads; with ``windows`` (the
+    Loader's ShardSpec) each shuffle window read at once, on a thread of its own (``_EpochWindows``)."""
     from concurrent import futures
 
     from gdsdata.threads import DaemonPool
@@ -607,18 +643,6 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
     pool = loads = None
     pending = collections.deque()  # (epoch, number, _Reading), or (epoch, None, None) for an epoch's end marker
     own = activity.thread
-    windows = {}  # (epoch, first batch) -> (what its batches read, its Window or None), planned ahead
-
-    def plan_window(epoch, batches, first):
-        """The window of the batches from ``first`` on (planned once), and the next one's, loading."""
-        for start in (first, first + window):
-            if (epoch, start) not in windows and start < len(batches):
-                planned = [sources(b, epoch) for b in batches[start:start + window]]
-                shared = dataset.read_window(planned)
-                if shared is not None:
-                    loads.submit(shared.load)  # a failure stays with the window: its batches raise it
-                windows[epoch, start] = planned, shared
-        return windows.pop((epoch, first))
 
     def hand_on_first() -> bool:
         epoch, number, reading = pending.popleft()
@@ -650,18 +674,16 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
 
     try:
         pool = DaemonPool(overlap, "gdsdata-read-ahead")
-        loads = DaemonPool(1, "gdsdata-window") if window > 1 else None
+        loads = DaemonPool(1, "gdsdata-window") if windows is not None else None
         for epoch, batches in epochs:
-            batches = [indices.tolist() for indices in batches]
-            shared, planned = None, []
+            batches = list(batches)
+            shared = _EpochWindows(dataset, windows, epoch, batches, loads) if windows is not None else None
             for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
-                if window == 1:
-                    planned = [sources(indices, epoch)]
-                elif number % window == 0:  # the next run of batches: what they read, and their window
-                    planned, shared = plan_window(epoch, batches, number)
-                pending.append((epoch, number, _Reading(pool, dataset, planned[number % window], indices, shared)))
+                indices = indices.tolist()
+                pending.append((epoch, number, _Reading(pool, dataset, sources(indices, epoch), indices,
+                                                        shared(number) if shared is not None else ())))
                 if not hand_on_ready():
                     return
             pending.append((epoch, None, None))
@@ -784,13 +806,14 @@ class _Prefetcher:
         # what each thread works on, for the stall watchdog (``stall.stalled``)
         self.activities = [stall.Activity(name) for name in ("read", _DECODE[0], _TRANSFORM[0])]
         overlap = _read_overlap(loader.dataset, loader.spec.batch_size)
-        window = _window_batches(loader.dataset, loader.spec)
+        window = 1 if maker.detect else _window_batches(loader.dataset, loader.spec)  # (mosaic partners: anywhere)
         if window > 1:  # two windows' batches in flight: the next window is read while this one is copied out
             overlap = max(overlap, 2 * window)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
-                                   self.stats, self.activities[0], maker.sources, overlap, window)),
+                                   self.stats, self.activities[0], maker.sources, overlap,
+                                   loader.spec if window > 1 else None)),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
                                     self.stats, activity))

@@ -51,19 +51,36 @@ class ShardSpec:
 
 def epoch_order(spec: ShardSpec, epoch: int) -> np.ndarray:
     """The whole epoch's sample order (before sharding)."""
+    return _order(spec, epoch)[0]
+
+
+def window_numbers(spec: ShardSpec, epoch: int):
+    """``shuffle="block"``: for each sample of the dataset, the number of the shuffle window the
+    epoch draws it in (windows numbered in epoch order); None for the other shuffles. A streaming
+    Loader reads each window's samples together (``GDSDataset.read_window``)."""
+    order, windows = _order(spec, epoch)
+    if windows is None:
+        return None
+    numbers = np.empty(spec.size, np.int64)
+    numbers[order] = windows
+    return numbers
+
+
+def _order(spec: ShardSpec, epoch: int):
+    """(the epoch's order, each position's shuffle window or None)."""
     n = spec.size
     if spec.shuffle is None:
-        return np.arange(n, dtype=np.int64)
+        return np.arange(n, dtype=np.int64), None
     rng = np.random.default_rng([spec.seed & 0xFFFFFFFF, spec.seed >> 32, epoch])
     if spec.shuffle == "full":
-        return rng.permutation(n).astype(np.int64)
+        return rng.permutation(n).astype(np.int64), None
     starts = np.arange(0, n, spec.block_size)
     blocks = [np.arange(s, min(s + spec.block_size, n), dtype=np.int64) for s in rng.permutation(starts)]
     out = []
     for w in range(0, len(blocks), spec.window):
         window = np.concatenate(blocks[w:w + spec.window])
         out.append(window[rng.permutation(len(window))])
-    return np.concatenate(out)
+    return np.concatenate(out), np.repeat(np.arange(len(out)), [len(w) for w in out])
 
 
 def _split(samples: np.ndarray, spec: ShardSpec) -> np.ndarray:

@@ -510,10 +510,10 @@ def _recorded_plans(monkeypatch):
 
 
 def test_block_shuffled_streaming_batches_are_read_a_window_at_a_time(photos_dataset, mode, monkeypatch):
-    """reads=direct, shuffle="block": the batches of one shuffle window are read through one
+    """reads=direct, shuffle="block": the samples of each shuffle window are read through one
     ``read_window`` (their joint plan: whole blocks, a read per block or fewer, where each batch
-    alone would read its samples one by one) and copied from it: the same batches, in the same
-    order, as through the page cache, every sample's bytes read from the drive once."""
+    alone would read its samples one by one) and each batch is copied from it: the same batches, in
+    the same order, as through the page cache, every sample's bytes read from the drive once."""
     from gdsdata.loader import _window_batches
 
     _, _, root = photos_dataset
@@ -533,26 +533,80 @@ def test_block_shuffled_streaming_batches_are_read_a_window_at_a_time(photos_dat
     plain.close()
 
 
+@pytest.mark.parametrize("batch,world,rank", [(5, 1, 0), (7, 1, 0), (4, 2, 1), (5, 3, 2)])
+def test_windows_serve_batches_that_straddle_them(photos_dataset, monkeypatch, batch, world, rank):
+    """Batch sizes that do not divide a window, and DDP shares that start inside one: a batch across
+    the end of one window and the start of the next is filled from both; every read from the drive
+    is a window's (no batch reads on its own), and the batches are those of the page cache."""
+    _, _, root = photos_dataset
+    ds, plain = _direct(root), gdsdata.GDSDataset(root)
+    spec = dict(shuffle="block", block_size=6, window=2, world_size=world, rank=rank,
+                transform=gdsdata.CenterCrop(40))
+    streamed, cached = gdsdata.Loader(ds, batch, **spec), gdsdata.Loader(plain, batch, **spec)
+    plans, spans, real_fill = _recorded_plans(monkeypatch), [], direct.fill
+
+    def fill(windows, plan, dest):
+        spans.append(len(windows))
+        return real_fill(windows, plan, dest)
+
+    monkeypatch.setattr(direct, "fill", fill)
+    _same_epochs(streamed, cached, 2, len(cached))
+    streamed.close()
+    assert all(reads <= 6 for reads, _ in plans)  # whole blocks (cut at shard ends): windows only
+    assert max(spans) == 2 and min(spans) >= 1  # some batches filled from two windows
+    ds.close()
+    plain.close()
+
+
+def test_a_resumed_streaming_epoch_reads_its_windows(photos_dataset, monkeypatch):
+    """A Loader resumed mid-epoch (state_dict) streams the rest of the epoch through windows of the
+    samples left: the batches of an uninterrupted epoch."""
+    _, _, root = photos_dataset
+    ds, plain = _direct(root), gdsdata.GDSDataset(root)
+    spec = dict(shuffle="block", block_size=6, window=2, transform=gdsdata.CenterCrop(40))
+    first = gdsdata.Loader(ds, 5, **spec)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    state = first.state_dict()
+    first.close()
+    resumed, whole = gdsdata.Loader(ds, 5, **spec), list(gdsdata.Loader(plain, 5, **spec))
+    resumed.load_state_dict(state)
+    plans = _recorded_plans(monkeypatch)
+    rest = list(resumed)
+    assert len(rest) == len(whole) - 4
+    for (a, la), (b, lb) in zip(rest, whole[4:]):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert plans and all(reads <= 6 for reads, _ in plans)
+    resumed.close()
+    ds.close()
+    plain.close()
+
+
 def test_a_window_fills_the_batches_it_holds_and_refuses_the_others(photos_dataset):
-    """``Window.fill`` copies exactly what a direct read of the batch's plan reads (every sample's
-    bytes); a plan with a sample the window was not planned with (a replacement) is refused, and
-    read from the drive instead."""
+    """``direct.fill`` copies exactly what a direct read of the batch's plan reads (every sample's
+    bytes), from one window or from two that each hold part of the batch; a plan with a sample no
+    window holds (a replacement) is refused, and read from the drive instead."""
     _, _, root = photos_dataset
     reader = CpuReader(load_index(root), direct=True)
     rng = np.random.default_rng(3)
     batches = [sorted(rng.choice(60, 7, replace=False).tolist()) for _ in range(3)]
-    window = reader.window(reader.plan([i for b in batches for i in b]), len(batches))
+    whole = reader.window(reader.plan([i for b in batches for i in b]), len(batches))
+    halves = [reader.window(reader.plan(sorted({i for b in batches for i in b[part::2]})), len(batches))
+              for part in (0, 1)]
     for batch in batches:
         plan = reader.plan(batch)
-        filled, read = direct.aligned_empty(plan.total), direct.aligned_empty(plan.total)
-        assert window.fill(plan, filled)
+        read = direct.aligned_empty(plan.total)
         reader._direct_reads().read(plan, read)
-        for start, length in zip(plan.sample_offsets.tolist(), plan.sample_lengths.tolist()):
-            assert np.array_equal(filled[start:start + length], read[start:start + length])
+        for windows in ([whole], halves):
+            filled = direct.aligned_empty(plan.total)
+            assert direct.fill(windows, plan, filled)
+            for start, length in zip(plan.sample_offsets.tolist(), plan.sample_lengths.tolist()):
+                assert np.array_equal(filled[start:start + length], read[start:start + length])
     outside = next(i for i in range(60) if all(i not in b for b in batches))
     plan = reader.plan([batches[0][0], outside])
-    assert not window.fill(plan, direct.aligned_empty(plan.total))
-    buffer, plan = reader.read([batches[0][0], outside], window)
+    assert not direct.fill([reader.window(reader.plan(batches[0]), 1)], plan, direct.aligned_empty(plan.total))
+    buffer, plan = reader.read([batches[0][0], outside], [reader.window(reader.plan(batches[0]), 1)])
     plain = CpuReader(load_index(root))
     want, want_plan = plain.read([batches[0][0], outside])
     for k in range(2):

@@ -23,13 +23,13 @@ class CpuBackend:
         self.verify = verify
 
     def window(self, indices, uses: int):
-        """A ``Window`` over the samples ``indices`` (several batches'), or None (``GDSDataset.read_window``)."""
+        """A ``Window`` over the samples ``indices`` for ``uses`` reads, or None (``GDSDataset.read_window``)."""
         return self.reader.window(self.reader.plan(indices), uses)
 
-    def read(self, indices, window=None) -> Staged:
+    def read(self, indices, windows=()) -> Staged:
         """Storage -> host buffer, each sample's CRC-32 checked there (failures in ``Staged.failed``,
-        so that a replacement is read before decode). ``window``: from ``window()``."""
-        buffer, plan = self.reader.read(indices, window)
+        so that a replacement is read before decode). ``windows``: from ``window()``."""
+        buffer, plan = self.reader.read(indices, windows)
         failed = check_batch(self.index, buffer, plan, indices) if self.verify else {}
         return Staged(list(indices), plan, buffer, None, failed)
 

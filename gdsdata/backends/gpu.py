@@ -57,18 +57,18 @@ class GpuBackend:
                           max_gap(self.config, self.load_path.past_cache), self.config["max_read"])
 
     def window(self, indices, uses: int):
-        """A ``Window`` over the samples ``indices`` (several batches'), or None (``GDSDataset.read_window``)."""
+        """A ``Window`` over the samples ``indices`` for ``uses`` reads, or None (``GDSDataset.read_window``)."""
         return self.reader.window(self._plan(indices), uses)
 
-    def read(self, indices, window=None) -> Staged:
+    def read(self, indices, windows=()) -> Staged:
         """Storage -> staging: plan and issue the batch's reads, and prepare its decode on the host
         (``Staged.job``). Returns once the reads are done, or, for reads still in flight on a CUDA
         stream, with ``Staged.ready``: an event that ``decode`` makes its stream wait for.
-        ``window``: from ``window()``, holding the batch's samples (else they are read)."""
+        ``windows``: from ``window()``, holding the batch's samples (else they are read)."""
         plan = self._plan(indices)
         slot = self._slots.acquire()
         try:
-            staging, ready = self.reader.read(plan, slot, window)
+            staging, ready = self.reader.read(plan, slot, windows)
             if self.verify and ready is not None:
                 stall.wait(ready, "waiting for a batch's reads to land before checking checksums")
             failed = self._verify(staging, plan, indices) if self.verify else {}

@@ -113,16 +113,16 @@ class CpuReader:
         the page cache."""
         return self._direct_reads().window(plan, uses) if self.direct else None
 
-    def read(self, indices, window=None):
+    def read(self, indices, windows=()):
         """Returns (staging buffer, plan); sample k of ``indices`` is
-        ``buffer[plan.sample_offsets[k]:][:plan.sample_lengths[k]]``. ``window``: a ``Window`` of
-        ``window()`` that holds the samples (else they are read)."""
+        ``buffer[plan.sample_offsets[k]:][:plan.sample_lengths[k]]``. ``windows``: the ``window()``
+        windows that hold the samples (else they are read)."""
         plan = self.plan(indices)
         if self.direct:
-            from gdsdata.io.direct import aligned_empty
+            from gdsdata.io.direct import aligned_empty, fill
 
             buffer = aligned_empty(plan.total)
-            if window is None or not window.fill(plan, buffer):
+            if not fill(windows, plan, buffer):
                 self._direct_reads().read(plan, buffer)
             return buffer, plan
         buffer = np.empty(plan.total, np.uint8)

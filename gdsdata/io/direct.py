@@ -10,10 +10,10 @@ flight that a drive's queue needs to give its rate. A batch of a few large reads
 block shuffle) is cut into at least ``depth`` pieces (no smaller than ``MIN_PIECE``), so that it
 too keeps the queue full; no piece is larger than ``PIECE``.
 
-A ``Window`` reads the samples of several batches at once (a Loader's block-shuffled batches of one
-shuffle window: whole blocks of consecutive samples, so a few reads of megabytes each where the
-batches alone would make one small read per sample) and fills each batch's staging from it with a
-memory copy.
+A ``Window`` reads a run of samples at once (a Loader's block-shuffled samples of one shuffle window:
+whole blocks of consecutive samples, so a few reads of megabytes each where each batch alone would
+make one small read per sample), and ``fill`` copies each batch's staging from the windows that
+hold its samples.
 
 Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and FUSE filesystems) or a read's
 alignment does not suit the device (a dataset packed with an alignment under the device's logical
@@ -348,14 +348,14 @@ _SPARE_WINDOWS = 2  # window buffers a reader keeps for the next windows
 
 
 class Window:
-    """The pages of several batches' samples, read in one plan past the page cache (``plan``: their
-    joint plan, so that samples next to each other in a shard are one read whichever batch they
-    belong to), and each batch's staging filled from them by a memory copy.
+    """The pages of a run of samples (a shuffle window's: whole blocks), read in one plan past the
+    page cache (``plan``: samples next to each other in a shard are one read whichever batch they
+    belong to); ``fill`` copies each batch's staging from the windows that hold its samples.
 
     Read once, by ``load`` (a Loader calls it on a thread of its own as soon as the window is
-    planned, so that the drive reads the next window while this one's batches are copied out) or
-    else by the first ``fill``; the other fills wait for it. ``uses``: how many fills the window
-    serves, after which its buffer goes back to the reader for the next window."""
+    planned, so that the drive reads it while the window before is copied out) or else by the first
+    ``fill``; the other fills wait for it. ``uses``: how many fills draw from the window, after which
+    its buffer goes back to the reader for the next window."""
 
     def __init__(self, reads: DirectReads, plan, uses: int = 1):
         self.reads, self.plan, self.uses = reads, plan, uses
@@ -367,7 +367,8 @@ class Window:
         self._first = plan.buffer_offsets // alignment
 
     def load(self) -> np.ndarray:
-        """Read the window (once: later calls wait for the first and return its buffer)."""
+        """Read the window (once: later calls wait for the first) and return its pages, a 2-D array
+        of alignment-sized rows."""
         with stall.native("direct reads of a window (read by the first of its batches or ahead)"):
             self._lock.acquire()
         try:
@@ -381,47 +382,66 @@ class Window:
                     self.error = e
                     raise
                 self.buffer = buffer
-            return self.buffer
+            return self.buffer[:self.plan.total].reshape(-1, self.reads.index.alignment)
         finally:
             self._lock.release()
 
-    def sources(self, plan):
-        """For each page of ``plan``'s staging, the window's page holding the same shard page; None
-        when a page holding sample bytes is not in the window (a sample the window was not planned
-        with: a replacement). Pages of holes outside the window map to page 0 (nothing reads them)."""
-        alignment = self.reads.index.alignment
-        counts = plan.sizes // alignment
-        total = int(counts.sum())
-        if not total:
-            return np.zeros(0, np.int64)
-        first = np.cumsum(counts) - counts
-        keys = np.repeat(((plan.shards << 40) | (plan.offsets // alignment)) - first, counts) + np.arange(total)
-        read = np.searchsorted(self._keys, keys, "right") - 1
-        inside = (read >= 0) & (keys - self._keys[np.maximum(read, 0)] < self._pages[np.maximum(read, 0)])
-        needed = np.zeros(total + 1, np.int64)  # staging pages holding sample bytes
-        starts = plan.sample_offsets // alignment
-        ends = -(-(plan.sample_offsets + plan.sample_lengths) // alignment)
-        np.add.at(needed, starts, 1)
-        np.add.at(needed, ends, -1)
-        if not np.all(inside[np.cumsum(needed[:-1]) > 0]):
-            return None
-        read = np.maximum(read, 0)
-        return np.where(inside, self._first[read] + keys - self._keys[read], 0)
+    def locate(self, keys: np.ndarray):
+        """For shard pages ``keys`` (shard << 40 | page number), (whether the window holds each, the
+        window's page holding it: 0 where it does not)."""
+        if not len(self._keys):
+            return np.zeros(len(keys), bool), np.zeros(len(keys), np.int64)
+        read = np.maximum(np.searchsorted(self._keys, keys, "right") - 1, 0)
+        offset = keys - self._keys[read]
+        inside = (offset >= 0) & (offset < self._pages[read])
+        return inside, np.where(inside, self._first[read] + offset, 0)
 
-    def fill(self, plan, dest: np.ndarray) -> bool:
-        """Copy ``plan``'s reads from the window into ``dest`` (at least ``plan.total`` bytes); False
-        (nothing copied) when the window does not hold all of its samples."""
-        sources = self.sources(plan)
-        if sources is None:
-            return False
-        buffer = self.load()
-        alignment = self.reads.index.alignment
-        if len(sources):  # one np.take: the interpreter lock is let go while it copies
-            pages = buffer[:self.plan.total].reshape(-1, alignment)
-            np.take(pages, sources, axis=0, out=dest[:plan.total].reshape(-1, alignment), mode="clip")
+    def release(self):
+        """One fill less to come: the last hands the buffer back to the reader."""
         with self._lock:
             self.uses -= 1
-            done, self.buffer = (self.uses <= 0), (None if self.uses <= 0 else self.buffer)
-        if done:
+            buffer = self.buffer if self.uses <= 0 else None
+            if buffer is not None:
+                self.buffer = None
+        if buffer is not None:
             self.reads._give_back(buffer)
+
+
+def _staging_pages(plan, alignment):
+    """For each alignment-sized page of ``plan``'s staging, (the shard page it holds as shard << 40 |
+    page number, whether sample bytes lie in it: the other pages are holes nothing reads)."""
+    counts = plan.sizes // alignment
+    total = int(counts.sum())
+    first = np.cumsum(counts) - counts
+    keys = np.repeat(((plan.shards << 40) | (plan.offsets // alignment)) - first, counts) + np.arange(total)
+    marks = np.zeros(total + 1, np.int64)
+    np.add.at(marks, plan.sample_offsets // alignment, 1)
+    np.add.at(marks, -(-(plan.sample_offsets + plan.sample_lengths) // alignment), -1)
+    return keys, np.cumsum(marks[:-1]) > 0
+
+
+def fill(windows, plan, dest: np.ndarray) -> bool:
+    """Copy ``plan``'s reads into ``dest`` (at least ``plan.total`` bytes) from ``windows``; False
+    (nothing copied) when they do not hold all of its samples (a replacement of a bad sample, say:
+    the caller reads it from the drive). Each window counts the fill as one of its uses either way."""
+    try:
+        if not windows:
+            return False
+        alignment = windows[0].reads.index.alignment
+        keys, needed = _staging_pages(plan, alignment)
+        found = [w.locate(keys) for w in windows]
+        covered = np.logical_or.reduce([inside for inside, _ in found]) if len(found) > 1 else found[0][0]
+        if not np.all(covered[needed]):
+            return False
+        pages = dest[:plan.total].reshape(-1, alignment)
+        if len(windows) == 1:  # one np.take: the interpreter lock is let go while it copies
+            np.take(windows[0].load(), found[0][1], axis=0, out=pages, mode="clip")
+        else:  # a batch across the end of one window and the start of the next
+            for window, (inside, source) in zip(windows, found):
+                at = np.flatnonzero(inside)
+                if len(at):
+                    pages[at] = window.load()[source[at]]
         return True
+    finally:
+        for window in windows:
+            window.release()

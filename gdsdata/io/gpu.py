@@ -42,7 +42,7 @@ import torch
 
 from gdsdata import stall
 from gdsdata.io.cpu import OpenShards
-from gdsdata.io.direct import DirectReads
+from gdsdata.io.direct import DirectReads, fill
 from gdsdata.format.shards import check_opened
 from gdsdata.errors import FormatError, GpuError, GpuUnavailableError
 
@@ -423,11 +423,11 @@ class GpuReader:
         (``direct``) read several batches' samples at once."""
         return self.maps.window(plan, uses) if self.engine == "direct" else None
 
-    def read(self, plan, staging: StagingBuffer, window=None):
+    def read(self, plan, staging: StagingBuffer, windows=()):
         """Issue every read of ``plan`` in parallel into ``staging``; returns ``(tensor, ready)``:
         the staging tensor and, where the reads are still in flight on a CUDA stream (``mapped``), a
-        CUDA event that completes with them (else None: the tensor is filled). ``window``: a
-        ``Window`` of ``window()`` that holds the plan's samples (else they are read)."""
+        CUDA event that completes with them (else None: the tensor is filled). ``windows``: the
+        ``window()`` windows that hold the plan's samples (else they are read)."""
         target = staging.ensure(plan.total)
         if self.engine == "mapped":
             try:
@@ -437,7 +437,7 @@ class GpuReader:
                     raise
                 self._fall_back(e)
         if self.engine == "direct":
-            if window is None or not window.fill(plan, target.numpy()):
+            if not fill(windows, plan, target.numpy()):
                 self.maps.read(plan, target.numpy())
             return target, None
         few_large = plan.total >= _KVIKIO_READ * len(plan.sizes)
