@@ -100,12 +100,12 @@ def planned_bytes(ds, shuffle, batch, epoch=0) -> int:
     and a Loader plan them (each batch, or each shuffle window of block-shuffled streaming batches):
     against the shards' bytes, what the reads cost the drive."""
     from gdsdata.io.plan import max_gap, plan_reads
-    from gdsdata.loader import _window_batches
+    from gdsdata.loader import _windowed
     from gdsdata.sampler import ShardSpec, epoch_order, window_numbers
 
     spec = ShardSpec(len(ds), batch_size=batch, shuffle=shuffle)
     order = epoch_order(spec, epoch)
-    if _window_batches(ds, spec) > 1:  # one plan a window
+    if _windowed(ds, spec):  # one plan a window
         numbers = window_numbers(spec, epoch)[order]
         cuts = np.r_[0, np.flatnonzero(numbers[1:] != numbers[:-1]) + 1, len(order)]
     else:

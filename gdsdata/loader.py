@@ -44,7 +44,6 @@ DETECTION_TRANSFORMS = (D.YoloAugment, D.Letterbox)
 log = logging.getLogger(__name__)
 _STOP_POLL_S = 0.1
 _MAX_OVERLAP = 8  # batches a streaming Loader reads at once, at most (``direct_ahead``)
-_MAX_WINDOW = 16  # batches a shuffle window holds, as counted for the read-ahead (two windows in flight), at most
 
 
 def _distributed_rank():
@@ -554,14 +553,12 @@ def _read_overlap(dataset, batch_size: int) -> int:
     return min(_MAX_OVERLAP, max(2, -(-config["direct_ahead"] // batch_bytes)))
 
 
-def _window_batches(dataset, spec) -> int:
-    """About how many batches a shuffle window holds where a streaming Loader reads each window at
-    once (``_EpochWindows``: streaming reads of block-shuffled batches whose windows hold more than
-    one batch), at most ``_MAX_WINDOW``; else 1 (each batch its own reads)."""
-    if spec.shuffle != "block" or getattr(getattr(dataset, "load_path", None), "reads", None) != "direct" \
-            or not hasattr(dataset, "read_window"):
-        return 1
-    return min(_MAX_WINDOW, max(1, round(spec.window * spec.block_size / spec.batch_size)))
+def _windowed(dataset, spec) -> bool:
+    """Whether a Loader reads each shuffle window at once (``_EpochWindows``): streaming reads of
+    block-shuffled batches smaller than a window (a batch of a window or more reads whole blocks by
+    itself)."""
+    return spec.shuffle == "block" and spec.window * spec.block_size > spec.batch_size \
+        and getattr(getattr(dataset, "load_path", None), "reads", None) == "direct" and hasattr(dataset, "read_window")
 
 
 class _EpochWindows:
@@ -571,9 +568,9 @@ class _EpochWindows:
     in (two where it straddles the end of one: batch sizes that do not divide a window, DDP shares,
     resumed epochs). Calling it with a batch's number gives that batch's windows; the window after
     them is planned then too and queued on ``loads``, so that the drive reads it while these are
-    copied out."""
+    copied out. ``stats.read_bytes`` counts the windows' reads (their batches' are copies)."""
 
-    def __init__(self, dataset, spec, epoch, batches, loads):
+    def __init__(self, dataset, spec, epoch, batches, loads, stats):
         lengths = np.array([len(b) for b in batches], np.int64)
         self.samples = np.concatenate(batches) if len(batches) else np.zeros(0, np.int64)
         numbers = window_numbers(spec, epoch)[self.samples]
@@ -586,7 +583,7 @@ class _EpochWindows:
         np.add.at(marks, self.first, 1)
         np.add.at(marks, self.last + 1, -1)
         self.uses = np.cumsum(marks[:-1])  # the batches drawing from each run
-        self.dataset, self.loads, self.made = dataset, loads, {}
+        self.dataset, self.loads, self.stats, self.made = dataset, loads, stats, {}
 
     def __call__(self, number: int) -> list:
         first, last = int(self.first[number]), int(self.last[number])
@@ -595,19 +592,28 @@ class _EpochWindows:
                 lo, hi = int(self.bounds[run]), int(self.bounds[run + 1])
                 window = self.dataset.read_window(self.samples[lo:hi], int(self.uses[run]))
                 if window is not None:
-                    self.loads.submit(window.load)  # a failure stays with the window: its batches raise it
+                    self.loads.submit(window.load_ahead)  # a failure stays with the window: its batches raise it
+                    self.stats.read_bytes += int(window.plan.total)
                 self.made[run] = window
         for run in [r for r in self.made if r < first]:  # windows no batch still to come draws from
             del self.made[run]
         return [self.made[r] for r in range(first, last + 1) if self.made[r] is not None]
 
+    def abandon(self):
+        """The pass stopped: the windows planned ahead are not read."""
+        for window in self.made.values():
+            if window is not None:
+                window.abandon()
 
-def _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1) -> bool:
+
+def _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1, counted=True) -> bool:
     """Queue a staged batch read from ``t0`` to ``t1`` for decode (False: the pass stopped, the
-    batch's staging handed back)."""
+    batch's staging handed back). ``counted``: its reads go into ``stats.read_bytes`` (not a batch
+    copied from windows, whose reads are counted)."""
     handed = _put(q, stop, ("staged", staged, epoch, number, None))
     stats.read_s += t1 - t0
-    stats.read_bytes += int(getattr(staged.plan, "total", 0))
+    if counted:
+        stats.read_bytes += int(getattr(staged.plan, "total", 0))
     stats.read_blocked_s += time.perf_counter() - t1
     if not handed:
         _release(dataset, "staged", staged)
@@ -640,7 +646,7 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
 
     from gdsdata.threads import DaemonPool
 
-    pool = loads = None
+    pool = loads = shared = None
     pending = collections.deque()  # (epoch, number, _Reading), or (epoch, None, None) for an epoch's end marker
     own = activity.thread
 
@@ -658,7 +664,7 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
         t1 = time.perf_counter()
         activity.stop()
         activity.thread = own
-        return _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1)
+        return _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1, counted=not reading.windows)
 
     def hand_on_ready() -> bool:
         """Hand on what is done at the head of ``pending``, and wait for the head while
@@ -677,7 +683,7 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
         loads = DaemonPool(1, "gdsdata-window") if windows is not None else None
         for epoch, batches in epochs:
             batches = list(batches)
-            shared = _EpochWindows(dataset, windows, epoch, batches, loads) if windows is not None else None
+            shared = _EpochWindows(dataset, windows, epoch, batches, loads, stats) if windows is not None else None
             for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
@@ -700,9 +706,12 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
                     _release(dataset, "staged", reading.future.result())
                 except BaseException:  # noqa: BLE001, S110 - a read that failed holds nothing
                     pass
-        for done in (pool, loads):
-            if done is not None:
-                done.shutdown()
+        if shared is not None:
+            shared.abandon()
+        if pool is not None:
+            pool.shutdown()
+        if loads is not None:  # a window read under way ends before the dataset may close its files
+            loads.shutdown(wait_s=settings.get("stall_timeout"))
 
 
 # The stages after the I/O thread: (name, the kind of item it takes, the kind it hands on).
@@ -806,14 +815,12 @@ class _Prefetcher:
         # what each thread works on, for the stall watchdog (``stall.stalled``)
         self.activities = [stall.Activity(name) for name in ("read", _DECODE[0], _TRANSFORM[0])]
         overlap = _read_overlap(loader.dataset, loader.spec.batch_size)
-        window = 1 if maker.detect else _window_batches(loader.dataset, loader.spec)  # (mosaic partners: anywhere)
-        if window > 1:  # two windows' batches in flight: the next window is read while this one is copied out
-            overlap = max(overlap, 2 * window)
+        windowed = not maker.detect and _windowed(loader.dataset, loader.spec)  # (mosaic partners: anywhere)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
                              args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
                                    self.stats, self.activities[0], maker.sources, overlap,
-                                   loader.spec if window > 1 else None)),
+                                   loader.spec if windowed else None)),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
                                     self.stats, activity))

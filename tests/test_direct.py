@@ -460,6 +460,8 @@ def test_direct_reads_on_the_gpu_path(photos_dataset):
     for (a, _), (b, _) in zip(gdsdata.Loader(ds, 16, transform=gdsdata.CenterCrop(32)),
                               gdsdata.Loader(plain, 16, transform=gdsdata.CenterCrop(32))):
         assert torch.equal(a, b)
+    spec = dict(shuffle="block", block_size=6, window=2, transform=gdsdata.CenterCrop(32))  # windows into pinned staging
+    _same_epochs(gdsdata.Loader(ds, 5, **spec), gdsdata.Loader(plain, 5, **spec), 2, 12)
 
 
 def test_direct_reads_keep_to_the_open_file_budget(photos_dataset, tmp_path):
@@ -498,11 +500,11 @@ def test_the_loader_counts_the_bytes_its_reads_cover(photos_dataset):
 
 
 def _recorded_plans(monkeypatch):
-    """Every plan DirectReads reads from the drive, as (reads, bytes)."""
+    """Every plan DirectReads reads from the drive, as (reads, bytes, the plan)."""
     plans, real = [], direct.DirectReads.read
 
     def read(self, plan, dest):
-        plans.append((len(plan.sizes), int(plan.total)))
+        plans.append((len(plan.sizes), int(plan.total), plan))
         return real(self, plan, dest)
 
     monkeypatch.setattr(direct.DirectReads, "read", read)
@@ -514,20 +516,22 @@ def test_block_shuffled_streaming_batches_are_read_a_window_at_a_time(photos_dat
     ``read_window`` (their joint plan: whole blocks, a read per block or fewer, where each batch
     alone would read its samples one by one) and each batch is copied from it: the same batches, in
     the same order, as through the page cache, every sample's bytes read from the drive once."""
-    from gdsdata.loader import _window_batches
+    from gdsdata.loader import _windowed
 
     _, _, root = photos_dataset
     ds, plain = _direct(root), gdsdata.GDSDataset(root)
     spec = dict(shuffle="block", block_size=6, window=2, transform=gdsdata.CenterCrop(40))
     streamed, cached = gdsdata.Loader(ds, 4, **spec), gdsdata.Loader(plain, 4, **spec)
-    assert _window_batches(ds, streamed.spec) == 3 and _window_batches(plain, cached.spec) == 1
+    assert _windowed(ds, streamed.spec) and not _windowed(plain, cached.spec)
+    assert not _windowed(ds, gdsdata.Loader(ds, 12, **spec).spec)  # a batch of a whole window reads blocks itself
     plans = _recorded_plans(monkeypatch)
     _same_epochs(streamed, cached, 2, 15)
     streamed.close()
     windows = len(ds) // 12
     assert len(plans) >= 2 * windows  # (and the next epoch's first windows, read ahead)
-    assert all(reads <= 2 * 2 + 2 for reads, _ in plans)  # a window: its 2 blocks, cut at shard ends
-    epoch_bytes = sum(size for _, size in plans[:windows])
+    assert len({id(plan) for *_, plan in plans}) == len(plans)  # no window read twice
+    assert all(reads <= 2 * 2 + 2 for reads, *_ in plans)  # a window: its 2 blocks, cut at shard ends
+    epoch_bytes = sum(size for _, size, _ in plans[:windows])
     assert epoch_bytes < 1.1 * int(ds.index.samples["length"].sum()) + len(ds) * ds.index.alignment
     ds.close()
     plain.close()
@@ -552,7 +556,8 @@ def test_windows_serve_batches_that_straddle_them(photos_dataset, monkeypatch, b
     monkeypatch.setattr(direct, "fill", fill)
     _same_epochs(streamed, cached, 2, len(cached))
     streamed.close()
-    assert all(reads <= 6 for reads, _ in plans)  # whole blocks (cut at shard ends): windows only
+    assert all(reads <= 6 for reads, *_ in plans)  # whole blocks (cut at shard ends): windows only
+    assert len({id(plan) for *_, plan in plans}) == len(plans)  # none read twice (ahead, then by a batch)
     assert max(spans) == 2 and min(spans) >= 1  # some batches filled from two windows
     ds.close()
     plain.close()
@@ -577,7 +582,7 @@ def test_a_resumed_streaming_epoch_reads_its_windows(photos_dataset, monkeypatch
     assert len(rest) == len(whole) - 4
     for (a, la), (b, lb) in zip(rest, whole[4:]):
         assert torch.equal(a, b) and torch.equal(la, lb)
-    assert plans and all(reads <= 6 for reads, _ in plans)
+    assert plans and all(reads <= 6 for reads, *_ in plans)
     resumed.close()
     ds.close()
     plain.close()
@@ -636,3 +641,45 @@ def test_a_window_that_fails_to_read_raises_in_order_instead_of_hanging(photos_d
             got += 1
     assert got == 3  # the first window's batches, then the second's error
     ds.close()
+
+
+def test_on_error_skip_streams_through_windows(photos_dataset, tmp_path):
+    """A sample whose checksum fails in a window is replaced (read on its own) and the batches are
+    those of the page cache with the same damage."""
+    from conftest import damaged_copy
+
+    _, _, root = photos_dataset
+    bad = damaged_copy(root, str(tmp_path / "bad"), 17, 100, b"\x00\x11\x22\x33")
+    with gdsdata.settings.set(io_engine="direct"):
+        ds = gdsdata.GDSDataset(bad, on_error="skip")
+    plain = gdsdata.GDSDataset(bad, on_error="skip")
+    spec = dict(shuffle="block", block_size=6, window=2, transform=gdsdata.CenterCrop(40))
+    streamed, cached = gdsdata.Loader(ds, 5, **spec), gdsdata.Loader(plain, 5, **spec)
+    _same_epochs(streamed, cached, 2, 12)
+    assert streamed.skipped == cached.skipped == {0: 1, 1: 1}
+    ds.close()
+    plain.close()
+
+
+def test_closing_a_dataset_under_a_window_read_ahead_leaves_no_file_open(photos_dataset, monkeypatch):
+    """A pass stopped (the dataset closed) while windows are read ahead: the read under way ends
+    before the dataset closes its files, the windows not yet started are not read, and no shard
+    descriptor stays open."""
+    _, _, root = photos_dataset
+    ds = _direct(root)
+    real, started = direct.DirectReads.read, []
+
+    def slow(self, plan, dest):
+        started.append(time.monotonic())
+        time.sleep(0.2)  # a slow drive: the read ahead is still under way when the dataset closes
+        return real(self, plan, dest)
+
+    monkeypatch.setattr(direct.DirectReads, "read", slow)
+    before = len(os.listdir("/proc/self/fd"))
+    loader = gdsdata.Loader(ds, 4, shuffle="block", block_size=6, window=2, transform=gdsdata.CenterCrop(40))
+    next(iter(loader))
+    ds.close()
+    closed = time.monotonic()
+    time.sleep(0.6)
+    assert not [t for t in started if t > closed]  # nothing read after the close
+    assert len(os.listdir("/proc/self/fd")) <= before

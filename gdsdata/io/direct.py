@@ -344,7 +344,7 @@ class DirectReads:
         self._files.close()
 
 
-_SPARE_WINDOWS = 2  # window buffers a reader keeps for the next windows
+_SPARE_WINDOWS = 1  # window buffers a reader keeps for the next windows
 
 
 class Window:
@@ -352,26 +352,29 @@ class Window:
     page cache (``plan``: samples next to each other in a shard are one read whichever batch they
     belong to); ``fill`` copies each batch's staging from the windows that hold its samples.
 
-    Read once, by ``load`` (a Loader calls it on a thread of its own as soon as the window is
+    Read once, by ``load_ahead`` (a Loader calls it on a thread of its own as soon as the window is
     planned, so that the drive reads it while the window before is copied out) or else by the first
     ``fill``; the other fills wait for it. ``uses``: how many fills draw from the window, after which
     its buffer goes back to the reader for the next window."""
 
     def __init__(self, reads: DirectReads, plan, uses: int = 1):
         self.reads, self.plan, self.uses = reads, plan, uses
-        self.buffer, self.error = None, None
+        self.buffer, self.error, self.abandoned = None, None, False
         self._lock = threading.Lock()
         alignment = reads.index.alignment
         self._keys = (plan.shards << 40) | (plan.offsets // alignment)  # first page of each read, sorted
         self._pages = plan.sizes // alignment
         self._first = plan.buffer_offsets // alignment
 
-    def load(self) -> np.ndarray:
+    def load(self, ahead: bool = False) -> np.ndarray:
         """Read the window (once: later calls wait for the first) and return its pages, a 2-D array
-        of alignment-sized rows."""
+        of alignment-sized rows. ``ahead``: the read ahead of the fills, which reads nothing (and
+        returns None) once every fill is done or the window was abandoned."""
         with stall.native("direct reads of a window (read by the first of its batches or ahead)"):
             self._lock.acquire()
         try:
+            if ahead and (self.uses <= 0 or self.abandoned):
+                return None
             if self.error is not None:
                 raise self.error
             if self.buffer is None:
@@ -395,6 +398,15 @@ class Window:
         offset = keys - self._keys[read]
         inside = (offset >= 0) & (offset < self._pages[read])
         return inside, np.where(inside, self._first[read] + offset, 0)
+
+    def load_ahead(self):
+        """``load`` ahead of the fills, on a thread of the Loader's (nothing once they are done)."""
+        self.load(ahead=True)
+
+    def abandon(self):
+        """No fill is coming any more (the Loader's pass stopped): a read ahead not yet started reads nothing."""
+        with self._lock:
+            self.abandoned = True
 
     def release(self):
         """One fill less to come: the last hands the buffer back to the reader."""
