@@ -460,7 +460,8 @@ def test_direct_reads_on_the_gpu_path(photos_dataset):
     for (a, _), (b, _) in zip(gdsdata.Loader(ds, 16, transform=gdsdata.CenterCrop(32)),
                               gdsdata.Loader(plain, 16, transform=gdsdata.CenterCrop(32))):
         assert torch.equal(a, b)
-    spec = dict(shuffle="block", block_size=6, window=2, transform=gdsdata.CenterCrop(32))  # windows into pinned staging
+    # block shuffle: windows copied into pinned staging
+    spec = dict(shuffle="block", block_size=6, window=2, transform=gdsdata.CenterCrop(32))
     _same_epochs(gdsdata.Loader(ds, 5, **spec), gdsdata.Loader(plain, 5, **spec), 2, 12)
 
 
