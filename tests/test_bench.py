@@ -103,10 +103,12 @@ def test_storage_bench_reads_cold_beside_the_storage_limit(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "storage.py"), "--dir", str(tmp_path / "d"),
                            "--count", "40", "--runs", "1", "--batch", "8", "--kinds", "raw", "--shuffles", "block",
-                           "--threads", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--threads", "2", "--epochs", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((out / "storage.json").read_text())["results"]
     assert rows[0]["row"] == "limit" and rows[0]["limit_bytes_per_s"] > 0
     streamed, cached = rows[1], rows[2]
     assert (streamed["reads"], cached["reads"]) == ("direct", "preadv")
     assert streamed["resident_mib"] == 0 and cached["resident_mib"] > 0
+    assert (streamed["epochs"], cached["epochs"]) == (2, 1)  # streaming epochs back to back; the cached one alone
