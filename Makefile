@@ -37,7 +37,9 @@ bench: $(VENV)/.installed
 
 # ... and on a GPU machine the training client, the loader alone and cold storage (DALI rows where it imports)
 bench-gpu: $(VENV)/.installed
-	$(PY) bench/train.py --dir bench-data/train --out bench-results/train
+	$(PY) bench/train.py --dir bench-data/train --inputs synthetic,gdsdata,dali,raw,dataloader,gdsdata:nocrc,gdsdata:bilinear \
+		--streams current,side --out bench-results/train
+	$(PY) bench/train.py --dir bench-data/train --inputs synthetic,gdsdata,gdsdata:direct_block --out bench-results/train-drive
 	$(PY) bench/gpu.py --dir bench-data/gpu --out bench-results/gpu
 	$(PY) bench/storage.py --dir bench-data/storage --out bench-results/storage
 
