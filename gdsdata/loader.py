@@ -262,8 +262,7 @@ class Loader:
         if carry is not None:
             carry.close()
         self.close()
-        batches = self._mapped(rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
-        active = _Prefetcher(self, self.epoch, batches)
+        active = _Prefetcher(self, self.epoch, rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
         self._last_stats = active.stats  # kept after the pass is gone
         return active
@@ -391,13 +390,15 @@ def _in_range(picked, n, name):
     return picked
 
 
-def _epochs(spec, first_epoch, first_batches):
-    """What the I/O thread reads: the rest of this epoch, then whole epochs after it."""
-    yield first_epoch, first_batches
-    epoch = first_epoch + 1
+def _epochs(spec, first_epoch, first_batches, indices=None):
+    """What the I/O thread reads: the rest of this epoch, then whole epochs after it, as (epoch, the
+    batches' dataset indices, their positions in the Loader's samples): ``indices`` maps positions
+    to the dataset's samples (a subset), None where they are the same."""
+    epoch, batches = first_epoch, first_batches
     while True:
-        yield epoch, rank_batches(spec, epoch)
+        yield epoch, (batches if indices is None else [indices[b] for b in batches]), batches
         epoch += 1
+        batches = rank_batches(spec, epoch)
 
 
 class _BatchMaker:
@@ -519,7 +520,7 @@ def _read_ahead(dataset, epochs, q, stop, stats, activity, sources, overlap=1, w
     if overlap > 1:
         return _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap, windows)
     try:
-        for epoch, batches in epochs:
+        for epoch, batches, _ in epochs:
             for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
@@ -563,17 +564,18 @@ def _windowed(dataset, spec) -> bool:
 
 class _EpochWindows:
     """The shuffle windows of one epoch of this rank's batches (streaming reads, block shuffle):
-    each run of consecutive samples that the epoch draws from one window (``sampler.window_numbers``)
-    becomes one ``GDSDataset.read_window``, and a batch is filled from the windows its samples lie
-    in (two where it straddles the end of one: batch sizes that do not divide a window, DDP shares,
-    resumed epochs). Calling it with a batch's number gives that batch's windows; the window after
-    them is planned then too and queued on ``loads``, so that the drive reads it while these are
-    copied out. ``stats.read_bytes`` counts the windows' reads (their batches' are copies)."""
+    each run of consecutive samples that the epoch draws from one window (``sampler.window_numbers``
+    of their ``positions`` in the Loader's samples) becomes one ``GDSDataset.read_window``, and a
+    batch is filled from the windows its samples lie in (two where it straddles the end of one:
+    batch sizes that do not divide a window, DDP shares, resumed epochs). Calling it with a batch's
+    number gives that batch's windows; the window after them is planned then too and queued on
+    ``loads``, so that the drive reads it while these are copied out. ``stats.read_bytes`` counts
+    the windows' reads (their batches' are copies)."""
 
-    def __init__(self, dataset, spec, epoch, batches, loads, stats):
+    def __init__(self, dataset, spec, epoch, batches, positions, loads, stats):
         lengths = np.array([len(b) for b in batches], np.int64)
         self.samples = np.concatenate(batches) if len(batches) else np.zeros(0, np.int64)
-        numbers = window_numbers(spec, epoch)[self.samples]
+        numbers = window_numbers(spec, epoch)[np.concatenate(positions) if len(positions) else self.samples]
         starts = np.flatnonzero(np.r_[True, numbers[1:] != numbers[:-1]]) if len(numbers) else numbers
         self.bounds = np.r_[starts, len(self.samples)]
         ends = np.cumsum(lengths)
@@ -681,9 +683,10 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
     try:
         pool = DaemonPool(overlap, "gdsdata-read-ahead")
         loads = DaemonPool(1, "gdsdata-window") if windows is not None else None
-        for epoch, batches in epochs:
+        for epoch, batches, positions in epochs:
             batches = list(batches)
-            shared = _EpochWindows(dataset, windows, epoch, batches, loads, stats) if windows is not None else None
+            shared = _EpochWindows(dataset, windows, epoch, batches, positions, loads, stats) \
+                if windows is not None else None
             for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
@@ -789,7 +792,7 @@ class _Prefetcher:
     queues, and clean shutdown. At the end of an epoch it stops iterating but its threads read on into the next
     epoch; the Loader keeps it and hands it out again for that epoch."""
 
-    def __init__(self, loader: Loader, epoch, batches):
+    def __init__(self, loader: Loader, epoch, batches):  # batches: positions in the Loader's samples
         # A weak reference: a Loader holds the pass it carries into the next epoch, and a cycle would
         # keep a dropped Loader's threads reading (and holding staging buffers) until the garbage
         # collector happened to run. The threads hold neither.
@@ -818,8 +821,8 @@ class _Prefetcher:
         windowed = not maker.detect and _windowed(loader.dataset, loader.spec)  # (mosaic partners: anywhere)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
-                             args=(loader.dataset, _epochs(loader.spec, epoch, batches), self.staged, self.stop,
-                                   self.stats, self.activities[0], maker.sources, overlap,
+                             args=(loader.dataset, _epochs(loader.spec, epoch, batches, loader._indices), self.staged,
+                                   self.stop, self.stats, self.activities[0], maker.sources, overlap,
                                    loader.spec if windowed else None)),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,

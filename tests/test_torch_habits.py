@@ -94,6 +94,29 @@ def test_subsets_read_only_their_samples(ds, how):
     assert planned == picked
 
 
+@pytest.mark.parametrize("reads", ["cached", "direct"])
+def test_subsets_read_only_their_samples_in_every_epoch(photos_dataset, reads):
+    """A subset's Loader keeps its pass running from one epoch into the next (set_epoch at the top of
+    the loop): every epoch reads the subset's samples, those a fresh Loader reads for that epoch."""
+    with gdsdata.settings.set(**({"io_engine": "direct"} if reads == "direct" else {})):
+        ds = gdsdata.GDSDataset(photos_dataset[2])
+    train, _ = torch.utils.data.random_split(ds, [0.75, 0.25], generator=torch.Generator().manual_seed(1))
+    spec = dict(shuffle="block", block_size=4, window=3, transform=gdsdata.CenterCrop(32))
+    carried = gdsdata.Loader(train, 5, **spec)
+    for epoch in range(3):
+        carried.set_epoch(epoch)
+        fresh = gdsdata.Loader(train, 5, **spec)
+        fresh.set_epoch(epoch)
+        assert set(np.concatenate(fresh.indices()).tolist()) == set(train.indices)
+        got, want = list(carried), list(fresh)
+        assert len(got) == len(want) == 9
+        for (a, la), (b, lb) in zip(got, want):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+        fresh.close()
+    carried.close()
+    ds.close()
+
+
 def test_train_and_val_splits_resume_and_shard_like_a_whole_dataset(ds):
     train, _ = torch.utils.data.random_split(ds, [0.75, 0.25], generator=torch.Generator().manual_seed(1))
     ranks = [gdsdata.Loader(train, 4, seed=2, rank=r, world_size=2) for r in range(2)]
