@@ -163,6 +163,8 @@ def main(argv=None):
     parser.add_argument("--engines", default="direct,auto", help="direct (streaming), auto (cached)")
     parser.add_argument("--out", default="bench-results")
     args, system = begin(parser, argv)
+    if args.epochs < 1:
+        parser.error("--epochs must be at least 1")
     roots = prepare(args)
     try:
         os.close(os.open(os.path.join(roots["JPEG"], "index.gdsi"), os.O_RDONLY | os.O_DIRECT))

@@ -648,7 +648,8 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
 
     from gdsdata.threads import DaemonPool
 
-    pool = loads = shared = None
+    pool = loads = None
+    planned = collections.deque(maxlen=2)  # _EpochWindows of this epoch and the last (both may have batches pending)
     pending = collections.deque()  # (epoch, number, _Reading), or (epoch, None, None) for an epoch's end marker
     own = activity.thread
 
@@ -659,6 +660,11 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
         activity.start(epoch, number)
         t0 = time.perf_counter()
         while not futures.wait([reading.future], _STOP_POLL_S).done:
+            if stop.is_set():  # to the finally at once: what is still to be read is dropped there
+                pending.appendleft((epoch, number, reading))
+                activity.stop()
+                activity.thread = own
+                return False
             activity.thread = reading.thread or own
             if reading.started is not None:  # the stall bound counts from when the read began
                 activity.since = reading.started
@@ -687,6 +693,7 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
             batches = list(batches)
             shared = _EpochWindows(dataset, windows, epoch, batches, positions, loads, stats) \
                 if windows is not None else None
+            planned.append(shared)
             for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
@@ -703,14 +710,15 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
         activity.thread = own
         _put(q, stop, ("error", e, None, None, None))
     finally:  # no read still writing into a staging buffer once this thread ends; theirs handed back
+        for shared in planned:  # first: the batches still to be read are dropped, their windows not read
+            if shared is not None:
+                shared.abandon()
         for _, _, reading in pending:
             if reading is not None:
                 try:
                     _release(dataset, "staged", reading.future.result())
                 except BaseException:  # noqa: BLE001, S110 - a read that failed holds nothing
                     pass
-        if shared is not None:
-            shared.abandon()
         if pool is not None:
             pool.shutdown()
         if loads is not None:  # a window read under way ends before the dataset may close its files

@@ -36,10 +36,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def loader_threads() -> set:
-    """The live threads of gdsdata Loaders (their read-ahead, decode and transform threads)."""
+    """The live threads of gdsdata Loaders (their read-ahead, window, decode and transform threads)."""
     return {t for t in threading.enumerate()
             if t.name in ("gdsdata-read", "gdsdata-decode", "gdsdata-transform")
-            or t.name.startswith("gdsdata-read-ahead")}
+            or t.name.startswith(("gdsdata-read-ahead", "gdsdata-window"))}
 
 
 def photo(seed, label=0, noise=2.0, scale=0.5) -> Image.Image:

@@ -26,6 +26,7 @@ allocates it so: ``aligned_empty``); the plan's offsets and sizes are multiples 
 alignment.
 """
 
+import copy
 import errno
 import logging
 import mmap
@@ -37,7 +38,7 @@ from concurrent import futures
 import numpy as np
 
 from gdsdata import stall
-from gdsdata.errors import FormatError
+from gdsdata.errors import FormatError, GdsDataError
 from gdsdata.format.shards import check_opened
 from gdsdata.io.cpu import OpenShards
 from gdsdata.threads import DaemonPool
@@ -375,8 +376,10 @@ class Window:
         try:
             if ahead and (self.uses <= 0 or self.abandoned):
                 return None
-            if self.error is not None:
-                raise self.error
+            if self.error is not None:  # each batch of the window raises its own copy
+                raise copy.copy(self.error) from self.error
+            if self.buffer is None and self.abandoned:  # the Loader stopped: its batches are dropped unread
+                raise GdsDataError("a window of streaming reads abandoned: the Loader's pass stopped")
             if self.buffer is None:
                 buffer = self.reads._buffer(self.plan.total)
                 try:
@@ -404,9 +407,10 @@ class Window:
         self.load(ahead=True)
 
     def abandon(self):
-        """No fill is coming any more (the Loader's pass stopped): a read ahead not yet started reads nothing."""
-        with self._lock:
-            self.abandoned = True
+        """No fill is coming any more (the Loader's pass stopped): the window is not read from now on
+        (a read ahead reads nothing, a fill raises). Without the window's lock, which a read under
+        way holds: the windows after it are marked before it ends."""
+        self.abandoned = True
 
     def release(self):
         """One fill less to come: the last hands the buffer back to the reader."""
