@@ -376,8 +376,8 @@ class Window:
         try:
             if ahead and (self.uses <= 0 or self.abandoned):
                 return None
-            if self.error is not None:  # each batch of the window raises its own copy
-                raise copy.copy(self.error) from self.error
+            if self.error is not None:
+                raise _copy(self.error) from self.error  # each batch of the window its own
             if self.buffer is None and self.abandoned:  # the Loader stopped: its batches are dropped unread
                 raise GdsDataError("a window of streaming reads abandoned: the Loader's pass stopped")
             if self.buffer is None:
@@ -421,6 +421,15 @@ class Window:
                 self.buffer = None
         if buffer is not None:
             self.reads._give_back(buffer)
+
+
+def _copy(error: BaseException) -> BaseException:
+    """A copy of ``error`` to raise in another thread (the original's traceback is not extended
+    there), or ``error`` itself where it does not copy."""
+    try:
+        return copy.copy(error)
+    except Exception:  # noqa: BLE001 - an exception whose arguments do not rebuild it
+        return error
 
 
 def _staging_pages(plan, alignment):
