@@ -376,8 +376,11 @@ class Window:
         try:
             if ahead and (self.uses <= 0 or self.abandoned):
                 return None
-            if self.error is not None:
-                raise _copy(self.error) from self.error  # each batch of the window its own
+            if self.error is not None:  # each batch of the window raises its own copy where it copies
+                error = _copy(self.error)
+                if error is self.error:
+                    raise error
+                raise error from self.error
             if self.buffer is None and self.abandoned:  # the Loader stopped: its batches are dropped unread
                 raise GdsDataError("a window of streaming reads abandoned: the Loader's pass stopped")
             if self.buffer is None:
