@@ -12,6 +12,8 @@ evicted from it) with a fresh dataset object, and times one epoch of --batch bat
   gdsdata      Loader epochs over the JPEG pack and the raw pack (``tools/make_images.py`` images),
                shuffle full and block, reads ``direct`` (streaming: past the page cache) and the
                cached engine the automatic choice takes for a dataset that fits in memory
+  dali         where ``nvidia.dali`` imports: DALI's file reader + mixed decode training pipeline
+               (bench/peers.py) over the same images as files, each epoch after the cache is dropped
 
 Per row: images/s, the shards' bytes per second (each epoch reads every sample's pages once), that
 as a fraction of the limit, the time to the first batch, how many bytes the epoch's planned reads
@@ -94,7 +96,38 @@ def prepare(args):
         if not os.path.exists(os.path.join(root, "index.gdsi")):
             options = gdsdata.PackOptions(codec="raw", raw_size=256) if kind == "raw" else None
             gdsdata.pack(src, root, overwrite=True, options=options)
-    return roots
+    return src, roots
+
+
+def dali_cold(src, args, paths, limit):
+    """The DALI row (None where DALI does not import): its training pipeline over the image files,
+    a warm-up epoch, then --runs epochs each after the page cache is dropped."""
+    try:
+        import peers
+
+        pipe = peers.dali(src, args.batch, args.dali_threads)["DALI train pipeline (rrc 224, flip, norm fp16)"]
+    except ImportError:
+        return None
+    files = [os.path.join(d, f) for d, _, names in os.walk(src) for f in names]
+    nbytes = sum(os.path.getsize(f) for f in files)
+    epoch = peers.dali_epoch(pipe, len(files), args.batch)
+    epoch()
+    runs = []
+    for _ in range(args.runs):
+        how = drop_caches(paths + files)
+        cached0 = page_cache_bytes()
+        t0 = time.perf_counter()
+        epoch()
+        runs.append((time.perf_counter() - t0, page_cache_bytes() - cached0, how))
+    seconds = statistics.median(r[0] for r in runs)
+    row = {"kind": "JPEG", "row": "dali", "cold": runs[0][2], "images_per_s": len(files) / seconds,
+           "bytes_per_s": nbytes / seconds, "of_limit": nbytes / seconds / limit,
+           "cache_growth_mib": statistics.median(r[1] for r in runs) / 2**20,
+           "rates": [len(files) / r[0] for r in runs]}
+    print(f"JPEG DALI files, random shuffle {row['images_per_s']:8.0f} images/s {row['bytes_per_s'] / 1e9:5.2f} GB/s "
+          f"= {row['of_limit']:.2f} of the limit; page cache +{row['cache_growth_mib']:.0f} MiB ({row['cold']})",
+          flush=True)
+    return row
 
 
 def planned_bytes(ds, shuffle, batch, epoch=0) -> int:
@@ -161,11 +194,13 @@ def main(argv=None):
     parser.add_argument("--kinds", default="JPEG,raw")
     parser.add_argument("--shuffles", default="block,full")
     parser.add_argument("--engines", default="direct,auto", help="direct (streaming), auto (cached)")
+    parser.add_argument("--dali-threads", type=int, default=os.cpu_count(), help="DALI's CPU threads")
+    parser.add_argument("--no-dali", action="store_true", help="leave the DALI row out")
     parser.add_argument("--out", default="bench-results")
     args, system = begin(parser, argv)
     if args.epochs < 1:
         parser.error("--epochs must be at least 1")
-    roots = prepare(args)
+    src, roots = prepare(args)
     try:
         os.close(os.open(os.path.join(roots["JPEG"], "index.gdsi"), os.O_RDONLY | os.O_DIRECT))
     except OSError as e:
@@ -226,6 +261,10 @@ def main(argv=None):
                       f"{row['first_batch_ms']:.0f} ms, reads {row['read_amplification']:.2f}x the shards; page cache "
                       f"+{row['cache_growth_mib']:.0f} MiB, shards cached after: {row['resident_mib']:.0f} MiB "
                       f"({row['cold']})", flush=True)
+    if "JPEG" in kinds and args.device == "cuda" and not args.no_dali:
+        row = dali_cold(src, args, every, limits["JPEG"])
+        if row is not None:
+            rows.append(row)
     with open(os.path.join(args.out, "storage.json"), "w") as f:
         json.dump({"system": system, "args": vars(args), "results": rows}, f, indent=2, default=str)
 
