@@ -27,6 +27,7 @@ from gdsdata.batch import PixelBatch, Staged
 from gdsdata.errors import CorruptSampleError
 
 if TYPE_CHECKING:
+    from gdsdata.io.direct import Window
     from gdsdata.io.path import LoadPath
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ class GDSDataset(torch.utils.data.Dataset):
         """
         return self.decode_staged(self.read_staged(indices), stream)
 
-    def read_window(self, samples: Sequence[int], uses: int):
+    def read_window(self, samples: Sequence[int], uses: int) -> "Window | None":
         """Where reads go past the page cache (``load_path.reads == "direct"``), a window over
         ``samples`` for ``read_staged``: their joint plan, read at once when first needed (a shuffle
         window's samples: whole blocks, a few large reads), from which ``uses`` batches are then
@@ -251,7 +252,7 @@ class GDSDataset(torch.utils.data.Dataset):
             return None
         return window([self._replaced.get(int(i), int(i)) for i in samples], uses)
 
-    def read_staged(self, indices: Sequence[int], windows: Sequence = ()) -> Staged:
+    def read_staged(self, indices: Sequence[int], windows: Sequence["Window"] = ()) -> Staged:
         """The storage half of ``load_batch``: the batch's payloads in a staging buffer. With
         ``on_error="skip"`` the replacement of a bad sample is decided here, where reads are planned:
         samples already found bad are read as their replacements, and samples whose checksums fail
