@@ -15,7 +15,7 @@ whole blocks of consecutive samples, so a few reads of megabytes each where each
 make one small read per sample), and ``fill`` copies each batch's staging from the windows that
 hold its samples.
 
-Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and FUSE filesystems) or a read's
+Where the filesystem refuses ``O_DIRECT`` (some network and FUSE filesystems; tmpfs before Linux 6.6) or a read's
 alignment does not suit the device (a dataset packed with an alignment under the device's logical
 block size), that shard is read through the page cache and each range is dropped from it again
 after the read (``POSIX_FADV_DONTNEED``): the cache still does not grow. A log line says so once

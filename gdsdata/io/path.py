@@ -191,7 +191,7 @@ def cpu_path(verify, config=None, shard_bytes: int = 0, memory: int = None) -> L
     engine = "auto" if config is None else config["io_engine"]
     memory = host_memory() if memory is None else memory
     if engine == "direct":
-        reads, why = "direct", ("reads direct: GDSDATA_IO_ENGINE",)
+        reads, why = "direct", ("reads direct: the io_engine setting (GDSDATA_IO_ENGINE)",)
     elif engine == "auto" and _streams(shard_bytes, memory):
         reads, why = "direct", (_stream_why(shard_bytes, memory),)
     else:
@@ -259,7 +259,7 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
             why.append("staging host (pinned): without GPUDirect Storage, bitstreams decode from pinned memory"
                        if machine.io_mode == "compat" else "staging host (pinned): kvikio is not installed")
     else:
-        why.append(f"staging {staging}: GDSDATA_STAGING")
+        why.append(f"staging {staging}: the staging setting (GDSDATA_STAGING)")
 
     fallback = ""
     if engine == "auto":
@@ -281,7 +281,7 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
             engine = "kvikio"
             why.append("reads kvikio into GPU memory")
     else:
-        why.append(f"reads {engine}: GDSDATA_IO_ENGINE")
+        why.append(f"reads {engine}: the io_engine setting (GDSDATA_IO_ENGINE)")
     copy = ("dma" if machine.batched_copy else "gather") if engine == "mapped" else ""
     if copy == "dma":
         why.append(f"mapped copies: the copy engines ({machine.batched_copy})")
@@ -295,7 +295,7 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
     else:
         if family == "hardware" and not machine.jpeg_engines:
             raise GpuUnavailableError("decode_backend=hardware: this GPU has no JPEG hardware engines")
-        why.append(f"decode: {family}: GDSDATA_DECODE_BACKEND")
+        why.append(f"decode: {family}: the decode_backend setting (GDSDATA_DECODE_BACKEND)")
     backend = family + ("_device" if staging == "device" else "")
 
     if verify and staging == "host":
