@@ -433,6 +433,9 @@ def test_datasets_larger_than_half_the_memory_stream(photos_dataset):
     assert "more than half the host's memory" in big.why[0]
     with gdsdata.settings.set(io_engine="direct"):
         assert cpu_path(True, gdsdata.settings.snapshot(), shard_bytes=1, memory=100).reads == "direct"
+    with gdsdata.settings.set(io_engine="mixed"):  # a GPU path's engine: cached on the CPU too, and said so
+        kept = cpu_path(True, gdsdata.settings.snapshot(), shard_bytes=60, memory=100)
+        assert kept.reads == "preadv" and "io_engine=mixed is a GPU path's engine" in kept.why[0]
     machine = Machine("cuda:0", "compat", "no nvidia_fs", True, "cuMemcpyBatchAsync_v2", 100, True)
     for raw in (False, True):
         path = resolve(machine, config, all_raw=raw, shard_bytes=60)

@@ -194,8 +194,11 @@ def cpu_path(verify, config=None, shard_bytes: int = 0, memory: int = None) -> L
         reads, why = "direct", ("reads direct: the io_engine setting (GDSDATA_IO_ENGINE)",)
     elif engine == "auto" and _streams(shard_bytes, memory):
         reads, why = "direct", (_stream_why(shard_bytes, memory),)
-    else:
+    elif engine == "auto":
         reads, why = "preadv", ("reads preadv: the page cache keeps the shards for the next epoch",)
+    else:  # a GPU path's engine: the CPU path reads through the page cache, as that engine would
+        reads, why = "preadv", (f"reads preadv: io_engine={engine} is a GPU path's engine; the CPU path reads "
+                                f"through the page cache with preadv",)
     return LoadPath("cpu", "cpu", "the CPU path", reads, "host", "libjpeg-turbo", "host" if verify else "none",
                     why=why)
 
