@@ -247,7 +247,7 @@ class Loader:
         return self._mapped(rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
 
     def _mapped(self, batches):
-        return batches if self._indices is None else [self._indices[b] for b in batches]
+        return _mapped(batches, self._indices)
 
     # --- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator:
@@ -390,13 +390,19 @@ def _in_range(picked, n, name):
     return picked
 
 
+def _mapped(batches, indices):
+    """Batches of positions in a Loader's samples as dataset indices (``indices``: a subset's, or
+    None where they are the same)."""
+    return batches if indices is None else [indices[b] for b in batches]
+
+
 def _epochs(spec, first_epoch, first_batches, indices=None):
     """What the I/O thread reads: the rest of this epoch, then whole epochs after it, as (epoch, the
     batches' dataset indices, their positions in the Loader's samples): ``indices`` maps positions
     to the dataset's samples (a subset), None where they are the same."""
     epoch, batches = first_epoch, first_batches
     while True:
-        yield epoch, (batches if indices is None else [indices[b] for b in batches]), batches
+        yield epoch, _mapped(batches, indices), batches
         epoch += 1
         batches = rank_batches(spec, epoch)
 

@@ -438,11 +438,9 @@ def _copy(error: BaseException) -> BaseException:
 def _staging_pages(plan, alignment):
     """For each alignment-sized page of ``plan``'s staging, (the shard page it holds as shard << 40 |
     page number, whether sample bytes lie in it: the other pages are holes nothing reads)."""
-    counts = plan.sizes // alignment
-    total = int(counts.sum())
-    first = np.cumsum(counts) - counts
-    keys = np.repeat(((plan.shards << 40) | (plan.offsets // alignment)) - first, counts) + np.arange(total)
-    marks = np.zeros(total + 1, np.int64)
+    pages = plan.pages(alignment)
+    keys = (np.repeat(plan.shards, plan.sizes // alignment) << 40) | pages
+    marks = np.zeros(len(pages) + 1, np.int64)
     np.add.at(marks, plan.sample_offsets // alignment, 1)
     np.add.at(marks, -(-(plan.sample_offsets + plan.sample_lengths) // alignment), -1)
     return keys, np.cumsum(marks[:-1]) > 0

@@ -195,9 +195,9 @@ class ShardMaps:
         one contiguous run of staging pages. A read past a shard's end is a truncated shard."""
         spans = self.check_bounds(plan)
         alignment = self.index.alignment
-        starts, counts = plan.offsets // alignment, plan.sizes // alignment
+        counts = plan.sizes // alignment
         first = np.cumsum(counts) - counts
-        source = np.arange(int(counts.sum())) + np.repeat(starts - first, counts)
+        source = plan.pages(alignment)
         runs = [(int(plan.shards[lo]), int(first[lo]), int(first[hi - 1] + counts[hi - 1])) for lo, hi in spans]
         return runs, source
 
@@ -437,8 +437,9 @@ class GpuReader:
                     raise
                 self._fall_back(e)
         if self.engine == "direct":
-            if not fill(windows, plan, target.numpy()):
-                self.maps.read(plan, target.numpy())
+            host = target.numpy()
+            if not fill(windows, plan, host):
+                self.maps.read(plan, host)
             return target, None
         few_large = plan.total >= _KVIKIO_READ * len(plan.sizes)
         if self.engine == "mmap" or (self.engine == "mixed" and not few_large):

@@ -34,6 +34,13 @@ class Plan:
     sample_lengths: np.ndarray  # int64, per requested sample: payload bytes
     total: int  # staging bytes needed
 
+    def pages(self, alignment: int) -> np.ndarray:
+        """For each alignment-sized page of the staging buffer, the number of the shard page that
+        lands there (reads are whole pages at aligned offsets, in staging-buffer order)."""
+        counts = self.sizes // alignment
+        first = np.cumsum(counts) - counts
+        return np.arange(int(counts.sum())) + np.repeat(self.offsets // alignment - first, counts)
+
     @functools.cached_property
     def reads(self) -> list:
         """The reads as ``Read`` records, in staging-buffer order."""
