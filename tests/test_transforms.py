@@ -149,3 +149,104 @@ print("ok")
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def _planes(rgb: np.ndarray, hs: int, vs: int):
+    """JFIF YCbCr planes of ``rgb``, chroma box-averaged over hs x vs pixels (edges repeated)."""
+    f = rgb.astype(np.float64)
+    y = 0.299 * f[..., 0] + 0.587 * f[..., 1] + 0.114 * f[..., 2]
+    cb = 128 - 0.168736 * f[..., 0] - 0.331264 * f[..., 1] + 0.5 * f[..., 2]
+    cr = 128 + 0.5 * f[..., 0] - 0.418688 * f[..., 1] - 0.081312 * f[..., 2]
+    h, w = y.shape
+    ch, cw = -(-h // vs), -(-w // hs)
+
+    def sub(c):
+        c = np.pad(c, ((0, ch * vs - h), (0, cw * hs - w)), mode="edge")
+        return c.reshape(ch, vs, cw, hs).mean(axis=(1, 3))
+
+    return [np.clip(np.rint(p), 0, 255).astype(np.uint8) for p in (y, sub(cb), sub(cr))]
+
+
+def _smooth_photo(h, w, seed):
+    """A smooth colourful image (JPEG at quality 100 keeps it within a level or two)."""
+    yy, xx = np.mgrid[0:h, 0:w] / max(h, w)
+    phase = np.random.default_rng(seed).uniform(0, 6, 3)
+    return np.stack([127.5 + 110 * np.sin(5 * xx + 3 * yy + p) for p in phase], -1).astype(np.uint8)
+
+
+def _planar_batch(shapes):
+    """A planar PixelBatch's buffer and layout from (h, w, hs, vs) shapes (hs = vs = 0: gray)."""
+    from gdsdata.batch import chroma_planes
+
+    images, channels, factors = [], [], []
+    for k, (h, w, hs, vs) in enumerate(shapes):
+        y, cb, cr = _planes(_smooth_photo(h, w, k), hs or 1, vs or 1)
+        channels.append(1 if hs == 0 else 3)
+        factors.append((hs or 1, vs or 1))
+        images.append(np.concatenate([y.ravel(), cb.ravel(), cr.ravel()]))
+    h = np.array([s[0] for s in shapes]), np.array([s[1] for s in shapes])
+    planes, sizes = chroma_planes(h[0], h[1], channels, np.array(factors).T)
+    assert list(sizes) == [len(im) for im in images]
+    offsets = np.cumsum([0] + [len(im) for im in images[:-1]])
+    return torch.from_numpy(np.concatenate(images)), offsets, h[0], h[1], np.array(channels), planes
+
+
+@pytest.mark.parametrize("subsampling", ["4:4:4", "4:2:2", "4:2:0", "4:4:0"])
+def test_planar_pixels_convert_as_libjpeg_decodes(subsampling):
+    """A JPEG's planes converted to RGB (chroma interpolated at each pixel, JFIF's matrix) match
+    what PIL decodes from a JPEG made of exactly those planes, odd sizes included."""
+    import io
+
+    import simplejpeg
+    from PIL import Image
+
+    from gdsdata.batch import chroma_planes, planar_rgb
+
+    hs, vs = {"4:4:4": (1, 1), "4:2:2": (2, 1), "4:2:0": (2, 2), "4:4:0": (1, 2)}[subsampling]
+    h, w = 45, 67
+    y, cb, cr = _planes(_smooth_photo(h, w, 3), hs, vs)
+    decoded = np.asarray(Image.open(io.BytesIO(simplejpeg.encode_jpeg_yuv_planes(y, cb, cr, quality=100))))
+    planes, _ = chroma_planes([h], [w], [3], ([hs], [vs]))
+    ours = planar_rgb(torch.from_numpy(np.concatenate([y.ravel(), cb.ravel(), cr.ravel()])), 0, h, w, 3,
+                      planes[0]).numpy()
+    diff = np.abs(ours.astype(int) - decoded.astype(int))
+    assert diff.mean() < 1.0 and diff.max() <= 4, (subsampling, diff.mean(), diff.max())
+
+
+def test_the_gpu_kernels_sample_jpeg_planes_as_the_cpu_path_does(tmp_path):
+    """The kernels' planar mode (colour converted as it samples: the GPU path's JPEG batches) in
+    Triton's interpreter: within one level of converting the planes first, then resampling."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = tmp_path / "planar.py"
+    script.write_text(f"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
+import numpy as np, torch, gdsdata
+from gdsdata import transforms as T
+from gdsdata.transforms.kernels import resample
+from test_transforms import _planar_batch
+buffer, offsets, h, w, c, planes = _planar_batch([(61, 90, 2, 2), (47, 121, 2, 1), (33, 35, 0, 0), (50, 41, 1, 2),
+                                                  (29, 31, 1, 1)])
+n = len(offsets)
+for aa in (True, False):
+    for size, dtype, layout in ((24, "float32", "NCHW"), ((20, 36), "float32", "NCHW"), (80, "uint8", "NHWC")):
+        t = gdsdata.RandomResizedCrop(size, seed=2, dtype=dtype, antialias=aa, mean=None, std=None, layout=layout)
+        p = t.params(h, w, list(range(n)))
+        ref = T.apply(t, buffer, offsets, h, w, c, p, planes=planes).float()  # the CPU path: planes -> RGB first
+        meta = np.stack([offsets, h, w, c, p.top, p.left, p.height, p.width, p.flip.astype(np.int64)],
+                        1).astype(np.int64)
+        out = torch.empty(ref.shape, dtype=getattr(torch, dtype))
+        if dtype == "float32":
+            out.fill_(float("nan"))
+        resample(buffer, meta, out, t.output_size, (1.0,) * 3, (0.0,) * 3, layout == "NCHW", aa, planes)
+        assert not out.isnan().any()
+        assert (out.float() - ref).abs().max() <= 1.001, (aa, size, (out.float() - ref).abs().max())
+print("ok")
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
