@@ -118,6 +118,7 @@ class GpuDecoder:
         self.device = device
         self.backend = backend
         self._shared = None  # taken at the first decode, handed back by close()
+        self.planes = True  # JPEG planes may be asked for (False once nvJPEG gave RGB but not planes)
         self._lock = threading.Lock()
 
     @property
@@ -163,7 +164,7 @@ class GpuDecoder:
         if not job.jpeg:
             return self._raw(staging, job, stream)
         factors = _FACTORS[np.minimum(job.subsampling, len(_FACTORS) - 1)]
-        planar = planar and bool(np.all(factors[:, 0] > 0))  # else a subsampling only RGB output takes
+        planar = planar and self.planes and bool(np.all(factors[:, 0] > 0))  # else a subsampling only RGB takes
         if planar:
             channels = np.where(job.subsampling == fmt.SUBSAMPLING_GRAY, 1, 3)
             planes, sizes = chroma_planes(job.heights, job.widths, channels, factors.T)
@@ -190,18 +191,42 @@ class GpuDecoder:
             try:
                 nvjpeg.decode(job.data, job.lengths, outs, pitches, stream.cuda_stream, output)
             except NvjpegError as batch_error:
-                log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
-                for k in range(len(job.indices)):
-                    try:
-                        nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
-                                      pitches[k:k + 1], stream.cuda_stream, output)
-                    except NvjpegError as e:
-                        errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
-                                                       f"decoding failed ({e})")
+                if planar and self._planes_fail(nvjpeg, job, stream, batch_error):
+                    errors = None  # the batch in RGB, below (out of the lock)
+                    arena.record_stream(stream)  # not reused before whatever the failed call queued
+                else:
+                    log.warning("batch decode failed (%s); retrying image by image to find the bad sample",
+                                batch_error)
+                    for k in range(len(job.indices)):
+                        try:
+                            nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
+                                          pitches[k:k + 1], stream.cuda_stream, output)
+                        except NvjpegError as e:
+                            errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
+                                                           f"decoding failed ({e})")
             event = torch.cuda.Event()
             event.record(stream)
             shared.last = (stream, event)
+        if errors is None:
+            return self.decode(staging, job, stream, planar=False)
         return PixelBatch(arena, offsets, job.heights, job.widths, channels, errors, owned=True, planes=planes)
+
+    def _planes_fail(self, nvjpeg, job, stream, error) -> bool:
+        """After a failed planar batch: whether the same batch decodes to RGB (then this nvJPEG
+        does not give these images' planes, and this decoder stops asking for them) or not (a bad
+        sample, found image by image as ever)."""
+        probe = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
+        try:
+            nvjpeg.decode(job.data, job.lengths, np.uint64(probe.data_ptr()) + job.offsets.astype(np.uint64),
+                          job.pitches, stream.cuda_stream)
+        except NvjpegError:
+            return False
+        finally:
+            probe.record_stream(stream)
+        log.warning("nvJPEG (%s backend) decodes these JPEGs to RGB but not to their planes (%s): this "
+                    "dataset's batches take nvJPEG's RGB output from now on", self.backend, error)
+        self.planes = False
+        return True
 
     def _raw(self, staging, job, stream):
         if staging.is_cuda:

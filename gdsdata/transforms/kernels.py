@@ -105,15 +105,16 @@ def _rgb(src, meta, n, off, width, chans, ys, xs, mask, PLANAR: tl.constexpr):
         x0, x1, wx = _chroma_axis(xs, hs, cw.to(tl.float32))
         cb = _chroma(src, off + cb_at, cw, y0, y1, wy, x0, x1, wx, colour)
         cr = _chroma(src, off + cr_at, cw, y0, y1, wy, x0, x1, wx, colour)
-        r = tl.minimum(tl.maximum(tl.floor(luma + 1.402 * cr + 0.5), 0.0), 255.0)
-        g = tl.minimum(tl.maximum(tl.floor(luma - 0.344136 * cb - 0.714136 * cr + 0.5), 0.0), 255.0)
-        b = tl.minimum(tl.maximum(tl.floor(luma + 1.772 * cb + 0.5), 0.0), 255.0)
-        return r, g, b
+        v0 = tl.minimum(tl.maximum(tl.floor(luma + 1.402 * cr + 0.5), 0.0), 255.0)
+        v1 = tl.minimum(tl.maximum(tl.floor(luma - 0.344136 * cb - 0.714136 * cr + 0.5), 0.0), 255.0)
+        v2 = tl.minimum(tl.maximum(tl.floor(luma + 1.772 * cb + 0.5), 0.0), 255.0)
     else:
         p = src + off + (ys * width + xs) * chans
         step = tl.where(chans == 3, 1, 0).to(tl.int64)
-        return (tl.load(p, mask=mask, other=0).to(tl.float32), tl.load(p + step, mask=mask, other=0).to(tl.float32),
-                tl.load(p + 2 * step, mask=mask, other=0).to(tl.float32))
+        v0 = tl.load(p, mask=mask, other=0).to(tl.float32)
+        v1 = tl.load(p + step, mask=mask, other=0).to(tl.float32)
+        v2 = tl.load(p + 2 * step, mask=mask, other=0).to(tl.float32)
+    return v0, v1, v2
 
 
 @triton.jit
