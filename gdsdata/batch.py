@@ -1,12 +1,7 @@
 """Batches between the stages of both paths: ``Staged`` (payloads in a staging buffer, after storage)
 and ``PixelBatch`` (after decode): one flat uint8 buffer of interleaved pixels plus, per sample, where
 its pixels start and their height, width and channel count. The transforms read a PixelBatch
-directly, whatever the image sizes, on the CPU (``backends.cpu``) or the GPU (``decode.gpu``).
-
-A GPU JPEG batch decoded for the crop transform holds each image as its JPEG planes instead
-(``PixelBatch.planes``): luma, then the two chroma planes at their own subsampled size, converted
-to RGB by the transform kernel as it samples them (``planar_rgb`` is the same conversion in torch).
-"""
+directly, whatever the image sizes, on the CPU (``dataset._CpuBackend``) or the GPU (``decode_gpu``)."""
 
 from dataclasses import dataclass
 
@@ -33,19 +28,14 @@ class PixelBatch:
     errors: dict  # position -> CorruptSampleError for samples that failed to decode
     owned: bool  # False when buffer is a staging buffer that a later batch will reuse
     release_fn: object = None  # called with the stream once consumers have read buffer
-    # planar YCbCr pixels: int64 rows (Cb offset, Cr offset, chroma width, chroma height, horizontal
-    # and vertical subsampling factor), the luma plane at ``offsets``; None: interleaved RGB (or gray)
-    planes: np.ndarray = None
 
     def __len__(self):
         return len(self.offsets)
 
     def image(self, k: int) -> torch.Tensor:
         """Sample k as a uint8 CHW RGB tensor: a view of the batch's own buffer, or a copy when the
-        buffer is a staging buffer that will be reused (or holds planes)."""
+        buffer is a staging buffer that will be reused."""
         h, w, c, o = int(self.heights[k]), int(self.widths[k]), int(self.channels[k]), int(self.offsets[k])
-        if self.planes is not None:
-            return planar_rgb(self.buffer, o, h, w, c, self.planes[k]).permute(2, 0, 1)
         pixels = self.buffer[o:o + h * w * c].view(h, w, c)
         if c == 1:
             pixels = pixels.expand(h, w, 3)
@@ -64,64 +54,6 @@ class PixelBatch:
         if self.release_fn is not None:
             self.release_fn(stream)
             self.release_fn = None
-
-
-# JFIF's YCbCr -> RGB (ITU-R BT.601, full range), as libjpeg and nvJPEG convert
-CR_R, CB_G, CR_G, CB_B = 1.402, 0.344136, 0.714136, 1.772
-
-
-def chroma_planes(heights, widths, channels, subsampling_factors):
-    """Per image the planar layout ``PixelBatch.planes`` describes, from the start of each image's
-    luma plane (0): rows (Cb offset, Cr offset, chroma width, chroma height, horizontal and
-    vertical factor), and each image's whole size in bytes. A gray image gets chroma planes of its
-    own size too (the decoder may write them), which the conversion ignores."""
-    heights, widths = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
-    hs, vs = (np.asarray(f, np.int64) for f in subsampling_factors)
-    gray = np.asarray(channels) == 1
-    hs, vs = np.where(gray, 1, hs), np.where(gray, 1, vs)
-    cw, ch = -(-widths // hs), -(-heights // vs)
-    luma = heights * widths
-    planes = np.stack([luma, luma + cw * ch, cw, ch, hs, vs], axis=1)
-    return planes, luma + 2 * cw * ch
-
-
-def planar_rgb(buffer: torch.Tensor, offset: int, height: int, width: int, channels: int, plane) -> torch.Tensor:
-    """One image of a planar batch as uint8 HWC RGB: chroma interpolated to each pixel bilinearly
-    at its centre (libjpeg's "fancy" upsampling: weights 3/4 and 1/4 for a factor of two, edges
-    repeated), then JFIF's conversion, rounded and clamped; the transform kernel computes the same."""
-    y = buffer[offset:offset + height * width].view(height, width).float()
-    if channels == 1:
-        return y.round().clamp(0, 255).to(torch.uint8)[..., None].expand(height, width, 3)
-    cb_at, cr_at, cw, ch, hs, vs = (int(v) for v in plane)
-
-    def axis(n, factor, size):
-        pos = ((torch.arange(n, device=buffer.device, dtype=torch.float32) + 0.5) / factor - 0.5).clamp(0, size - 1)
-        low = pos.floor()
-        return low.long(), (low + 1).clamp(max=size - 1).long(), pos - low
-
-    y0, y1, wy = axis(height, vs, ch)
-    x0, x1, wx = axis(width, hs, cw)
-
-    def up(at):
-        c = buffer[offset + at:offset + at + cw * ch].view(ch, cw).float()
-        top = c[y0][:, x0] + (c[y0][:, x1] - c[y0][:, x0]) * wx
-        bottom = c[y1][:, x0] + (c[y1][:, x1] - c[y1][:, x0]) * wx
-        return top + (bottom - top) * wy[:, None] - 128.0
-
-    cb, cr = up(cb_at), up(cr_at)
-    rgb = torch.stack([y + CR_R * cr, y - CB_G * cb - CR_G * cr, y + CB_B * cb], dim=-1)
-    return (rgb + 0.5).floor().clamp(0, 255).to(torch.uint8)
-
-
-def interleaved(buffer: torch.Tensor, offsets, heights, widths, channels, planes):
-    """A planar batch's pixels as interleaved RGB: (buffer, offsets, channels) of a new buffer."""
-    images = [planar_rgb(buffer, int(o), int(h), int(w), int(c), plane).reshape(-1)
-              for o, h, w, c, plane in zip(offsets, heights, widths, channels, planes)]
-    sizes = np.asarray(heights, np.int64) * np.asarray(widths, np.int64) * 3
-    starts = np.zeros(len(sizes), np.int64)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    flat = torch.cat(images) if images else torch.empty(0, dtype=torch.uint8, device=buffer.device)
-    return flat, starts, np.full(len(sizes), 3, np.int64)
 
 
 @dataclass

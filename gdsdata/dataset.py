@@ -288,13 +288,11 @@ class GDSDataset(torch.utils.data.Dataset):
         staged.asked = asked
         return staged
 
-    def decode_staged(self, staged: Staged, stream: torch.cuda.Stream | None = None,
-                      planar: bool = False) -> tuple[PixelBatch, list]:
+    def decode_staged(self, staged: Staged, stream: torch.cuda.Stream | None = None) -> tuple[PixelBatch, list]:
         """The decode half of ``load_batch``: ``staged`` (from ``read_staged``) decoded on ``stream``;
-        returns what ``load_batch`` returns. ``planar``: the GPU path may hand JPEGs on as their
-        planes (``PixelBatch.planes``), for a consumer that converts them (``transforms.apply``)."""
+        returns what ``load_batch`` returns."""
         indices = list(staged.indices)
-        batch = self._backend.decode(staged, stream, planar)
+        batch = self._backend.decode(staged, stream)
         for k in sorted(batch.errors):  # found only by decoding: replaced here the first time, at planning after
             error = batch.errors[k]
             if self.on_error == "raise":

@@ -415,9 +415,6 @@ class _BatchMaker:
         self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
         self.batch_transform = loader.batch_transform
         self.detect = isinstance(loader.transform, DETECTION_TRANSFORMS)
-        # GPU JPEGs decoded into their planes, which the crop kernel converts as it samples them
-        self.planar = (loader.transform is not None and not self.detect and loader.dataset.device.type == "cuda"
-                       and T.triton_ready())
         # the mosaic partners of a batch under 4 images are drawn from the samples the Loader reads
         self.population = (np.arange(len(loader.dataset)) if loader._indices is None else loader._indices) \
             if self.detect else None
@@ -429,7 +426,7 @@ class _BatchMaker:
     def decode(self, staged, stream, epoch):
         """Staged payloads -> a PixelBatch, its sample indices (after any replacement) and the
         batch's own samples. Nothing else: on the GPU this thread keeps the JPEG engines fed."""
-        batch, indices = self.dataset.decode_staged(staged, stream, self.planar)
+        batch, indices = self.dataset.decode_staged(staged, stream)
         asked = staged.indices if staged.asked is None else staged.asked
         return batch, indices, sum(a != b for a, b in zip(asked, indices)), staged.outputs
 
@@ -453,7 +450,7 @@ class _BatchMaker:
         if self.transform is not None:
             params = self.transform.params(batch.heights, batch.widths, indices, epoch)
             images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
-                             batch.channels, params, batch.planes)
+                             batch.channels, params)
         else:
             images = [batch.image(k) for k in range(len(batch))]
         batch.release(stream)

@@ -253,42 +253,6 @@ def test_resampled_gpu_batches_match_cpu_within_one(raw_dataset):
 
 
 @pytest.mark.parametrize("antialias", [True, False])
-@pytest.mark.parametrize("staging, backend", PATHS, ids=PATH_IDS)
-def test_crops_of_jpeg_planes_match_crops_of_nvjpegs_rgb(kinds_dataset, photos_dataset, staging, backend, antialias):
-    """The Loader's GPU crops sample each JPEG's planes, converting colour in the kernel; the same
-    crops of nvJPEG's own RGB output (its conversion kernels) agree but for rounding: every
-    subsampling, gray and re-encoded images, each backend."""
-    from gdsdata import transforms as T
-
-    transform = gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=5, antialias=antialias)
-    for out in (kinds_dataset[2], photos_dataset[2]):
-        with settings.set(staging=staging, decode_backend=backend):
-            ds = gdsdata.GDSDataset(out, device="cuda")
-        crops = []
-        for planar in (True, False):
-            batch, indices = ds.decode_staged(ds.read_staged(range(len(ds))), planar=planar)
-            assert (batch.planes is not None) == planar
-            params = transform.params(batch.heights, batch.widths, indices)
-            crops.append(T.apply(transform, batch.buffer, batch.offsets, batch.heights, batch.widths, batch.channels,
-                                 params, batch.planes).cpu().int())
-            batch.release(torch.cuda.current_stream())
-        diff = (crops[0] - crops[1]).abs()
-        assert diff.float().mean() <= 1.0 and diff.max() <= 8, (out, diff.float().mean().item(), diff.max().item())
-        ds.close()
-
-
-def test_gpu_jpeg_crops_match_the_cpu_paths(photos_dataset):
-    """End to end: the GPU Loader's JPEG crops (from planes) against the CPU Loader's (libjpeg's
-    RGB), same seed: the two decoders' difference, no more."""
-    transform = gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=7)
-    cpu = gdsdata.Loader(gdsdata.GDSDataset(photos_dataset[2]), 8, transform=transform, seed=3)
-    gpu = gdsdata.Loader(gdsdata.GDSDataset(photos_dataset[2], device="cuda"), 8, transform=transform, seed=3)
-    for (a, la), (b, lb) in zip(cpu, gpu):
-        assert torch.equal(la, lb.cpu())
-        assert (a.float() - b.cpu().float()).abs().mean() <= 2
-
-
-@pytest.mark.parametrize("antialias", [True, False])
 def test_gpus_without_triton_resample_in_torch_as_the_cpu_does(raw_dataset, monkeypatch, antialias):
     """Without Triton the GPU path resamples with torch's interpolate, which on CUDA takes no uint8:
     in float32, rounded back, as torchvision v2 does; within one of the CPU path."""

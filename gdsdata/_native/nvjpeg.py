@@ -26,8 +26,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = {"gpu_hybrid": 2, "hardware": 3, "gpu_hybrid_device": 4, "hardware_device": 5}
 DEVICE_BITSTREAM_BACKENDS = {"gpu_hybrid_device", "hardware_device"}
-OUTPUT_YUV = 1  # the JPEG's own planes: luma, then each chroma plane at its subsampled size (no kernel)
-OUTPUT_RGBI = 5  # RGB interleaved: nvJPEG converts on the GPU, one kernel per image
+OUTPUT_RGBI = 5
 # nvjpegCreateEx flags (nvjpeg.h):
 # - HW_DECODE_NO_PIPELINE: the hardware backends finish a call's work before the next call starts.
 #   Pipelined (nvJPEG's default), each call first waits inside nvJPEG (cuEventSynchronize) for work
@@ -154,7 +153,7 @@ def image_dtype() -> np.dtype:
 
 
 class BatchedDecoder:
-    """An nvJPEG handle and a decode state for one backend; decodes batches into RGB interleaved or planes."""
+    """An nvJPEG handle and a decode state for one backend; decodes batches into RGB interleaved."""
 
     def __init__(self, backend: str):
         if backend not in BACKENDS:
@@ -200,24 +199,20 @@ class BatchedDecoder:
                self.lib.nvjpegGetHardwareDecoderInfo(self.handle, ctypes.byref(engines), ctypes.byref(cores)))
         return engines.value, cores.value
 
-    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int, output: int = OUTPUT_RGBI):
-        """Decode ``len(data_ptrs)`` bitstreams (host or device pointers, per the backend) on CUDA
-        ``stream``: into the RGB interleaved buffers at ``out_ptrs`` (row pitch ``pitches``), or with
-        ``output=OUTPUT_YUV`` into each image's planes (``out_ptrs`` and ``pitches``: one row of
-        three per image, luma first)."""
+    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int):
+        """Decode ``len(data_ptrs)`` bitstreams (host or device pointers, per the backend) into the
+        RGB interleaved buffers at ``out_ptrs`` (row pitch ``pitches``), on CUDA ``stream``."""
         n = len(data_ptrs)
-        if (n, output) != self._batch:
-            self._batch = 0
+        if n != self._batch:
             _check("nvjpegDecodeBatchedInitialize",
-                   self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, n, 1, output))
-            self._batch = (n, output)
+                   self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, n, 1, OUTPUT_RGBI))
+            self._batch = n
         # numpy arrays the call reads through their addresses (kept alive by these names until it returns)
         data = np.ascontiguousarray(data_ptrs, dtype=np.uint64)
         sizes = np.ascontiguousarray(lengths, dtype=np.uint64)
         images = np.zeros(n, self._image_t)
-        planes = np.asarray(out_ptrs).reshape(n, -1).shape[1]
-        images["channel"][:, :planes] = np.asarray(out_ptrs).reshape(n, planes)
-        images["pitch"][:, :planes] = np.asarray(pitches).reshape(n, planes)
+        images["channel"][:, 0] = out_ptrs
+        images["pitch"][:, 0] = pitches
         with stall.native("nvjpegDecodeBatched"):
             status = self.lib.nvjpegDecodeBatched(self.handle, self.state, data.ctypes.data, sizes.ctypes.data,
                                                   images.ctypes.data, ctypes.c_void_p(stream))

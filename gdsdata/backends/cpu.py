@@ -36,8 +36,7 @@ class CpuBackend:
     def load_batch(self, indices, stream=None) -> PixelBatch:
         return self.decode(self.read(indices), stream)
 
-    def decode(self, staged: Staged, stream=None, planar: bool = False) -> PixelBatch:
-        """Staging -> interleaved pixels on the CPU threads (``planar`` is the GPU path's: ignored)."""
+    def decode(self, staged: Staged, stream=None) -> PixelBatch:
         indices, buffer, plan = staged.indices, staged.tensor, staged.plan
         records = self.index.samples[np.asarray(indices, dtype=np.int64)]
         heights = records["height"].astype(np.int64)

@@ -78,15 +78,14 @@ class GpuBackend:
             raise
         return Staged(list(indices), plan, staging, slot, failed, ready, job)
 
-    def decode(self, staged: Staged, stream=None, planar: bool = False) -> PixelBatch:
-        """Staging -> pixels on the GPU, queued on ``stream`` (default: the current one); JPEG
-        planes where ``planar`` (``decode.gpu``). Call ``batch.release(stream)`` once the pixels
-        have been consumed."""
+    def decode(self, staged: Staged, stream=None) -> PixelBatch:
+        """Staging -> pixels on the GPU, queued on ``stream`` (default: the current one). Call
+        ``batch.release(stream)`` once the pixels have been consumed."""
         stream = stream or torch.cuda.current_stream(self.device)
         if staged.ready is not None:
             stream.wait_event(staged.ready)
         try:
-            batch = self.decoder.decode(staged.tensor, staged.job, stream, planar)
+            batch = self.decoder.decode(staged.tensor, staged.job, stream)
         except BaseException:
             self._slots.release(staged.slot, stream)
             raise

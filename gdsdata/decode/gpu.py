@@ -1,8 +1,7 @@
 """Staging buffer -> pixels in GPU memory: nvJPEG batched decode for JPEG, nothing at all for raw.
 
 The result is a ``batch.PixelBatch`` on the GPU. JPEGs decode into one arena allocated per batch and sized
-from the width and height in the index (the device-bitstream backends parse nothing on the host):
-RGB interleaved, or, for the crop transform, each JPEG's own planes (``PixelBatch.planes``).
+from the width and height in the index (the device-bitstream backends parse nothing on the host).
 Raw samples are used where they lie: in the device staging buffer, or in one upload of the pinned
 staging buffer.
 """
@@ -17,16 +16,11 @@ import torch
 
 from gdsdata.format import layout as fmt
 from gdsdata import stall
-from gdsdata.batch import PixelBatch, chroma_planes
+from gdsdata.batch import PixelBatch
 from gdsdata.errors import CorruptSampleError
-from gdsdata._native.nvjpeg import OUTPUT_RGBI, OUTPUT_YUV, BatchedDecoder, NvjpegError
+from gdsdata._native.nvjpeg import BatchedDecoder, NvjpegError
 
 log = logging.getLogger(__name__)
-
-# (horizontal, vertical) chroma factor by format.SUBSAMPLING_* (0, 0: none the planar kernels take)
-_FACTORS = np.zeros((fmt.SUBSAMPLING_GRAY + 2, 2), np.int64)
-_FACTORS[[fmt.SUBSAMPLING_444, fmt.SUBSAMPLING_422, fmt.SUBSAMPLING_420, fmt.SUBSAMPLING_440, fmt.SUBSAMPLING_GRAY]] = \
-    [(1, 1), (2, 1), (2, 2), (1, 2), (1, 1)]
 
 
 @dataclass
@@ -42,7 +36,6 @@ class DecodeJob:
     data: np.ndarray = None  # JPEG: uint64 bitstream addresses in the staging buffer (raw: None)
     lengths: np.ndarray = None  # uint64 bitstream lengths
     pitches: np.ndarray = None  # int64 output row pitches (width x 3)
-    subsampling: np.ndarray = None  # JPEG: each sample's chroma subsampling (format.SUBSAMPLING_*)
 
     @property
     def jpeg(self) -> bool:
@@ -118,7 +111,6 @@ class GpuDecoder:
         self.device = device
         self.backend = backend
         self._shared = None  # taken at the first decode, handed back by close()
-        self.planes = True  # JPEG planes may be asked for (False once nvJPEG gave RGB but not planes)
         self._lock = threading.Lock()
 
     @property
@@ -154,31 +146,14 @@ class GpuDecoder:
         np.cumsum(sizes[:-1], out=offsets[1:])
         data = (np.uint64(staging.data_ptr()) + plan.sample_offsets.astype(np.uint64))
         return DecodeJob(list(indices), heights, widths, np.full(len(indices), 3), offsets, data=data,
-                         lengths=plan.sample_lengths.astype(np.uint64), pitches=(widths * 3),
-                         subsampling=records["subsampling"].astype(np.int64))
+                         lengths=plan.sample_lengths.astype(np.uint64), pitches=(widths * 3))
 
-    def decode(self, staging: torch.Tensor, job: "DecodeJob", stream, planar: bool = False) -> PixelBatch:
-        """Queue the decode ``job`` (from ``prepare``) on ``stream``: into RGB interleaved pixels, or
-        with ``planar`` (for the crop transform, which converts as it samples) into each JPEG's own
-        planes, which spares the GPU nvJPEG's colour conversion (a kernel per image)."""
+    def decode(self, staging: torch.Tensor, job: "DecodeJob", stream) -> PixelBatch:
+        """Queue the decode ``job`` (from ``prepare``) on ``stream``."""
         if not job.jpeg:
             return self._raw(staging, job, stream)
-        factors = _FACTORS[np.minimum(job.subsampling, len(_FACTORS) - 1)]
-        planar = planar and self.planes and bool(np.all(factors[:, 0] > 0))  # else a subsampling only RGB takes
-        if planar:
-            channels = np.where(job.subsampling == fmt.SUBSAMPLING_GRAY, 1, 3)
-            planes, sizes = chroma_planes(job.heights, job.widths, channels, factors.T)
-            offsets = np.zeros(len(sizes), np.int64)
-            np.cumsum(sizes[:-1], out=offsets[1:])
-            arena = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=self.device)
-            luma = np.uint64(arena.data_ptr()) + offsets.astype(np.uint64)
-            outs = np.stack([luma, luma + planes[:, 0].astype(np.uint64), luma + planes[:, 1].astype(np.uint64)], 1)
-            pitches = np.stack([job.widths, planes[:, 2], planes[:, 2]], 1)
-            output = OUTPUT_YUV
-        else:
-            channels, planes, offsets, pitches, output = job.channels, None, job.offsets, job.pitches, OUTPUT_RGBI
-            arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
-            outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
+        arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
+        outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
         errors = {}
         shared = self.shared
         with shared.lock:
@@ -189,44 +164,20 @@ class GpuDecoder:
             if shared.last is not None and shared.last[0] != stream:
                 stream.wait_event(shared.last[1])
             try:
-                nvjpeg.decode(job.data, job.lengths, outs, pitches, stream.cuda_stream, output)
+                nvjpeg.decode(job.data, job.lengths, outs, job.pitches, stream.cuda_stream)
             except NvjpegError as batch_error:
-                if planar and self._planes_fail(nvjpeg, job, stream, batch_error):
-                    errors = None  # the batch in RGB, below (out of the lock)
-                    arena.record_stream(stream)  # not reused before whatever the failed call queued
-                else:
-                    log.warning("batch decode failed (%s); retrying image by image to find the bad sample",
-                                batch_error)
-                    for k in range(len(job.indices)):
-                        try:
-                            nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
-                                          pitches[k:k + 1], stream.cuda_stream, output)
-                        except NvjpegError as e:
-                            errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
-                                                           f"decoding failed ({e})")
+                log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
+                for k in range(len(job.indices)):
+                    try:
+                        nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
+                                      job.pitches[k:k + 1], stream.cuda_stream)
+                    except NvjpegError as e:
+                        errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
+                                                       f"decoding failed ({e})")
             event = torch.cuda.Event()
             event.record(stream)
             shared.last = (stream, event)
-        if errors is None:
-            return self.decode(staging, job, stream, planar=False)
-        return PixelBatch(arena, offsets, job.heights, job.widths, channels, errors, owned=True, planes=planes)
-
-    def _planes_fail(self, nvjpeg, job, stream, error) -> bool:
-        """After a failed planar batch: whether the same batch decodes to RGB (then this nvJPEG
-        does not give these images' planes, and this decoder stops asking for them) or not (a bad
-        sample, found image by image as ever)."""
-        probe = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
-        try:
-            nvjpeg.decode(job.data, job.lengths, np.uint64(probe.data_ptr()) + job.offsets.astype(np.uint64),
-                          job.pitches, stream.cuda_stream)
-        except NvjpegError:
-            return False
-        finally:
-            probe.record_stream(stream)
-        log.warning("nvJPEG (%s backend) decodes these JPEGs to RGB but not to their planes (%s): this "
-                    "dataset's batches take nvJPEG's RGB output from now on", self.backend, error)
-        self.planes = False
-        return True
+        return PixelBatch(arena, job.offsets, job.heights, job.widths, job.channels, errors, owned=True)
 
     def _raw(self, staging, job, stream):
         if staging.is_cuda:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gdsdata.batch import interleaved
 from gdsdata.decode.cpu import cpu_pool
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -257,11 +256,9 @@ def _norm(transform, dtype):
     return scale, tuple(-m / s for m, s in zip(transform.mean, transform.std))
 
 
-def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, params: CropParams,
-          planes: np.ndarray | None = None) -> torch.Tensor:
+def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, params: CropParams) -> torch.Tensor:
     """Resample every image of a batch (interleaved uint8 pixels at ``offsets`` in the flat
-    ``buffer``, or with ``planes`` JPEG planes: ``PixelBatch.planes``) into one output tensor, on
-    the buffer's device."""
+    ``buffer``) into one output tensor, on the buffer's device."""
     n = len(offsets)
     out_h, out_w = transform.output_size
     device = buffer.device
@@ -271,13 +268,11 @@ def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, p
                      np.asarray(channels, np.int64), params.top, params.left, params.height, params.width,
                      params.flip.astype(np.int64)], axis=1)
     scale, shift = _norm(transform, dtype)
-    if device.type == "cuda" and triton_ready():
+    if device.type == "cuda" and _triton_ready():
         out = torch.empty((n, 3, out_h, out_w) if nchw else (n, out_h, out_w, 3), dtype=dtype, device=device)
         if n:
-            _resample_triton(buffer, meta, out, (out_h, out_w), scale, shift, nchw, transform.antialias, planes)
+            _resample_triton(buffer, meta, out, (out_h, out_w), scale, shift, nchw, transform.antialias)
         return out
-    if planes is not None:
-        buffer, meta[:, 0], meta[:, 3] = interleaved(buffer, offsets, heights, widths, channels, planes)
     return _resample_torch(buffer, meta, (out_h, out_w), dtype, scale, shift, nchw, transform.antialias)
 
 
@@ -322,7 +317,7 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
 _TRITON = None
 
 
-def triton_ready() -> bool:
+def _triton_ready() -> bool:
     """Whether the GPU kernel can run (Triton importable); looked up once."""
     global _TRITON
     if _TRITON is None:
@@ -337,7 +332,7 @@ def triton_ready() -> bool:
     return _TRITON
 
 
-def _resample_triton(buffer, meta, out, size, scale, shift, nchw, antialias, planes=None):
+def _resample_triton(buffer, meta, out, size, scale, shift, nchw, antialias):
     from gdsdata.transforms.kernels import resample
 
-    resample(buffer, meta, out, size, scale, shift, nchw, antialias, planes)
+    resample(buffer, meta, out, size, scale, shift, nchw, antialias)

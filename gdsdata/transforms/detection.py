@@ -363,11 +363,11 @@ def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels
     kernel samples, rounds and HSV-jitters the whole batch (``kernels.sample_detection``); on the CPU
     (or without Triton) torch operations sample each source over the output window it covers
     (``_sample_windows``), then ``_hsv`` an image at a time. The two compute the same values."""
-    from gdsdata.transforms import triton_ready
+    from gdsdata.transforms import _triton_ready
 
     jitter = bool((p.hsv != 1).any())
     dtype = torch.uint8 if t.dtype is None else getattr(torch, t.dtype)
-    if buffer.is_cuda and triton_ready():
+    if buffer.is_cuda and _triton_ready():
         from gdsdata.transforms.kernels import sample_detection
 
         return sample_detection(buffer, offsets, channels, p, t.imgsz, t.pad, jitter, dtype)

@@ -28,8 +28,7 @@ import triton.language as tl
 from gdsdata.batch import upload
 
 _BLOCK = 256
-META = tl.constexpr(16)  # columns of a ``meta`` row: the 9 of ``transforms.apply``, the intermediate's offset,
-# the 6 of ``PixelBatch.planes`` (zero for interleaved pixels)
+META = tl.constexpr(10)  # columns of a ``meta`` row: the 9 of ``transforms.apply``, the intermediate's offset
 
 
 @triton.jit
@@ -65,68 +64,8 @@ def _image(meta, n):
 
 
 @triton.jit
-def _chroma(src, at, cw, y0, y1, wy, x0, x1, wx, mask):
-    """A chroma plane at ``src + at`` (``cw`` wide) interpolated bilinearly, centred on 128."""
-    p0 = src + at + y0 * cw
-    p1 = src + at + y1 * cw
-    v00 = tl.load(p0 + x0, mask=mask, other=128).to(tl.float32)
-    v01 = tl.load(p0 + x1, mask=mask, other=128).to(tl.float32)
-    v10 = tl.load(p1 + x0, mask=mask, other=128).to(tl.float32)
-    v11 = tl.load(p1 + x1, mask=mask, other=128).to(tl.float32)
-    top = v00 + (v01 - v00) * wx
-    bottom = v10 + (v11 - v10) * wx
-    return top + (bottom - top) * wy - 128.0
-
-
-@triton.jit
-def _chroma_axis(pos, factor, size):
-    """Where luma pixels ``pos`` fall between chroma samples along one axis: the two neighbours
-    and the weight of the second (pixel centres, edges repeated)."""
-    coord = (pos.to(tl.float32) + 0.5) / factor - 0.5
-    coord = tl.minimum(tl.maximum(coord, 0.0), size - 1.0)
-    low = tl.floor(coord)
-    high = tl.minimum(low + 1.0, size - 1.0)
-    return low.to(tl.int64), high.to(tl.int64), coord - low
-
-
-@triton.jit
-def _rgb(src, meta, n, off, width, chans, ys, xs, mask, PLANAR: tl.constexpr):
-    """The RGB values (float32) of image ``n``'s pixels at rows ``ys``, columns ``xs`` (int64):
-    loaded from interleaved pixels, or with ``PLANAR`` converted from its JPEG planes as
-    ``batch.planar_rgb`` does (chroma interpolated at the pixel, JFIF's conversion, rounded)."""
-    if PLANAR:
-        luma = tl.load(src + off + ys * width + xs, mask=mask, other=0).to(tl.float32)
-        row = meta + n * META
-        cb_at, cr_at = tl.load(row + 10), tl.load(row + 11)
-        cw, ch = tl.load(row + 12), tl.load(row + 13)
-        hs, vs = tl.load(row + 14).to(tl.float32), tl.load(row + 15).to(tl.float32)
-        colour = mask & ((ys * 0 + chans) == 3)
-        y0, y1, wy = _chroma_axis(ys, vs, ch.to(tl.float32))
-        x0, x1, wx = _chroma_axis(xs, hs, cw.to(tl.float32))
-        cb = _chroma(src, off + cb_at, cw, y0, y1, wy, x0, x1, wx, colour)
-        cr = _chroma(src, off + cr_at, cw, y0, y1, wy, x0, x1, wx, colour)
-        v0 = tl.minimum(tl.maximum(tl.floor(luma + 1.402 * cr + 0.5), 0.0), 255.0)
-        v1 = tl.minimum(tl.maximum(tl.floor(luma - 0.344136 * cb - 0.714136 * cr + 0.5), 0.0), 255.0)
-        v2 = tl.minimum(tl.maximum(tl.floor(luma + 1.772 * cb + 0.5), 0.0), 255.0)
-    else:
-        p = src + off + (ys * width + xs) * chans
-        step = tl.where(chans == 3, 1, 0).to(tl.int64)
-        v0 = tl.load(p, mask=mask, other=0).to(tl.float32)
-        v1 = tl.load(p + step, mask=mask, other=0).to(tl.float32)
-        v2 = tl.load(p + 2 * step, mask=mask, other=0).to(tl.float32)
-    return v0, v1, v2
-
-
-@triton.jit
-def _lerp2(v00, v01, v10, v11, wx, wy):
-    top_row = v00 + (v01 - v00) * wx
-    bottom_row = v10 + (v11 - v10) * wx
-    return top_row + (bottom_row - top_row) * wy
-
-
-@triton.jit
 def _bilinear(src, meta, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
-              NCHW: tl.constexpr, TO_U8: tl.constexpr, PLANAR: tl.constexpr, BLOCK: tl.constexpr):
+              NCHW: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.program_id(0)
     pid = tl.program_id(1)
     off, width, chans, top, left, crop_h, crop_w, flip = _image(meta, n)
@@ -142,13 +81,28 @@ def _bilinear(src, meta, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
     fx = tl.where(flip > 0, (out_w - 1) - fx, fx)
     y0, y1, wy = _coords(top, crop_h, out_h, fy)
     x0, x1, wx = _coords(left, crop_w, out_w, fx)
-    r00, g00, b00 = _rgb(src, meta, n, off, width, chans, y0, x0, mask, PLANAR)
-    r01, g01, b01 = _rgb(src, meta, n, off, width, chans, y0, x1, mask, PLANAR)
-    r10, g10, b10 = _rgb(src, meta, n, off, width, chans, y1, x0, mask, PLANAR)
-    r11, g11, b11 = _rgb(src, meta, n, off, width, chans, y1, x1, mask, PLANAR)
-    _store(out, n, idx, area, 0, _lerp2(r00, r01, r10, r11, wx, wy), mask, s0, b0, NCHW, TO_U8)
-    _store(out, n, idx, area, 1, _lerp2(g00, g01, g10, g11, wx, wy), mask, s1, b1, NCHW, TO_U8)
-    _store(out, n, idx, area, 2, _lerp2(b00, b01, b10, b11, wx, wy), mask, s2, b2, NCHW, TO_U8)
+    row = width * chans
+    r0 = off + y0 * row
+    r1 = off + y1 * row
+    c0 = x0 * chans
+    c1 = x1 * chans
+    step = tl.where(chans == 3, 1, 0).to(tl.int64)
+    for c in tl.static_range(3):
+        k = step * c
+        v00 = tl.load(src + r0 + c0 + k, mask=mask, other=0).to(tl.float32)
+        v01 = tl.load(src + r0 + c1 + k, mask=mask, other=0).to(tl.float32)
+        v10 = tl.load(src + r1 + c0 + k, mask=mask, other=0).to(tl.float32)
+        v11 = tl.load(src + r1 + c1 + k, mask=mask, other=0).to(tl.float32)
+        top_row = v00 + (v01 - v00) * wx
+        bottom_row = v10 + (v11 - v10) * wx
+        value = top_row + (bottom_row - top_row) * wy
+        if c == 0:
+            scale, shift = s0, b0
+        elif c == 1:
+            scale, shift = s1, b1
+        else:
+            scale, shift = s2, b2
+        _store(out, n, idx, area, c, value, mask, scale, shift, NCHW, TO_U8)
 
 
 @triton.jit
@@ -198,7 +152,7 @@ def _filter(start, stride, step, taps, low, size, center, invscale, mask, BLOCK:
 
 
 @triton.jit
-def _aa_rows(src, meta, tmp, out_w, PLANAR: tl.constexpr, BLOCK: tl.constexpr):
+def _aa_rows(src, meta, tmp, out_w, BLOCK: tl.constexpr):
     """Pass 1: every row of image n's crop filtered to ``out_w`` columns (flipped if asked) into ``tmp``."""
     n = tl.program_id(0)
     pid = tl.program_id(1)
@@ -210,23 +164,13 @@ def _aa_rows(src, meta, tmp, out_w, PLANAR: tl.constexpr, BLOCK: tl.constexpr):
     ox = idx % out_w
     sx = tl.where(flip > 0, (out_w - 1) - ox, ox)
     xmin, xsize, xcenter, xinv = _axis(sx.to(tl.float32), crop_w, out_w)
-    ys = (top + r).to(tl.int64)
-    acc0 = tl.zeros([BLOCK], tl.float32)
-    acc1 = tl.zeros([BLOCK], tl.float32)
-    acc2 = tl.zeros([BLOCK], tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
-    for k in range(0, _taps(crop_w, out_w)):
-        w = _weight(k, xmin, xsize, xcenter, xinv)
-        total += w
-        v0, v1, v2 = _rgb(src, meta, n, off, width, chans, ys, left + xmin + k, mask & (k < xsize), PLANAR)
-        acc0 += w * v0
-        acc1 += w * v1
-        acc2 += w * v2
-    norm = 1.0 / tl.maximum(total, 1e-20)
+    step = tl.where(chans == 3, 1, 0).to(tl.int64)
+    start = src + off + (top + r).to(tl.int64) * (width * chans) + (left + xmin) * chans
+    v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask, BLOCK)
     dest = tmp + base_tmp + idx.to(tl.int64) * 3
-    tl.store(dest, (acc0 * norm).to(tmp.dtype.element_ty), mask=mask)
-    tl.store(dest + 1, (acc1 * norm).to(tmp.dtype.element_ty), mask=mask)
-    tl.store(dest + 2, (acc2 * norm).to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest, v0.to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest + 1, v1.to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest + 2, v2.to(tmp.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -250,28 +194,23 @@ def _aa_columns(meta, tmp, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
     _store(out, n, idx, area, 2, v2, mask, s2, b2, NCHW, TO_U8)
 
 
-def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias, planes=None):
+def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias):
     """Resample the images ``meta`` (host int64 rows of ``transforms.apply``) describes from
-    ``buffer`` into ``out``, on the buffer's device and the current stream; ``planes``: the
-    batch's ``PixelBatch.planes`` when it holds JPEG planes."""
+    ``buffer`` into ``out``, on the buffer's device and the current stream."""
     n = len(meta)
     out_h, out_w = size
     rows = meta[:, 6]
     places = np.zeros(n, np.int64)
     np.cumsum(rows[:-1] * out_w * 3, out=places[1:])
-    planar = planes is not None
-    layout = np.asarray(planes, np.int64) if planar else np.zeros((n, 6), np.int64)
-    table = upload(torch.from_numpy(np.ascontiguousarray(np.concatenate([meta, places[:, None], layout], axis=1))),
+    table = upload(torch.from_numpy(np.ascontiguousarray(np.concatenate([meta, places[:, None]], axis=1))),
                    buffer.device)
     norm = (float(scale[0]), float(scale[1]), float(scale[2]), float(shift[0]), float(shift[1]), float(shift[2]))
     flags = {"NCHW": nchw, "TO_U8": out.dtype.is_floating_point is False, "BLOCK": _BLOCK}
     if not antialias:
-        _bilinear[(n, triton.cdiv(out_h * out_w, _BLOCK))](buffer, table, out, out_h, out_w, *norm, PLANAR=planar,
-                                                            **flags)
+        _bilinear[(n, triton.cdiv(out_h * out_w, _BLOCK))](buffer, table, out, out_h, out_w, *norm, **flags)
         return
     tmp = torch.empty(int(rows.sum()) * out_w * 3, dtype=torch.float16, device=buffer.device)
-    _aa_rows[(n, triton.cdiv(int(rows.max()) * out_w, _BLOCK))](buffer, table, tmp, out_w, PLANAR=planar,
-                                                                 BLOCK=_BLOCK)
+    _aa_rows[(n, triton.cdiv(int(rows.max()) * out_w, _BLOCK))](buffer, table, tmp, out_w, BLOCK=_BLOCK)
     _aa_columns[(n, triton.cdiv(out_h * out_w, _BLOCK))](table, tmp, out, out_h, out_w, *norm, **flags)
 
 
