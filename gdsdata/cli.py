@@ -48,7 +48,7 @@ def _cmd_pack(args):
                   overwrite=args.overwrite, progress=not args.quiet, num_parts=args.num_parts,
                   part=args.part, resume=args.resume, append=args.append,
                   allow_empty_classes=args.allow_empty_classes, format=args.format, split=args.split,
-                  annotations=args.annotations)
+                  annotations=args.annotations, shard_roots=args.shard_root)
     rate = result.packed / result.seconds if result.seconds else 0.0
     print(f"packed {result.packed} images into {result.shards} shard(s), {_human(result.bytes)}, "
           f"in {result.seconds:.1f} s ({rate:.0f} images/s)")
@@ -93,9 +93,9 @@ def _print_labels(result):
 def _pack_on_ray(args, options):
     from gdsdata.packing.ray import pack_on_ray
 
-    if args.resume or args.append or args.part:
+    if args.resume or args.append or args.part or args.shard_root:
         raise ValueError("--ray packs every part itself (and retries them); it goes with none of --resume, "
-                         "--append or --part")
+                         "--append, --part or --shard-root")
     summary = pack_on_ray(args.src, args.out, address=args.ray or None,
                           num_parts=args.num_parts if args.num_parts > 1 else 0, options=options,
                           shard_size=args.shard_size, alignment=args.alignment, strict=args.strict,
@@ -131,6 +131,10 @@ def _cmd_inspect(args):
           f"{info['gdsdata_version']}")
     print(f"  payload {_human(info['payload_bytes'])} in {_human(info['shard_bytes'])} of shards; "
           f"alignment {info['alignment']} B, overhead {info['alignment_overhead'] * 100:.2f} %")
+    where = info["shard_folders"]
+    if list(where["folders"]) != [os.path.realpath(info["path"])]:
+        print(f"  shards on {where['devices']} device(s): " + ", ".join(f"{folder} ({n})" for folder, n in
+                                                                        where["folders"].items()))
     sizes, w, h = info["sample_bytes"], info["width"], info["height"]
     print(f"  sample size min/mean/max: {_human(sizes['min'])} / {_human(sizes['mean'])} / {_human(sizes['max'])}")
     print(f"  width {w['min']}-{w['max']} (mean {w['mean']}), height {h['min']}-{h['max']} (mean {h['mean']})")
@@ -229,6 +233,9 @@ def build_parser():
     p.add_argument("--split", default="train", help="--format yolo: the split to pack (default train)")
     p.add_argument("--shard-size", type=_size, default=1 << 30, metavar="SIZE",
                    help="target shard size (default 1G)")
+    p.add_argument("--shard-root", action="append", default=[], metavar="DIR",
+                   help="a folder on another drive to spread the shards over (repeat, one per drive); OUT holds "
+                        "the index and a link to each shard")
     p.add_argument("--alignment", type=_size, default=4096, metavar="BYTES",
                    help="payload alignment, a power of two (default 4096)")
     p.add_argument("--workers", type=int, default=0, help="processes (default: all cores)")

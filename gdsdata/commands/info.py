@@ -20,6 +20,20 @@ def _tally(values, names):
     return {names.get(int(k), f"unknown({int(k)})"): int(c) for k, c in zip(kinds, counts)}
 
 
+def _shard_folders(index) -> dict:
+    """Where the shard files are (links followed): folder -> how many, and the devices they are on."""
+    folders, devices = {}, set()
+    for k in range(len(index.shards)):
+        path = os.path.realpath(index.shard_path(k))
+        folder = os.path.dirname(path)
+        folders[folder] = folders.get(folder, 0) + 1
+        try:
+            devices.add(os.stat(path).st_dev)
+        except OSError:  # a missing shard: the dataset refuses to open; this only reports
+            pass
+    return {"folders": folders, "devices": len(devices)}
+
+
 def info(root) -> dict:
     """What a dataset holds (what ``gdsdata inspect`` shows), as a dict: samples, classes and the
     count per class, shards, payload and alignment overhead, image sizes, codecs and chroma
@@ -68,6 +82,7 @@ def info(root) -> dict:
         "merged_from": [m["path"] for m in meta.get("merged_from", [])],
         "appended": meta.get("appended", []),
         "task": index.task,
+        "shard_folders": _shard_folders(index),
     }
     if index.task == "detect":
         per_image = np.diff(index.box_start.astype(np.int64))

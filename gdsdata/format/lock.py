@@ -11,6 +11,11 @@ does not forward it are not kept apart.)
 on one filesystem) and ``swap_in`` exchanges it with ``out`` in one step where the kernel has
 ``renameat2(RENAME_EXCHANGE)``, else with two renames; the old dataset stays whole until the new
 one is.
+
+A dataset packed onto several drives (``pack(shard_roots=)``) keeps its shards in a folder
+``NAME.gdsdata-shards-ID`` on each drive and a symbolic link to each in its own folder;
+``remove_dataset`` and ``remove_shard`` remove such shards with their links (and nothing a link
+points to elsewhere: a merge's links to its parts' shards stay the parts').
 """
 
 import contextlib
@@ -95,18 +100,20 @@ def aside(out: str, tag: str) -> str:
 
 
 def swap_in(new: str, out: str):
-    """Make the complete dataset ``new`` the folder ``out``, then remove what ``out`` held."""
+    """Make the complete dataset ``new`` the folder ``out``, then remove what ``out`` held (its
+    shards on other drives too)."""
+    name = os.path.basename(os.path.abspath(out))
     if not os.path.exists(out):
         os.rename(new, out)
         return
     if _exchange(new, out):
-        shutil.rmtree(new)  # the old dataset, now under the temporary name
+        remove_dataset(new, name)  # the old dataset, now under the temporary name
         return
     old = aside(out, "old")
     os.rmdir(old)
     os.rename(out, old)  # a reader opening the dataset in between finds no folder, never a mix
     os.rename(new, out)
-    shutil.rmtree(old)
+    remove_dataset(old, name)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -128,3 +135,49 @@ def _exchange(a: str, b: str) -> bool:
 
 def remove_quietly(path: str):
     shutil.rmtree(path, ignore_errors=True)
+
+
+SHARDS_TAG = ".gdsdata-shards-"
+
+
+def shard_folder(root: str, name: str, dataset_id: bytes) -> str:
+    """The folder on drive ``root`` that holds the shards of dataset ``name`` (its folder's name)."""
+    return os.path.join(os.path.abspath(root), f"{name}{SHARDS_TAG}{dataset_id.hex()}")
+
+
+def owned_target(link: str, name: str) -> "str | None":
+    """The shard file that the link ``link`` in dataset ``name``'s folder points to when that dataset
+    wrote it on another drive (in a ``shard_folder`` of that name), else None."""
+    if not os.path.islink(link):
+        return None
+    target = os.path.join(os.path.dirname(link), os.readlink(link))
+    return target if os.path.basename(os.path.dirname(target)).startswith(name + SHARDS_TAG) else None
+
+
+def remove_shard(path: str, name: str):
+    """Remove the shard (or journal) file ``path`` of dataset ``name``, and, where it is a link to a
+    shard that dataset wrote on another drive, that shard (and its folder once empty)."""
+    target = owned_target(path, name)
+    for p in ([target] if target else []) + [path]:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+    if target:
+        try:
+            os.rmdir(os.path.dirname(target))
+        except OSError:  # other shards of the dataset are still there
+            pass
+
+
+def remove_dataset(folder: str, name: str):
+    """Remove the dataset folder ``folder`` (named ``name`` where it is finished) with the shards it
+    wrote on other drives; quietly, as ``remove_quietly``."""
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        entries = []
+    for entry in entries:
+        if owned_target(os.path.join(folder, entry), name):
+            remove_shard(os.path.join(folder, entry), name)
+    remove_quietly(folder)

@@ -1,4 +1,5 @@
-"""Writing shard files (aligned payloads, written under a temporary name) and checking their headers."""
+"""Writing shard files (aligned payloads, written under a temporary name, in the dataset folder or on
+other drives with a link to each) and checking their headers."""
 
 import logging
 import mmap
@@ -8,6 +9,7 @@ import zlib
 import numpy as np
 
 from gdsdata.format import layout as fmt
+from gdsdata.format.lock import shard_folder
 from gdsdata.errors import FormatError
 
 log = logging.getLogger(__name__)
@@ -20,10 +22,14 @@ def _pad(size: int, alignment: int) -> int:
 
 class ShardWriter:
     """Appends payloads to ``shard-NNNNN.gds``, each at an aligned offset; rolls to a new shard
-    past ``shard_size`` bytes. A shard is renamed to its final name only once it is complete."""
+    past ``shard_size`` bytes. A shard is renamed to its final name only once it is complete.
+
+    With ``roots`` (folders on other drives) shard k is written to ``roots[k % len(roots)]``, in the
+    dataset's ``lock.shard_folder`` there (``name``: the dataset folder's name), and ``out_dir``
+    gets a symbolic link to it once it is complete."""
 
     def __init__(self, out_dir, alignment, shard_size, dataset_id: bytes, first_shard: int = 0,
-                 first_sample: int = 0, on_close=None):
+                 first_sample: int = 0, on_close=None, roots=(), name=None):
         if alignment < 64 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
         self.out_dir = str(out_dir)
@@ -35,7 +41,10 @@ class ShardWriter:
         self.samples_written = first_sample
         self.on_close = on_close  # called with each finished shard's index and record
         self.aborted = False  # abort() dropped a shard that was being written
+        self.roots = [os.path.abspath(os.fspath(r)) for r in roots]
+        self.name = name or os.path.basename(os.path.abspath(self.out_dir))
         self._file = None
+        self._link = None
 
     def _write(self, data):
         try:
@@ -55,7 +64,15 @@ class ShardWriter:
         self._index = self.next_shard
         self.next_shard += 1
         self._path = os.path.join(self.out_dir, fmt.shard_name(self._index))
-        self._file = open(self._path + fmt.TMP_SUFFIX, "wb")
+        self._link = None
+        if self.roots:  # written on a drive of its own, linked from out_dir when complete
+            folder = shard_folder(self.roots[self._index % len(self.roots)], self.name, self.dataset_id)
+            os.makedirs(folder, exist_ok=True)
+            self._path, self._link = os.path.join(folder, fmt.shard_name(self._index)), self._path
+        try:
+            self._file = open(self._path + fmt.TMP_SUFFIX, "wb")
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self._path + fmt.TMP_SUFFIX) from e
         self._file.write(bytes(self.alignment))  # header block, rewritten at close
         self._crc = 0
         self._size = self.alignment
@@ -96,6 +113,12 @@ class ShardWriter:
         self._file.close()
         self._file = None
         os.replace(self._path + fmt.TMP_SUFFIX, self._path)
+        if self._link is not None:  # the dataset's name for it, made in one step
+            temporary = self._link + fmt.TMP_SUFFIX
+            if os.path.lexists(temporary):
+                os.unlink(temporary)
+            os.symlink(self._path, temporary)
+            os.replace(temporary, self._link)
         record = (self._size, self._first, self._count, self._crc, self.dataset_id, self._index, 0)
         self.records.append(record)
         if self.on_close is not None:

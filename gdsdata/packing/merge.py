@@ -43,7 +43,7 @@ def _place(src, dst, copy):
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
             raise
-        os.symlink(os.path.abspath(src), dst)
+        os.symlink(os.path.realpath(src), dst)  # the shard itself, not a part's link to it
         return "symlinked"
 
 

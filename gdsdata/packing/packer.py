@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable  # noqa: F401 - in annotations
+from typing import Callable, Sequence  # noqa: F401 - in annotations
 
 import numpy as np
 from tqdm import tqdm
@@ -35,7 +35,7 @@ from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
-from gdsdata.format.lock import aside, remove_quietly, swap_in, writer_lock
+from gdsdata.format.lock import aside, remove_dataset, remove_shard, swap_in, writer_lock
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32
 from gdsdata.packing.detection import annotate, open_detection
@@ -165,7 +165,7 @@ def into(out, overwrite, build):
         result = build(staging)
         swap_in(staging, out)
     except BaseException:
-        remove_quietly(staging)
+        remove_dataset(staging, os.path.basename(os.path.abspath(out)))
         raise
     return result
 
@@ -304,7 +304,7 @@ def _resume_state(out, signature):
         fmt.shard_name(k) + fmt.JOURNAL_SUFFIX for k in range(len(journals))}
     for name in os.listdir(out):
         if gdsdata_owned(name) and name not in kept:
-            os.unlink(os.path.join(out, name))
+            remove_shard(os.path.join(out, name), os.path.basename(out))
     return journals
 
 
@@ -313,7 +313,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
          strict: bool = False, overwrite: bool = False, progress: bool = False, num_parts: int = 1,
          part: int = 0, resume: bool = False, append: bool = False, allow_empty_classes: bool = False,
          on_progress: "Callable[[int], None] | None" = None, format: str = "folder", split: str = "train",
-         annotations: "str | os.PathLike | None" = None) -> PackResult:
+         annotations: "str | os.PathLike | None" = None,
+         shard_roots: "Sequence[str | os.PathLike] | None" = None) -> PackResult:
     """Pack an image source into a dataset folder (what ``gdsdata pack`` does).
 
     Parameters
@@ -354,6 +355,10 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         YOLO: the split to pack ("train", "val", "test").
     annotations : str or os.PathLike, optional
         COCO: the instances JSON.
+    shard_roots : sequence of str or os.PathLike, optional
+        Folders on other drives (one per NVMe drive, say) to spread the shards over, shard k on
+        root k mod N, in a folder ``NAME.gdsdata-shards-ID`` there; ``out`` holds the index and a
+        symbolic link to each shard. Reads of a batch then go to every drive at once.
 
     Returns
     -------
@@ -373,6 +378,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         raise ValueError("append goes with none of resume, overwrite or parts")
     if alignment < 64 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
+    roots = _shard_roots(shard_roots, out)
     workers = workers or os.cpu_count() or 1
     started = time.perf_counter()
     if format == "folder" or isinstance(src, Listing):
@@ -390,7 +396,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         with writer_lock(out, f"{what} of {name}"):
             def build(folder):
                 return _pack(source, name, folder, out, options, shard_size, alignment, workers, strict,
-                             progress, num_parts, part, resume, append, started, on_progress)
+                             progress, num_parts, part, resume, append, started, on_progress, roots)
 
             if resume or append:
                 return build(out)
@@ -419,8 +425,22 @@ def _appendable(out, source, alignment):
     return base, items, classes
 
 
+def _shard_roots(shard_roots, out) -> list:
+    """``pack``'s shard_roots as absolute paths, each a folder (made if missing) outside ``out``."""
+    roots = [os.path.abspath(os.fspath(r)) for r in (shard_roots or ())]
+    if len(set(roots)) != len(roots):
+        raise ValueError("shard_roots names a folder twice")
+    for root in roots:
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise OutputExistsError(f"{root}: a shard root must be a folder")
+        if os.path.commonpath([root, out]) in (root, out):
+            raise OutputExistsError(f"{root}: a shard root must lie outside the dataset folder {out} and not "
+                                    f"hold it")
+    return roots
+
+
 def _pack(source, src, folder, out, options, shard_size, alignment, workers, strict, progress,
-          num_parts, part, resume, append, started, on_progress=None):
+          num_parts, part, resume, append, started, on_progress=None, roots=()):
     """Pack into ``folder`` (``out`` itself, or where an overwrite builds its replacement); messages
     and the report name ``out``."""
     classes, everything = source.classes, source.items
@@ -464,13 +484,16 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             "skipped": skipped, "converted": converted, "resized": resized, "items_done": position["item"]})
 
     writer = ShardWriter(folder, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
-                         first_sample=len(records), on_close=write_journal)
+                         first_sample=len(records), on_close=write_journal, roots=roots,
+                         name=os.path.basename(out))
     unreadable = getattr(source, "unreadable", []) if part == 0 else []
     special = getattr(source, "special", []) if part == 0 else []
     report = {"source": display(src), "out": display(out), "status": "failed", "classes": len(classes),
               "ignored": ignored, "skipped": skipped, "unreadable": unreadable, "special": special}
     if num_parts > 1:
         report["part"] = {"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
+    if roots:
+        report["shard_roots"] = [display(root) for root in roots]
     jobs = (_job(source, item, options) for item in items[done:])
     labels = {item.rel: item.label for item in items}
     task = getattr(source, "task", "classify")
@@ -516,8 +539,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         if not keep:  # a clean failure removes what this run wrote
             for shard in range(len(shard_rows), writer.next_shard):
                 for name in (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.JOURNAL_SUFFIX):
-                    if os.path.exists(os.path.join(folder, name)):
-                        os.unlink(os.path.join(folder, name))
+                    remove_shard(os.path.join(folder, name), os.path.basename(out))
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         report.update(status=status, error=str(e) if isinstance(e, (GdsDataError, OSError)) else repr(e),
                       finished_shards=finished if keep else 0)

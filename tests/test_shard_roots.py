@@ -1,0 +1,179 @@
+"""Shards spread over several drives (``pack(shard_roots=)``, ``gdsdata pack --shard-root``): shard k
+on root k mod N, a link to each in the dataset folder; the same samples and pixels as one folder;
+failed, interrupted, resumed, overwritten and merged packs leave nothing behind and lose nothing."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_photos
+
+import gdsdata
+from gdsdata.format import layout as fmt
+from gdsdata.errors import BadImageError, OutputExistsError
+from gdsdata.packing.packer import pack
+
+SHARD = 40_000  # a few photos a shard: 12 photos (about 14 KB each) make several shards
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("roots_src"))
+    write_photos(folder, 12, classes=2)
+    return folder
+
+
+def roots(tmp_path, n=2):
+    return [str(tmp_path / f"drive{k}") for k in range(n)]
+
+
+def shard_files(root):
+    return sorted(n for n in os.listdir(root) if n.endswith(".gds"))
+
+
+def remote_files(drives):
+    return sorted(os.path.join(d, f) for drive in drives if os.path.isdir(drive)
+                  for d, _, files in os.walk(drive) for f in files)
+
+
+def batches(out, **loader):
+    ds = gdsdata.GDSDataset(out)
+    return [(x.clone(), y.clone()) for x, y in gdsdata.Loader(ds, 4, seed=1, **loader)]
+
+
+def test_shards_go_round_the_roots_and_read_as_one_folder(src, tmp_path):
+    drives = roots(tmp_path, 3)
+    plain, spread = str(tmp_path / "plain"), str(tmp_path / "spread")
+    pack(src, plain, workers=1, shard_size=SHARD)
+    result = pack(src, spread, workers=1, shard_size=SHARD, shard_roots=drives)
+    assert result.shards >= 3
+    for k, name in enumerate(shard_files(spread)):
+        link = os.path.join(spread, name)
+        target = os.readlink(link)
+        assert os.path.islink(link) and os.path.dirname(os.path.dirname(target)) == drives[k % 3]
+        assert os.path.basename(os.path.dirname(target)).startswith("spread.gdsdata-shards-")
+    with open(os.path.join(spread, fmt.REPORT_NAME)) as f:
+        assert json.load(f)["shard_roots"] == drives
+    crop = gdsdata.RandomResizedCrop(32, seed=2)
+    for (a, la), (b, lb) in zip(batches(plain, transform=crop), batches(spread, transform=crop), strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    for io_engine in ("auto", "direct"):  # the page cache and past it
+        with gdsdata.settings.set(io_engine=io_engine):
+            ds = gdsdata.GDSDataset(spread)
+        assert torch.equal(ds[5][0], gdsdata.GDSDataset(plain)[5][0])
+    from gdsdata.commands.info import info
+    where = info(spread)["shard_folders"]
+    assert len(where["folders"]) == 3 and sum(where["folders"].values()) == result.shards
+    assert gdsdata.verify(spread) == []
+
+
+def test_a_failed_pack_removes_its_shards_from_every_root(tmp_path):
+    from conftest import jpeg_bytes, photo
+
+    source = tmp_path / "src"
+    write_photos(str(source), 8, classes=1)
+    (source / "class0" / "zz_broken.jpg").write_bytes(jpeg_bytes(photo(1))[:2000])
+    drives = roots(tmp_path)
+    with pytest.raises(BadImageError):
+        pack(str(source), str(tmp_path / "ds"), workers=1, shard_size=SHARD, strict=True, shard_roots=drives)
+    assert remote_files(drives) == [] and shard_files(tmp_path / "ds") == []
+
+
+def test_an_interrupted_pack_resumes_onto_its_roots(src, tmp_path):
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    seen = []
+
+    def interrupt(n):
+        seen.append(n)
+        if len(seen) == 9:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, on_progress=interrupt)
+    kept = shard_files(out)
+    assert kept and not os.path.exists(os.path.join(out, fmt.INDEX_NAME))
+    assert all(os.path.exists(os.path.join(out, n)) for n in kept)  # links to finished shards
+    result = pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, resume=True)
+    assert result.resumed_shards == len(kept)
+    assert len(remote_files(drives)) == result.shards  # nothing of the interrupted shard left over
+    assert gdsdata.verify(out) == [] and len(gdsdata.GDSDataset(out)) == 12
+
+
+def test_appended_images_go_to_the_roots_too(tmp_path):
+    source, drives, out = tmp_path / "src", roots(tmp_path), str(tmp_path / "ds")
+    write_photos(str(source), 6, classes=2)
+    pack(str(source), out, workers=1, shard_size=SHARD, shard_roots=drives)
+    before = remote_files(drives)
+    from conftest import jpeg_bytes, photo
+
+    (source / "class0" / "extra.jpg").write_bytes(jpeg_bytes(photo(999), quality=90))
+    pack(str(source), out, workers=1, shard_size=SHARD, shard_roots=drives, append=True)
+    assert set(before) < set(remote_files(drives))
+    assert gdsdata.verify(out) == [] and len(gdsdata.GDSDataset(out)) == 7
+
+
+def test_an_overwrite_removes_the_old_shards_from_the_roots(src, tmp_path):
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives)
+    old = remote_files(drives)
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
+    new = remote_files(drives)
+    assert new and not set(old) & set(new)  # every old shard gone, the new ones in their own folders
+    assert gdsdata.verify(out) == []
+    pack(src, out, workers=1, shard_size=SHARD, overwrite=True)  # back into one folder
+    assert remote_files(drives) == [] and gdsdata.verify(out) == []
+
+
+def test_merged_parts_keep_their_shards(src, tmp_path):
+    """A merge links to the parts' shards themselves (not to the parts' links): removing the parts
+    folders leaves the merged dataset whole, and overwriting it leaves the parts' shards alone."""
+    drives = roots(tmp_path)
+    parts = [str(tmp_path / f"part{k}") for k in range(2)]
+    for k, part in enumerate(parts):
+        pack(src, part, workers=1, shard_size=SHARD, shard_roots=drives, num_parts=2, part=k)
+    merged = str(tmp_path / "merged")
+    gdsdata.merge(parts, merged)
+    for part in parts:  # the parts folders (their links) go; the shards they point to stay
+        for name in os.listdir(part):
+            os.unlink(os.path.join(part, name))
+        os.rmdir(part)
+    assert gdsdata.verify(merged) == [] and len(gdsdata.GDSDataset(merged)) == 12
+    shards = remote_files(drives)
+    pack(src, str(tmp_path / "other"), workers=1, shard_size=SHARD)
+    gdsdata.merge([str(tmp_path / "other")], merged, overwrite=True)
+    assert remote_files(drives) == shards
+
+
+def test_bad_roots_are_refused(src, tmp_path):
+    out = str(tmp_path / "ds")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputExistsError, match="must be a folder"):
+        pack(src, out, shard_roots=[str(tmp_path / "file")])
+    with pytest.raises(OutputExistsError, match="outside the dataset folder"):
+        pack(src, out, shard_roots=[os.path.join(out, "inner")])
+    with pytest.raises(ValueError, match="twice"):
+        pack(src, out, shard_roots=[str(tmp_path / "a"), str(tmp_path / "a")])
+    assert not os.path.exists(out) or not os.listdir(out)
+
+
+def test_the_command_line_spreads_shards_and_inspect_shows_where(src, tmp_path):
+    import subprocess
+    import sys
+
+    def run(*args):
+        done = subprocess.run([sys.executable, "-m", "gdsdata.cli", *args], capture_output=True, text=True,
+                              timeout=300)
+        return done.returncode, done.stdout, done.stderr
+
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    rc, _, err = run("pack", src, out, "-q", "--workers", "1", "--shard-size", str(SHARD), "--shard-root", drives[0],
+                     "--shard-root", drives[1])
+    assert rc == 0, err
+    rc, printed, err = run("inspect", out)
+    assert rc == 0, err
+    assert "shards on 1 device(s)" in printed and "drive0" in printed and "drive1" in printed
+    assert np.all([os.path.islink(os.path.join(out, n)) for n in shard_files(out)])
+    rc, _, err = run("pack", src, str(tmp_path / "ray"), "--ray", "--shard-root", drives[0])
+    assert rc == 1 and "--shard-root" in err and "Traceback" not in err
