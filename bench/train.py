@@ -354,15 +354,21 @@ def main(argv=None):
         for model in models:
             for source in inputs:
                 for stream in streams:
-                    runs = [spawn(args, model, source, stream, paths) for _ in range(args.soak)]
+                    runs, row = [], {"model": model, "input": source, "stream": stream}
+                    results.append(row)
+                    for k in range(args.soak):  # each process reported and saved as it ends
+                        runs.append(spawn(args, model, source, stream, paths))
+                        done = runs[-1]
+                        print(f"    process {k + 1}/{args.soak}: " + (done["failed"] if done.get("failed") else
+                              f"{done['images_per_s']:.0f} images/s, {done['seconds']:.0f} s"), flush=True)
+                        row.update(processes=len(runs), not_finished=sum(1 for r in runs if r.get("failed")),
+                                   runs=runs)
+                        _write(args, system, results)
                     hangs = sum(1 for r in runs if r.get("failed"))
                     rates = [r["images_per_s"] for r in runs if not r.get("failed")]
                     path = next((r.get("path") for r in runs if r.get("path")), "")
                     print(f"  {model:<9} {source:<10} {stream:<7} processes {len(runs)}  not finished {hangs}  "
                           f"images/s {min(rates, default=0):.0f}-{max(rates, default=0):.0f}  [{path}]", flush=True)
-                    results.append({"model": model, "input": source, "stream": stream, "processes": len(runs),
-                                    "not_finished": hangs, "runs": runs})
-                    _write(args, system, results)
         return
     print(f"\n== training client: batch {BATCH}, {args.epochs} timed epochs of {args.count} images after one "
           f"warm-up, a fresh process per row ==")
