@@ -85,6 +85,17 @@ def test_doctor_reports_the_cpu_path():
     rc, stdout, _ = run("doctor", "--json")
     info = json.loads(stdout)
     assert rc == 0 and info["cpu cores"] == os.cpu_count() and "torch" in info
+    assert "half the host's memory" in info["streaming"]
+
+
+def test_doctor_says_when_the_io_engine_setting_decides_streaming():
+    from gdsdata import settings
+    from gdsdata.commands.doctor import report
+
+    with settings.set(io_engine="direct"):
+        assert report()["streaming"].startswith("every dataset is read past the page cache")
+    with settings.set(io_engine="mmap"):
+        assert "(mmap) picks every dataset's reads" in report()["streaming"]
 
 
 def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path):

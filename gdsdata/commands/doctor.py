@@ -124,8 +124,14 @@ def report() -> dict:
     info["gather threads"] = settings.get("gather_threads")
     for name in ("staging", "io_engine", "decode_backend"):
         info[name.replace("_", " ")] = settings.get(name)
-    info["streaming"] = (f"datasets whose shards exceed {host_memory() / 2 / 2**30:.1f} GiB (half the host's memory) "
-                         f"are read past the page cache (reads=direct)")
+    engine = settings.get("io_engine")
+    if engine == "direct":
+        info["streaming"] = "every dataset is read past the page cache (the io_engine setting: direct)"
+    elif engine != "auto":
+        info["streaming"] = f"the io_engine setting ({engine}) picks every dataset's reads, whatever its size"
+    else:
+        info["streaming"] = (f"datasets whose shards exceed {host_memory() / 2 / 2**30:.1f} GiB (half the host's "
+                             f"memory) are read past the page cache (reads=direct)")
     if "io mode" in info:
         info.update(automatic_paths())
     return info
