@@ -418,6 +418,33 @@ def test_a_full_disk_during_overwrite_keeps_the_old_dataset(src, small_disk):
     assert sorted(os.listdir(small_disk)) == ["ds"]
 
 
+def test_a_full_shard_drive_names_its_file_and_the_pack_resumes(src, tmp_path):
+    """Shards on two drives (``--shard-root``), one of which fills: one line naming the shard on that
+    drive, finished shards kept on both; after room is made the pack resumes to what one pack gives."""
+    small = SmallDisk(tmp_path / "small")
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        out, drives = str(tmp_path / "ds"), [str(small / "a"), str(tmp_path / "b")]
+        roots = [arg for d in drives for arg in ("--shard-root", d)]
+        code, _, err = run_cli("pack", src, out, "-q", "--workers", "1", "--shard-size", "60000", *roots)
+        assert code == 1
+        line = one_line(err)
+        assert "No space left on device while writing" in line and str(small) in line and "--resume" in line
+        assert fmt.INDEX_NAME not in os.listdir(out)
+        small.grow()
+        pack(src, out, resume=True, workers=1, shard_size=60_000, shard_roots=drives)
+        reference = str(tmp_path / "reference")
+        pack(src, reference, workers=1, shard_size=60_000)
+        assert load(out).samples["crc32"].tolist() == load(reference).samples["crc32"].tolist()
+        assert verify(out) == []
+        leftovers = [f for d in drives for _, _, files in os.walk(d) for f in files if f.endswith(fmt.TMP_SUFFIX)]
+        assert leftovers == []
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+
+
 # --- Ctrl-C -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bigger_src(tmp_path_factory):
@@ -428,9 +455,12 @@ def bigger_src(tmp_path_factory):
 
 @pytest.mark.parametrize("delay", [0.0, 0.2, 0.5, *(pytest.param(d, marks=HEAVY)
                                                    for d in (0.05, 0.1, 0.3, 0.4, 0.7, 1.0, 1.5, 2.0))])
-def test_sigint_at_any_point_exits_130_in_one_line_and_resumes(bigger_src, tmp_path, delay):
+@pytest.mark.parametrize("spread", [False, True], ids=["one-folder", "shard-roots"])
+def test_sigint_at_any_point_exits_130_in_one_line_and_resumes(bigger_src, tmp_path, delay, spread):
     out = str(tmp_path / "ds")
-    process = cli("pack", bigger_src, out, "-q", "--workers", "2", "--shard-size", "1000000")
+    drives = [str(tmp_path / "drive0"), str(tmp_path / "drive1")] if spread else []
+    roots = [arg for d in drives for arg in ("--shard-root", d)]
+    process = cli("pack", bigger_src, out, "-q", "--workers", "2", "--shard-size", "1000000", *roots)
     lock = tmp_path / ".ds.gdsdata-lock"
     deadline = time.monotonic() + 60
     while not lock.exists() and process.poll() is None and time.monotonic() < deadline:
@@ -449,10 +479,12 @@ def test_sigint_at_any_point_exits_130_in_one_line_and_resumes(bigger_src, tmp_p
     if os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
         return
     if os.path.isdir(out):  # else the signal came before anything was written
-        pack(bigger_src, out, resume=True, workers=2, shard_size=1_000_000)
+        pack(bigger_src, out, resume=True, workers=2, shard_size=1_000_000, shard_roots=drives)
     else:
-        pack(bigger_src, out, workers=2, shard_size=1_000_000)
+        pack(bigger_src, out, workers=2, shard_size=1_000_000, shard_roots=drives)
     assert len(load(out)) == 480 and verify(out) == []
+    on_drives = sorted(os.path.basename(f) for d in drives for _, _, files in os.walk(d) for f in files)
+    assert on_drives == (sorted(n for n in os.listdir(out) if n.endswith(".gds")) if spread else [])
 
 
 # --- readers: closing, descriptors, skips ---------------------------------------------------------
