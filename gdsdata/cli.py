@@ -93,15 +93,15 @@ def _print_labels(result):
 def _pack_on_ray(args, options):
     from gdsdata.packing.ray import pack_on_ray
 
-    if args.resume or args.append or args.part or args.shard_root:
+    if args.resume or args.append or args.part:
         raise ValueError("--ray packs every part itself (and retries them); it goes with none of --resume, "
-                         "--append, --part or --shard-root")
+                         "--append or --part")
     summary = pack_on_ray(args.src, args.out, address=args.ray or None,
                           num_parts=args.num_parts if args.num_parts > 1 else 0, options=options,
                           shard_size=args.shard_size, alignment=args.alignment, strict=args.strict,
                           overwrite=args.overwrite, progress=not args.quiet,
                           allow_empty_classes=args.allow_empty_classes, format=args.format, split=args.split,
-                          annotations=args.annotations)
+                          annotations=args.annotations, shard_roots=args.shard_root)
     print(f"packed {summary['samples']} images in {summary['parts']} part(s) on Ray ({summary['cpus']} CPUs), "
           f"{summary['shards']} shard(s), in {summary['seconds']:.1f} s into {summary['out']}")
     if summary["skipped"]:

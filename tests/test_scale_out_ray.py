@@ -95,6 +95,24 @@ def test_a_local_ray_packs_in_parts_and_survives_a_killed_worker(source, local_r
     assert sorted(os.listdir(tmp_path)) == ["ds"]  # the part folders are gone
 
 
+def test_a_local_ray_packs_onto_shard_roots_and_the_dataset_owns_them(source, local_ray, tmp_path):
+    """``--ray --shard-root``: each part writes its shards on the drives, the merge moves them into the
+    dataset's own folders there (no part's folder is left on a drive), and an overwrite removes them."""
+    from gdsdata.packing.ray import pack_on_ray
+
+    src, reference = source
+    out, drives = str(tmp_path / "ds"), [str(tmp_path / "drive0"), str(tmp_path / "drive1")]
+    summary = pack_on_ray(src, out, num_parts=3, shard_size=64 * 1024, shard_roots=drives)
+    assert summary["shards_placed"] == ["moved on its drive"]
+    same_dataset(out, reference)
+    assert verify(out) == []
+    for drive in drives:
+        assert [f.split(".gdsdata-shards-")[0] for f in os.listdir(drive)] == ["ds"]
+    assert sorted(os.listdir(tmp_path)) == ["drive0", "drive1", "ds"]
+    pack(src, out, workers=1, overwrite=True)
+    assert [f for d in drives for _, _, files in os.walk(d) for f in files] == []
+
+
 def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, tmp_path):
     import numpy as np
 

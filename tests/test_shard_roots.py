@@ -175,5 +175,3 @@ def test_the_command_line_spreads_shards_and_inspect_shows_where(src, tmp_path):
     assert rc == 0, err
     assert "shards on 1 device(s)" in printed and "drive0" in printed and "drive1" in printed
     assert np.all([os.path.islink(os.path.join(out, n)) for n in shard_files(out)])
-    rc, _, err = run("pack", src, str(tmp_path / "ray"), "--ray", "--shard-root", drives[0])
-    assert rc == 1 and "--shard-root" in err and "Traceback" not in err

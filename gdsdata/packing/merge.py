@@ -18,11 +18,26 @@ from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import SourceError
-from gdsdata.format.lock import remove_quietly, writer_lock
+from gdsdata.format.lock import owned_target, remove_quietly, shard_folder, writer_lock
 from gdsdata.packing.detection import annotate
 from gdsdata.packing.packer import into
 
 log = logging.getLogger(__name__)
+
+
+def _adopt(src, dst, part_name, folder_of):
+    """Move a shard a part wrote on another drive (``pack --shard-root``) into the merged dataset's
+    own folder on that drive and link it from ``dst``: the merged dataset owns it from then on (only
+    for parts that go after the merge: ``pack --ray``). Returns None for any other shard."""
+    target = owned_target(src, part_name)
+    if target is None:
+        return None
+    mine = folder_of(os.path.dirname(os.path.dirname(target)))
+    os.makedirs(mine, exist_ok=True)
+    moved = os.path.join(mine, os.path.basename(dst))
+    os.rename(target, moved)  # the same drive: one step, no copy
+    os.symlink(moved, dst)
+    return "moved on its drive"
 
 
 def _place(src, dst, copy):
@@ -114,8 +129,9 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False) -> d
         return merge_checked(parts, out, copy=copy, overwrite=overwrite)
 
 
-def merge_checked(parts, out, *, copy=False, overwrite=False) -> dict:
-    """``merge`` for a caller that holds ``out``'s writer lock already (``pack --ray``)."""
+def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False) -> dict:
+    """``merge`` for a caller that holds ``out``'s writer lock already (``pack --ray``); ``adopt``:
+    the parts go after the merge, and the shards they wrote on other drives become ``out``'s."""
     if not parts:
         raise SourceError("merge needs at least one part")
     out = os.path.abspath(os.fspath(out))
@@ -126,23 +142,27 @@ def merge_checked(parts, out, *, copy=False, overwrite=False) -> dict:
     ordered = _check_parts(parts, indexes)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
-        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy))
+        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt))
     except BaseException:
         if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
             remove_quietly(out)
         raise
 
 
-def _merge(ordered, folder, out, copy):
+def _merge(ordered, folder, out, copy, adopt=False):
     parts = [part for part, _ in ordered]
     indexes = [index for _, index in ordered]
     first = indexes[0]
+    dataset_id = os.urandom(16)
     shard_rows, sample_tables, strings, how = [], [], bytearray(), set()
     sample_base = 0
-    for index in indexes:
+    for part, index in ordered:
         shard_base = len(shard_rows)
         for s in range(len(index.shards)):
-            how.add(_place(index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s)), copy))
+            src, dst = index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s))
+            placed = _adopt(src, dst, os.path.basename(os.path.abspath(part)),
+                            lambda root: shard_folder(root, os.path.basename(out), dataset_id)) if adopt else None
+            how.add(placed or _place(src, dst, copy))
             row = index.shards[s].copy()
             row["first_sample"] += sample_base
             shard_rows.append(row)
@@ -172,7 +192,7 @@ def _merge(ordered, folder, out, copy):
         box_args = annotate(meta, first.classes, first.meta["detection"].get("format", ""),
                             first.meta["detection"].get("category_ids"), per_sample)
     shards = np.array(shard_rows, dtype=fmt.SHARD_RECORD)
-    index_io.write(folder, first.alignment, os.urandom(16), shards, samples, bytes(strings), meta, **box_args)
+    index_io.write(folder, first.alignment, dataset_id, shards, samples, bytes(strings), meta, **box_args)
     log.info("merged %d parts: %d samples, %d shards (%s)", len(parts), len(samples), len(shards), ", ".join(how))
     return {"out": out, "parts": len(parts), "samples": len(samples), "shards": len(shards),
             "shards_placed": sorted(how)}

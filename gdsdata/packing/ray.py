@@ -6,7 +6,8 @@ N --part K``, today's crash-safe machinery) is one task packing into ``.OUT.gdsd
 beside OUT, so that every node must see OUT's filesystem at the same path. A task that fails or whose
 worker is killed is retried by Ray and resumes its part from the shards it finished
 (``pack(resume=True)``). When every part is done they are merged, with the checks of ``merge``,
-into OUT (their shards hard-linked), and the part folders go.
+into OUT (their shards hard-linked, or with shard roots moved on their drives into OUT's own
+folders), and the part folders go.
 """
 
 import logging
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from gdsdata.format import layout as fmt
 from gdsdata.errors import GdsDataError, SourceError
-from gdsdata.format.lock import aside, remove_quietly, writer_lock
+from gdsdata.format.lock import aside, remove_dataset, remove_quietly, writer_lock
 from gdsdata.packing.detection import DetectionSource, open_detection
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, open_source
 
@@ -43,9 +44,12 @@ def _import_ray():
 
 def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size=1 << 30,
                 alignment=fmt.DEFAULT_ALIGNMENT, strict=False, overwrite=False, progress=False,
-                allow_empty_classes=False, max_retries=3, format="folder", split="train", annotations=None) -> dict:
+                allow_empty_classes=False, max_retries=3, format="folder", split="train", annotations=None,
+                shard_roots=None) -> dict:
     """Pack ``src`` into ``out`` with the parts as Ray tasks (``address``: a running cluster, None:
-    start or join a local Ray). Returns the merge's summary plus ``parts`` and ``seconds``."""
+    start or join a local Ray). Returns the merge's summary plus ``parts`` and ``seconds``.
+    ``shard_roots``: as ``pack``'s (folders every node sees at the same paths); each part writes its
+    shards there and the merge moves them, on their drives, into ``out``'s own folders."""
     from gdsdata.packing.merge import merge_checked
     from gdsdata.packing.packer import check_output
 
@@ -77,7 +81,8 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
         counter = _Counter.remote() if parts else None
         task = ray.remote(max_retries=max_retries, retry_exceptions=True, num_cpus=1)(_pack_part)
         kwargs = dict(options=options, shard_size=shard_size, alignment=alignment, strict=strict,
-                      allow_empty_classes=allow_empty_classes)
+                      allow_empty_classes=allow_empty_classes,
+                      shard_roots=[os.path.abspath(os.fspath(r)) for r in shard_roots or ()])
         pending = {task.remote(job_source, os.path.join(folder, f"part-{k}"), parts, k, kwargs, counter): k
                    for k in range(parts)}
         done_parts = {}
@@ -96,10 +101,12 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                             raise GdsDataError(f"part {k} of {parts} failed after {max_retries} retries: "
                                                f"{_reason(e)}") from None
             summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
-                                    overwrite=overwrite)
+                                    overwrite=overwrite, adopt=True)
         finally:
             for ref in pending:
                 ray.cancel(ref, force=True)
+            for k in range(parts):  # with what they left on the shard roots (after a failure)
+                remove_dataset(os.path.join(folder, f"part-{k}"), f"part-{k}")
             remove_quietly(folder)
     summary.update(parts=parts, cpus=cpus, seconds=time.perf_counter() - started,
                    skipped=sum(len(r["skipped"]) for r in done_parts.values()),
