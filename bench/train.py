@@ -30,6 +30,7 @@ with the train step on a side stream. A row that makes no step for --stall secon
 
     python bench/train.py --dir /tmp/bench --out results/                 # the table
     python bench/train.py --dir /tmp/bench --soak 10 --inputs gdsdata     # hangs in 10 processes each
+    python bench/train.py --dir /tmp/bench --inputs synthetic,gdsdata --profile 20   # GPU time per batch
 """
 
 import argparse
@@ -251,12 +252,58 @@ def run_row(args):
         from common import stage_ms
 
         stages = stage_ms(epoch.stats(), stages)
+    profiled = None
+    if args.profile and args.input != "synthetic":
+        try:  # after the timed epochs: whatever happens here leaves the row's figures as measured
+            profiled = gpu_profile(model, epoch, args.profile)
+        except Exception as e:  # noqa: BLE001 - reported in the row instead
+            profiled = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps({"hang": False, "model": args.model, "input": args.input, "stream": args.stream,
-                      "stages_ms_per_batch": stages,
+                      "stages_ms_per_batch": stages, "gpu_profile": profiled,
                       "path": getattr(epoch, "path", ""), "images_per_s": statistics.median(rates),
                       "rates": rates, "cpu_s_per_1k": statistics.median(cpu),
                       "gpu_mib": max(used) / 2**20, "steps": steps}), flush=True)
     os._exit(0)  # no teardown: DataLoader workers and pipelines end with the process
+
+
+def gpu_profile(model, epoch, steps, skip=5):
+    """What the GPU does per batch over ``steps`` train steps inside an epoch (torch.profiler, after
+    ``skip`` steps): the busiest stream's kernel time (the step's), the input pipeline's kernels on the
+    other streams by name, and the copies."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    batches = iter(epoch())
+    for _, (images, labels) in zip(range(skip), batches):
+        model.step(images, labels)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        done = 0
+        for _, (images, labels) in zip(range(steps), batches):  # (an epoch shorter than asked: what it has)
+            model.step(images, labels)
+            done += 1
+        torch.cuda.synchronize()
+    steps = max(done, 1)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"]
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not events:  # no GPU activity recorded (no CUDA, or a profiler without CUPTI)
+        return None
+    per_stream = {}
+    for e in events:
+        per_stream.setdefault(e.get("args", {}).get("stream", e.get("tid")), []).append(e)
+    step_stream = max(per_stream, key=lambda k: sum(e["dur"] for e in per_stream[k] if e["cat"] == "kernel"))
+    pipeline = {}
+    for e in events:
+        if e.get("args", {}).get("stream", e.get("tid")) != step_stream:
+            key = "copies" if e["cat"] != "kernel" else e["name"][:60]
+            pipeline[key] = pipeline.get(key, 0.0) + e["dur"] / 1e3 / steps
+    return {"steps": steps,
+            "step_kernels_ms": round(sum(e["dur"] for e in per_stream[step_stream]) / 1e3 / steps, 3),
+            "pipeline_ms": {k: round(v, 3) for k, v in sorted(pipeline.items(), key=lambda kv: -kv[1])[:8]}}
 
 
 # --- the run ----------------------------------------------------------------------------------------
@@ -281,7 +328,7 @@ def spawn(args, model, source, stream, paths):
     src, jpeg, raw = paths
     command = [sys.executable, os.path.abspath(__file__), "--row", model, source, stream, "--src", src,
                "--jpeg", jpeg, "--raw", raw, "--count", str(args.count), "--epochs", str(args.epochs),
-               "--workers", str(args.workers), "--stall", str(args.stall)]
+               "--workers", str(args.workers), "--stall", str(args.stall), "--profile", str(args.profile)]
     t0 = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.row_timeout)
@@ -319,6 +366,9 @@ def main(argv=None):
     parser.add_argument("--row-timeout", type=float, default=900.0)
     parser.add_argument("--soak", type=int, default=0,
                         help="instead of the table: N fresh processes per row, --epochs epochs each, hangs counted")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="per row, STEPS more steps under torch.profiler: the step's and the pipeline's GPU "
+                             "time per batch")
     parser.add_argument("--out", default="bench-results", help="folder for train.json")
     parser.add_argument("--chart", nargs=2, metavar=("JSON", "PNG"), help="draw train.json as a chart and exit")
     parser.add_argument("--row", nargs=3, metavar=("MODEL", "INPUT", "STREAM"), help=argparse.SUPPRESS)
@@ -387,6 +437,10 @@ def main(argv=None):
                     if result.get("stages_ms_per_batch"):
                         print("      ms per batch: " + ", ".join(f"{k} {v}" for k, v in
                                                               result["stages_ms_per_batch"].items()), flush=True)
+                    if result.get("gpu_profile") and "error" not in result["gpu_profile"]:
+                        gp = result["gpu_profile"]
+                        print(f"      GPU ms per batch: the step's kernels {gp['step_kernels_ms']}; the pipeline's: "
+                              + ", ".join(f"{k} {v}" for k, v in gp["pipeline_ms"].items()), flush=True)
                 _write(args, system, results)
     print("\n== summary ==")
     print(f"{'model':<9} {'stream':<7} {'input':<10} {'images/s':>9} {'of synthetic':>13} {'CPU-s/1k':>9} "
