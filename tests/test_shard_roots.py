@@ -175,3 +175,82 @@ def test_the_command_line_spreads_shards_and_inspect_shows_where(src, tmp_path):
     assert rc == 0, err
     assert "shards on 1 device(s)" in printed and "drive0" in printed and "drive1" in printed
     assert np.all([os.path.islink(os.path.join(out, n)) for n in shard_files(out)])
+
+
+def test_a_merge_named_as_its_parts_never_removes_their_shards(src, tmp_path):
+    """Ownership goes by the pack's id, not the folder's name: a merged ``ds`` over parts named ``ds``
+    (in other folders) leaves their shards alone when it is overwritten."""
+    drives = roots(tmp_path)
+    parts = [str(tmp_path / f"p{k}" / "ds") for k in range(2)]
+    for k, part in enumerate(parts):
+        pack(src, part, workers=1, shard_size=SHARD, shard_roots=drives, num_parts=2, part=k)
+    merged = str(tmp_path / "m" / "ds")
+    gdsdata.merge(parts, merged)
+    pack(src, merged, workers=1, shard_size=SHARD, overwrite=True)
+    gdsdata.merge(parts, merged, overwrite=True)
+    assert all(gdsdata.verify(p) == [] for p in parts + [merged])
+
+
+def test_a_renamed_dataset_still_owns_its_shards(src, tmp_path):
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives)
+    renamed = str(tmp_path / "renamed")
+    os.rename(out, renamed)
+    assert gdsdata.verify(renamed) == []
+    pack(src, renamed, workers=1, shard_size=SHARD, overwrite=True)
+    assert remote_files(drives) == []
+
+
+def test_a_pack_killed_in_its_first_shard_leaves_nothing_on_the_drives(src, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    script = (f"import os, signal, sys; sys.path.insert(0, {os.path.join(os.path.dirname(__file__), '..')!r})\n"
+              f"from gdsdata.packing.packer import pack\n"
+              f"seen = []\n"
+              f"def progress(n):\n"
+              f"    seen.append(n)\n"
+              f"    if len(seen) == 2:  # the first image is in shard 0\n"
+              f"        os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"pack({src!r}, {out!r}, workers=1, shard_size={SHARD}, shard_roots={drives!r}, on_progress=progress)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    assert any(f.endswith(fmt.TMP_SUFFIX) for f in remote_files(drives))  # killed inside shard 0
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, resume=True)
+    assert gdsdata.verify(out) == []
+    linked = sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
+    assert remote_files(drives) == linked
+
+
+def test_a_ray_merge_that_fails_leaves_nothing_on_the_drives(src, tmp_path, monkeypatch):
+    from gdsdata.format.lock import remove_dataset
+    from gdsdata.packing import merge
+    from gdsdata.packing.packer import dataset_owner
+
+    drives = roots(tmp_path)
+    parts = [str(tmp_path / "parts" / f"part-{k}") for k in range(2)]
+    for k, part in enumerate(parts):
+        pack(src, part, workers=1, shard_size=SHARD, shard_roots=drives, num_parts=2, part=k)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(merge.index_io, "write", full)
+    with pytest.raises(OSError):
+        merge.merge_checked(parts, str(tmp_path / "ds"), adopt=True)
+    for part in parts:  # as pack --ray removes its parts
+        remove_dataset(part, dataset_owner(part))
+    assert remote_files(drives) == [] and not os.path.exists(tmp_path / "ds")
+
+
+def test_roots_inside_the_source_or_through_a_link_into_out_are_refused(src, tmp_path):
+    out = str(tmp_path / "ds")
+    with pytest.raises(OutputExistsError, match="inside the source folder"):
+        pack(src, out, shard_roots=[os.path.join(src, "drive")])
+    os.makedirs(os.path.join(out, "inner"))
+    os.symlink(os.path.join(out, "inner"), tmp_path / "alias")
+    with pytest.raises(OutputExistsError, match="outside the dataset folder"):
+        pack(src, str(tmp_path / "ds"), shard_roots=[str(tmp_path / "alias")], overwrite=True)
+    assert not os.path.exists(os.path.join(src, "drive"))

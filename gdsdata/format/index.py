@@ -127,6 +127,20 @@ def _section(raw, path, name, offset, size):
     return raw[offset:offset + size]
 
 
+def header_id(root) -> "bytes | None":
+    """The dataset id in ``root``'s index header, without reading or checking the rest (the shards
+    may be gone: a dataset being removed); None without a readable index."""
+    try:
+        with open(os.path.join(os.fspath(root), fmt.INDEX_NAME), "rb") as f:
+            raw = f.read(fmt.INDEX_HEADER.itemsize)
+    except OSError:
+        return None
+    if len(raw) < fmt.INDEX_HEADER.itemsize:
+        return None
+    header = np.frombuffer(raw, fmt.INDEX_HEADER, count=1)[0]
+    return bytes(header["dataset_id"]) if header["magic"] == fmt.INDEX_MAGIC else None
+
+
 def load(root) -> Index:
     """Read and check a dataset's index and shard headers; raises ``FormatError`` naming the file."""
     root = os.fspath(root)

@@ -13,9 +13,10 @@ on one filesystem) and ``swap_in`` exchanges it with ``out`` in one step where t
 one is.
 
 A dataset packed onto several drives (``pack(shard_roots=)``) keeps its shards in a folder
-``NAME.gdsdata-shards-ID`` on each drive and a symbolic link to each in its own folder;
-``remove_dataset`` and ``remove_shard`` remove such shards with their links (and nothing a link
-points to elsewhere: a merge's links to its parts' shards stay the parts').
+``NAME.gdsdata-shards-ID`` on each drive (ID: the pack's dataset id) and a symbolic link to each in
+its own folder; ``remove_dataset`` and ``remove_shard`` remove such shards with their links when
+given that id, and nothing a link points to elsewhere (a merge's links to its parts' shards, whose
+folders carry the parts' ids, stay the parts'; a renamed dataset still owns its shards).
 """
 
 import contextlib
@@ -29,6 +30,7 @@ import sys
 import time
 
 from gdsdata.errors import BusyError
+from gdsdata.format.layout import TMP_SUFFIX
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -99,21 +101,20 @@ def aside(out: str, tag: str) -> str:
     return path
 
 
-def swap_in(new: str, out: str):
-    """Make the complete dataset ``new`` the folder ``out``, then remove what ``out`` held (its
-    shards on other drives too)."""
-    name = os.path.basename(os.path.abspath(out))
+def swap_in(new: str, out: str, old_id: "bytes | None" = None):
+    """Make the complete dataset ``new`` the folder ``out``, then remove what ``out`` held (with the
+    shards on other drives of the dataset there, ``old_id``)."""
     if not os.path.exists(out):
         os.rename(new, out)
         return
     if _exchange(new, out):
-        remove_dataset(new, name)  # the old dataset, now under the temporary name
+        remove_dataset(new, old_id)  # the old dataset, now under the temporary name
         return
     old = aside(out, "old")
     os.rmdir(old)
     os.rename(out, old)  # a reader opening the dataset in between finds no folder, never a mix
     os.rename(new, out)
-    remove_dataset(old, name)
+    remove_dataset(old, old_id)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -141,43 +142,60 @@ SHARDS_TAG = ".gdsdata-shards-"
 
 
 def shard_folder(root: str, name: str, dataset_id: bytes) -> str:
-    """The folder on drive ``root`` that holds the shards of dataset ``name`` (its folder's name)."""
+    """The folder on drive ``root`` that holds the shards a pack of dataset ``name`` (its folder's
+    name) with id ``dataset_id`` writes there."""
     return os.path.join(os.path.abspath(root), f"{name}{SHARDS_TAG}{dataset_id.hex()}")
 
 
-def owned_target(link: str, name: str) -> "str | None":
-    """The shard file that the link ``link`` in dataset ``name``'s folder points to when that dataset
-    wrote it on another drive (in a ``shard_folder`` of that name), else None."""
+def _target(link: str) -> "str | None":
     if not os.path.islink(link):
         return None
-    target = os.path.join(os.path.dirname(link), os.readlink(link))
-    return target if os.path.basename(os.path.dirname(target)).startswith(name + SHARDS_TAG) else None
+    return os.path.join(os.path.dirname(link), os.readlink(link))
 
 
-def remove_shard(path: str, name: str):
-    """Remove the shard (or journal) file ``path`` of dataset ``name``, and, where it is a link to a
-    shard that dataset wrote on another drive, that shard (and its folder once empty)."""
-    target = owned_target(path, name)
-    for p in ([target] if target else []) + [path]:
+def owned_target(link: str, dataset_id: "bytes | None") -> "str | None":
+    """The shard file the link ``link`` points to when the dataset (or pack) with id ``dataset_id``
+    wrote it on another drive (in a ``shard_folder`` of that id); else None. A link still being
+    written (``.tmp``: only the writer holding the folder's lock makes them) always is."""
+    target = _target(link)
+    if target is None:
+        return None
+    folder = os.path.basename(os.path.dirname(target))
+    if link.endswith(TMP_SUFFIX) and SHARDS_TAG in folder:
+        return target
+    return target if dataset_id is not None and folder.endswith(SHARDS_TAG + dataset_id.hex()) else None
+
+
+def remove_shard(path: str, dataset_id: "bytes | None"):
+    """Remove the shard (or journal, or link being written) ``path``, and, where it links to a shard
+    the dataset with id ``dataset_id`` wrote on another drive, that shard (its temporary name too, and
+    its folder once empty)."""
+    target = owned_target(path, dataset_id)
+    doomed = [path]
+    if target is not None:
+        final = target[:-len(TMP_SUFFIX)] if target.endswith(TMP_SUFFIX) else target
+        doomed = [final, final + TMP_SUFFIX, path]
+    for p in doomed:
         try:
             os.unlink(p)
         except FileNotFoundError:
             pass
-    if target:
+    if target is not None:
         try:
             os.rmdir(os.path.dirname(target))
         except OSError:  # other shards of the dataset are still there
             pass
 
 
-def remove_dataset(folder: str, name: str):
-    """Remove the dataset folder ``folder`` (named ``name`` where it is finished) with the shards it
-    wrote on other drives; quietly, as ``remove_quietly``."""
+def remove_dataset(folder: str, dataset_id: "bytes | None"):
+    """Remove the dataset folder ``folder`` with the shards the dataset (or pack) with id
+    ``dataset_id`` wrote on other drives (None: those are not known, and stay); quietly, as
+    ``remove_quietly``. Links to other datasets' shards (a merge's to its parts) leave those alone."""
     try:
         entries = os.listdir(folder)
     except OSError:
         entries = []
     for entry in entries:
-        if owned_target(os.path.join(folder, entry), name):
-            remove_shard(os.path.join(folder, entry), name)
+        if owned_target(os.path.join(folder, entry), dataset_id):
+            remove_shard(os.path.join(folder, entry), dataset_id)
     remove_quietly(folder)

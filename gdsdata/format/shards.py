@@ -25,8 +25,9 @@ class ShardWriter:
     past ``shard_size`` bytes. A shard is renamed to its final name only once it is complete.
 
     With ``roots`` (folders on other drives) shard k is written to ``roots[k % len(roots)]``, in the
-    dataset's ``lock.shard_folder`` there (``name``: the dataset folder's name), and ``out_dir``
-    gets a symbolic link to it once it is complete."""
+    pack's ``lock.shard_folder`` there (``name``: the dataset folder's name), and ``out_dir`` links
+    to it: ``shard-k.gds.tmp`` while it is written (until its journal is), ``shard-k.gds`` once it
+    is complete."""
 
     def __init__(self, out_dir, alignment, shard_size, dataset_id: bytes, first_shard: int = 0,
                  first_sample: int = 0, on_close=None, roots=(), name=None):
@@ -61,18 +62,23 @@ class ShardWriter:
             count -= len(chunk)
 
     def _open(self):
-        self._index = self.next_shard
-        self.next_shard += 1
-        self._path = os.path.join(self.out_dir, fmt.shard_name(self._index))
+        index = self.next_shard
+        self._path = os.path.join(self.out_dir, fmt.shard_name(index))
         self._link = None
-        if self.roots:  # written on a drive of its own, linked from out_dir when complete
-            folder = shard_folder(self.roots[self._index % len(self.roots)], self.name, self.dataset_id)
-            os.makedirs(folder, exist_ok=True)
-            self._path, self._link = os.path.join(folder, fmt.shard_name(self._index)), self._path
         try:
+            if self.roots:  # on a drive of its own: out_dir links to it while it is written (so that a
+                # crash leaves nothing there that out_dir does not name), then by its own name
+                folder = shard_folder(self.roots[index % len(self.roots)], self.name, self.dataset_id)
+                os.makedirs(folder, exist_ok=True)
+                self._path, self._link = os.path.join(folder, fmt.shard_name(index)), self._path
+                if os.path.lexists(self._link + fmt.TMP_SUFFIX):
+                    os.unlink(self._link + fmt.TMP_SUFFIX)
+                os.symlink(self._path + fmt.TMP_SUFFIX, self._link + fmt.TMP_SUFFIX)
             self._file = open(self._path + fmt.TMP_SUFFIX, "wb")
         except OSError as e:
-            raise OSError(e.errno, e.strerror, self._path + fmt.TMP_SUFFIX) from e
+            raise OSError(e.errno, e.strerror, e.filename or self._path + fmt.TMP_SUFFIX) from e
+        self._index = index
+        self.next_shard += 1
         self._file.write(bytes(self.alignment))  # header block, rewritten at close
         self._crc = 0
         self._size = self.alignment
@@ -114,7 +120,7 @@ class ShardWriter:
         self._file = None
         os.replace(self._path + fmt.TMP_SUFFIX, self._path)
         if self._link is not None:  # the dataset's name for it, made in one step
-            temporary = self._link + fmt.TMP_SUFFIX
+            temporary = self._link + ".link" + fmt.TMP_SUFFIX
             if os.path.lexists(temporary):
                 os.unlink(temporary)
             os.symlink(self._path, temporary)
@@ -123,6 +129,8 @@ class ShardWriter:
         self.records.append(record)
         if self.on_close is not None:
             self.on_close(self._index, record)
+        if self._link is not None:  # its journal is written: the link to it while it was written goes
+            os.unlink(self._link + fmt.TMP_SUFFIX)
         log.debug("wrote %s: %d samples, %d bytes", self._path, self._count, self._size)
 
     def abort(self):
@@ -133,10 +141,12 @@ class ShardWriter:
             except OSError:  # buffered bytes that do not fit on a full disk
                 pass
             self._file = None
-            try:
-                os.unlink(self._path + fmt.TMP_SUFFIX)
-            except FileNotFoundError:
-                pass
+            for path in (self._path, self._link):
+                try:
+                    if path is not None:
+                        os.unlink(path + fmt.TMP_SUFFIX)
+                except FileNotFoundError:
+                    pass
 
 
 def data_crc32(path, alignment: int, chunk=1 << 22) -> int:

@@ -18,24 +18,25 @@ from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import SourceError
-from gdsdata.format.lock import owned_target, remove_quietly, shard_folder, writer_lock
+from gdsdata.format.lock import owned_target, remove_quietly, remove_shard, shard_folder, writer_lock
 from gdsdata.packing.detection import annotate
 from gdsdata.packing.packer import into
 
 log = logging.getLogger(__name__)
 
 
-def _adopt(src, dst, part_name, folder_of):
+def _adopt(src, dst, part_id, folder_of, adopted):
     """Move a shard a part wrote on another drive (``pack --shard-root``) into the merged dataset's
     own folder on that drive and link it from ``dst``: the merged dataset owns it from then on (only
     for parts that go after the merge: ``pack --ray``). Returns None for any other shard."""
-    target = owned_target(src, part_name)
+    target = owned_target(src, part_id)
     if target is None:
         return None
     mine = folder_of(os.path.dirname(os.path.dirname(target)))
     os.makedirs(mine, exist_ok=True)
     moved = os.path.join(mine, os.path.basename(dst))
     os.rename(target, moved)  # the same drive: one step, no copy
+    adopted.append(moved)
     os.symlink(moved, dst)
     return "moved on its drive"
 
@@ -52,13 +53,14 @@ def _place(src, dst, copy):
             raise OSError(e.errno, f"{e.strerror or e} while copying {src}", dst) from e
         os.replace(dst + fmt.TMP_SUFFIX, dst)
         return "copied"
+    src = os.path.realpath(src)  # the shard itself, not a part's link to it
     try:
         os.link(src, dst)
         return "hard-linked"
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
             raise
-        os.symlink(os.path.realpath(src), dst)  # the shard itself, not a part's link to it
+        os.symlink(src, dst)
         return "symlinked"
 
 
@@ -152,16 +154,31 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False) -> di
 def _merge(ordered, folder, out, copy, adopt=False):
     parts = [part for part, _ in ordered]
     indexes = [index for _, index in ordered]
-    first = indexes[0]
     dataset_id = os.urandom(16)
+    adopted = []  # parts' shards moved into this dataset's folders (removed again if the merge fails)
+    try:
+        return _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, adopted)
+    except BaseException:
+        for path in adopted:
+            remove_shard(path, None)
+            try:
+                os.rmdir(os.path.dirname(path))
+            except OSError:
+                pass
+        raise
+
+
+def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, adopted):
+    first = indexes[0]
     shard_rows, sample_tables, strings, how = [], [], bytearray(), set()
     sample_base = 0
-    for part, index in ordered:
+    for index in indexes:
         shard_base = len(shard_rows)
         for s in range(len(index.shards)):
             src, dst = index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s))
-            placed = _adopt(src, dst, os.path.basename(os.path.abspath(part)),
-                            lambda root: shard_folder(root, os.path.basename(out), dataset_id)) if adopt else None
+            placed = _adopt(src, dst, index.dataset_id, lambda root: shard_folder(root, os.path.basename(out),
+                                                                                dataset_id), adopted) \
+                if adopt else None
             how.add(placed or _place(src, dst, copy))
             row = index.shards[s].copy()
             row["first_sample"] += sample_base

@@ -163,11 +163,25 @@ def into(out, overwrite, build):
     staging = aside(out, "new")
     try:
         result = build(staging)
-        swap_in(staging, out)
+        swap_in(staging, out, dataset_owner(out))
     except BaseException:
-        remove_dataset(staging, os.path.basename(os.path.abspath(out)))
+        remove_dataset(staging, None)  # (a build removes the shards it wrote on other drives itself)
         raise
     return result
+
+
+def dataset_owner(folder) -> "bytes | None":
+    """The dataset id that owns the shards ``folder``'s links point to on other drives: its index's,
+    or an unfinished pack's (its journals'); None where neither is readable."""
+    owner = index_io.header_id(folder)
+    if owner is not None:
+        return owner
+    try:
+        journals = sorted(n for n in os.listdir(folder) if n.endswith(fmt.JOURNAL_SUFFIX))
+        with open(os.path.join(folder, journals[0]), encoding="utf-8") as f:
+            return bytes.fromhex(json.load(f)["dataset_id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def _prepare_chunk(jobs):
@@ -302,9 +316,13 @@ def _resume_state(out, signature):
         journals.append(journal)
     kept = {fmt.shard_name(k) for k in range(len(journals))} | {
         fmt.shard_name(k) + fmt.JOURNAL_SUFFIX for k in range(len(journals))}
+    owner = bytes.fromhex(journals[0]["dataset_id"]) if journals else None
     for name in os.listdir(out):
         if gdsdata_owned(name) and name not in kept:
-            remove_shard(os.path.join(out, name), os.path.basename(out))
+            if name.endswith(fmt.TMP_SUFFIX) and name[:-len(fmt.TMP_SUFFIX)] in kept:
+                os.unlink(os.path.join(out, name))  # the link to a kept shard while it was written
+            else:
+                remove_shard(os.path.join(out, name), owner)
     return journals
 
 
@@ -378,7 +396,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         raise ValueError("append goes with none of resume, overwrite or parts")
     if alignment < 64 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
-    roots = _shard_roots(shard_roots, out)
+    roots = shard_roots_of(shard_roots, out, src if isinstance(src, str) else None)
     workers = workers or os.cpu_count() or 1
     started = time.perf_counter()
     if format == "folder" or isinstance(src, Listing):
@@ -425,17 +443,24 @@ def _appendable(out, source, alignment):
     return base, items, classes
 
 
-def _shard_roots(shard_roots, out) -> list:
-    """``pack``'s shard_roots as absolute paths, each a folder (made if missing) outside ``out``."""
+def shard_roots_of(shard_roots, out, src=None) -> list:
+    """``pack``'s shard_roots as absolute paths, each a folder (made if missing) outside ``out`` and
+    outside the source folder ``src`` (links followed)."""
     roots = [os.path.abspath(os.fspath(r)) for r in (shard_roots or ())]
-    if len(set(roots)) != len(roots):
+    if len({os.path.realpath(r) for r in roots}) != len(roots):
         raise ValueError("shard_roots names a folder twice")
+    real_out = os.path.realpath(out)
     for root in roots:
         if os.path.exists(root) and not os.path.isdir(root):
             raise OutputExistsError(f"{root}: a shard root must be a folder")
-        if os.path.commonpath([root, out]) in (root, out):
+        real = os.path.realpath(root)
+        if os.path.commonpath([real, real_out]) in (real, real_out):
             raise OutputExistsError(f"{root}: a shard root must lie outside the dataset folder {out} and not "
                                     f"hold it")
+        if isinstance(src, str) and os.path.isdir(src) and \
+                os.path.commonpath([real, os.path.realpath(src)]) == os.path.realpath(src):
+            raise OutputExistsError(f"{root}: a shard root inside the source folder {src} would become a class "
+                                    f"folder of it")
     return roots
 
 
@@ -483,6 +508,12 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                       for k in mine],
             "skipped": skipped, "converted": converted, "resized": resized, "items_done": position["item"]})
 
+    if append:  # what an append that failed left beyond the dataset's shards (its own, on every drive)
+        for name in os.listdir(folder):
+            number = name.split(".")[0].removeprefix("shard-")
+            if gdsdata_owned(name) and name.startswith("shard-") and number.isdigit() and \
+                    int(number) >= len(shard_rows):
+                remove_shard(os.path.join(folder, name), dataset_id)
     writer = ShardWriter(folder, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
                          first_sample=len(records), on_close=write_journal, roots=roots,
                          name=os.path.basename(out))
@@ -535,11 +566,13 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     except BaseException as e:
         writer.abort()  # the shard being written, never finished, goes
         finished = writer.next_shard - len(shard_rows) - (1 if writer.aborted else 0)
-        keep = isinstance(e, (KeyboardInterrupt, OSError))  # resumable: finished shards stay
-        if not keep:  # a clean failure removes what this run wrote
-            for shard in range(len(shard_rows), writer.next_shard):
-                for name in (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.JOURNAL_SUFFIX):
-                    remove_shard(os.path.join(folder, name), os.path.basename(out))
+        # resumable: finished shards stay (not those of an overwrite's replacement, which goes)
+        keep = isinstance(e, (KeyboardInterrupt, OSError)) and folder == out
+        if not keep:  # a clean failure removes what this run wrote, on every drive
+            for shard in range(len(shard_rows), writer.next_shard + 1):
+                for name in (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.JOURNAL_SUFFIX,
+                             fmt.shard_name(shard) + fmt.TMP_SUFFIX):
+                    remove_shard(os.path.join(folder, name), dataset_id)
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         report.update(status=status, error=str(e) if isinstance(e, (GdsDataError, OSError)) else repr(e),
                       finished_shards=finished if keep else 0)

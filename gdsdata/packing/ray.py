@@ -51,7 +51,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     ``shard_roots``: as ``pack``'s (folders every node sees at the same paths); each part writes its
     shards there and the merge moves them, on their drives, into ``out``'s own folders."""
     from gdsdata.packing.merge import merge_checked
-    from gdsdata.packing.packer import check_output
+    from gdsdata.packing.packer import check_output, dataset_owner, shard_roots_of
 
     ray = _import_ray()
     started = time.perf_counter()
@@ -77,12 +77,12 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
         finally:
             source.close()
         parts = num_parts or choose_parts(total, cpus)
+        kwargs = dict(options=options, shard_size=shard_size, alignment=alignment, strict=strict,
+                      allow_empty_classes=allow_empty_classes,
+                      shard_roots=shard_roots_of(shard_roots, out, src if local else None))
         folder = aside(out, "parts")
         counter = _Counter.remote() if parts else None
         task = ray.remote(max_retries=max_retries, retry_exceptions=True, num_cpus=1)(_pack_part)
-        kwargs = dict(options=options, shard_size=shard_size, alignment=alignment, strict=strict,
-                      allow_empty_classes=allow_empty_classes,
-                      shard_roots=[os.path.abspath(os.fspath(r)) for r in shard_roots or ()])
         pending = {task.remote(job_source, os.path.join(folder, f"part-{k}"), parts, k, kwargs, counter): k
                    for k in range(parts)}
         done_parts = {}
@@ -106,7 +106,8 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
             for ref in pending:
                 ray.cancel(ref, force=True)
             for k in range(parts):  # with what they left on the shard roots (after a failure)
-                remove_dataset(os.path.join(folder, f"part-{k}"), f"part-{k}")
+                part = os.path.join(folder, f"part-{k}")
+                remove_dataset(part, dataset_owner(part))
             remove_quietly(folder)
     summary.update(parts=parts, cpus=cpus, seconds=time.perf_counter() - started,
                    skipped=sum(len(r["skipped"]) for r in done_parts.values()),
