@@ -126,24 +126,27 @@ def test_an_overwrite_removes_the_old_shards_from_the_roots(src, tmp_path):
     assert remote_files(drives) == [] and gdsdata.verify(out) == []
 
 
-def test_merged_parts_keep_their_shards(src, tmp_path):
-    """A merge links to the parts' shards themselves (not to the parts' links): removing the parts
-    folders leaves the merged dataset whole, and overwriting it leaves the parts' shards alone."""
+def test_a_merge_and_its_parts_own_their_shards_apart(src, tmp_path):
+    """A merge gives each part's shard a name of its own (a hard link) in the merged dataset's folders
+    on the same drive: overwriting the parts leaves the merged dataset whole, overwriting the merged
+    dataset leaves the parts whole, and each removes only its own names."""
     drives = roots(tmp_path)
     parts = [str(tmp_path / f"part{k}") for k in range(2)]
     for k, part in enumerate(parts):
         pack(src, part, workers=1, shard_size=SHARD, shard_roots=drives, num_parts=2, part=k)
+    theirs = remote_files(drives)
     merged = str(tmp_path / "merged")
-    gdsdata.merge(parts, merged)
-    for part in parts:  # the parts folders (their links) go; the shards they point to stay
-        for name in os.listdir(part):
-            os.unlink(os.path.join(part, name))
-        os.rmdir(part)
+    assert gdsdata.merge(parts, merged)["shards_placed"] == ["hard-linked on its drive"]
+    for part in parts:
+        pack(src, part, workers=1, shard_size=SHARD, overwrite=True)  # into one folder: their shards go
     assert gdsdata.verify(merged) == [] and len(gdsdata.GDSDataset(merged)) == 12
-    shards = remote_files(drives)
-    pack(src, str(tmp_path / "other"), workers=1, shard_size=SHARD)
-    gdsdata.merge([str(tmp_path / "other")], merged, overwrite=True)
-    assert remote_files(drives) == shards
+    assert not set(theirs) & set(remote_files(drives))
+    for k, part in enumerate(parts):
+        pack(src, part, workers=1, shard_size=SHARD, shard_roots=drives, num_parts=2, part=k, overwrite=True)
+    gdsdata.merge(parts, merged, overwrite=True)  # the old merged dataset's names go, the parts' stay
+    pack(src, merged, workers=1, shard_size=SHARD, overwrite=True)
+    assert all(gdsdata.verify(p) == [] for p in parts)
+    assert [f for f in remote_files(drives) if "merged.gdsdata-shards-" in f] == []
 
 
 def test_bad_roots_are_refused(src, tmp_path):
@@ -254,3 +257,81 @@ def test_roots_inside_the_source_or_through_a_link_into_out_are_refused(src, tmp
     with pytest.raises(OutputExistsError, match="outside the dataset folder"):
         pack(src, str(tmp_path / "ds"), shard_roots=[str(tmp_path / "alias")], overwrite=True)
     assert not os.path.exists(os.path.join(src, "drive"))
+
+
+def test_merging_a_dataset_over_the_one_it_came_from_keeps_both(src, tmp_path):
+    drives = roots(tmp_path)
+    x, y = str(tmp_path / "x"), str(tmp_path / "y")
+    pack(src, x, workers=1, shard_size=SHARD, shard_roots=drives)
+    os.symlink(x, tmp_path / "alias")
+    with pytest.raises(gdsdata.errors.SourceError, match="merged into itself"):
+        gdsdata.merge([str(tmp_path / "alias")], x, overwrite=True)
+    gdsdata.merge([x], y)
+    gdsdata.merge([y], x, overwrite=True)
+    assert gdsdata.verify(x) == [] and gdsdata.verify(y) == []
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_an_overwrite_that_fails_at_its_index_leaves_the_drives_as_they_were(src, tmp_path, monkeypatch, failure):
+    from gdsdata.format import index as index_io
+
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives)
+    before = remote_files(drives)
+    real = index_io.write
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(index_io, "write", fail)
+    with pytest.raises(type(failure)):
+        pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
+    monkeypatch.setattr(index_io, "write", real)
+    assert remote_files(drives) == before and gdsdata.verify(out) == []
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".ds.gdsdata-new")]
+
+
+def test_a_resume_whose_first_shard_is_damaged_removes_the_interrupted_packs_shards(src, tmp_path):
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    seen = []
+
+    def interrupt(n):
+        seen.append(n)
+        if len(seen) == 10:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, on_progress=interrupt)
+    first = os.path.realpath(os.path.join(out, "shard-00000.gds"))
+    with open(first, "r+b") as f:  # shard 0 no longer matches its journal: nothing can be kept
+        f.seek(5000)
+        f.write(b"\xff" * 16)
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, resume=True)
+    assert gdsdata.verify(out) == []
+    linked = sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
+    assert remote_files(drives) == linked
+
+
+def test_a_killed_overwrite_is_cleared_by_the_next_writer(src, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives)
+    script = (f"import os, signal, sys; sys.path.insert(0, {os.path.join(os.path.dirname(__file__), '..')!r})\n"
+              f"from gdsdata.packing.packer import pack\n"
+              f"seen = []\n"
+              f"def progress(n):\n"
+              f"    seen.append(n)\n"
+              f"    if len(seen) == 9:\n"
+              f"        os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"pack({src!r}, {out!r}, workers=1, shard_size={SHARD}, shard_roots={drives!r}, overwrite=True,\n"
+              f"     on_progress=progress)\n")
+    assert subprocess.run([sys.executable, "-c", script], timeout=120).returncode == -signal.SIGKILL
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".ds.gdsdata-new-")]
+    assert gdsdata.verify(out) == []  # the old dataset, untouched
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".ds.gdsdata-new-")]
+    linked = sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
+    assert remote_files(drives) == linked and gdsdata.verify(out) == []

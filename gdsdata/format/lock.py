@@ -103,18 +103,20 @@ def aside(out: str, tag: str) -> str:
 
 def swap_in(new: str, out: str, old_id: "bytes | None" = None):
     """Make the complete dataset ``new`` the folder ``out``, then remove what ``out`` held (with the
-    shards on other drives of the dataset there, ``old_id``)."""
+    shards on other drives of the dataset there, ``old_id``, but those ``new`` links to)."""
     if not os.path.exists(out):
         os.rename(new, out)
         return
+    keep = {os.path.realpath(os.path.join(new, n)) for n in os.listdir(new)
+            if os.path.islink(os.path.join(new, n))}
     if _exchange(new, out):
-        remove_dataset(new, old_id)  # the old dataset, now under the temporary name
+        remove_dataset(new, old_id, keep)  # the old dataset, now under the temporary name
         return
     old = aside(out, "old")
     os.rmdir(old)
     os.rename(out, old)  # a reader opening the dataset in between finds no folder, never a mix
     os.rename(new, out)
-    remove_dataset(old, old_id)
+    remove_dataset(old, old_id, keep)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -187,15 +189,17 @@ def remove_shard(path: str, dataset_id: "bytes | None"):
             pass
 
 
-def remove_dataset(folder: str, dataset_id: "bytes | None"):
+def remove_dataset(folder: str, dataset_id: "bytes | None", keep=()):
     """Remove the dataset folder ``folder`` with the shards the dataset (or pack) with id
-    ``dataset_id`` wrote on other drives (None: those are not known, and stay); quietly, as
-    ``remove_quietly``. Links to other datasets' shards (a merge's to its parts) leave those alone."""
+    ``dataset_id`` wrote on other drives (None: those are not known, and stay), but those in
+    ``keep`` (real paths another dataset links to); quietly, as ``remove_quietly``. Links to other
+    datasets' shards (a merge's to its parts) leave those alone."""
     try:
         entries = os.listdir(folder)
     except OSError:
         entries = []
     for entry in entries:
-        if owned_target(os.path.join(folder, entry), dataset_id):
+        target = owned_target(os.path.join(folder, entry), dataset_id)
+        if target and os.path.realpath(target) not in keep:
             remove_shard(os.path.join(folder, entry), dataset_id)
     remove_quietly(folder)

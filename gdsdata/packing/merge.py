@@ -1,7 +1,8 @@
 """``gdsdata merge``: join datasets packed as parts (``pack --num-parts N --part K``) into one.
 
 Shard data is not copied: each part's shards are hard-linked into the output (symbolic links across
-filesystems), or copied with ``copy=True``. The merged index renumbers the shard files and keeps each
+filesystems; a part's shards on other drives get hard links in the output's own folders there), or
+copied with ``copy=True``. The merged index renumbers the shard files and keeps each
 shard's origin (the id and index in its header, format.md). Parts must share the class list and the
 alignment; their samples follow each other in the order the parts are given.
 """
@@ -18,27 +19,33 @@ from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import SourceError
-from gdsdata.format.lock import owned_target, remove_quietly, remove_shard, shard_folder, writer_lock
+from gdsdata.format.lock import SHARDS_TAG, owned_target, remove_quietly, remove_shard, shard_folder, writer_lock
 from gdsdata.packing.detection import annotate
-from gdsdata.packing.packer import into
+from gdsdata.packing.packer import clear_stale, into
 
 log = logging.getLogger(__name__)
 
 
-def _adopt(src, dst, part_id, folder_of, adopted):
-    """Move a shard a part wrote on another drive (``pack --shard-root``) into the merged dataset's
-    own folder on that drive and link it from ``dst``: the merged dataset owns it from then on (only
-    for parts that go after the merge: ``pack --ray``). Returns None for any other shard."""
-    target = owned_target(src, part_id)
-    if target is None:
+def _on_its_drive(src, dst, part_id, folder_of, placed, move):
+    """A shard a part keeps on another drive (``pack --shard-root``) gets a name in the merged
+    dataset's own folder on that drive, linked from ``dst``: a hard link there (the part and the
+    merged dataset each own theirs), or with ``move`` (``pack --ray``, whose parts go after the
+    merge) the part's own shard moved there. Returns None for a shard on no such drive."""
+    real = os.path.realpath(src)
+    if SHARDS_TAG not in os.path.basename(os.path.dirname(real)):
         return None
-    mine = folder_of(os.path.dirname(os.path.dirname(target)))
+    mine = folder_of(os.path.dirname(os.path.dirname(real)))
     os.makedirs(mine, exist_ok=True)
-    moved = os.path.join(mine, os.path.basename(dst))
-    os.rename(target, moved)  # the same drive: one step, no copy
-    adopted.append(moved)
-    os.symlink(moved, dst)
-    return "moved on its drive"
+    name = os.path.join(mine, os.path.basename(dst))
+    if move and owned_target(src, part_id):
+        os.rename(real, name)  # the same drive: one step, no copy
+        how = "moved on its drive"
+    else:
+        os.link(real, name)
+        how = "hard-linked on its drive"
+    placed.append(name)
+    os.symlink(name, dst)
+    return how
 
 
 def _place(src, dst, copy):
@@ -128,6 +135,7 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False) -> d
     """
     out = os.path.abspath(os.fspath(out))
     with writer_lock(out, f"merge of {len(parts)} part(s)"):
+        clear_stale(out)
         return merge_checked(parts, out, copy=copy, overwrite=overwrite)
 
 
@@ -139,7 +147,7 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False) -> di
     out = os.path.abspath(os.fspath(out))
     indexes = [index_io.load(p) for p in parts]
     for part, index in zip(parts, indexes):
-        if os.path.abspath(index.root) == out:
+        if os.path.realpath(index.root) == os.path.realpath(out):
             raise SourceError(f"{part}: a part cannot be merged into itself")
     ordered = _check_parts(parts, indexes)
     fresh = not (os.path.isdir(out) and os.listdir(out))
@@ -155,11 +163,11 @@ def _merge(ordered, folder, out, copy, adopt=False):
     parts = [part for part, _ in ordered]
     indexes = [index for _, index in ordered]
     dataset_id = os.urandom(16)
-    adopted = []  # parts' shards moved into this dataset's folders (removed again if the merge fails)
+    placed = []  # names of shards in this dataset's own folders on other drives (gone if the merge fails)
     try:
-        return _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, adopted)
+        return _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed)
     except BaseException:
-        for path in adopted:
+        for path in placed:
             remove_shard(path, None)
             try:
                 os.rmdir(os.path.dirname(path))
@@ -168,7 +176,7 @@ def _merge(ordered, folder, out, copy, adopt=False):
         raise
 
 
-def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, adopted):
+def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed):
     first = indexes[0]
     shard_rows, sample_tables, strings, how = [], [], bytearray(), set()
     sample_base = 0
@@ -176,10 +184,10 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, adopted):
         shard_base = len(shard_rows)
         for s in range(len(index.shards)):
             src, dst = index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s))
-            placed = _adopt(src, dst, index.dataset_id, lambda root: shard_folder(root, os.path.basename(out),
-                                                                                dataset_id), adopted) \
-                if adopt else None
-            how.add(placed or _place(src, dst, copy))
+            drive = None if copy else _on_its_drive(
+                src, dst, index.dataset_id, lambda root: shard_folder(root, os.path.basename(out), dataset_id),
+                placed, adopt)
+            how.add(drive or _place(src, dst, copy))
             row = index.shards[s].copy()
             row["first_sample"] += sample_base
             shard_rows.append(row)

@@ -165,9 +165,31 @@ def into(out, overwrite, build):
         result = build(staging)
         swap_in(staging, out, dataset_owner(out))
     except BaseException:
-        remove_dataset(staging, None)  # (a build removes the shards it wrote on other drives itself)
+        remove_dataset(staging, dataset_owner(staging))  # with what it wrote on other drives
         raise
     return result
+
+
+def clear_stale(out):
+    """For a writer holding ``out``'s lock: remove what killed writers of ``out`` left beside it (a
+    replacement being built, a Ray pack's parts), with their shards on other drives. Nothing while
+    ``out`` is missing and an old dataset stands aside (a swap cut short: that one is the dataset)."""
+    parent, name = os.path.split(os.path.abspath(out))
+    prefix = f".{name}.gdsdata-"
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    if not os.path.exists(out) and any(e.startswith(prefix + "old-") for e in entries):
+        return
+    for entry in entries:
+        if not (entry.startswith(prefix + "new-") or entry.startswith(prefix + "parts-")):
+            continue
+        path = os.path.join(parent, entry)
+        log.warning("%s: removing %s, which an interrupted writer left", out, path)
+        for part in (os.listdir(path) if entry.startswith(prefix + "parts-") and os.path.isdir(path) else []):
+            remove_dataset(os.path.join(path, part), dataset_owner(os.path.join(path, part)))
+        remove_dataset(path, dataset_owner(path))
 
 
 def dataset_owner(folder) -> "bytes | None":
@@ -316,7 +338,7 @@ def _resume_state(out, signature):
         journals.append(journal)
     kept = {fmt.shard_name(k) for k in range(len(journals))} | {
         fmt.shard_name(k) + fmt.JOURNAL_SUFFIX for k in range(len(journals))}
-    owner = bytes.fromhex(journals[0]["dataset_id"]) if journals else None
+    owner = bytes.fromhex(journals[0]["dataset_id"]) if journals else dataset_owner(out)
     for name in os.listdir(out):
         if gdsdata_owned(name) and name not in kept:
             if name.endswith(fmt.TMP_SUFFIX) and name[:-len(fmt.TMP_SUFFIX)] in kept:
@@ -412,6 +434,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
                               f"shards would be read as images of a class)")
         what = "append" if append else "resume" if resume else "pack"
         with writer_lock(out, f"{what} of {name}"):
+            clear_stale(out)
+
             def build(folder):
                 return _pack(source, name, folder, out, options, shard_size, alignment, workers, strict,
                              progress, num_parts, part, resume, append, started, on_progress, roots)

@@ -51,7 +51,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     ``shard_roots``: as ``pack``'s (folders every node sees at the same paths); each part writes its
     shards there and the merge moves them, on their drives, into ``out``'s own folders."""
     from gdsdata.packing.merge import merge_checked
-    from gdsdata.packing.packer import check_output, dataset_owner, shard_roots_of
+    from gdsdata.packing.packer import check_output, clear_stale, dataset_owner, shard_roots_of
 
     ray = _import_ray()
     started = time.perf_counter()
@@ -80,6 +80,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
         kwargs = dict(options=options, shard_size=shard_size, alignment=alignment, strict=strict,
                       allow_empty_classes=allow_empty_classes,
                       shard_roots=shard_roots_of(shard_roots, out, src if local else None))
+        clear_stale(out)
         folder = aside(out, "parts")
         counter = _Counter.remote() if parts else None
         task = ray.remote(max_retries=max_retries, retry_exceptions=True, num_cpus=1)(_pack_part)
