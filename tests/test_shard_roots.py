@@ -43,6 +43,38 @@ def batches(out, **loader):
     return [(x.clone(), y.clone()) for x, y in gdsdata.Loader(ds, 4, seed=1, **loader)]
 
 
+def interrupted_pack(src, out, drives, after, **kwargs):
+    """``pack`` onto ``drives`` that Ctrl-C stops after ``after`` images."""
+    seen = []
+
+    def interrupt(n):
+        seen.append(n)
+        if len(seen) == after:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, on_progress=interrupt, **kwargs)
+
+
+def killed_pack(src, out, drives, after, **kwargs):
+    """``pack`` onto ``drives`` in a process SIGKILLed after ``after`` images."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (f"import os, signal, sys; sys.path.insert(0, {os.path.join(os.path.dirname(__file__), '..')!r})\n"
+              f"from gdsdata.packing.packer import pack\n"
+              f"seen = []\n"
+              f"def progress(n):\n"
+              f"    seen.append(n)\n"
+              f"    if len(seen) == {after}:\n"
+              f"        os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"pack({src!r}, {out!r}, workers=1, shard_size={SHARD}, shard_roots={drives!r}, on_progress=progress,\n"
+              f"     **{kwargs!r})\n")
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120).returncode == \
+        -signal.SIGKILL
+
+
 def test_shards_go_round_the_roots_and_read_as_one_folder(src, tmp_path):
     drives = roots(tmp_path, 3)
     plain, spread = str(tmp_path / "plain"), str(tmp_path / "spread")
@@ -83,15 +115,7 @@ def test_a_failed_pack_removes_its_shards_from_every_root(tmp_path):
 
 def test_an_interrupted_pack_resumes_onto_its_roots(src, tmp_path):
     drives, out = roots(tmp_path), str(tmp_path / "ds")
-    seen = []
-
-    def interrupt(n):
-        seen.append(n)
-        if len(seen) == 9:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, on_progress=interrupt)
+    interrupted_pack(src, out, drives, 9)
     kept = shard_files(out)
     assert kept and not os.path.exists(os.path.join(out, fmt.INDEX_NAME))
     assert all(os.path.exists(os.path.join(out, n)) for n in kept)  # links to finished shards
@@ -205,21 +229,8 @@ def test_a_renamed_dataset_still_owns_its_shards(src, tmp_path):
 
 
 def test_a_pack_killed_in_its_first_shard_leaves_nothing_on_the_drives(src, tmp_path):
-    import signal
-    import subprocess
-    import sys
-
     drives, out = roots(tmp_path), str(tmp_path / "ds")
-    script = (f"import os, signal, sys; sys.path.insert(0, {os.path.join(os.path.dirname(__file__), '..')!r})\n"
-              f"from gdsdata.packing.packer import pack\n"
-              f"seen = []\n"
-              f"def progress(n):\n"
-              f"    seen.append(n)\n"
-              f"    if len(seen) == 2:  # the first image is in shard 0\n"
-              f"        os.kill(os.getpid(), signal.SIGKILL)\n"
-              f"pack({src!r}, {out!r}, workers=1, shard_size={SHARD}, shard_roots={drives!r}, on_progress=progress)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
-    assert done.returncode == -signal.SIGKILL
+    killed_pack(src, out, drives, 2)  # the first image is in shard 0
     assert any(f.endswith(fmt.TMP_SUFFIX) for f in remote_files(drives))  # killed inside shard 0
     pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, resume=True)
     assert gdsdata.verify(out) == []
@@ -293,15 +304,7 @@ def test_an_overwrite_that_fails_at_its_index_leaves_the_drives_as_they_were(src
 
 def test_a_resume_whose_first_shard_is_damaged_removes_the_interrupted_packs_shards(src, tmp_path):
     drives, out = roots(tmp_path), str(tmp_path / "ds")
-    seen = []
-
-    def interrupt(n):
-        seen.append(n)
-        if len(seen) == 10:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, on_progress=interrupt)
+    interrupted_pack(src, out, drives, 10)
     first = os.path.realpath(os.path.join(out, "shard-00000.gds"))
     with open(first, "r+b") as f:  # shard 0 no longer matches its journal: nothing can be kept
         f.seek(5000)
@@ -313,22 +316,9 @@ def test_a_resume_whose_first_shard_is_damaged_removes_the_interrupted_packs_sha
 
 
 def test_a_killed_overwrite_is_cleared_by_the_next_writer(src, tmp_path):
-    import signal
-    import subprocess
-    import sys
-
     drives, out = roots(tmp_path), str(tmp_path / "ds")
     pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives)
-    script = (f"import os, signal, sys; sys.path.insert(0, {os.path.join(os.path.dirname(__file__), '..')!r})\n"
-              f"from gdsdata.packing.packer import pack\n"
-              f"seen = []\n"
-              f"def progress(n):\n"
-              f"    seen.append(n)\n"
-              f"    if len(seen) == 9:\n"
-              f"        os.kill(os.getpid(), signal.SIGKILL)\n"
-              f"pack({src!r}, {out!r}, workers=1, shard_size={SHARD}, shard_roots={drives!r}, overwrite=True,\n"
-              f"     on_progress=progress)\n")
-    assert subprocess.run([sys.executable, "-c", script], timeout=120).returncode == -signal.SIGKILL
+    killed_pack(src, out, drives, 9, overwrite=True)
     assert [n for n in os.listdir(tmp_path) if n.startswith(".ds.gdsdata-new-")]
     assert gdsdata.verify(out) == []  # the old dataset, untouched
     pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
