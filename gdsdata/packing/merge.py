@@ -41,7 +41,12 @@ def _on_its_drive(src, dst, part_id, folder_of, placed, move):
         os.rename(real, name)  # the same drive: one step, no copy
         how = "moved on its drive"
     else:
-        os.link(real, name)
+        try:
+            os.link(real, name)
+        except OSError as e:  # a filesystem without hard links: the merged dataset links to the part's
+            if e.errno not in (errno.EPERM, errno.EMLINK, errno.EXDEV, errno.EOPNOTSUPP):
+                raise
+            return None
         how = "hard-linked on its drive"
     placed.append(name)
     os.symlink(name, dst)
