@@ -21,7 +21,7 @@ from gdsdata.format import index as index_io
 from gdsdata.errors import SourceError
 from gdsdata.format.lock import SHARDS_TAG, owned_target, remove_quietly, remove_shard, shard_folder, writer_lock
 from gdsdata.packing.detection import annotate
-from gdsdata.packing.packer import clear_stale, into
+from gdsdata.packing.packer import into
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,8 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False) -> d
     dict
         ``out``, ``parts``, ``samples``, ``shards`` and how the shards were placed.
     """
-    out = os.path.abspath(os.fspath(out))
+    out = os.path.realpath(os.fspath(out))
     with writer_lock(out, f"merge of {len(parts)} part(s)"):
-        clear_stale(out)
         return merge_checked(parts, out, copy=copy, overwrite=overwrite)
 
 
@@ -149,7 +148,7 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False) -> di
     the parts go after the merge, and the shards they wrote on other drives become ``out``'s."""
     if not parts:
         raise SourceError("merge needs at least one part")
-    out = os.path.abspath(os.fspath(out))
+    out = os.path.realpath(os.fspath(out))
     indexes = [index_io.load(p) for p in parts]
     for part, index in zip(parts, indexes):
         if os.path.realpath(index.root) == os.path.realpath(out):

@@ -170,28 +170,6 @@ def into(out, overwrite, build):
     return result
 
 
-def clear_stale(out):
-    """For a writer holding ``out``'s lock: remove what killed writers of ``out`` left beside it (a
-    replacement being built, a Ray pack's parts), with their shards on other drives. Nothing while
-    ``out`` is missing and an old dataset stands aside (a swap cut short: that one is the dataset)."""
-    parent, name = os.path.split(os.path.abspath(out))
-    prefix = f".{name}.gdsdata-"
-    try:
-        entries = os.listdir(parent)
-    except OSError:
-        return
-    if not os.path.exists(out) and any(e.startswith(prefix + "old-") for e in entries):
-        return
-    for entry in entries:
-        if not (entry.startswith(prefix + "new-") or entry.startswith(prefix + "parts-")):
-            continue
-        path = os.path.join(parent, entry)
-        log.warning("%s: removing %s, which an interrupted writer left", out, path)
-        for part in (os.listdir(path) if entry.startswith(prefix + "parts-") and os.path.isdir(path) else []):
-            remove_dataset(os.path.join(path, part), dataset_owner(os.path.join(path, part)))
-        remove_dataset(path, dataset_owner(path))
-
-
 def dataset_owner(folder) -> "bytes | None":
     """The dataset id that owns the shards ``folder``'s links point to on other drives: its index's,
     or an unfinished pack's (its journals'); None where neither is readable."""
@@ -409,7 +387,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     options = options or PackOptions()
     if not isinstance(src, Listing) and not is_url(src):
         src = os.path.abspath(os.fspath(src))
-    out = os.path.abspath(os.fspath(out))
+    out = os.path.realpath(os.fspath(out))  # a link to a dataset: that dataset (its own folder is swapped)
     if shard_size < alignment * 2:
         raise ValueError(f"shard size must be at least twice the alignment ({alignment * 2} bytes)")
     if not 0 <= part < num_parts:
@@ -434,8 +412,6 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
                               f"shards would be read as images of a class)")
         what = "append" if append else "resume" if resume else "pack"
         with writer_lock(out, f"{what} of {name}"):
-            clear_stale(out)
-
             def build(folder):
                 return _pack(source, name, folder, out, options, shard_size, alignment, workers, strict,
                              progress, num_parts, part, resume, append, started, on_progress, roots)

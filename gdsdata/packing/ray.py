@@ -51,13 +51,13 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     ``shard_roots``: as ``pack``'s (folders every node sees at the same paths); each part writes its
     shards there and the merge moves them, on their drives, into ``out``'s own folders."""
     from gdsdata.packing.merge import merge_checked
-    from gdsdata.packing.packer import check_output, clear_stale, dataset_owner, shard_roots_of
+    from gdsdata.packing.packer import check_output, dataset_owner, shard_roots_of
 
     ray = _import_ray()
     started = time.perf_counter()
     local = isinstance(src, str) and "://" not in src
     src = os.path.abspath(src) if local else src
-    out = os.path.abspath(os.fspath(out))
+    out = os.path.realpath(os.fspath(out))
     if local and os.path.isdir(src) and os.path.commonpath([src, out]) == src:
         raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it")
     with writer_lock(out, f"pack --ray of {display(src)}"):
@@ -80,7 +80,6 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
         kwargs = dict(options=options, shard_size=shard_size, alignment=alignment, strict=strict,
                       allow_empty_classes=allow_empty_classes,
                       shard_roots=shard_roots_of(shard_roots, out, src if local else None))
-        clear_stale(out)
         folder = aside(out, "parts")
         counter = _Counter.remote() if parts else None
         task = ray.remote(max_retries=max_retries, retry_exceptions=True, num_cpus=1)(_pack_part)
