@@ -298,6 +298,11 @@ def test_out_inside_src_is_refused(src, tmp_path):
     with pytest.raises(SourceError, match="inside the source folder"):
         pack(src, os.path.join(src, "packed"), workers=1)
     assert not os.path.exists(os.path.join(src, "packed"))
+    os.symlink(os.path.dirname(src), tmp_path / "via")  # both named through one link
+    linked = str(tmp_path / "via" / os.path.basename(src))
+    with pytest.raises(SourceError, match="inside the source folder"):
+        pack(linked, os.path.join(linked, "packed"), workers=1)
+    assert not os.path.exists(os.path.join(src, "packed"))
 
 
 def test_broken_sources_give_one_line(tmp_path):

@@ -35,17 +35,23 @@ def _on_its_drive(src, dst, part_id, folder_of, placed, move):
     if SHARDS_TAG not in os.path.basename(os.path.dirname(real)):
         return None
     mine = folder_of(os.path.dirname(os.path.dirname(real)))
-    os.makedirs(mine, exist_ok=True)
     name = os.path.join(mine, os.path.basename(dst))
     if move and owned_target(src, part_id):
+        os.makedirs(mine, exist_ok=True)
         os.rename(real, name)  # the same drive: one step, no copy
         how = "moved on its drive"
     else:
         try:
+            os.makedirs(mine, exist_ok=True)
             os.link(real, name)
-        except OSError as e:  # a filesystem without hard links: the merged dataset links to the part's
-            if e.errno not in (errno.EPERM, errno.EMLINK, errno.EXDEV, errno.EOPNOTSUPP):
+        except OSError as e:  # no hard links there (or no right to make them): a link to the part's shard
+            if e.errno not in (errno.EPERM, errno.EMLINK, errno.EXDEV, errno.EOPNOTSUPP, errno.EACCES,
+                               errno.EROFS):
                 raise
+            try:
+                os.rmdir(mine)
+            except OSError:  # other shards of the merge are there, or it was never made
+                pass
             return None
         how = "hard-linked on its drive"
     placed.append(name)

@@ -407,7 +407,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         options = replace(options, exif_transpose=True)  # YOLO labels are in the EXIF-oriented frame
     name = src if isinstance(src, str) else source.root
     try:
-        if isinstance(src, str) and os.path.isdir(src) and os.path.commonpath([src, out]) == src:
+        if isinstance(src, str) and os.path.isdir(src) and \
+                os.path.commonpath([os.path.realpath(src), out]) == os.path.realpath(src):
             raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it (its "
                               f"shards would be read as images of a class)")
         what = "append" if append else "resume" if resume else "pack"

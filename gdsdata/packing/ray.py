@@ -58,7 +58,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     local = isinstance(src, str) and "://" not in src
     src = os.path.abspath(src) if local else src
     out = os.path.realpath(os.fspath(out))
-    if local and os.path.isdir(src) and os.path.commonpath([src, out]) == src:
+    if local and os.path.isdir(src) and os.path.commonpath([os.path.realpath(src), out]) == os.path.realpath(src):
         raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it")
     with writer_lock(out, f"pack --ray of {display(src)}"):
         check_output(out, overwrite)
