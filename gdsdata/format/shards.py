@@ -20,6 +20,13 @@ def _pad(size: int, alignment: int) -> int:
     return (-size) % alignment
 
 
+def _symlink(target, path):
+    """``path`` a symbolic link to ``target``, in place of whatever a killed writer left there."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.symlink(target, path)
+
+
 class ShardWriter:
     """Appends payloads to ``shard-NNNNN.gds``, each at an aligned offset; rolls to a new shard
     past ``shard_size`` bytes. A shard is renamed to its final name only once it is complete.
@@ -71,9 +78,7 @@ class ShardWriter:
                 folder = shard_folder(self.roots[index % len(self.roots)], self.name, self.dataset_id)
                 os.makedirs(folder, exist_ok=True)
                 self._path, self._link = os.path.join(folder, fmt.shard_name(index)), self._path
-                if os.path.lexists(self._link + fmt.TMP_SUFFIX):
-                    os.unlink(self._link + fmt.TMP_SUFFIX)
-                os.symlink(self._path + fmt.TMP_SUFFIX, self._link + fmt.TMP_SUFFIX)
+                _symlink(self._path + fmt.TMP_SUFFIX, self._link + fmt.TMP_SUFFIX)
             self._file = open(self._path + fmt.TMP_SUFFIX, "wb")
         except OSError as e:
             raise OSError(e.errno, e.strerror, e.filename or self._path + fmt.TMP_SUFFIX) from e
@@ -121,9 +126,7 @@ class ShardWriter:
         os.replace(self._path + fmt.TMP_SUFFIX, self._path)
         if self._link is not None:  # the dataset's name for it, made in one step
             temporary = self._link + ".link" + fmt.TMP_SUFFIX
-            if os.path.lexists(temporary):
-                os.unlink(temporary)
-            os.symlink(self._path, temporary)
+            _symlink(self._path, temporary)
             os.replace(temporary, self._link)
         record = (self._size, self._first, self._count, self._crc, self.dataset_id, self._index, 0)
         self.records.append(record)

@@ -157,7 +157,7 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False) -> di
     out = os.path.realpath(os.fspath(out))
     indexes = [index_io.load(p) for p in parts]
     for part, index in zip(parts, indexes):
-        if os.path.realpath(index.root) == os.path.realpath(out):
+        if os.path.realpath(index.root) == out:
             raise SourceError(f"{part}: a part cannot be merged into itself")
     ordered = _check_parts(parts, indexes)
     fresh = not (os.path.isdir(out) and os.listdir(out))

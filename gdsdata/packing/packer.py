@@ -316,7 +316,7 @@ def _resume_state(out, signature):
         journals.append(journal)
     kept = {fmt.shard_name(k) for k in range(len(journals))} | {
         fmt.shard_name(k) + fmt.JOURNAL_SUFFIX for k in range(len(journals))}
-    owner = bytes.fromhex(journals[0]["dataset_id"]) if journals else dataset_owner(out)
+    owner = dataset_owner(out)  # (the first journal's id: the interrupted pack's, whether kept or not)
     for name in os.listdir(out):
         if gdsdata_owned(name) and name not in kept:
             if name.endswith(fmt.TMP_SUFFIX) and name[:-len(fmt.TMP_SUFFIX)] in kept:
@@ -407,8 +407,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         options = replace(options, exif_transpose=True)  # YOLO labels are in the EXIF-oriented frame
     name = src if isinstance(src, str) else source.root
     try:
-        if isinstance(src, str) and os.path.isdir(src) and \
-                os.path.commonpath([os.path.realpath(src), out]) == os.path.realpath(src):
+        if isinstance(src, str) and os.path.isdir(src) and within(out, src):
             raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it (its "
                               f"shards would be read as images of a class)")
         what = "append" if append else "resume" if resume else "pack"
@@ -444,22 +443,25 @@ def _appendable(out, source, alignment):
     return base, items, classes
 
 
+def within(path, folder) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it, links followed."""
+    real = os.path.realpath(folder)
+    return os.path.commonpath([os.path.realpath(path), real]) == real
+
+
 def shard_roots_of(shard_roots, out, src=None) -> list:
     """``pack``'s shard_roots as absolute paths, each a folder (made if missing) outside ``out`` and
     outside the source folder ``src`` (links followed)."""
     roots = [os.path.abspath(os.fspath(r)) for r in (shard_roots or ())]
     if len({os.path.realpath(r) for r in roots}) != len(roots):
         raise ValueError("shard_roots names a folder twice")
-    real_out = os.path.realpath(out)
     for root in roots:
         if os.path.exists(root) and not os.path.isdir(root):
             raise OutputExistsError(f"{root}: a shard root must be a folder")
-        real = os.path.realpath(root)
-        if os.path.commonpath([real, real_out]) in (real, real_out):
+        if within(root, out) or within(out, root):
             raise OutputExistsError(f"{root}: a shard root must lie outside the dataset folder {out} and not "
                                     f"hold it")
-        if isinstance(src, str) and os.path.isdir(src) and \
-                os.path.commonpath([real, os.path.realpath(src)]) == os.path.realpath(src):
+        if isinstance(src, str) and os.path.isdir(src) and within(root, src):
             raise OutputExistsError(f"{root}: a shard root inside the source folder {src} would become a class "
                                     f"folder of it")
     return roots

@@ -51,14 +51,14 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     ``shard_roots``: as ``pack``'s (folders every node sees at the same paths); each part writes its
     shards there and the merge moves them, on their drives, into ``out``'s own folders."""
     from gdsdata.packing.merge import merge_checked
-    from gdsdata.packing.packer import check_output, dataset_owner, shard_roots_of
+    from gdsdata.packing.packer import check_output, dataset_owner, shard_roots_of, within
 
     ray = _import_ray()
     started = time.perf_counter()
     local = isinstance(src, str) and "://" not in src
     src = os.path.abspath(src) if local else src
     out = os.path.realpath(os.fspath(out))
-    if local and os.path.isdir(src) and os.path.commonpath([os.path.realpath(src), out]) == os.path.realpath(src):
+    if local and os.path.isdir(src) and within(out, src):
         raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it")
     with writer_lock(out, f"pack --ray of {display(src)}"):
         check_output(out, overwrite)
