@@ -306,7 +306,9 @@ class GDSDataset(torch.utils.data.Dataset):
                 self.skipped += replaced
         if batch.errors:
             batch.release(stream or self._stream())
-            return self._backend.load_batch(indices, stream), indices
+            again = self._backend.read(indices)
+            again.crop = staged.crop
+            return self._backend.decode(again, stream), indices
         return batch, indices
 
     def release_staged(self, staged: Staged) -> None:

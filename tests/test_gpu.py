@@ -443,3 +443,66 @@ def test_doctor_names_the_io_mode():
     info = report()
     assert info["io mode"].split(":")[0] in ("gds", "compat")
     assert "nvjpeg" in info
+
+
+def loader_batches(ds, transform):
+    return [(images.cpu(), labels.cpu()) for images, labels in gdsdata.Loader(ds, 8, transform=transform, seed=3)]
+
+
+@pytest.mark.parametrize("staging", ["host", "device"])
+@pytest.mark.parametrize("transform", [gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=7),
+                                       gdsdata.CenterCrop(56, dtype="uint8", layout="NHWC")], ids=["random", "centre"])
+def test_crop_windows_decode_the_pixels_of_whole_images(photos_dataset, monkeypatch, staging, transform):
+    """On the hardware backends the Loader has nvJPEG decode each JPEG's crop window alone
+    (nvjpegDecodeBatchedEx): the batches are those cropped from the whole decoded images."""
+    from gdsdata._native import nvjpeg
+
+    windows, real = [], nvjpeg.BatchedDecoder.decode
+
+    def decode(self, *args):
+        windows.append(args[5] if len(args) > 5 else None)
+        return real(self, *args)
+
+    monkeypatch.setattr(nvjpeg.BatchedDecoder, "decode", decode)
+    with settings.set(staging=staging, decode_backend="hardware"):
+        ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+        windowed = loader_batches(ds, transform)
+        assert windows and all(w is not None for w in windows)
+        windows.clear()
+        monkeypatch.setattr(ds._backend.decoder.shared, "windows", False)
+        whole = loader_batches(ds, transform)
+        assert windows and all(w is None for w in windows)
+        ds.close()
+    assert len(windowed) == len(whole)
+    for (a, la), (b, lb) in zip(windowed, whole):
+        assert torch.equal(la, lb)
+        diff = (a.int() - b.int()).abs()
+        print(f"windowed vs whole: max {int(diff.max())}, mean {float(diff.float().mean()):.4f}, "
+              f"unequal {float((diff > 0).float().mean()):.4f}")
+        assert torch.equal(a, b)
+
+
+def test_a_decoder_refusing_crop_windows_decodes_whole_images(photos_dataset, monkeypatch, caplog):
+    """Where nvJPEG decodes a batch's whole images but not their windows, that batch and every
+    later one decode whole, with the same pixels, and the log says so once."""
+    from gdsdata._native import nvjpeg
+
+    real = nvjpeg.BatchedDecoder.decode
+
+    def refuse(self, *args):
+        if len(args) > 5 and args[5] is not None:
+            raise nvjpeg.NvjpegError("nvjpegDecodeBatchedEx", 9)
+        return real(self, *args)
+
+    transform = gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=7)
+    ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    shared = ds._backend.decoder.shared
+    monkeypatch.setattr(shared, "windows", False)
+    whole = loader_batches(ds, transform)
+    monkeypatch.setattr(shared, "windows", True)
+    monkeypatch.setattr(nvjpeg.BatchedDecoder, "decode", refuse)
+    refused = loader_batches(ds, transform)
+    assert not shared.windows and caplog.text.count("decoding whole images from now on") == 1
+    for (a, la), (b, lb) in zip(refused, whole):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    ds.close()
