@@ -454,9 +454,9 @@ def loader_batches(ds, transform):
                          ids=["random", "centre"])
 def test_crop_windows_decode_the_pixels_of_whole_images(photos_dataset, staging, transform):
     """On the hardware backends a Loader has nvJPEG decode each JPEG's crop window alone
-    (nvjpegDecodeBatchedEx), with a pixel more on each side: nvJPEG's chroma upsampling has no
-    neighbour beyond a window, so a window's outermost pixels differ from the whole image's (by up
-    to 19 levels here). The crops are exactly those of the whole decoded images."""
+    (nvjpegDecodeBatchedEx): its pixels are those of the whole decoded image, except on the
+    window's outermost pixels, where nvJPEG's chroma upsampling has no neighbour beyond the window
+    (it differs there by a few levels)."""
     with settings.set(staging=staging, decode_backend="hardware"):
         ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
         indices = list(range(len(ds)))
@@ -469,17 +469,18 @@ def test_crop_windows_decode_the_pixels_of_whole_images(photos_dataset, staging,
         windowed = decoded(lambda i, h, w: transform.params(h, w, i, 0))
         whole = decoded(None)
         params = transform.params(whole.heights, whole.widths, indices, 0)
-        crop = windowed.crop
-        assert crop is not None and whole.crop is None and np.array_equal(crop.flip, params.flip)
-        assert np.array_equal(crop.height, params.height) and np.array_equal(crop.width, params.width)
-        assert (windowed.heights * windowed.widths < whole.heights * whole.widths).any()
-
-        def cut(batch, p, k):
-            return batch.image(k)[:, p.top[k]:p.top[k] + p.height[k], p.left[k]:p.left[k] + p.width[k]]
-
+        assert windowed.crop is not None and not windowed.crop.top.any() and not windowed.crop.left.any()
+        assert np.array_equal(windowed.heights, params.height) and np.array_equal(windowed.widths, params.width)
+        assert np.array_equal(windowed.crop.flip, params.flip)
+        inner = []
         for k in indices:
-            a, b = cut(windowed, crop, k), cut(whole, params, k)
-            assert torch.equal(a, b), (k, int((a.int() - b.int()).abs().max()))
+            top, left, h, w = (int(v[k]) for v in (params.top, params.left, params.height, params.width))
+            a = windowed.image(k).cpu().int()
+            b = whole.image(k)[:, top:top + h, left:left + w].cpu().int()
+            diff = (a - b).abs().amax(0)
+            assert diff.amax() <= 16, (k, int(diff.amax()))
+            inner.append(int(diff[1:-1, 1:-1].amax()) if h > 2 and w > 2 else 0)
+        assert max(inner) == 0, inner
         ds.close()
 
 

@@ -22,7 +22,6 @@ from gdsdata.errors import CorruptSampleError
 from gdsdata._native.nvjpeg import BatchedDecoder, NvjpegError
 
 log = logging.getLogger(__name__)
-_MARGIN = 1  # pixels decoded around a crop window on each side (where the image has them)
 
 
 @dataclass
@@ -180,16 +179,12 @@ class GpuDecoder:
         if params is None:
             heights, widths, offsets, pitches = job.heights, job.widths, job.offsets, job.pitches
             windows = None
-        else:  # each crop with a pixel more on every side the image has: nvJPEG's chroma upsampling has
-            # no neighbour beyond a window, so its outermost pixels differ from the whole image's
-            top = np.maximum(params.top - _MARGIN, 0)
-            left = np.maximum(params.left - _MARGIN, 0)
-            heights = np.minimum(params.top + params.height + _MARGIN, job.heights) - top
-            widths = np.minimum(params.left + params.width + _MARGIN, job.widths) - left
+        else:
+            heights, widths = params.height.astype(np.int64), params.width.astype(np.int64)
             offsets = np.zeros(len(heights), np.int64)
             np.cumsum((heights * widths * 3)[:-1], out=offsets[1:])
             pitches = widths * 3
-            windows = np.stack([top, left, heights, widths], axis=1)
+            windows = np.stack([params.top, params.left, heights, widths], axis=1)
         arena = torch.empty(int((heights * pitches).sum()), dtype=torch.uint8, device=self.device)
         outs = np.uint64(arena.data_ptr()) + offsets.astype(np.uint64)
         errors = {}
@@ -218,8 +213,9 @@ class GpuDecoder:
             event.record(stream)
             shared.last = (stream, event)
         batch = PixelBatch(arena, offsets, heights, widths, job.channels, errors, owned=True)
-        if params is not None:  # the crops in the windows' pixels
-            batch.crop = dataclasses.replace(params, top=params.top - top, left=params.left - left)
+        if params is not None:  # the windows, now at the origin of each image's pixels
+            zeros = np.zeros(len(heights), np.int64)
+            batch.crop = dataclasses.replace(params, top=zeros, left=zeros, height=heights, width=widths)
         return batch
 
     def _raw(self, staging, job, stream):
