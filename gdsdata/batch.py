@@ -28,7 +28,6 @@ class PixelBatch:
     errors: dict  # position -> CorruptSampleError for samples that failed to decode
     owned: bool  # False when buffer is a staging buffer that a later batch will reuse
     release_fn: object = None  # called with the stream once consumers have read buffer
-    crop: object = None  # the transform's CropParams in these pixels, where decoding computed them (Staged.crop)
 
     def __len__(self):
         return len(self.offsets)
@@ -70,9 +69,6 @@ class Staged:
     job: object = None  # GPU path: the decode's host half (``decode_gpu.DecodeJob``), prepared as it was read
     outputs: list = None  # the batch's own samples when it reads more than it yields (a mosaic's partners)
     asked: list = None  # the samples asked for, where replacements of bad ones were read instead (on_error="skip")
-    # the transform's (indices, heights, widths) -> CropParams, set by the Loader before decode: the
-    # GPU path decodes only each JPEG's crop window where nvJPEG can (PixelBatch.crop says which)
-    crop: object = None
 
 
 def collate(samples):

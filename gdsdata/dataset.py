@@ -306,9 +306,7 @@ class GDSDataset(torch.utils.data.Dataset):
                 self.skipped += replaced
         if batch.errors:
             batch.release(stream or self._stream())
-            again = self._backend.read(indices)
-            again.crop = staged.crop
-            return self._backend.decode(again, stream), indices
+            return self._backend.load_batch(indices, stream), indices
         return batch, indices
 
     def release_staged(self, staged: Staged) -> None:

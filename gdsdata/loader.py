@@ -18,7 +18,6 @@ their buffers.
 
 import atexit
 import collections
-import functools
 import hashlib
 import logging
 import queue
@@ -427,14 +426,9 @@ class _BatchMaker:
     def decode(self, staged, stream, epoch):
         """Staged payloads -> a PixelBatch, its sample indices (after any replacement) and the
         batch's own samples. Nothing else: on the GPU this thread keeps the JPEG engines fed."""
-        if self.transform is not None and not self.detect:  # the GPU path may then decode the crops alone
-            staged.crop = functools.partial(self._crop, epoch=epoch)
         batch, indices = self.dataset.decode_staged(staged, stream)
         asked = staged.indices if staged.asked is None else staged.asked
         return batch, indices, sum(a != b for a, b in zip(asked, indices)), staged.outputs
-
-    def _crop(self, indices, heights, widths, epoch):
-        return self.transform.params(heights, widths, indices, epoch)
 
     def finish(self, decoded, stream, epoch):
         """One decoded batch -> (images, labels): its transform, or with ``pixels=True`` the
@@ -454,8 +448,7 @@ class _BatchMaker:
         if self.pixels:
             return batch, labels, replaced  # released by the consumer's next step
         if self.transform is not None:
-            params = batch.crop if batch.crop is not None else self.transform.params(batch.heights, batch.widths,
-                                                                                       indices, epoch)
+            params = self.transform.params(batch.heights, batch.widths, indices, epoch)
             images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
                              batch.channels, params)
         else:

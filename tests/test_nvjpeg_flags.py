@@ -1,10 +1,8 @@
-"""How the nvJPEG handle is created and a batch's crop windows set (CPU test: a stand-in library
-records the calls). The hardware backends are never created with nvJPEG's pipeline on: pipelined,
-the decoder hung beside training."""
+"""How the nvJPEG handle is created (CPU test: a stand-in library records the calls). The hardware
+backends are never created with nvJPEG's pipeline on: pipelined, the decoder hung beside training."""
 
 import ctypes
 
-import numpy as np
 import pytest
 
 from gdsdata._native import nvjpeg
@@ -63,52 +61,3 @@ def test_cuda_backends_take_no_pipeline_flag():
     lib, _ = create("gpu_hybrid", lambda b, flags: 0)
     (_, flags), = lib.created
     assert not flags & nvjpeg.FLAG_HW_DECODE_NO_PIPELINE
-
-
-class WindowLibrary:
-    """nvJPEG's decode-parameter calls, recorded."""
-
-    path, windows = "libnvjpeg (fake)", True
-
-    def __init__(self):
-        self.params, self.rois, self.destroyed = [], [], []
-
-    def nvjpegDecodeParamsCreate(self, handle, out):
-        self.params.append(1000 + len(self.params))
-        out._obj.value = self.params[-1]
-        return 0
-
-    def nvjpegDecodeParamsSetOutputFormat(self, params, fmt):
-        assert fmt == nvjpeg.OUTPUT_RGBI
-        return 0
-
-    def nvjpegDecodeParamsSetROI(self, params, x, y, width, height):
-        self.rois.append((params, x, y, width, height))
-        return 0
-
-    def nvjpegDecodeParamsDestroy(self, params):
-        self.destroyed.append(params)
-
-    def nvjpegJpegStateDestroy(self, state):
-        pass
-
-    def nvjpegDestroy(self, handle):
-        pass
-
-
-def test_crop_windows_are_set_per_image_on_parameters_made_once():
-    """Each image's window goes to nvJPEG as (x, y, width, height) on a parameter handle of its own,
-    created at the first batch that needs it, reused by later batches and destroyed with the decoder."""
-    decoder = nvjpeg.BatchedDecoder.__new__(nvjpeg.BatchedDecoder)
-    decoder.lib, decoder.handle, decoder.state = WindowLibrary(), ctypes.c_void_p(1), ctypes.c_void_p()
-    decoder.backend, decoder.windows, decoder._params = "hardware", True, np.zeros(0, np.uint64)
-    first = decoder._window_params([[10, 20, 30, 40], [1, 2, 3, 4]])  # (top, left, height, width)
-    assert first.tolist() == [1000, 1001]
-    assert decoder.lib.rois == [(1000, 20, 10, 40, 30), (1001, 2, 1, 4, 3)]
-    again = decoder._window_params([[5, 6, 7, 8]])
-    assert again.tolist() == [1000] and len(decoder.lib.params) == 2
-    decoder.close()
-    assert decoder.lib.destroyed == [1000, 1001]
-    decoder.windows = False
-    with pytest.raises(ValueError, match="whole images only"):
-        decoder._window_params([[0, 0, 1, 1]])

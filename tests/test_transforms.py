@@ -113,9 +113,8 @@ def test_invalid_options_are_refused():
 
 
 def test_the_gpu_kernels_compute_what_the_cpu_path_does(tmp_path):
-    """The Triton kernels (plain and antialiased bilinear; the latter unrolled and looping, with int32
-    and int64 offsets) run in Triton's interpreter on the CPU: within one level of the CPU path, which
-    rounds to uint8 before normalising."""
+    """The Triton kernels (plain and antialiased bilinear) run in Triton's interpreter on the CPU:
+    within one level of the CPU path, which rounds to uint8 before normalising."""
     import subprocess
     import sys
 
@@ -127,20 +126,16 @@ os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
 import numpy as np, torch, gdsdata
 from gdsdata import transforms as T
-from gdsdata.transforms import kernels
 from gdsdata.transforms.kernels import resample
 rng = np.random.default_rng(1)
-images = [rng.integers(0, 256, s, dtype=np.uint8) for s in ((61, 90, 3), (120, 47, 3), (33, 33, 1), (300, 260, 3))]
+images = [rng.integers(0, 256, s, dtype=np.uint8) for s in ((61, 90, 3), (120, 47, 3), (33, 33, 1))]
 buffer = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))
 offsets = np.cumsum([0] + [im.size for im in images[:-1]])
 h, w, c = ([im.shape[k] for im in images] for k in range(3))
-unrolled, seen = kernels._unrolled, set()
-kernels._unrolled = lambda *a: seen.add(unrolled(*a)) or unrolled(*a)
-for aa, wide in ((True, False), (True, True), (False, False)):
-    kernels._INT32 = 0 if wide else 2 ** 31  # int64 offsets, as for images past 2 GiB
+for aa in (True, False):
     for size, dtype, layout in ((24, "float32", "NCHW"), ((20, 36), "float32", "NCHW"), (80, "uint8", "NHWC")):
         t = gdsdata.RandomResizedCrop(size, seed=2, dtype=dtype, antialias=aa, mean=None, std=None, layout=layout)
-        p = t.params(h, w, list(range(len(images))))
+        p = t.params(h, w, [0, 1, 2])
         ref = T.apply(t, buffer, offsets, h, w, c, p).float()
         meta = np.stack([offsets, h, w, c, p.top, p.left, p.height, p.width, p.flip.astype(np.int64)],
                         1).astype(np.int64)
@@ -149,8 +144,7 @@ for aa, wide in ((True, False), (True, True), (False, False)):
             out.fill_(float("nan"))
         resample(buffer, meta, out, t.output_size, (1.0,) * 3, (0.0,) * 3, layout == "NCHW", aa)
         assert not out.isnan().any()
-        assert (out.float() - ref).abs().max() <= 1.0, (aa, wide, size, (out.float() - ref).abs().max())
-assert seen == {{0, 8, 16}}, seen  # each unrolled count and the loop ran
+        assert (out.float() - ref).abs().max() <= 1.0, (aa, size, (out.float() - ref).abs().max())
 print("ok")
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)

@@ -7,8 +7,6 @@ Only what the batched flow needs is bound:
 
     nvjpegCreateEx -> nvjpegJpegStateCreate -> nvjpegDecodeBatchedInitialize (per batch size)
     -> nvjpegDecodeBatched(handle, state, data[], lengths[], images[], stream)
-       or, decoding a window of each image (the hardware backends), nvjpegDecodeBatchedEx with an
-       nvjpegDecodeParams_t per image (nvjpegDecodeParamsCreate, SetOutputFormat, SetROI)
 
 Every status is checked and turned into ``NvjpegError`` with nvJPEG's name for it.
 """
@@ -103,23 +101,12 @@ def _bind(lib):
         "nvjpegDecodeBatchedInitialize": (c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int),
         "nvjpegDecodeBatched": (c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p),
     }
-    # decoding a window of each image (the hardware backends): bound where the library has them
-    windows = {
-        "nvjpegDecodeParamsCreate": (c.c_void_p, handle_p),
-        "nvjpegDecodeParamsDestroy": (c.c_void_p,),
-        "nvjpegDecodeParamsSetOutputFormat": (c.c_void_p, c.c_int),
-        "nvjpegDecodeParamsSetROI": (c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int),
-        "nvjpegDecodeBatchedEx": (c.c_void_p,) * 7,
-    }
-    for name, argtypes in {**signatures, **windows}.items():
+    for name, argtypes in signatures.items():
         fn = getattr(lib, name, None)
         if fn is None:
-            if name in windows:
-                continue
             raise AttributeError(f"{name} missing from nvJPEG")
         fn.argtypes = list(argtypes)
         fn.restype = c.c_int
-    lib.windows = all(hasattr(lib, name) for name in windows)
 
 
 def library():
@@ -178,9 +165,6 @@ class BatchedDecoder:
         self.state = ctypes.c_void_p()
         self._image_t = image_dtype()
         self._batch = 0
-        # whether a batch may decode a window of each image (nvjpegDecodeBatchedEx, hardware backends)
-        self.windows = backend in HARDWARE_BACKENDS and self.lib.windows
-        self._params = np.zeros(0, np.uint64)  # nvjpegDecodeParams_t per image of a windowed batch
         self.interpolated = self._create(backend)
         try:
             _check("nvjpegJpegStateCreate", self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)))
@@ -215,11 +199,9 @@ class BatchedDecoder:
                self.lib.nvjpegGetHardwareDecoderInfo(self.handle, ctypes.byref(engines), ctypes.byref(cores)))
         return engines.value, cores.value
 
-    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int, windows=None):
+    def decode(self, data_ptrs, lengths, out_ptrs, pitches, stream: int):
         """Decode ``len(data_ptrs)`` bitstreams (host or device pointers, per the backend) into the
-        RGB interleaved buffers at ``out_ptrs`` (row pitch ``pitches``), on CUDA ``stream``.
-        ``windows``: None for whole images, or per image (top, left, height, width) of the window
-        to decode (an n x 4 integer array; only where ``self.windows``)."""
+        RGB interleaved buffers at ``out_ptrs`` (row pitch ``pitches``), on CUDA ``stream``."""
         n = len(data_ptrs)
         if n != self._batch:
             _check("nvjpegDecodeBatchedInitialize",
@@ -231,42 +213,14 @@ class BatchedDecoder:
         images = np.zeros(n, self._image_t)
         images["channel"][:, 0] = out_ptrs
         images["pitch"][:, 0] = pitches
-        if windows is None:
-            call = "nvjpegDecodeBatched"
-            with stall.native(call):
-                status = self.lib.nvjpegDecodeBatched(self.handle, self.state, data.ctypes.data, sizes.ctypes.data,
-                                                      images.ctypes.data, ctypes.c_void_p(stream))
-        else:
-            call = "nvjpegDecodeBatchedEx"
-            params = self._window_params(windows)
-            with stall.native(call):
-                status = self.lib.nvjpegDecodeBatchedEx(self.handle, self.state, data.ctypes.data, sizes.ctypes.data,
-                                                        images.ctypes.data, params.ctypes.data, ctypes.c_void_p(stream))
+        with stall.native("nvjpegDecodeBatched"):
+            status = self.lib.nvjpegDecodeBatched(self.handle, self.state, data.ctypes.data, sizes.ctypes.data,
+                                                  images.ctypes.data, ctypes.c_void_p(stream))
         if status != 0:
             self._batch = 0  # nvJPEG asks for a re-initialisation after a failed batch
-            raise NvjpegError(call, status)
-
-    def _window_params(self, windows) -> np.ndarray:
-        """A decode-parameter handle per image (created once, kept for later batches), each set to
-        RGB interleaved output and its image's window."""
-        if not self.windows:
-            raise ValueError(f"this nvJPEG decoder ({self.backend}, {self.lib.path}) decodes whole images only")
-        windows = np.asarray(windows, dtype=np.int64).reshape(-1, 4)
-        while len(self._params) < len(windows):
-            handle = ctypes.c_void_p()
-            _check("nvjpegDecodeParamsCreate", self.lib.nvjpegDecodeParamsCreate(self.handle, ctypes.byref(handle)))
-            self._params = np.append(self._params, np.uint64(handle.value))
-            _check("nvjpegDecodeParamsSetOutputFormat",
-                   self.lib.nvjpegDecodeParamsSetOutputFormat(ctypes.c_void_p(int(self._params[-1])), OUTPUT_RGBI))
-        params = self._params[:len(windows)]
-        for handle, (top, left, height, width) in zip(params.tolist(), windows.tolist()):
-            _check("nvjpegDecodeParamsSetROI", self.lib.nvjpegDecodeParamsSetROI(handle, left, top, width, height))
-        return params
+            raise NvjpegError("nvjpegDecodeBatched", status)
 
     def close(self):
-        for handle in getattr(self, "_params", np.zeros(0, np.uint64)).tolist():
-            self.lib.nvjpegDecodeParamsDestroy(handle)
-        self._params = np.zeros(0, np.uint64)
         if self.state:
             self.lib.nvjpegJpegStateDestroy(self.state)
             self.state = ctypes.c_void_p()

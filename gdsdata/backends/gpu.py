@@ -85,7 +85,7 @@ class GpuBackend:
         if staged.ready is not None:
             stream.wait_event(staged.ready)
         try:
-            batch = self.decoder.decode(staged.tensor, staged.job, stream, staged.crop)
+            batch = self.decoder.decode(staged.tensor, staged.job, stream)
         except BaseException:
             self._slots.release(staged.slot, stream)
             raise

@@ -6,7 +6,6 @@ Raw samples are used where they lie: in the device staging buffer, or in one upl
 staging buffer.
 """
 
-import dataclasses
 import logging
 import os
 import threading
@@ -63,7 +62,6 @@ class _SharedDecoder:
         self.last = None  # (stream, event) of the previous decode
         with torch.cuda.device(key[0]):
             self.nvjpeg = BatchedDecoder(key[1])
-        self.windows = self.nvjpeg.windows  # crop windows decoded alone (off once a batch decodes whole only)
 
     @classmethod
     def acquire(cls, device: torch.device, backend: str) -> "_SharedDecoder":
@@ -150,44 +148,14 @@ class GpuDecoder:
         return DecodeJob(list(indices), heights, widths, np.full(len(indices), 3), offsets, data=data,
                          lengths=plan.sample_lengths.astype(np.uint64), pitches=(widths * 3))
 
-    def decode(self, staging: torch.Tensor, job: "DecodeJob", stream, crop=None) -> PixelBatch:
-        """Queue the decode ``job`` (from ``prepare``) on ``stream``. ``crop``: the transform's
-        ``(indices, heights, widths) -> CropParams`` (``Staged.crop``), or None. With it the batch
-        holds each JPEG's crop window alone where the decoder can decode windows (the hardware
-        backends: nvJPEG converts only the window's pixels), the whole images elsewhere; either way
-        ``PixelBatch.crop`` holds the windows in the batch's pixels."""
+    def decode(self, staging: torch.Tensor, job: "DecodeJob", stream) -> PixelBatch:
+        """Queue the decode ``job`` (from ``prepare``) on ``stream``."""
         if not job.jpeg:
             return self._raw(staging, job, stream)
-        shared = self.shared
-        params = None if crop is None else crop(job.indices, job.heights, job.widths)
-        windowed = params is not None and shared.windows
-        if windowed:
-            batch = self._decode(staging, job, stream, shared, params)
-            if batch is not None:
-                return batch
-        batch = self._decode(staging, job, stream, shared)
-        if windowed and not batch.errors:  # the whole images decode where their windows did not
-            shared.windows = False
-            log.warning("nvJPEG decodes these images whole but not their crop windows; decoding whole images "
-                        "from now on")
-        batch.crop = params
-        return batch
-
-    def _decode(self, staging, job, stream, shared, params=None):
-        """Decode ``job``: whole images, or with ``params`` each image's window (None where that
-        batch fails: the caller decodes the whole images, which also find a bad sample)."""
-        if params is None:
-            heights, widths, offsets, pitches = job.heights, job.widths, job.offsets, job.pitches
-            windows = None
-        else:
-            heights, widths = params.height.astype(np.int64), params.width.astype(np.int64)
-            offsets = np.zeros(len(heights), np.int64)
-            np.cumsum((heights * widths * 3)[:-1], out=offsets[1:])
-            pitches = widths * 3
-            windows = np.stack([params.top, params.left, heights, widths], axis=1)
-        arena = torch.empty(int((heights * pitches).sum()), dtype=torch.uint8, device=self.device)
-        outs = np.uint64(arena.data_ptr()) + offsets.astype(np.uint64)
+        arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
+        outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
         errors = {}
+        shared = self.shared
         with shared.lock:
             nvjpeg = shared.nvjpeg
             if staging.is_cuda != nvjpeg.device_bitstreams:
@@ -196,11 +164,8 @@ class GpuDecoder:
             if shared.last is not None and shared.last[0] != stream:
                 stream.wait_event(shared.last[1])
             try:
-                nvjpeg.decode(job.data, job.lengths, outs, pitches, stream.cuda_stream, windows)
+                nvjpeg.decode(job.data, job.lengths, outs, job.pitches, stream.cuda_stream)
             except NvjpegError as batch_error:
-                if windows is not None:
-                    log.warning("decoding crop windows failed (%s); decoding the batch's whole images", batch_error)
-                    return None
                 log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
                 for k in range(len(job.indices)):
                     try:
@@ -212,11 +177,7 @@ class GpuDecoder:
             event = torch.cuda.Event()
             event.record(stream)
             shared.last = (stream, event)
-        batch = PixelBatch(arena, offsets, heights, widths, job.channels, errors, owned=True)
-        if params is not None:  # the windows, now at the origin of each image's pixels
-            zeros = np.zeros(len(heights), np.int64)
-            batch.crop = dataclasses.replace(params, top=zeros, left=zeros, height=heights, width=widths)
-        return batch
+        return PixelBatch(arena, job.offsets, job.heights, job.widths, job.channels, errors, owned=True)
 
     def _raw(self, staging, job, stream):
         if staging.is_cuda:

@@ -114,8 +114,8 @@ def _axis(pos, extent, size):
     support = tl.where(down, scale, 1.0)
     invscale = tl.where(down, 1.0 / scale, 1.0)
     center = scale * (pos + 0.5)
-    low = tl.maximum((center - support + 0.5).to(tl.int32), 0)  # truncation, as the C++ cast
-    high = tl.minimum((center + support + 0.5).to(tl.int32), extent.to(tl.int32))
+    low = tl.maximum((center - support + 0.5).to(tl.int64), 0)  # truncation, as the C++ cast
+    high = tl.minimum((center + support + 0.5).to(tl.int64), extent.to(tl.int64))
     return low, high - low, center, invscale
 
 
@@ -126,49 +126,33 @@ def _taps(extent, size):
 
 
 @triton.jit
-def _tap(k, acc0, acc1, acc2, total, start, stride, step, low, size, center, invscale, mask):
-    """Tap ``k`` of the triangle filter added to the three channels' sums and the weights' total."""
-    w = tl.where(k < size, tl.maximum(1.0 - tl.abs((k + low - center + 0.5) * invscale), 0.0), 0.0)
-    p = start + k * stride
-    inside = mask & (k < size)
-    acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
-    acc1 += w * tl.load(p + step, mask=inside, other=0).to(tl.float32)
-    acc2 += w * tl.load(p + 2 * step, mask=inside, other=0).to(tl.float32)
-    return acc0, acc1, acc2, total + w
+def _weight(k, low, size, center, invscale):
+    """The triangle filter's weight of tap ``k`` (0 beyond the window)."""
+    return tl.where(k < size, tl.maximum(1.0 - tl.abs((k + low - center + 0.5) * invscale), 0.0), 0.0)
 
 
 @triton.jit
-def _filter(start, stride, step, taps, low, size, center, invscale, mask, BLOCK: tl.constexpr, TAPS: tl.constexpr):
+def _filter(start, stride, step, taps, low, size, center, invscale, mask, BLOCK: tl.constexpr):
     """The three channels' normalised triangle-filter sums along one axis: tap k of a pixel is at
-    ``start + k * stride`` (its channels ``step`` apart), ``taps`` the most any pixel has. With
-    ``TAPS`` > 0 (at least ``taps``: the batch's most, set by the host) the loop is unrolled, so every
-    tap's loads are in flight at once; with 0 it runs ``taps`` times."""
+    ``start + k * stride`` (its channels ``step`` apart), ``taps`` the most any pixel has."""
     acc0 = tl.zeros([BLOCK], tl.float32)
     acc1 = tl.zeros([BLOCK], tl.float32)
     acc2 = tl.zeros([BLOCK], tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
-    if TAPS > 0:
-        for k in tl.static_range(TAPS):
-            acc0, acc1, acc2, total = _tap(k, acc0, acc1, acc2, total, start, stride, step, low, size, center,
-                                           invscale, mask)
-    else:
-        for k in range(0, taps):
-            acc0, acc1, acc2, total = _tap(k, acc0, acc1, acc2, total, start, stride, step, low, size, center,
-                                           invscale, mask)
+    for k in range(0, taps):
+        w = _weight(k, low, size, center, invscale)
+        total += w
+        p = start + k * stride
+        inside = mask & (k < size)
+        acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
+        acc1 += w * tl.load(p + step, mask=inside, other=0).to(tl.float32)
+        acc2 += w * tl.load(p + 2 * step, mask=inside, other=0).to(tl.float32)
     norm = 1.0 / tl.maximum(total, 1e-20)
     return acc0 * norm, acc1 * norm, acc2 * norm
 
 
 @triton.jit
-def _lanes(v, WIDE: tl.constexpr):
-    """Offsets within one image in int32, or int64 where an image's bytes could exceed int32 (``WIDE``)."""
-    if WIDE:
-        return v.to(tl.int64)
-    return v.to(tl.int32)
-
-
-@triton.jit
-def _aa_rows(src, meta, tmp, out_w, BLOCK: tl.constexpr, TAPS: tl.constexpr, WIDE: tl.constexpr):
+def _aa_rows(src, meta, tmp, out_w, BLOCK: tl.constexpr):
     """Pass 1: every row of image n's crop filtered to ``out_w`` columns (flipped if asked) into ``tmp``."""
     n = tl.program_id(0)
     pid = tl.program_id(1)
@@ -180,12 +164,10 @@ def _aa_rows(src, meta, tmp, out_w, BLOCK: tl.constexpr, TAPS: tl.constexpr, WID
     ox = idx % out_w
     sx = tl.where(flip > 0, (out_w - 1) - ox, ox)
     xmin, xsize, xcenter, xinv = _axis(sx.to(tl.float32), crop_w, out_w)
-    chans = _lanes(chans, WIDE)
-    step = tl.where(chans == 3, 1, 0)
-    pixel = (_lanes(top, WIDE) + r) * _lanes(width, WIDE) + _lanes(left, WIDE) + xmin
-    start = (src + off) + pixel * chans
-    v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask, BLOCK, TAPS)
-    dest = (tmp + base_tmp) + _lanes(idx, WIDE) * 3
+    step = tl.where(chans == 3, 1, 0).to(tl.int64)
+    start = src + off + (top + r).to(tl.int64) * (width * chans) + (left + xmin) * chans
+    v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask, BLOCK)
+    dest = tmp + base_tmp + idx.to(tl.int64) * 3
     tl.store(dest, v0.to(tmp.dtype.element_ty), mask=mask)
     tl.store(dest + 1, v1.to(tmp.dtype.element_ty), mask=mask)
     tl.store(dest + 2, v2.to(tmp.dtype.element_ty), mask=mask)
@@ -193,8 +175,7 @@ def _aa_rows(src, meta, tmp, out_w, BLOCK: tl.constexpr, TAPS: tl.constexpr, WID
 
 @triton.jit
 def _aa_columns(meta, tmp, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
-                NCHW: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr, TAPS: tl.constexpr,
-                WIDE: tl.constexpr):
+                NCHW: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 2: the columns of image n's ``tmp`` filtered to ``out_h`` rows, normalised into ``out``."""
     n = tl.program_id(0)
     pid = tl.program_id(1)
@@ -206,22 +187,11 @@ def _aa_columns(meta, tmp, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
     oy = idx // out_w
     ox = idx % out_w
     ymin, ysize, ycenter, yinv = _axis(oy.to(tl.float32), crop_h, out_h)
-    start = (tmp + base_tmp) + _lanes(ymin * out_w + ox, WIDE) * 3
-    v0, v1, v2 = _filter(start, out_w * 3, 1, _taps(crop_h, out_h), ymin, ysize, ycenter, yinv, mask, BLOCK, TAPS)
+    start = tmp + base_tmp + (ymin * out_w + ox) * 3
+    v0, v1, v2 = _filter(start, out_w * 3, 1, _taps(crop_h, out_h), ymin, ysize, ycenter, yinv, mask, BLOCK)
     _store(out, n, idx, area, 0, v0, mask, s0, b0, NCHW, TO_U8)
     _store(out, n, idx, area, 1, v1, mask, s1, b1, NCHW, TO_U8)
     _store(out, n, idx, area, 2, v2, mask, s2, b2, NCHW, TO_U8)
-
-
-_INT32 = 2 ** 31  # offsets within an image at or past this are computed in int64
-_UNROLLED = (8, 16)  # the tap counts the antialiased passes are compiled unrolled for; more taps loop
-
-
-def _unrolled(extents: np.ndarray, size: int) -> int:
-    """The ``TAPS`` of a pass over images of these crop extents to ``size``: the smallest unrolled
-    count above every image's taps (as ``_taps`` computes them, one spare), or 0 to loop."""
-    most = int((2.0 * np.maximum(extents.astype(np.float32) / np.float32(size), 1.0) + 2.0).astype(np.int32).max())
-    return next((t for t in _UNROLLED if t > most), 0)
 
 
 def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias):
@@ -239,14 +209,9 @@ def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias)
     if not antialias:
         _bilinear[(n, triton.cdiv(out_h * out_w, _BLOCK))](buffer, table, out, out_h, out_w, *norm, **flags)
         return
-    # an image's bytes, its rows in ``tmp``, or the output's pixels past int32
-    wide = max(int((meta[:, 1] * meta[:, 2] * meta[:, 3]).max()), int(rows.max()) * out_w * 3,
-               out_h * out_w * 3) >= _INT32
     tmp = torch.empty(int(rows.sum()) * out_w * 3, dtype=torch.float16, device=buffer.device)
-    _aa_rows[(n, triton.cdiv(int(rows.max()) * out_w, _BLOCK))](
-        buffer, table, tmp, out_w, BLOCK=_BLOCK, TAPS=_unrolled(meta[:, 7], out_w), WIDE=wide)
-    _aa_columns[(n, triton.cdiv(out_h * out_w, _BLOCK))](
-        table, tmp, out, out_h, out_w, *norm, **flags, TAPS=_unrolled(rows, out_h), WIDE=wide)
+    _aa_rows[(n, triton.cdiv(int(rows.max()) * out_w, _BLOCK))](buffer, table, tmp, out_w, BLOCK=_BLOCK)
+    _aa_columns[(n, triton.cdiv(out_h * out_w, _BLOCK))](table, tmp, out, out_h, out_w, *norm, **flags)
 
 
 # --- detection: YoloAugment's and Letterbox's sampling, one launch a batch ---------------------------
