@@ -19,16 +19,15 @@ def kernels():
     from gdsdata.transforms import kernels as K
 
     for nchw in (True, False):
-        for to_u8 in (False, True):
-            out = "*u8" if to_u8 else "*fp16"
-            flags = {"NCHW": nchw, "TO_U8": to_u8, "BLOCK": K._BLOCK}
+        for out in ("*fp16", "*bf16", "*fp32", "*u8"):  # the transforms' dtypes
+            flags = {"NCHW": nchw, "TO_U8": out == "*u8", "BLOCK": K._BLOCK}
             yield K._bilinear, {"src": "*u8", "meta": "*i64", "out": out, "out_h": "i32", "out_w": "i32",
                                 **NORM}, flags
             yield K._aa_columns, {"meta": "*i64", "tmp": "*fp16", "out": out, "out_h": "i32", "out_w": "i32",
                                   **NORM}, flags
     yield K._aa_rows, {"src": "*u8", "meta": "*i64", "tmp": "*fp16", "out_w": "i32"}, {"BLOCK": K._BLOCK}
     for hsv in (True, False):
-        for out in ("*u8", "*fp16"):
+        for out in ("*u8", "*fp16", "*fp32"):
             yield K._detect, {"src": "*u8", "offsets": "*i64", "channels": "*i64", "inverse": "*fp32",
                               "centre": "*fp32", "slots": "*fp32", "gains": "*fp32", "out": out, "size": "i32",
                               "pad": "fp32"}, {"HSV": hsv, "TO_U8": out == "*u8", "BLOCK": K._BLOCK}
