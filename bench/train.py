@@ -25,8 +25,9 @@ Every (model, input, stream) row runs in a fresh process: a warm-up epoch, then 
 epochs (median images/s); CPU-seconds per 1,000 images count the whole process (the training
 thread and DataLoader workers included); "GPU MiB" is the device memory in use during the timed
 epochs beyond what the same process used after training on synthetic input (the model, its
-activations and the CUDA context), i.e. what the input pipeline holds. ``--streams side`` adds rows
-with the train step on a side stream. A row that makes no step for --stall seconds is a hang.
+activations and the CUDA context), i.e. what the input pipeline holds. ``--streams current,side,high`` adds
+rows with the train step on a side stream, and on a side stream of the highest priority (whose
+kernels the GPU schedules before the pipeline's). A row that makes no step for --stall seconds is a hang.
 
     python bench/train.py --dir /tmp/bench --out results/                 # the table
     python bench/train.py --dir /tmp/bench --soak 10 --inputs gdsdata     # hangs in 10 processes each
@@ -59,9 +60,10 @@ def _device_used():
 
 
 class _Model:
-    """A torchvision classifier's train step, on the current stream or a side stream."""
+    """A torchvision classifier's train step, on the current stream, a side stream, or a side stream of the
+    highest priority (``high``: the GPU's block scheduler serves its kernels before the pipeline's)."""
 
-    def __init__(self, name, side):
+    def __init__(self, name, stream="current"):
         import torch
         import torchvision
 
@@ -70,7 +72,8 @@ class _Model:
         self.model = getattr(torchvision.models, name)(num_classes=1000).cuda().to(memory_format=torch.channels_last)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5)
         self.loss = torch.nn.CrossEntropyLoss()
-        self.stream = torch.cuda.Stream() if side else None
+        priority = torch.cuda.Stream.priority_range()[1] if stream == "high" else 0  # (least, greatest)
+        self.stream = None if stream == "current" else torch.cuda.Stream(priority=priority)
 
     def step(self, images, labels):
         torch = self.torch
@@ -191,7 +194,7 @@ def run_row(args):
 
     from common import cpu_seconds
 
-    model = _Model(args.model, args.stream == "side")
+    model = _Model(args.model, args.stream)
     progress = {"steps": 0, "t": time.monotonic()}
 
     def watchdog():  # a pipeline without a watchdog of its own that hangs still ends the row
@@ -357,9 +360,10 @@ def main(argv=None):
     parser.add_argument("--noise", type=float, default=11.0, help="image set noise (11: ~80 KB ImageNet-like JPEGs)")
     parser.add_argument("--models", default="resnet50,resnet18")
     parser.add_argument("--inputs", default=",".join(INPUTS), help=f"comma-separated, of {', '.join(INPUTS)}")
-    parser.add_argument("--streams", default="current", help="current, side or current,side")
+    parser.add_argument("--streams", default="current",
+                        help="comma-separated, of current, side, high (a side stream of the highest priority)")
     parser.add_argument("--side-inputs", default="synthetic,gdsdata",
-                        help="the inputs that get side-stream rows too (with --streams current,side)")
+                        help="the inputs that get side or high stream rows too")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per row, after one warm-up epoch")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers / DALI threads")
     parser.add_argument("--stall", type=float, default=60.0, help="seconds without a step that make a hang")
@@ -426,7 +430,7 @@ def main(argv=None):
     for model in models:
         for stream in streams:
             for source in inputs:
-                if stream == "side" and source not in side_inputs:
+                if stream != "current" and source not in side_inputs:
                     continue
                 result = spawn(args, model, source, stream, paths)
                 results.append(result)
@@ -474,7 +478,8 @@ def chart(path_json, path_png):
     rows = [r for r in data["results"] if not r.get("failed") and r["input"] != "synthetic"]
     ceilings = {(r["model"], r["stream"]): r["images_per_s"] for r in data["results"]
                 if r["input"] == "synthetic" and not r.get("failed")}
-    labels = [f"{r['model']} {r['input']}" + (" (side stream)" if r["stream"] == "side" else "") for r in rows]
+    named = {"current": "", "side": " (side stream)", "high": " (high-priority stream)"}
+    labels = [f"{r['model']} {r['input']}{named[r['stream']]}" for r in rows]
     fractions = [r["images_per_s"] / ceilings[(r["model"], r["stream"])] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
     bars = ax.barh(labels[::-1], fractions[::-1], color=["#76b900" if "gdsdata" in label or " raw" in label
