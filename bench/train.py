@@ -475,9 +475,13 @@ def chart(path_json, path_png):
 
     with open(path_json) as f:
         data = json.load(f)
-    rows = [r for r in data["results"] if not r.get("failed") and r["input"] != "synthetic"]
     ceilings = {(r["model"], r["stream"]): r["images_per_s"] for r in data["results"]
                 if r["input"] == "synthetic" and not r.get("failed")}
+    rows = [r for r in data["results"] if not r.get("failed") and r["input"] != "synthetic"
+            and (r["model"], r["stream"]) in ceilings]  # a fraction needs the model's synthetic row
+    if not rows:
+        print("chart skipped (no row beside its model's synthetic row)")
+        return
     named = {"current": "", "side": " (side stream)", "high": " (high-priority stream)"}
     labels = [f"{r['model']} {r['input']}{named[r['stream']]}" for r in rows]
     fractions = [r["images_per_s"] / ceilings[(r["model"], r["stream"])] for r in rows]
