@@ -22,7 +22,10 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
   dataloader  torch DataLoader + ImageFolder + PIL (RandomResizedCrop, flip, normalise), --workers
 
 Every (model, input, stream) row runs in a fresh process: a warm-up epoch, then --epochs timed
-epochs (median images/s); CPU-seconds per 1,000 images count the whole process (the training
+epochs (median images/s); with ``--rounds N`` every row runs once a round, the rounds one after
+another, and the table gives each row's median over the rounds, its fraction of synthetic the
+median of each round's ratio to that round's synthetic row (ResNet-18's fraction moves by a few
+points between processes). CPU-seconds per 1,000 images count the whole process (the training
 thread and DataLoader workers included); "GPU MiB" is the device memory in use during the timed
 epochs beyond what the same process used after training on synthetic input (the model, its
 activations and the CUDA context), i.e. what the input pipeline holds. ``--streams current,side,high`` adds
@@ -30,6 +33,7 @@ rows with the train step on a side stream, and on a side stream of the highest p
 kernels the GPU schedules before the pipeline's). A row that makes no step for --stall seconds is a hang.
 
     python bench/train.py --dir /tmp/bench --out results/                 # the table
+    python bench/train.py --dir /tmp/bench --models resnet18 --inputs synthetic,gdsdata --rounds 5
     python bench/train.py --dir /tmp/bench --soak 10 --inputs gdsdata     # hangs in 10 processes each
     python bench/train.py --dir /tmp/bench --inputs synthetic,gdsdata --profile 20   # GPU time per batch
 """
@@ -368,6 +372,8 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers / DALI threads")
     parser.add_argument("--stall", type=float, default=60.0, help="seconds without a step that make a hang")
     parser.add_argument("--row-timeout", type=float, default=900.0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every row once a round, N rounds in turn; the table gives medians over rounds")
     parser.add_argument("--soak", type=int, default=0,
                         help="instead of the table: N fresh processes per row, --epochs epochs each, hangs counted")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -425,45 +431,79 @@ def main(argv=None):
                           f"images/s {min(rates, default=0):.0f}-{max(rates, default=0):.0f}  [{path}]", flush=True)
         return
     print(f"\n== training client: batch {BATCH}, {args.epochs} timed epochs of {args.count} images after one "
-          f"warm-up, a fresh process per row ==")
+          f"warm-up, a fresh process per row" + (f", {args.rounds} rounds" if args.rounds > 1 else "") + " ==")
     side_inputs = set(args.side_inputs.split(","))
-    for model in models:
-        for stream in streams:
-            for source in inputs:
-                if stream != "current" and source not in side_inputs:
-                    continue
-                result = spawn(args, model, source, stream, paths)
-                results.append(result)
-                if not result.get("failed"):
-                    print(f"  {model:<9} {source:<10} {stream:<7} {result['images_per_s']:>8.0f} images/s  "
-                          f"{result['cpu_s_per_1k']:.2f} CPU-s/1k  {result['gpu_mib']:>6.0f} MiB  [{result['path']}]",
-                          flush=True)
-                    if result.get("stages_ms_per_batch"):
-                        print("      ms per batch: " + ", ".join(f"{k} {v}" for k, v in
-                                                              result["stages_ms_per_batch"].items()), flush=True)
-                    if result.get("gpu_profile") and "error" not in result["gpu_profile"]:
-                        gp = result["gpu_profile"]
-                        print(f"      GPU ms per batch: the step's kernels {gp['step_kernels_ms']}; the pipeline's: "
-                              + ", ".join(f"{k} {v}" for k, v in gp["pipeline_ms"].items()), flush=True)
-                _write(args, system, results)
-    print("\n== summary ==")
+    for round_ in range(args.rounds):
+        if args.rounds > 1:
+            print(f"-- round {round_ + 1} of {args.rounds}", flush=True)
+        for model in models:
+            for stream in streams:
+                for source in inputs:
+                    if stream != "current" and source not in side_inputs:
+                        continue
+                    result = spawn(args, model, source, stream, paths)
+                    result["round"] = round_
+                    results.append(result)
+                    _print_row(result)
+                    _write(args, system, results)
+    table = summary(results)
+    print("\n== summary" + (f": medians over {args.rounds} rounds" if args.rounds > 1 else "") + " ==")
     print(f"{'model':<9} {'stream':<7} {'input':<10} {'images/s':>9} {'of synthetic':>13} {'CPU-s/1k':>9} "
-          f"{'GPU MiB':>8}")
-    for r in results:
+          f"{'GPU MiB':>8}" + ("  each round's fraction" if args.rounds > 1 else ""))
+    for r in table:
         if r.get("failed"):
             print(f"{r['model']:<9} {r['stream']:<7} {r['input']:<10} {r['failed']:>9}")
             continue
-        ceiling = next((s for s in results if s["model"] == r["model"] and s["stream"] == r["stream"]
-                        and s["input"] == "synthetic" and not s.get("failed")), None)
-        fraction = f"{r['images_per_s'] / ceiling['images_per_s']:.3f}" if ceiling else "-"
-        r["of_synthetic"] = fraction
+        fraction = f"{r['of_synthetic']:.3f}" if r["of_synthetic"] is not None else "-"
+        rounds = "  " + " ".join(f"{f:.3f}" for f in r["fractions"]) if args.rounds > 1 and r["fractions"] else ""
         print(f"{r['model']:<9} {r['stream']:<7} {r['input']:<10} {r['images_per_s']:>9.0f} {fraction:>13} "
-              f"{r['cpu_s_per_1k']:>9.2f} {r['gpu_mib']:>8.0f}")
-    _write(args, system, results)
+              f"{r['cpu_s_per_1k']:>9.2f} {r['gpu_mib']:>8.0f}{rounds}")
+    _write(args, system, results, table)
     try:
         chart(os.path.join(args.out, "train.json"), os.path.join(args.out, "train.png"))
     except ImportError:
         print("chart skipped (matplotlib missing)")
+
+
+def _print_row(result):
+    model, source, stream = result["model"], result["input"], result["stream"]
+    if result.get("failed"):
+        return
+    print(f"  {model:<9} {source:<10} {stream:<7} {result['images_per_s']:>8.0f} images/s  "
+          f"{result['cpu_s_per_1k']:.2f} CPU-s/1k  {result['gpu_mib']:>6.0f} MiB  [{result['path']}]", flush=True)
+    if result.get("stages_ms_per_batch"):
+        print("      ms per batch: " + ", ".join(f"{k} {v}" for k, v in result["stages_ms_per_batch"].items()),
+              flush=True)
+    if result.get("gpu_profile") and "error" not in result["gpu_profile"]:
+        gp = result["gpu_profile"]
+        print(f"      GPU ms per batch: the step's kernels {gp['step_kernels_ms']}; the pipeline's: "
+              + ", ".join(f"{k} {v}" for k, v in gp["pipeline_ms"].items()), flush=True)
+
+
+def summary(results) -> list:
+    """One row per (model, stream, input), in first-run order: the median over rounds of images/s,
+    CPU-s/1k and GPU MiB, and of each round's ratio to the same round's synthetic row (a round
+    without one, or a row that failed, gives no ratio). A row that failed in every round stays failed."""
+    groups = {}
+    for r in results:
+        groups.setdefault((r["model"], r["stream"], r["input"]), []).append(r)
+    ceilings = {(r["model"], r["stream"], r.get("round", 0)): r["images_per_s"] for r in results
+                if r["input"] == "synthetic" and not r.get("failed")}
+    table = []
+    for (model, stream, source), runs in groups.items():
+        done = [r for r in runs if not r.get("failed")]
+        if not done:
+            table.append({"model": model, "stream": stream, "input": source, "failed": runs[0]["failed"]})
+            continue
+        fractions = [r["images_per_s"] / ceilings[key] for r in done
+                     if (key := (model, stream, r.get("round", 0))) in ceilings]
+        table.append({"model": model, "stream": stream, "input": source, "rounds": len(done),
+                      "images_per_s": statistics.median(r["images_per_s"] for r in done),
+                      "cpu_s_per_1k": statistics.median(r["cpu_s_per_1k"] for r in done),
+                      "gpu_mib": statistics.median(r["gpu_mib"] for r in done),
+                      "fractions": fractions, "of_synthetic": statistics.median(fractions) if fractions else None,
+                      "path": done[0].get("path", "")})
+    return table
 
 
 def chart(path_json, path_png):
@@ -475,16 +515,14 @@ def chart(path_json, path_png):
 
     with open(path_json) as f:
         data = json.load(f)
-    ceilings = {(r["model"], r["stream"]): r["images_per_s"] for r in data["results"]
-                if r["input"] == "synthetic" and not r.get("failed")}
-    rows = [r for r in data["results"] if not r.get("failed") and r["input"] != "synthetic"
-            and (r["model"], r["stream"]) in ceilings]  # a fraction needs the model's synthetic row
-    if not rows:
+    rows = [r for r in data.get("summary") or summary(data["results"])
+            if not r.get("failed") and r["input"] != "synthetic" and r["of_synthetic"] is not None]
+    if not rows:  # a fraction needs the model's synthetic row
         print("chart skipped (no row beside its model's synthetic row)")
         return
     named = {"current": "", "side": " (side stream)", "high": " (high-priority stream)"}
     labels = [f"{r['model']} {r['input']}{named[r['stream']]}" for r in rows]
-    fractions = [r["images_per_s"] / ceilings[(r["model"], r["stream"])] for r in rows]
+    fractions = [r["of_synthetic"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
     bars = ax.barh(labels[::-1], fractions[::-1], color=["#76b900" if "gdsdata" in label or " raw" in label
                                                           else "#888888" for label in labels[::-1]])
@@ -502,9 +540,9 @@ def chart(path_json, path_png):
     plt.close(fig)
 
 
-def _write(args, system, results):
+def _write(args, system, results, table=None):
     with open(os.path.join(args.out, "train.json"), "w") as f:
-        json.dump({"system": system, "results": results}, f, indent=2, default=str)
+        json.dump({"system": system, "results": results, "summary": table}, f, indent=2, default=str)
 
 
 if __name__ == "__main__":
