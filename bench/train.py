@@ -466,9 +466,9 @@ def main(argv=None):
 
 
 def _print_row(result):
-    model, source, stream = result["model"], result["input"], result["stream"]
-    if result.get("failed"):
+    if result.get("failed"):  # spawn has said so, with the row's stderr
         return
+    model, source, stream = result["model"], result["input"], result["stream"]
     print(f"  {model:<9} {source:<10} {stream:<7} {result['images_per_s']:>8.0f} images/s  "
           f"{result['cpu_s_per_1k']:.2f} CPU-s/1k  {result['gpu_mib']:>6.0f} MiB  [{result['path']}]", flush=True)
     if result.get("stages_ms_per_batch"):
