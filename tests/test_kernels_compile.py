@@ -18,14 +18,15 @@ def kernels():
     from gdsdata.io import checksums as C
     from gdsdata.transforms import kernels as K
 
+    rows, cols = K._tile(224)
     for nchw in (True, False):
         for out in ("*fp16", "*bf16", "*fp32", "*u8"):  # the transforms' dtypes
-            flags = {"NCHW": nchw, "TO_U8": out == "*u8", "BLOCK": K._BLOCK}
+            flags = {"NCHW": nchw, "TO_U8": out == "*u8"}
             yield K._bilinear, {"src": "*u8", "meta": "*i64", "out": out, "out_h": "i32", "out_w": "i32",
-                                **NORM}, flags
+                                **NORM}, {**flags, "BLOCK": K._BLOCK}
             yield K._aa_columns, {"meta": "*i64", "tmp": "*fp16", "out": out, "out_h": "i32", "out_w": "i32",
-                                  **NORM}, flags
-    yield K._aa_rows, {"src": "*u8", "meta": "*i64", "tmp": "*fp16", "out_w": "i32"}, {"BLOCK": K._BLOCK}
+                                  **NORM}, {**flags, "ROWS": rows, "COLS": cols}
+    yield K._aa_rows, {"src": "*u8", "meta": "*i64", "tmp": "*fp16", "out_w": "i32"}, {"ROWS": rows, "COLS": cols}
     for hsv in (True, False):
         for out in ("*u8", "*fp16", "*fp32"):
             yield K._detect, {"src": "*u8", "offsets": "*i64", "channels": "*i64", "inverse": "*fp32",

@@ -10,9 +10,11 @@ writes normalised values, interpolating from the interleaved uint8 source:
 - ``_aa_rows`` then ``_aa_columns``: torch's antialiased bilinear (``antialias=True``, torchvision
   v2's default), a triangle filter whose support grows with the downscale factor, each axis's weights
   normalised, exactly the index and weight arithmetic of ``interpolate``'s CPU kernel. Separable, as
-  torch computes it: the rows of the crop are filtered to the output width first (into a float16
-  buffer of crop height x output width per image), then its columns to the output height, so a
-  pixel costs the taps of one axis plus the taps of the other rather than their product.
+  torch computes it: the rows of the crop are filtered to the output width first (into float16
+  planes of crop height x output width per image and channel), then its columns to the output
+  height, so a pixel costs the taps of one axis plus the taps of the other rather than their
+  product. A program computes a tile of whole output rows, so the filter's window along a row is
+  worked out once for all the tile's rows, and every load and store of a tile row is contiguous.
 
 The CPU reference the GPU tests compare with is ``transforms._resample_torch``.
 
@@ -28,6 +30,8 @@ import triton.language as tl
 from gdsdata.batch import upload
 
 _BLOCK = 256
+TILE = 1024  # values an antialiasing program computes: whole output rows (4 of 224 px)
+WARPS = 4
 META = tl.constexpr(10)  # columns of a ``meta`` row: the 9 of ``transforms.apply``, the intermediate's offset
 
 
@@ -132,13 +136,15 @@ def _weight(k, low, size, center, invscale):
 
 
 @triton.jit
-def _filter(start, stride, step, taps, low, size, center, invscale, mask, BLOCK: tl.constexpr):
-    """The three channels' normalised triangle-filter sums along one axis: tap k of a pixel is at
-    ``start + k * stride`` (its channels ``step`` apart), ``taps`` the most any pixel has."""
-    acc0 = tl.zeros([BLOCK], tl.float32)
-    acc1 = tl.zeros([BLOCK], tl.float32)
-    acc2 = tl.zeros([BLOCK], tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
+def _filter(start, stride, step, taps, low, size, center, invscale, mask, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The three channels' normalised triangle-filter sums along one axis for a ROWS x COLS tile: tap k
+    of a pixel is at ``start + k * stride`` (its channels ``step`` apart), ``taps`` the most any pixel
+    has; the window (``low``, ``size``, ``center``, ``invscale``) is a row or a column of the tile's,
+    shared by the other axis."""
+    acc0 = tl.zeros([ROWS, COLS], tl.float32)
+    acc1 = tl.zeros([ROWS, COLS], tl.float32)
+    acc2 = tl.zeros([ROWS, COLS], tl.float32)
+    total = tl.zeros_like(center)
     for k in range(0, taps):
         w = _weight(k, low, size, center, invscale)
         total += w
@@ -152,46 +158,58 @@ def _filter(start, stride, step, taps, low, size, center, invscale, mask, BLOCK:
 
 
 @triton.jit
-def _aa_rows(src, meta, tmp, out_w, BLOCK: tl.constexpr):
-    """Pass 1: every row of image n's crop filtered to ``out_w`` columns (flipped if asked) into ``tmp``."""
+def _aa_rows(src, meta, tmp, out_w, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Pass 1: rows [b*ROWS, (b+1)*ROWS) of image n's crop filtered to ``out_w`` columns (flipped if
+    asked) into ``tmp``, a plane per channel; programs past the crop's last row return at once."""
     n = tl.program_id(0)
-    pid = tl.program_id(1)
+    first = tl.program_id(1) * ROWS
     off, width, chans, top, left, crop_h, crop_w, flip = _image(meta, n)
+    rows = crop_h.to(tl.int32)
+    if first >= rows:
+        return
     base_tmp = tl.load(meta + n * META + 9)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < crop_h.to(tl.int32) * out_w
-    r = idx // out_w
-    ox = idx % out_w
+    r = first + tl.arange(0, ROWS)[:, None]
+    ox = tl.arange(0, COLS)[None, :]
+    mask = (r < rows) & (ox < out_w)
     sx = tl.where(flip > 0, (out_w - 1) - ox, ox)
     xmin, xsize, xcenter, xinv = _axis(sx.to(tl.float32), crop_w, out_w)
     step = tl.where(chans == 3, 1, 0).to(tl.int64)
     start = src + off + (top + r).to(tl.int64) * (width * chans) + (left + xmin) * chans
-    v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask, BLOCK)
-    dest = tmp + base_tmp + idx.to(tl.int64) * 3
+    v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask, ROWS, COLS)
+    plane = rows.to(tl.int64) * out_w
+    dest = tmp + base_tmp + r.to(tl.int64) * out_w + ox
     tl.store(dest, v0.to(tmp.dtype.element_ty), mask=mask)
-    tl.store(dest + 1, v1.to(tmp.dtype.element_ty), mask=mask)
-    tl.store(dest + 2, v2.to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest + plane, v1.to(tmp.dtype.element_ty), mask=mask)
+    tl.store(dest + 2 * plane, v2.to(tmp.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _aa_columns(meta, tmp, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
-                NCHW: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 2: the columns of image n's ``tmp`` filtered to ``out_h`` rows, normalised into ``out``."""
+                NCHW: tl.constexpr, TO_U8: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Pass 2: output rows [b*ROWS, (b+1)*ROWS) of image n, its ``tmp`` planes' columns filtered to
+    ``out_h`` rows, normalised into ``out``."""
     n = tl.program_id(0)
-    pid = tl.program_id(1)
-    crop_h = tl.load(meta + n * META + 6).to(tl.float32)
+    oy = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]
+    ox = tl.arange(0, COLS)[None, :]
+    crop_h = tl.load(meta + n * META + 6)
     base_tmp = tl.load(meta + n * META + 9)
+    mask = (oy < out_h) & (ox < out_w)
+    extent = crop_h.to(tl.float32)
+    ymin, ysize, ycenter, yinv = _axis(oy.to(tl.float32), extent, out_h)
+    start = tmp + base_tmp + ymin * out_w + ox
+    v0, v1, v2 = _filter(start, out_w, crop_h * out_w, _taps(extent, out_h), ymin, ysize, ycenter, yinv, mask,
+                         ROWS, COLS)
     area = out_h * out_w
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < area
-    oy = idx // out_w
-    ox = idx % out_w
-    ymin, ysize, ycenter, yinv = _axis(oy.to(tl.float32), crop_h, out_h)
-    start = tmp + base_tmp + (ymin * out_w + ox) * 3
-    v0, v1, v2 = _filter(start, out_w * 3, 1, _taps(crop_h, out_h), ymin, ysize, ycenter, yinv, mask, BLOCK)
+    idx = oy * out_w + ox
     _store(out, n, idx, area, 0, v0, mask, s0, b0, NCHW, TO_U8)
     _store(out, n, idx, area, 1, v1, mask, s1, b1, NCHW, TO_U8)
     _store(out, n, idx, area, 2, v2, mask, s2, b2, NCHW, TO_U8)
+
+
+def _tile(out_w: int) -> tuple[int, int]:
+    """(rows, columns) of the antialiased passes' tiles: whole output rows, about TILE values."""
+    cols = triton.next_power_of_2(out_w)
+    return max(1, TILE // cols), cols
 
 
 def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias):
@@ -205,13 +223,16 @@ def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias)
     table = upload(torch.from_numpy(np.ascontiguousarray(np.concatenate([meta, places[:, None]], axis=1))),
                    buffer.device)
     norm = (float(scale[0]), float(scale[1]), float(scale[2]), float(shift[0]), float(shift[1]), float(shift[2]))
-    flags = {"NCHW": nchw, "TO_U8": out.dtype.is_floating_point is False, "BLOCK": _BLOCK}
+    flags = {"NCHW": nchw, "TO_U8": out.dtype.is_floating_point is False}
     if not antialias:
-        _bilinear[(n, triton.cdiv(out_h * out_w, _BLOCK))](buffer, table, out, out_h, out_w, *norm, **flags)
+        _bilinear[(n, triton.cdiv(out_h * out_w, _BLOCK))](buffer, table, out, out_h, out_w, *norm, **flags,
+                                                            BLOCK=_BLOCK)
         return
+    tile_rows, tile_cols = _tile(out_w)
+    tiles = {"ROWS": tile_rows, "COLS": tile_cols, "num_warps": WARPS}
     tmp = torch.empty(int(rows.sum()) * out_w * 3, dtype=torch.float16, device=buffer.device)
-    _aa_rows[(n, triton.cdiv(int(rows.max()) * out_w, _BLOCK))](buffer, table, tmp, out_w, BLOCK=_BLOCK)
-    _aa_columns[(n, triton.cdiv(out_h * out_w, _BLOCK))](table, tmp, out, out_h, out_w, *norm, **flags)
+    _aa_rows[(n, triton.cdiv(int(rows.max()), tile_rows))](buffer, table, tmp, out_w, **tiles)
+    _aa_columns[(n, triton.cdiv(out_h, tile_rows))](table, tmp, out, out_h, out_w, *norm, **flags, **tiles)
 
 
 # --- detection: YoloAugment's and Letterbox's sampling, one launch a batch ---------------------------
