@@ -25,10 +25,8 @@ def kernels():
             yield K._bilinear, {"src": "*u8", "meta": "*i64", "out": out, "out_h": "i32", "out_w": "i32",
                                 **NORM}, {**flags, "BLOCK": K._BLOCK}
             yield K._aa_columns, {"meta": "*i64", "tmp": "*fp16", "out": out, "out_h": "i32", "out_w": "i32",
-                                  **NORM}, {**flags, "ROWS": rows, "COLS": cols, "TAPS": 8 if nchw else 0}
-    for taps in (0, 8):  # a loop, unrolled
-        yield K._aa_rows, {"src": "*u8", "meta": "*i64", "tmp": "*fp16", "out_w": "i32"}, \
-            {"ROWS": rows, "COLS": cols, "TAPS": taps}
+                                  **NORM}, {**flags, "ROWS": rows, "COLS": cols}
+    yield K._aa_rows, {"src": "*u8", "meta": "*i64", "tmp": "*fp16", "out_w": "i32"}, {"ROWS": rows, "COLS": cols}
     for hsv in (True, False):
         for out in ("*u8", "*fp16", "*fp32"):
             yield K._detect, {"src": "*u8", "offsets": "*i64", "channels": "*i64", "inverse": "*fp32",

@@ -30,9 +30,8 @@ import triton.language as tl
 from gdsdata.batch import upload
 
 _BLOCK = 256
-TILE = 1024  # values an antialiasing program computes: whole output rows (4 of 224 px)
+TILE = 512  # values an antialiasing program computes: whole output rows (2 of 224 px), with WARPS warps
 WARPS = 4
-UNROLL = 16  # the most taps a pass unrolls (0: never); more run in a loop
 META = tl.constexpr(10)  # columns of a ``meta`` row: the 9 of ``transforms.apply``, the intermediate's offset
 
 
@@ -137,41 +136,29 @@ def _weight(k, low, size, center, invscale):
 
 
 @triton.jit
-def _filter(start, stride, step, taps, low, size, center, invscale, mask, ROWS: tl.constexpr, COLS: tl.constexpr,
-            TAPS: tl.constexpr):
+def _filter(start, stride, step, taps, low, size, center, invscale, mask, ROWS: tl.constexpr, COLS: tl.constexpr):
     """The three channels' normalised triangle-filter sums along one axis for a ROWS x COLS tile: tap k
     of a pixel is at ``start + k * stride`` (its channels ``step`` apart), ``taps`` the most any pixel
     has; the window (``low``, ``size``, ``center``, ``invscale``) is a row or a column of the tile's,
-    shared by the other axis. ``TAPS`` > 0 (at least ``taps``): the taps unrolled, their loads issued
-    together."""
+    shared by the other axis."""
     acc0 = tl.zeros([ROWS, COLS], tl.float32)
     acc1 = tl.zeros([ROWS, COLS], tl.float32)
     acc2 = tl.zeros([ROWS, COLS], tl.float32)
     total = tl.zeros_like(center)
-    if TAPS > 0:
-        for k in tl.static_range(TAPS):
-            w = _weight(k, low, size, center, invscale)
-            total += w
-            p = start + k * stride
-            inside = mask & (k < size)
-            acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
-            acc1 += w * tl.load(p + step, mask=inside, other=0).to(tl.float32)
-            acc2 += w * tl.load(p + 2 * step, mask=inside, other=0).to(tl.float32)
-    else:
-        for k in range(0, taps):
-            w = _weight(k, low, size, center, invscale)
-            total += w
-            p = start + k * stride
-            inside = mask & (k < size)
-            acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
-            acc1 += w * tl.load(p + step, mask=inside, other=0).to(tl.float32)
-            acc2 += w * tl.load(p + 2 * step, mask=inside, other=0).to(tl.float32)
+    for k in range(0, taps):
+        w = _weight(k, low, size, center, invscale)
+        total += w
+        p = start + k * stride
+        inside = mask & (k < size)
+        acc0 += w * tl.load(p, mask=inside, other=0).to(tl.float32)
+        acc1 += w * tl.load(p + step, mask=inside, other=0).to(tl.float32)
+        acc2 += w * tl.load(p + 2 * step, mask=inside, other=0).to(tl.float32)
     norm = 1.0 / tl.maximum(total, 1e-20)
     return acc0 * norm, acc1 * norm, acc2 * norm
 
 
 @triton.jit
-def _aa_rows(src, meta, tmp, out_w, ROWS: tl.constexpr, COLS: tl.constexpr, TAPS: tl.constexpr):
+def _aa_rows(src, meta, tmp, out_w, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Pass 1: rows [b*ROWS, (b+1)*ROWS) of image n's crop filtered to ``out_w`` columns (flipped if
     asked) into ``tmp``, a plane per channel; programs past the crop's last row return at once."""
     n = tl.program_id(0)
@@ -189,7 +176,7 @@ def _aa_rows(src, meta, tmp, out_w, ROWS: tl.constexpr, COLS: tl.constexpr, TAPS
     step = tl.where(chans == 3, 1, 0).to(tl.int64)
     start = src + off + (top + r).to(tl.int64) * (width * chans) + (left + xmin) * chans
     v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask,
-                         ROWS, COLS, TAPS)
+                         ROWS, COLS)
     plane = rows.to(tl.int64) * out_w
     dest = tmp + base_tmp + r.to(tl.int64) * out_w + ox
     tl.store(dest, v0.to(tmp.dtype.element_ty), mask=mask)
@@ -199,8 +186,7 @@ def _aa_rows(src, meta, tmp, out_w, ROWS: tl.constexpr, COLS: tl.constexpr, TAPS
 
 @triton.jit
 def _aa_columns(meta, tmp, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
-                NCHW: tl.constexpr, TO_U8: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                TAPS: tl.constexpr):
+                NCHW: tl.constexpr, TO_U8: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Pass 2: output rows [b*ROWS, (b+1)*ROWS) of image n, its ``tmp`` planes' columns filtered to
     ``out_h`` rows, normalised into ``out``."""
     n = tl.program_id(0)
@@ -213,7 +199,7 @@ def _aa_columns(meta, tmp, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
     ymin, ysize, ycenter, yinv = _axis(oy.to(tl.float32), extent, out_h)
     start = tmp + base_tmp + ymin * out_w + ox
     v0, v1, v2 = _filter(start, out_w, crop_h * out_w, _taps(extent, out_h), ymin, ysize, ycenter, yinv, mask,
-                         ROWS, COLS, TAPS)
+                         ROWS, COLS)
     area = out_h * out_w
     idx = oy * out_w + ox
     _store(out, n, idx, area, 0, v0, mask, s0, b0, NCHW, TO_U8)
@@ -246,20 +232,8 @@ def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias)
     tile_rows, tile_cols = _tile(out_w)
     tiles = {"ROWS": tile_rows, "COLS": tile_cols, "num_warps": WARPS}
     tmp = torch.empty(int(rows.sum()) * out_w * 3, dtype=torch.float16, device=buffer.device)
-    _aa_rows[(n, triton.cdiv(int(rows.max()), tile_rows))](buffer, table, tmp, out_w, **tiles,
-                                                          TAPS=_unrolled(meta[:, 7].max(), out_w))
-    _aa_columns[(n, triton.cdiv(out_h, tile_rows))](table, tmp, out, out_h, out_w, *norm, **flags, **tiles,
-                                                    TAPS=_unrolled(rows.max(), out_h))
-
-
-def _unrolled(extent: int, size: int) -> int:
-    """The unrolled tap count of a pass whose largest crop extent is ``extent`` (``_taps``, rounded up to
-    a multiple of 4 so that a few variants are compiled), or 0 (a loop) past UNROLL taps."""
-    if not UNROLL:
-        return 0
-    taps = int(2.0 * max(extent / size, 1.0) + 2.0)
-    taps = -(-taps // 4) * 4
-    return taps if taps <= UNROLL else 0
+    _aa_rows[(n, triton.cdiv(int(rows.max()), tile_rows))](buffer, table, tmp, out_w, **tiles)
+    _aa_columns[(n, triton.cdiv(out_h, tile_rows))](table, tmp, out, out_h, out_w, *norm, **flags, **tiles)
 
 
 # --- detection: YoloAugment's and Letterbox's sampling, one launch a batch ---------------------------
