@@ -118,6 +118,57 @@ def test_two_appends_never_lose_images(src, tmp_path, trial):
     assert verify(out) == []
 
 
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def _left_by(out, tag, pid) -> str:
+    """The folder name ``lock.aside`` gives a writer ``pid`` of this host."""
+    from gdsdata.format import lock
+
+    parent, name = os.path.split(out)
+    return os.path.join(parent, f".{name}.gdsdata-{tag}-{lock._HOST}-{pid}-0123abcd")
+
+
+def test_a_writer_clears_what_killed_writers_of_its_dataset_left_and_spares_live_ones(src, tmp_path, caplog):
+    from gdsdata.format.lock import writer_lock
+
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    dead, live = _left_by(out, "new", _dead_pid()), _left_by(out, "new", os.getpid())
+    pack(src, dead, workers=1)  # a complete replacement its writer never swapped in
+    os.makedirs(os.path.join(_left_by(out, "parts", _dead_pid()), "part-0"))
+    os.makedirs(live)
+    other = str(tmp_path / ".dsx.gdsdata-new-host-1-0123abcd")  # another dataset's
+    os.makedirs(other)
+    with caplog.at_level("WARNING", logger="gdsdata.format.lock"), writer_lock(out, "test"):
+        pass
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".ds.gdsdata-")] == [os.path.basename(live)]
+    assert os.path.isdir(other)
+    assert any(os.path.basename(live) in r.getMessage() and "may still run" in r.getMessage() for r in caplog.records)
+    assert verify(out) == []  # the dataset, untouched
+
+
+def test_a_writer_finishes_the_swap_a_killed_writer_began(src, tmp_path):
+    """Killed between ``swap_in``'s two renames (where the kernel has no atomic exchange): ``out`` is
+    missing, the complete new dataset and the old one beside it; the next writer puts the new one in
+    place and removes the old."""
+    from gdsdata.format.index import header_id
+    from gdsdata.format.lock import writer_lock
+
+    out = str(tmp_path / "ds")
+    pid = _dead_pid()
+    new, old = _left_by(out, "new", pid), _left_by(out, "old", pid)
+    pack(src, new, workers=1)
+    pack(src, old, workers=1)
+    new_id = header_id(new)
+    with writer_lock(out, "test"):
+        pass
+    assert verify(out) == [] and header_id(out) == new_id
+    assert not os.path.exists(new) and not os.path.exists(old)
+
+
 def test_overwrite_keeps_the_old_dataset_when_the_new_pack_fails(src, tmp_path):
     out = str(tmp_path / "ds")
     pack(src, out, workers=1)

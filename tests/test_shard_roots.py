@@ -315,15 +315,27 @@ def test_a_resume_whose_first_shard_is_damaged_removes_the_interrupted_packs_sha
     assert remote_files(drives) == linked
 
 
-def test_a_killed_overwrite_leaves_the_dataset_whole_and_the_next_one_works(src, tmp_path):
-    """(What the killed writer left beside the dataset stays: no later writer can tell it from a live
-    one's, so nothing removes it; usage.md says so.)"""
+def test_a_killed_overwrite_leaves_the_dataset_whole_and_the_next_writer_clears_what_it_left(src, tmp_path,
+                                                                                            caplog):
     drives, out = roots(tmp_path), str(tmp_path / "ds")
     pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives)
+    crop = gdsdata.RandomResizedCrop(32, seed=3, dtype="uint8")
+    before = batches(out, transform=crop)
     killed_pack(src, out, drives, 9, overwrite=True)
     assert gdsdata.verify(out) == []  # the old dataset, untouched
-    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
+    left = [n for n in os.listdir(tmp_path) if n.startswith(".ds.gdsdata-new-")]
+    assert len(left) == 1
+    linked = sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
+    assert remote_files(drives) != linked  # the killed pack's shards on the drives
+    with caplog.at_level("WARNING", logger="gdsdata.format.lock"):
+        pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
+    assert any(left[0] in r.getMessage() and "removed" in r.getMessage() for r in caplog.records)
     assert gdsdata.verify(out) == []
+    assert not [n for n in os.listdir(tmp_path) if ".gdsdata-new-" in n]
+    linked = sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
+    assert remote_files(drives) == linked  # nothing of the killed pack, nothing of the replaced dataset
+    for (x, y), (x2, y2) in zip(before, batches(out, transform=crop), strict=True):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
 
 
 def test_a_link_to_a_dataset_is_overwritten_where_it_points(src, tmp_path):

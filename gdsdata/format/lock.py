@@ -10,7 +10,11 @@ does not forward it are not kept apart.)
 ``aside(out)`` gives the folder a replacement is built in (a sibling, so that the swap is a rename
 on one filesystem) and ``swap_in`` exchanges it with ``out`` in one step where the kernel has
 ``renameat2(RENAME_EXCHANGE)``, else with two renames; the old dataset stays whole until the new
-one is.
+one is. Only the holder of ``out``'s lock makes such folders, and their names carry its host and
+process: the next writer of ``out`` removes those a writer killed outright left (with the shards
+they hold on other drives), where that writer ran on the same host and is gone; if it was killed
+between the two renames, so that ``out`` is missing, the complete replacement it left becomes
+``out``, as it was about to.
 
 A dataset packed onto several drives (``pack(shard_roots=)``) keeps its shards in a folder
 ``NAME.gdsdata-shards-ID`` on each drive (ID: the pack's dataset id) and a symbolic link to each in
@@ -23,6 +27,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import logging
 import os
 import shutil
 import socket
@@ -30,10 +35,14 @@ import sys
 import time
 
 from gdsdata.errors import BusyError
-from gdsdata.format.layout import TMP_SUFFIX
+from gdsdata.format.layout import JOURNAL_SUFFIX, TMP_SUFFIX
+
+log = logging.getLogger(__name__)
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+_TAGS = ("new", "old", "parts")  # the folders writers build aside: a replacement, a swapped-out dataset, Ray's parts
+_HOST = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname()) or "host"
 
 
 def _lock_path(out: str) -> str:
@@ -69,6 +78,7 @@ def writer_lock(out, what: str):
         os.write(fd, json.dumps({"what": what, "pid": os.getpid(), "host": socket.gethostname(),
                                  "since": time.strftime("%Y-%m-%d %H:%M:%S"),
                                  "command": " ".join(sys.argv[:4])}).encode())
+        _clear_leftovers(os.fspath(out))
         yield
     finally:
         try:
@@ -94,11 +104,82 @@ def _holder(fd) -> str:
 
 
 def aside(out: str, tag: str) -> str:
-    """A new empty sibling folder of ``out`` for a replacement to be built in."""
+    """A new empty sibling folder of ``out`` for a replacement to be built in (``tag``: one of
+    ``_TAGS``), named for this host and process."""
     parent, name = os.path.split(os.path.abspath(out))
-    path = os.path.join(parent, f".{name}.gdsdata-{tag}-{os.getpid()}-{os.urandom(4).hex()}")
+    path = os.path.join(parent, f".{name}.gdsdata-{tag}-{_HOST}-{os.getpid()}-{os.urandom(4).hex()}")
     os.makedirs(path)
     return path
+
+
+def _maker(entry: str, name: str) -> "tuple[str, str, int] | None":
+    """(tag, host, process) of the folder ``entry`` that ``aside`` made for dataset ``name``; None
+    for anything else (the lock file, a folder of an older version without the host)."""
+    prefix = f".{name}.gdsdata-"
+    if not entry.startswith(prefix):
+        return None
+    head, sep, rest = entry[len(prefix):].partition("-")
+    parts = rest.rsplit("-", 2)
+    if head not in _TAGS or not sep or len(parts) != 3 or not parts[1].isdigit() or len(parts[2]) != 8:
+        return None
+    return head, parts[0], int(parts[1])
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _linked(folder: str) -> set:
+    """The real paths of the files ``folder``'s links point to (its shards on other drives)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return set()
+    return {os.path.realpath(os.path.join(folder, n)) for n in names if os.path.islink(os.path.join(folder, n))}
+
+
+def _clear_leftovers(out: str):
+    """What writers of ``out`` killed outright left beside it (their ``aside`` folders, with the shards
+    those hold on other drives), for the holder of ``out``'s lock: removed where the writer ran on this
+    host and is gone, else named in a warning. A complete replacement becomes ``out`` where ``out``
+    is missing (a writer killed between ``swap_in``'s two renames)."""
+    parent, name = os.path.split(os.path.abspath(out))
+    try:
+        entries = sorted(os.listdir(parent))
+    except OSError:
+        return
+    for entry in entries:
+        maker = _maker(entry, name)
+        if maker is None:
+            continue
+        tag, host, pid = maker
+        path = os.path.join(parent, entry)
+        if host != _HOST or _running(pid):
+            log.warning("%s: left by a gdsdata writer (process %d on %s) that may still run; remove it by hand "
+                        "once none does", path, pid, host)
+            continue
+        try:
+            if tag == "new" and not os.path.lexists(out) and _index_id(path) is not None:
+                os.rename(path, out)
+                log.warning("%s: was missing; the complete dataset a writer killed while swapping it in left "
+                            "(%s) is it now", out, path)
+                continue
+            keep = _linked(out)
+            for folder in [os.path.join(path, n) for n in sorted(os.listdir(path))] if tag == "parts" else [path]:
+                remove_dataset(folder, dataset_owner(folder), keep)
+            remove_quietly(path)
+        except OSError as e:
+            log.warning("%s: left by a gdsdata writer (process %d) killed before it finished; not removed (%s)",
+                        path, pid, e)
+            continue
+        log.warning("%s: removed, with its shards on other drives: left by a gdsdata writer (process %d) killed "
+                    "before it finished", path, pid)
 
 
 def swap_in(new: str, out: str, old_id: "bytes | None" = None):
@@ -187,6 +268,26 @@ def remove_shard(path: str, dataset_id: "bytes | None"):
             os.rmdir(os.path.dirname(target))
         except OSError:  # other shards of the dataset are still there
             pass
+
+
+def _index_id(folder: str) -> "bytes | None":
+    from gdsdata.format.index import header_id  # (the index reads shard headers; shards import this module)
+
+    return header_id(folder)
+
+
+def dataset_owner(folder) -> "bytes | None":
+    """The dataset id that owns the shards ``folder``'s links point to on other drives: its index's,
+    or an unfinished pack's (its journals'); None where neither is readable."""
+    owner = _index_id(folder)
+    if owner is not None:
+        return owner
+    try:
+        journals = sorted(n for n in os.listdir(folder) if n.endswith(JOURNAL_SUFFIX))
+        with open(os.path.join(folder, journals[0]), encoding="utf-8") as f:
+            return bytes.fromhex(json.load(f)["dataset_id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def remove_dataset(folder: str, dataset_id: "bytes | None", keep=()):

@@ -35,7 +35,7 @@ from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
-from gdsdata.format.lock import aside, remove_dataset, remove_shard, swap_in, writer_lock
+from gdsdata.format.lock import aside, dataset_owner, remove_dataset, remove_shard, swap_in, writer_lock
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32
 from gdsdata.packing.detection import annotate, open_detection
@@ -168,20 +168,6 @@ def into(out, overwrite, build):
         remove_dataset(staging, dataset_owner(staging))  # with what it wrote on other drives
         raise
     return result
-
-
-def dataset_owner(folder) -> "bytes | None":
-    """The dataset id that owns the shards ``folder``'s links point to on other drives: its index's,
-    or an unfinished pack's (its journals'); None where neither is readable."""
-    owner = index_io.header_id(folder)
-    if owner is not None:
-        return owner
-    try:
-        journals = sorted(n for n in os.listdir(folder) if n.endswith(fmt.JOURNAL_SUFFIX))
-        with open(os.path.join(folder, journals[0]), encoding="utf-8") as f:
-            return bytes.fromhex(json.load(f)["dataset_id"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
 
 
 def _prepare_chunk(jobs):
