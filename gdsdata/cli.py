@@ -316,6 +316,8 @@ def main(argv=None):
         raise
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # what a writer did to what killed writers left beside the dataset, always said
+        logging.getLogger("gdsdata.format.lock").setLevel(logging.WARNING)
     from gdsdata.errors import GdsDataError
 
     try:

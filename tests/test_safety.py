@@ -155,7 +155,7 @@ def test_a_writer_finishes_the_swap_a_killed_writer_began(src, tmp_path):
     missing, the complete new dataset and the old one beside it; the next writer puts the new one in
     place and removes the old."""
     from gdsdata.format.index import header_id
-    from gdsdata.format.lock import writer_lock
+    from gdsdata.format.lock import remove_quietly, writer_lock
 
     out = str(tmp_path / "ds")
     pid = _dead_pid()
@@ -167,6 +167,12 @@ def test_a_writer_finishes_the_swap_a_killed_writer_began(src, tmp_path):
         pass
     assert verify(out) == [] and header_id(out) == new_id
     assert not os.path.exists(new) and not os.path.exists(old)
+    remove_quietly(out)  # removed by hand, and a complete replacement a writer never swapped in beside it:
+    stale = _left_by(out, "new", _dead_pid())  # it does not come back
+    pack(src, stale, workers=1)
+    with writer_lock(out, "test"):
+        pass
+    assert not os.path.exists(out) and not os.path.exists(stale)
 
 
 def test_overwrite_keeps_the_old_dataset_when_the_new_pack_fails(src, tmp_path):

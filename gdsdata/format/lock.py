@@ -114,15 +114,16 @@ def aside(out: str, tag: str) -> str:
 
 def _maker(entry: str, name: str) -> "tuple[str, str, int] | None":
     """(tag, host, process) of the folder ``entry`` that ``aside`` made for dataset ``name``; None
-    for anything else (the lock file, a folder of an older version without the host)."""
+    for anything else (the lock file, a folder of an older version without the host, another
+    dataset's: ``_HOST`` has no dash, so the name splits into exactly four fields)."""
     prefix = f".{name}.gdsdata-"
     if not entry.startswith(prefix):
         return None
-    head, sep, rest = entry[len(prefix):].partition("-")
-    parts = rest.rsplit("-", 2)
-    if head not in _TAGS or not sep or len(parts) != 3 or not parts[1].isdigit() or len(parts[2]) != 8:
+    fields = entry[len(prefix):].split("-")
+    if (len(fields) != 4 or fields[0] not in _TAGS or not fields[1] or not (fields[2].isascii() and fields[2].isdigit())
+            or len(fields[2]) > 10 or len(fields[3]) != 8):
         return None
-    return head, parts[0], int(parts[1])
+    return fields[0], fields[1], int(fields[2])
 
 
 def _running(pid: int) -> bool:
@@ -130,7 +131,7 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's
+    except (PermissionError, OverflowError):  # another user's; no pid of this host: not known gone
         return True
     return True
 
@@ -147,25 +148,32 @@ def _linked(folder: str) -> set:
 def _clear_leftovers(out: str):
     """What writers of ``out`` killed outright left beside it (their ``aside`` folders, with the shards
     those hold on other drives), for the holder of ``out``'s lock: removed where the writer ran on this
-    host and is gone, else named in a warning. A complete replacement becomes ``out`` where ``out``
-    is missing (a writer killed between ``swap_in``'s two renames)."""
+    host and is gone, else named in a warning. Where ``out`` is missing and the writer was killed
+    between ``swap_in``'s two renames (its swapped-out dataset lies beside it), its complete
+    replacement becomes ``out``; a swapped-out dataset is never removed while ``out`` is missing."""
     parent, name = os.path.split(os.path.abspath(out))
     try:
         entries = sorted(os.listdir(parent))
     except OSError:
         return
-    for entry in entries:
-        maker = _maker(entry, name)
-        if maker is None:
+    found = [(entry, _maker(entry, name)) for entry in entries]
+    found = [(os.path.join(parent, e), m) for e, m in found if m is not None]
+    swapping = {(h, p) for _, (t, h, p) in found if t == "old"}  # swap_in's fallback was under way
+    for path, (tag, host, pid) in found:
+        if os.path.islink(path) or not os.path.isdir(path):
+            log.warning("%s: not a folder gdsdata made; left alone", path)
             continue
-        tag, host, pid = maker
-        path = os.path.join(parent, entry)
         if host != _HOST or _running(pid):
             log.warning("%s: left by a gdsdata writer (process %d on %s) that may still run; remove it by hand "
                         "once none does", path, pid, host)
             continue
+        missing = not os.path.lexists(out)
+        if missing and tag == "old":  # the last complete dataset there is: never removed while out is missing
+            log.warning("%s: %s is missing and this is the dataset it held before a writer (process %d) was "
+                        "killed replacing it; left for you to rename back", path, out, pid)
+            continue
         try:
-            if tag == "new" and not os.path.lexists(out) and _index_id(path) is not None:
+            if missing and tag == "new" and (host, pid) in swapping and _index_id(path) is not None:
                 os.rename(path, out)
                 log.warning("%s: was missing; the complete dataset a writer killed while swapping it in left "
                             "(%s) is it now", out, path)
