@@ -150,6 +150,18 @@ def test_a_writer_clears_what_killed_writers_of_its_dataset_left_and_spares_live
     assert verify(out) == []  # the dataset, untouched
 
 
+def test_the_command_line_says_what_it_cleared(src, tmp_path):
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    left = _left_by(out, "new", _dead_pid())
+    os.makedirs(left)
+    done = subprocess.run([sys.executable, "-m", "gdsdata.cli", "pack", src, out, "--overwrite", "--workers", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert os.path.basename(left) in done.stderr and "removed" in done.stderr
+    assert not os.path.exists(left) and verify(out) == []
+
+
 def test_a_writer_finishes_the_swap_a_killed_writer_began(src, tmp_path):
     """Killed between ``swap_in``'s two renames (where the kernel has no atomic exchange): ``out`` is
     missing, the complete new dataset and the old one beside it; the next writer puts the new one in
