@@ -162,6 +162,42 @@ def test_the_command_line_says_what_it_cleared(src, tmp_path):
     assert not os.path.exists(left) and verify(out) == []
 
 
+def test_a_pack_killed_outright_leaves_no_worker_holding_its_lock(src, tmp_path):
+    """Its workers (forked, so holding copies of the lock's descriptor) end with it, and hold no
+    lock meanwhile: the next writer goes ahead at once."""
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    marker = f"gdsdata-killed-pack-{os.getpid()}-{random.getrandbits(32)}"
+    script = (f"import os, signal  # {marker}\n"
+              f"from gdsdata.packing.packer import pack\n"
+              f"seen = []\n"
+              f"def progress(n):\n"
+              f"    seen.append(n)\n"
+              f"    if len(seen) == 3:\n"
+              f"        os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"pack({src!r}, {out!r}, workers=2, overwrite=True, on_progress=progress)\n")
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120).returncode == \
+        -signal.SIGKILL
+
+    def left():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left() == []
+    pack(src, out, workers=1, overwrite=True)  # not refused: no process holds the lock
+    assert verify(out) == []
+
+
 def test_a_writer_finishes_the_swap_a_killed_writer_began(src, tmp_path):
     """Killed between ``swap_in``'s two renames (where the kernel has no atomic exchange): ``out`` is
     missing, the complete new dataset and the old one beside it; the next writer puts the new one in

@@ -43,6 +43,7 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _TAGS = ("new", "old", "parts")  # the folders writers build aside: a replacement, a swapped-out dataset, Ray's parts
 _HOST = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname()) or "host"
+_HELD = set()  # the descriptors of the locks this process holds (a forked worker closes its copies)
 
 
 def _lock_path(out: str) -> str:
@@ -73,6 +74,7 @@ def writer_lock(out, what: str):
         if same:
             break
         os.close(fd)
+    _HELD.add(fd)
     try:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"what": what, "pid": os.getpid(), "host": socket.gethostname(),
@@ -85,7 +87,19 @@ def writer_lock(out, what: str):
             os.unlink(path)
         except FileNotFoundError:
             pass
+        _HELD.discard(fd)
         os.close(fd)  # releases the lock
+
+
+def drop_inherited_locks():
+    """In a process forked from a writer: close its copies of the writer's lock descriptors, so that
+    the lock goes with the writer (a ``flock`` stays held while any copy is open)."""
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
 
 
 def _holder(fd) -> str:

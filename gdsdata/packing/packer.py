@@ -11,6 +11,7 @@ same samples and shard bytes as an uninterrupted pack. ``num_parts``/``part`` pa
 part of the source, with labels from the full class list, for ``merge.merge`` to join.
 """
 
+import ctypes
 import datetime
 import itertools
 import json
@@ -35,7 +36,8 @@ from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
-from gdsdata.format.lock import aside, dataset_owner, remove_dataset, remove_shard, swap_in, writer_lock
+from gdsdata.format.lock import (aside, dataset_owner, drop_inherited_locks, remove_dataset, remove_shard, swap_in,
+                                 writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32
 from gdsdata.packing.detection import annotate, open_detection
@@ -43,6 +45,7 @@ from gdsdata.packing.sources import Listing, display, is_url, open_source, read_
 
 log = logging.getLogger(__name__)
 _WINDOW_PER_WORKER = 16  # images in flight per worker: bounds memory for sources read here
+_PR_SET_PDEATHSIG = 1  # prctl: the signal a process gets when its parent ends
 
 
 @dataclass
@@ -174,16 +177,26 @@ def _prepare_chunk(jobs):
     return [_prepare_item(job) for job in jobs]
 
 
-def _quiet_worker():
-    """Packing workers leave Ctrl-C to the parent, which stops them and reports once."""
+def _quiet_worker(parent: int):
+    """Packing workers leave Ctrl-C to the parent, which stops them and reports once; they hold none
+    of its writer lock, and end with it (Linux): a pack killed outright leaves no worker behind to
+    keep the dataset locked."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    drop_inherited_locks()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:  # the parent ended before the signal was asked for
+            os._exit(1)
 
 
 def _isolated(job, context):
     """Prepare one job in a process of its own: what killed a pool's worker shows up here as the
     item that kills its process."""
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=_send_result, args=(job, send), daemon=True)
+    process = context.Process(target=_send_result, args=(job, send, os.getpid()), daemon=True)
     process.start()
     send.close()
     try:
@@ -199,8 +212,8 @@ def _isolated(job, context):
     return job[0], None, f"the packing worker died preparing it: {how}{hint}"
 
 
-def _send_result(job, send):
-    _quiet_worker()
+def _send_result(job, send, parent):
+    _quiet_worker(parent)
     send.send(_prepare_item(job))
     send.close()
 
@@ -260,7 +273,8 @@ def _results(jobs, workers):
         return
     # fork: workers start at once and need not re-import __main__
     context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    yield from _ordered(lambda: ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker),
+    yield from _ordered(lambda: ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker,
+                                                    initargs=(os.getpid(),)),
                         jobs, workers * _WINDOW_PER_WORKER, context)
 
 
