@@ -173,6 +173,37 @@ def test_a_merge_and_its_parts_own_their_shards_apart(src, tmp_path):
     assert [f for f in remote_files(drives) if "merged.gdsdata-shards-" in f] == []
 
 
+def test_a_merge_killed_outright_leaves_nothing_on_the_drives_after_the_next_writer(src, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    drives = roots(tmp_path)
+    parts = [str(tmp_path / f"part{k}") for k in range(2)]
+    for k, part in enumerate(parts):
+        pack(src, part, workers=1, shard_size=SHARD, shard_roots=drives, num_parts=2, part=k)
+    theirs = remote_files(drives)
+    merged = str(tmp_path / "merged")
+    gdsdata.merge(parts, merged)
+    ours = sorted(os.path.realpath(os.path.join(merged, n)) for n in shard_files(merged))
+    script = (f"import os, signal, sys; sys.path.insert(0, {os.path.join(os.path.dirname(__file__), '..')!r})\n"
+              f"import gdsdata\n"
+              f"link, made = os.link, []\n"
+              f"def dying_link(*args, **kwargs):\n"
+              f"    made.append(link(*args, **kwargs))\n"
+              f"    if len(made) == 2:\n"
+              f"        os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"os.link = dying_link\n"
+              f"gdsdata.merge({parts!r}, {merged!r}, overwrite=True)\n")
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120).returncode == \
+        -signal.SIGKILL
+    assert set(remote_files(drives)) > set(theirs) | set(ours)  # the killed merge's names on the drives
+    gdsdata.merge(parts, merged, overwrite=True)
+    ours = sorted(os.path.realpath(os.path.join(merged, n)) for n in shard_files(merged))
+    assert sorted(remote_files(drives)) == sorted(set(theirs) | set(ours))
+    assert gdsdata.verify(merged) == [] and all(gdsdata.verify(p) == [] for p in parts)
+
+
 def test_bad_roots_are_refused(src, tmp_path):
     out = str(tmp_path / "ds")
     (tmp_path / "file").write_text("x")

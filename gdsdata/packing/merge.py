@@ -9,6 +9,7 @@ alignment; their samples follow each other in the order the parts are given.
 
 import datetime
 import errno
+import json
 import logging
 import os
 import shutil
@@ -25,6 +26,8 @@ from gdsdata.packing.packer import into
 
 log = logging.getLogger(__name__)
 
+_RECORD = "merge" + fmt.JOURNAL_SUFFIX  # the merge's dataset id while it builds, as a pack's journals hold it
+
 
 def _on_its_drive(src, dst, part_id, folder_of, placed, move):
     """A shard a part keeps on another drive (``pack --shard-root``) gets a name in the merged
@@ -36,26 +39,25 @@ def _on_its_drive(src, dst, part_id, folder_of, placed, move):
         return None
     mine = folder_of(os.path.dirname(os.path.dirname(real)))
     name = os.path.join(mine, os.path.basename(dst))
-    if move and owned_target(src, part_id):
+    try:
         os.makedirs(mine, exist_ok=True)
-        os.rename(real, name)  # the same drive: one step, no copy
-        how = "moved on its drive"
-    else:
-        try:
-            os.makedirs(mine, exist_ok=True)
+        os.symlink(name, dst)  # first: whoever clears a merge killed outright finds all it placed through its links
+        if move and owned_target(src, part_id):
+            os.rename(real, name)  # the same drive: one step, no copy
+            how = "moved on its drive"
+        else:
             os.link(real, name)
-        except OSError as e:  # no hard links there (or no right to make them): a link to the part's shard
-            if e.errno not in (errno.EPERM, errno.EMLINK, errno.EXDEV, errno.EOPNOTSUPP, errno.EACCES,
-                               errno.EROFS):
-                raise
+            how = "hard-linked on its drive"
+    except OSError as e:  # no hard links there (or no right to make them): a link to the part's shard
+        if e.errno not in (errno.EPERM, errno.EMLINK, errno.EXDEV, errno.EOPNOTSUPP, errno.EACCES, errno.EROFS):
+            raise
+        for undo in (os.unlink, os.rmdir):  # the link; the folder, unless other shards of the merge are there
             try:
-                os.rmdir(mine)
-            except OSError:  # other shards of the merge are there, or it was never made
+                undo(dst if undo is os.unlink else mine)
+            except OSError:
                 pass
-            return None
-        how = "hard-linked on its drive"
+        return None
     placed.append(name)
-    os.symlink(name, dst)
     return how
 
 
@@ -174,8 +176,13 @@ def _merge(ordered, folder, out, copy, adopt=False):
     indexes = [index for _, index in ordered]
     dataset_id = os.urandom(16)
     placed = []  # names of shards in this dataset's own folders on other drives (gone if the merge fails)
+    record = os.path.join(folder, _RECORD)  # a merge killed outright: whoever clears it knows them its own
+    with open(record, "w", encoding="utf-8") as f:
+        json.dump({"dataset_id": dataset_id.hex()}, f)
     try:
-        return _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed)
+        summary = _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed)
+        os.unlink(record)
+        return summary
     except BaseException:
         for path in placed:
             remove_shard(path, None)
