@@ -343,11 +343,24 @@ def _stdout_closed() -> bool:
     head``): then the rest of the output goes nowhere, quietly, as Python's docs advise."""
     try:
         sys.stdout.flush()
-        return False
+        closed = _reader_gone(sys.stdout.fileno())  # (the failed write may have emptied the buffer)
     except BrokenPipeError:
+        closed = True
+    if closed:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
-        return True
+    return closed
+
+
+def _reader_gone(fd: int) -> bool:
+    """Whether ``fd`` is a pipe whose reading end is closed (poll reports an error on it)."""
+    import select
+
+    if not hasattr(select, "poll"):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 def run():

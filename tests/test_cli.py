@@ -49,6 +49,20 @@ def test_pack_inspect_verify(small_src, tmp_path):
     assert rc == 0 and "every sample decodes" in stdout
 
 
+def test_output_cut_short_by_its_reader_is_no_error(small_src, tmp_path):
+    """``gdsdata inspect DS | head -1``: the reader goes after one line; the rest goes nowhere, quietly."""
+    out = str(tmp_path / "ds")
+    assert run("pack", small_src, out)[0] == 0
+    for _ in range(8):
+        proc = subprocess.Popen([sys.executable, "-m", "gdsdata.cli", "inspect", out], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        assert proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=60)
+        assert "error" not in err and "Traceback" not in err, err
+
+
 def test_errors_are_one_line(small_src, tmp_path):
     assert_one_line_error(*run("pack", str(tmp_path / "missing"), str(tmp_path / "o"))[::2], "no such folder")
     out = str(tmp_path / "ds")
