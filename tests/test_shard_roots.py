@@ -38,6 +38,19 @@ def remote_files(drives):
                   for d, _, files in os.walk(drive) for f in files)
 
 
+def spread_parts(src, tmp_path, drives, n=2):
+    """``src`` packed in ``n`` parts onto ``drives``."""
+    parts = [str(tmp_path / f"part{k}") for k in range(n)]
+    for k, part in enumerate(parts):
+        pack(src, part, workers=1, shard_size=SHARD, shard_roots=drives, num_parts=n, part=k)
+    return parts
+
+
+def linked(out):
+    """The real paths of the shards ``out`` links to."""
+    return sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
+
+
 def batches(out, **loader):
     ds = gdsdata.GDSDataset(out)
     return [(x.clone(), y.clone()) for x, y in gdsdata.Loader(ds, 4, seed=1, **loader)]
@@ -155,9 +168,7 @@ def test_a_merge_and_its_parts_own_their_shards_apart(src, tmp_path):
     on the same drive: overwriting the parts leaves the merged dataset whole, overwriting the merged
     dataset leaves the parts whole, and each removes only its own names."""
     drives = roots(tmp_path)
-    parts = [str(tmp_path / f"part{k}") for k in range(2)]
-    for k, part in enumerate(parts):
-        pack(src, part, workers=1, shard_size=SHARD, shard_roots=drives, num_parts=2, part=k)
+    parts = spread_parts(src, tmp_path, drives)
     theirs = remote_files(drives)
     merged = str(tmp_path / "merged")
     assert gdsdata.merge(parts, merged)["shards_placed"] == ["hard-linked on its drive"]
@@ -179,13 +190,11 @@ def test_a_merge_killed_outright_leaves_nothing_on_the_drives_after_the_next_wri
     import sys
 
     drives = roots(tmp_path)
-    parts = [str(tmp_path / f"part{k}") for k in range(2)]
-    for k, part in enumerate(parts):
-        pack(src, part, workers=1, shard_size=SHARD, shard_roots=drives, num_parts=2, part=k)
+    parts = spread_parts(src, tmp_path, drives)
     theirs = remote_files(drives)
     merged = str(tmp_path / "merged")
     gdsdata.merge(parts, merged)
-    ours = sorted(os.path.realpath(os.path.join(merged, n)) for n in shard_files(merged))
+    ours = linked(merged)
     script = (f"import os, signal, sys; sys.path.insert(0, {os.path.join(os.path.dirname(__file__), '..')!r})\n"
               f"import gdsdata\n"
               f"link, made = os.link, []\n"
@@ -199,7 +208,7 @@ def test_a_merge_killed_outright_leaves_nothing_on_the_drives_after_the_next_wri
         -signal.SIGKILL
     assert set(remote_files(drives)) > set(theirs) | set(ours)  # the killed merge's names on the drives
     gdsdata.merge(parts, merged, overwrite=True)
-    ours = sorted(os.path.realpath(os.path.join(merged, n)) for n in shard_files(merged))
+    ours = linked(merged)
     assert sorted(remote_files(drives)) == sorted(set(theirs) | set(ours))
     assert gdsdata.verify(merged) == [] and all(gdsdata.verify(p) == [] for p in parts)
 
@@ -265,8 +274,7 @@ def test_a_pack_killed_in_its_first_shard_leaves_nothing_on_the_drives(src, tmp_
     assert any(f.endswith(fmt.TMP_SUFFIX) for f in remote_files(drives))  # killed inside shard 0
     pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, resume=True)
     assert gdsdata.verify(out) == []
-    linked = sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
-    assert remote_files(drives) == linked
+    assert remote_files(drives) == linked(out)
 
 
 def test_a_ray_merge_that_fails_leaves_nothing_on_the_drives(src, tmp_path, monkeypatch):
@@ -342,8 +350,7 @@ def test_a_resume_whose_first_shard_is_damaged_removes_the_interrupted_packs_sha
         f.write(b"\xff" * 16)
     pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, resume=True)
     assert gdsdata.verify(out) == []
-    linked = sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
-    assert remote_files(drives) == linked
+    assert remote_files(drives) == linked(out)
 
 
 def test_a_killed_overwrite_leaves_the_dataset_whole_and_the_next_writer_clears_what_it_left(src, tmp_path,
@@ -356,15 +363,13 @@ def test_a_killed_overwrite_leaves_the_dataset_whole_and_the_next_writer_clears_
     assert gdsdata.verify(out) == []  # the old dataset, untouched
     left = [n for n in os.listdir(tmp_path) if n.startswith(".ds.gdsdata-new-")]
     assert len(left) == 1
-    linked = sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
-    assert remote_files(drives) != linked  # the killed pack's shards on the drives
+    assert remote_files(drives) != linked(out)  # the killed pack's shards on the drives
     with caplog.at_level("WARNING", logger="gdsdata.format.lock"):
         pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
     assert any(left[0] in r.getMessage() and "removed" in r.getMessage() for r in caplog.records)
     assert gdsdata.verify(out) == []
     assert not [n for n in os.listdir(tmp_path) if ".gdsdata-new-" in n]
-    linked = sorted(os.path.realpath(os.path.join(out, n)) for n in shard_files(out))
-    assert remote_files(drives) == linked  # nothing of the killed pack, nothing of the replaced dataset
+    assert remote_files(drives) == linked(out)  # nothing of the killed pack, nothing of the replaced dataset
     for (x, y), (x2, y2) in zip(before, batches(out, transform=crop), strict=True):
         assert torch.equal(x, x2) and torch.equal(y, y2)
 
@@ -375,5 +380,4 @@ def test_a_link_to_a_dataset_is_overwritten_where_it_points(src, tmp_path):
     os.symlink(real, tmp_path / "alias")
     pack(src, str(tmp_path / "alias"), workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
     assert os.path.islink(tmp_path / "alias") and gdsdata.verify(str(tmp_path / "alias")) == []
-    linked = sorted(os.path.realpath(os.path.join(real, n)) for n in shard_files(real))
-    assert remote_files(drives) == linked
+    assert remote_files(drives) == linked(real)
