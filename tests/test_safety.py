@@ -198,6 +198,19 @@ def test_a_pack_killed_outright_leaves_no_worker_holding_its_lock(src, tmp_path)
     assert verify(out) == []
 
 
+def test_journals_left_in_a_finished_dataset_go_with_its_next_writer(src, tmp_path):
+    from gdsdata.format.lock import writer_lock
+
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    stale = os.path.join(out, fmt.shard_name(0) + fmt.JOURNAL_SUFFIX)  # an append killed after its index
+    with open(stale, "w") as f:
+        json.dump({"dataset_id": "00" * 16}, f)
+    with writer_lock(out, "test"):
+        pass
+    assert not os.path.exists(stale) and verify(out) == []
+
+
 def test_a_writer_finishes_the_swap_a_killed_writer_began(src, tmp_path):
     """Killed between ``swap_in``'s two renames (where the kernel has no atomic exchange): ``out`` is
     missing, the complete new dataset and the old one beside it; the next writer puts the new one in

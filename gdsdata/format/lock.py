@@ -165,6 +165,7 @@ def _clear_leftovers(out: str):
     host and is gone, else named in a warning. Where ``out`` is missing and the writer was killed
     between ``swap_in``'s two renames (its swapped-out dataset lies beside it), its complete
     replacement becomes ``out``; a swapped-out dataset is never removed while ``out`` is missing."""
+    _clear_journals(out)
     parent, name = os.path.split(os.path.abspath(out))
     try:
         entries = sorted(os.listdir(parent))
@@ -202,6 +203,24 @@ def _clear_leftovers(out: str):
             continue
         log.warning("%s: removed, with its shards on other drives: left by a gdsdata writer (process %d) killed "
                     "before it finished", path, pid)
+
+
+def _clear_journals(out: str):
+    """Journals in a finished dataset (one with an index): an append killed after writing its index
+    left them; nothing reads them there (a finished dataset does not resume)."""
+    if _index_id(out) is None:
+        return
+    try:
+        stale = [n for n in os.listdir(out) if n.endswith(JOURNAL_SUFFIX)]
+    except OSError:
+        return
+    for n in stale:
+        try:
+            os.unlink(os.path.join(out, n))
+        except OSError:
+            pass
+    if stale:
+        log.warning("%s: removed %d journal(s) a writer killed after writing the index left", out, len(stale))
 
 
 def swap_in(new: str, out: str, old_id: "bytes | None" = None):
