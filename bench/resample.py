@@ -6,7 +6,7 @@ RandomResizedCrop(224) fp16 NCHW with the library's own crop parameters (8 batch
 
   alone    the kernels' GPU time a batch (torch.profiler), antialiased (torchvision v2's default)
            and plain bilinear
-  beside   a torchvision ResNet train step (bf16 autocast, channels_last, SGD, batch 256) on
+  beside   bench/train.py's ResNet train step (bf16 autocast, channels_last, SGD, batch 256) on
            synthetic input, the resize launched once a step on a side stream: images/s against the
            step alone, passes interleaved, median of --passes
 
@@ -28,6 +28,7 @@ sys.path.insert(0, HERE)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import begin  # noqa: E402
+from train import _Model  # noqa: E402
 
 import gdsdata  # noqa: E402
 from gdsdata.transforms.kernels import resample  # noqa: E402
@@ -75,8 +76,6 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench/resample.py needs a CUDA GPU")
         return 1
-    import torchvision
-
     buffer, metas = batch_tables()
     out = torch.empty((BATCH, 3, 224, 224), dtype=torch.float16, device="cuda")
     kinds = {"antialiased": True, "bilinear": False}
@@ -86,21 +85,11 @@ def main(argv=None):
 
     results = {name: {"kernel_ms": kernel_ms(work(aa))} for name, aa in kinds.items()}
 
-    torch.backends.cudnn.benchmark = True
-    model = getattr(torchvision.models, args.model)(num_classes=1000).cuda().to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    loss_fn = torch.nn.CrossEntropyLoss()
+    model = _Model(args.model)  # the training client's step
     images = torch.randn(BATCH, 3, 224, 224, device="cuda", dtype=torch.float16)
     labels = torch.randint(0, 1000, (BATCH,), device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the buffer and tables were made on the current stream
-
-    def step():
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = loss_fn(model(images.contiguous(memory_format=torch.channels_last)), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
 
     def rate(beside, steps):
         torch.cuda.synchronize()
@@ -109,7 +98,7 @@ def main(argv=None):
             if beside is not None:
                 with torch.cuda.stream(side):
                     beside(i)
-            step()
+            model.step(images, labels)
         torch.cuda.synchronize()
         return steps * BATCH / (time.perf_counter() - t0)
 

@@ -154,7 +154,7 @@ def _linked(folder: str) -> set:
     """The real paths of the files ``folder``'s links point to (its shards on other drives)."""
     try:
         names = os.listdir(folder)
-    except OSError:
+    except FileNotFoundError:
         return set()
     return {os.path.realpath(os.path.join(folder, n)) for n in names if os.path.islink(os.path.join(folder, n))}
 
@@ -229,8 +229,7 @@ def swap_in(new: str, out: str, old_id: "bytes | None" = None):
     if not os.path.exists(out):
         os.rename(new, out)
         return
-    keep = {os.path.realpath(os.path.join(new, n)) for n in os.listdir(new)
-            if os.path.islink(os.path.join(new, n))}
+    keep = _linked(new)
     if _exchange(new, out):
         remove_dataset(new, old_id, keep)  # the old dataset, now under the temporary name
         return

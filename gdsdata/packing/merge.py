@@ -51,9 +51,9 @@ def _on_its_drive(src, dst, part_id, folder_of, placed, move):
     except OSError as e:  # no hard links there (or no right to make them): a link to the part's shard
         if e.errno not in (errno.EPERM, errno.EMLINK, errno.EXDEV, errno.EOPNOTSUPP, errno.EACCES, errno.EROFS):
             raise
-        for undo in (os.unlink, os.rmdir):  # the link; the folder, unless other shards of the merge are there
+        for undo, path in ((os.unlink, dst), (os.rmdir, mine)):  # the folder stays if other shards are there
             try:
-                undo(dst if undo is os.unlink else mine)
+                undo(path)
             except OSError:
                 pass
         return None
