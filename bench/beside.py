@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""What the GPU input path costs a train step on the same GPU, stage by stage.
+
+Where the training client (bench/train.py) gives one figure per input, this splits the JPEG path's:
+one batch of its work a train step, on a side stream, from a thread of its own (as the Loader's
+threads do), beside bench/train.py's own train step on synthetic input:
+
+  step alone        the train step, nothing beside it
+  decode            the batch read and decoded by nvJPEG (the dataset's own path: ``load_batch``)
+  decode + resize   the same, then RandomResizedCrop(224) fp16 NCHW, antialiased (torchvision v2's
+                    default) or plain bilinear
+
+images/s as a fraction of the step alone, the modes interleaved pass by pass (alternating their
+order), medians over --passes. Before that, the resize kernels alone: their GPU time a batch
+(torch.profiler) over the same decoded batches.
+
+    python bench/beside.py --dir /tmp/beside --out results/
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import begin, image_set  # noqa: E402
+from train import BATCH, _Model  # noqa: E402
+
+import gdsdata  # noqa: E402
+from gdsdata import transforms as T  # noqa: E402
+
+RESIZES = {"antialiased": True, "bilinear": False}
+
+
+def dataset(folder, count):
+    """``count`` ImageNet-like JPEGs (bench/train.py's set) packed once; the GPU dataset over them."""
+    src = image_set(os.path.join(folder, "images"), count, classes=8, noise=11.0, quality=92)
+    root = os.path.join(folder, "jpeg.gds")
+    if not os.path.exists(os.path.join(root, "index.gdsi")):
+        gdsdata.pack(src, root, overwrite=True)
+    return gdsdata.GDSDataset(root, device="cuda")
+
+
+class Input:
+    """The JPEG path's work for batch ``k`` (of the dataset's first whole batches, in turn) on ``stream``:
+    read and decode, then the resize if asked."""
+
+    def __init__(self, ds):
+        self.ds = ds
+        self.batches = [list(range(b * BATCH, (b + 1) * BATCH)) for b in range(len(ds) // BATCH)]
+
+    def __call__(self, k, stream, antialias=None):
+        indices = self.batches[k % len(self.batches)]
+        batch, indices = self.ds.load_batch(indices, stream)
+        if antialias is not None:
+            with torch.cuda.stream(stream):
+                self.resize(batch, indices, k, antialias)
+        batch.release(stream)
+
+    def resize(self, batch, indices, k, antialias):
+        transform = gdsdata.RandomResizedCrop(224, dtype="float16", antialias=antialias)
+        params = transform.params(batch.heights, batch.widths, indices, epoch=k)
+        T.apply(transform, batch.buffer, batch.offsets, batch.heights, batch.widths, batch.channels, params)
+
+
+def kernel_ms(inputs, antialias, batches=16) -> float:
+    """GPU time a batch of the resize kernels alone (torch.profiler), over decoded batches kept aside."""
+    stream = torch.cuda.current_stream()
+    decoded = [inputs.ds.load_batch(inputs.batches[k % len(inputs.batches)], stream) for k in range(4)]
+    for k in range(4):
+        inputs.resize(*decoded[k % 4], k, antialias)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for k in range(batches):
+            inputs.resize(*decoded[k % 4], k, antialias)
+        torch.cuda.synchronize()
+    for batch, _ in decoded:
+        batch.release(stream)
+    return sum(e.device_time for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name) / 1e3 / batches
+
+
+def rate(model, work, steps, images, labels) -> float:
+    """images/s of ``steps`` train steps while a thread does ``work(k, stream)`` once a step (at most two
+    batches ahead), on a side stream; ``work`` None: the step alone."""
+    tokens, stop, failed = threading.Semaphore(2), threading.Event(), []
+    side = torch.cuda.Stream()
+
+    def feed():
+        k = 0
+        try:
+            while not stop.is_set():
+                if tokens.acquire(timeout=0.1):
+                    work(k, side)
+                    side.synchronize()
+                    k += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the pass
+            failed.append(e)
+
+    feeder = threading.Thread(target=feed, daemon=True) if work is not None else None
+    if feeder is not None:
+        feeder.start()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model.step(images, labels)
+        tokens.release()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    stop.set()
+    if feeder is not None:
+        feeder.join(timeout=60)
+    if failed:
+        raise failed[0]
+    return steps * BATCH / seconds
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="bench-data", help="working folder for the images and their pack")
+    parser.add_argument("--count", type=int, default=2048, help="images (default 2048: 8 batches)")
+    parser.add_argument("--models", default="resnet18,resnet50", help="torchvision models of the train step")
+    parser.add_argument("--steps", default="100,36", help="steps a pass, per model")
+    parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--out", default="bench-results", help="folder for beside.json")
+    args, system = begin(parser, argv)
+    if not torch.cuda.is_available():
+        print("bench/beside.py needs a CUDA GPU")
+        return 1
+    inputs = Input(dataset(args.dir, args.count))
+    print(f"path: {inputs.ds.load_path.describe()}")
+    results = {"kernel_ms": {name: kernel_ms(inputs, aa) for name, aa in RESIZES.items()}}
+    print(f"\n== resize kernels alone, GPU ms a batch of {BATCH} (RandomResizedCrop 224, fp16 NCHW) ==")
+    for name, ms in results["kernel_ms"].items():
+        print(f"{name:<12} {ms:7.3f}")
+    modes = {"step alone": None, "decode": lambda k, s: inputs(k, s),
+             **{f"decode + {name} resize": (lambda aa: lambda k, s: inputs(k, s, aa))(aa)
+                for name, aa in RESIZES.items()}}
+    images = torch.randn(BATCH, 3, 224, 224, device="cuda", dtype=torch.float16)
+    labels = torch.randint(0, 1000, (BATCH,), device="cuda")
+    steps = [int(s) for s in args.steps.split(",")]
+    for m, name in enumerate(args.models.split(",")):
+        count = steps[min(m, len(steps) - 1)]
+        model = _Model(name)
+        for work in modes.values():  # cuDNN's choices made, the kernels compiled, the decoder created
+            rate(model, work, 15, images, labels)
+        rates = {mode: [] for mode in modes}
+        for p in range(args.passes):
+            for mode in (list(modes) if p % 2 == 0 else list(modes)[::-1]):
+                rates[mode].append(rate(model, modes[mode], count, images, labels))
+        alone = statistics.median(rates["step alone"])
+        print(f"\n== {name} train step (bf16, channels_last, SGD, batch {BATCH}) with one batch of input work "
+              f"a step beside it; median of {args.passes} passes of {count} steps ==")
+        print(f"{'beside the step':<28} {'images/s':>9} {'of the step alone':>18}  each pass")
+        rows = results.setdefault(name, {})
+        for mode, values in rates.items():
+            median = statistics.median(values)
+            rows[mode] = {"images_per_s": median, "of_step_alone": median / alone, "rates": values}
+            print(f"{mode:<28} {median:9.0f} {median / alone:18.4f}  " + " ".join(f"{v:.0f}" for v in values))
+        del model
+    with open(os.path.join(args.out, "beside.json"), "w") as f:
+        json.dump({"system": system, "results": results}, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
