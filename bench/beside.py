@@ -6,7 +6,8 @@ one batch of its work a train step, on a side stream, from a thread of its own (
 threads do), beside bench/train.py's own train step on synthetic input:
 
   step alone        the train step, nothing beside it
-  decode            the batch read and decoded by nvJPEG (the dataset's own path: ``load_batch``)
+  decode            the batch decoded by nvJPEG from its staging buffer (the dataset's own decoder;
+                    the batches are read into staging once, before: the training client times the reads)
   decode + resize   the same, then RandomResizedCrop(224) fp16 NCHW, antialiased (torchvision v2's
                     default) or plain bilinear
 
@@ -49,16 +50,21 @@ def dataset(folder, count):
 
 
 class Input:
-    """The JPEG path's work for batch ``k`` (of the dataset's first whole batches, in turn) on ``stream``:
-    read and decode, then the resize if asked."""
+    """The JPEG path's GPU work for batch ``k`` (of the dataset's whole batches, in turn, each read into
+    its staging buffer once) on ``stream``: nvJPEG's decode, then the resize if asked."""
 
     def __init__(self, ds):
         self.ds = ds
-        self.batches = [list(range(b * BATCH, (b + 1) * BATCH)) for b in range(len(ds) // BATCH)]
+        batches = [list(range(b * BATCH, (b + 1) * BATCH)) for b in range(len(ds) // BATCH)]
+        ds.reserve_staging(len(batches))
+        self.staged = [ds.read_staged(indices) for indices in batches]
+
+    def decode(self, k, stream):
+        staged = self.staged[k % len(self.staged)]
+        return self.ds._backend.decoder.decode(staged.tensor, staged.job, stream), staged.indices
 
     def __call__(self, k, stream, antialias=None):
-        indices = self.batches[k % len(self.batches)]
-        batch, indices = self.ds.load_batch(indices, stream)
+        batch, indices = self.decode(k, stream)
         if antialias is not None:
             with torch.cuda.stream(stream):
                 self.resize(batch, indices, k, antialias)
@@ -73,7 +79,7 @@ class Input:
 def kernel_ms(inputs, antialias, batches=16) -> float:
     """GPU time a batch of the resize kernels alone (torch.profiler), over decoded batches kept aside."""
     stream = torch.cuda.current_stream()
-    decoded = [inputs.ds.load_batch(inputs.batches[k % len(inputs.batches)], stream) for k in range(4)]
+    decoded = [inputs.decode(k, stream) for k in range(4)]
     for k in range(4):
         inputs.resize(*decoded[k % 4], k, antialias)
     torch.cuda.synchronize()
