@@ -61,7 +61,8 @@ class Input:
 
     def decode(self, k, stream):
         staged = self.staged[k % len(self.staged)]
-        return self.ds._backend.decoder.decode(staged.tensor, staged.job, stream), staged.indices
+        with torch.cuda.stream(stream):  # the arena allocated for this stream, as the Loader's decode thread does
+            return self.ds._backend.decoder.decode(staged.tensor, staged.job, stream), staged.indices
 
     def __call__(self, k, stream, antialias=None):
         batch, indices = self.decode(k, stream)
