@@ -102,6 +102,34 @@ def test_strict_stops_at_first_bad_file_and_leaves_no_dataset(kinds_source, tmp_
     assert os.path.exists(os.path.join(out, fmt.INDEX_NAME)) and result.packed > 0
 
 
+def test_a_pack_stopped_while_a_worker_sends_its_result_still_exits(tmp_path):
+    """A packing worker terminated halfway through sending its result (a pack stopped by --strict's
+    error or Ctrl-C while work is in flight) leaves half a message in the pool's results pipe: the
+    pool's thread, and the interpreter's exit that joins it, must not wait on the rest for good.
+    The half message is written here by hand, so that the race is there every time."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stop.py"
+    script.write_text(f"""
+import multiprocessing, os, struct, sys, time
+from concurrent.futures import ProcessPoolExecutor
+sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
+from gdsdata.packing.packer import _quiet_worker, _stop
+pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"), initializer=_quiet_worker,
+                           initargs=(os.getpid(),))
+assert pool.submit(abs, -1).result() == 1
+manager = pool._executor_manager_thread
+os.write(pool._result_queue._writer.fileno(), struct.pack("!i", 1 << 16) + b"half a result")
+time.sleep(0.5)  # the pool's thread now reads the half message
+_stop(pool)
+manager.join(20)
+print("stuck" if manager.is_alive() else "ok", flush=True)
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.stdout, done.stderr[-2000:])
+
+
 def test_max_side_resizes(tmp_path):
     src = str(tmp_path / "src")
     paths = write_photos(src, 4, classes=1, scale=1.0)

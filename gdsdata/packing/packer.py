@@ -257,14 +257,25 @@ def _ordered(pool_factory, jobs, window, context, chunk=8):
 
 
 def _stop(pool):
-    """Shut a pool down without waiting on work nobody will collect (Ctrl-C, an error)."""
-    processes = list(getattr(pool, "_processes", {}).values())  # to make sure none outlives the pack
+    """Shut a pool down without waiting on work nobody will collect (Ctrl-C, an error). A worker
+    terminated while it sends a result leaves half a message in the results pipe, which the pool's
+    own thread then waits on for good, and the interpreter's exit with it (it joins that thread):
+    once the workers are gone, the parent's copy of the pipe's writing end is closed, so that the
+    half message ends in end-of-file and the pool winds up as broken; and jobs queued for workers
+    that are gone are not waited for."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # none may outlive the pack
+    calls, results = getattr(pool, "_call_queue", None), getattr(pool, "_result_queue", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
             process.terminate()
     for process in processes:
         process.join(5)
+    if calls is not None:
+        calls.cancel_join_thread()
+    writer = getattr(results, "_writer", None)
+    if writer is not None and not any(process.is_alive() for process in processes):
+        writer.close()
 
 
 def _results(jobs, workers):
