@@ -72,6 +72,7 @@ def test_errors_are_one_line(small_src, tmp_path):
     assert_one_line_error(*run("inspect", small_src)[::2], "not a finished gdsdata dataset")
     assert_one_line_error(*run("inspect", os.path.join(out, fmt.shard_name(0)))[::2], "a file, not a dataset folder")
     assert_one_line_error(*run("pack", small_src, str(tmp_path / "q"), "--quality", "0")[::2], "quality")
+    assert_one_line_error(*run("pack", small_src, str(tmp_path / "w"), "--workers", "-3")[::2], "workers")
     with open(os.path.join(out, fmt.INDEX_NAME), "r+b") as f:
         f.truncate(100)
     assert_one_line_error(*run("verify", out)[::2], "truncated index")
