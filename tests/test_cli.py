@@ -68,6 +68,8 @@ def test_errors_are_one_line(small_src, tmp_path):
     out = str(tmp_path / "ds")
     assert run("pack", small_src, out, "-q")[0] == 0
     assert_one_line_error(*run("pack", small_src, out, "-q")[::2], "--overwrite")
+    assert_one_line_error(*run("pack", small_src, os.path.join(out, "sub"), "-q")[::2], "inside the dataset")
+    assert not os.path.exists(os.path.join(out, "sub"))
     assert_one_line_error(*run("pack", small_src, str(tmp_path / "s"), "--strict", "-q")[::2], "broken.jpg")
     assert_one_line_error(*run("inspect", small_src)[::2], "not a finished gdsdata dataset")
     assert_one_line_error(*run("inspect", os.path.join(out, fmt.shard_name(0)))[::2], "a file, not a dataset folder")

@@ -138,10 +138,15 @@ def _failed_report(path) -> bool:
 
 def check_output(out, overwrite) -> bool:
     """Refuse an ``out`` that must not be written: a dataset (or any other file) without
-    ``overwrite``, files gdsdata did not write even with it. Returns whether ``out`` holds anything
+    ``overwrite``, files gdsdata did not write even with it, a folder inside a dataset. Returns whether ``out`` holds anything
     (then an overwrite builds the new dataset aside and swaps it in when complete)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputExistsError(f"{out}: exists and is not a folder")
+    parent = os.path.dirname(os.path.abspath(out))
+    while parent != os.path.dirname(parent):
+        if os.path.isfile(os.path.join(parent, fmt.INDEX_NAME)):  # a folder of its would hide in it
+            raise OutputExistsError(f"{out}: inside the dataset {parent}; write to a folder outside it")
+        parent = os.path.dirname(parent)
     existing = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if existing == [fmt.REPORT_NAME] and _failed_report(os.path.join(out, fmt.REPORT_NAME)):
         return False  # a pack that failed left only its report: nothing to keep, pack again
