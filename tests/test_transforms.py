@@ -90,6 +90,16 @@ def test_dtype_follows_the_device_by_default():
     assert T.output_dtype(t, "cuda") == torch.float16
 
 
+def test_center_crop_refuses_a_resize_under_its_size():
+    """torchvision's Resize(100) + CenterCrop(224) pads the crop with zeros; the one-pass CenterCrop
+    says so rather than give other pixels."""
+    with pytest.raises(ValueError, match="pad"):
+        gdsdata.CenterCrop(224, resize=100)
+    with pytest.raises(ValueError, match="pad"):
+        gdsdata.CenterCrop((224, 112), resize=200)
+    gdsdata.CenterCrop(224, resize=224)
+
+
 def test_center_crop_of_a_rectangle():
     p = gdsdata.CenterCrop((224, 112), 256).params(np.array([512]), np.array([1024]))
     assert (p.height[0], p.width[0]) == (448, 224) and (p.top[0], p.left[0]) == (32, 400)

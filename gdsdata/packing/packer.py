@@ -138,8 +138,9 @@ def _failed_report(path) -> bool:
 
 def check_output(out, overwrite) -> bool:
     """Refuse an ``out`` that must not be written: a dataset (or any other file) without
-    ``overwrite``, files gdsdata did not write even with it, a folder inside a dataset. Returns whether ``out`` holds anything
-    (then an overwrite builds the new dataset aside and swaps it in when complete)."""
+    ``overwrite``, files gdsdata did not write even with it, a folder inside a dataset. Returns
+    whether ``out`` holds anything (then an overwrite builds the new dataset aside and swaps it in
+    when complete)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputExistsError(f"{out}: exists and is not a folder")
     parent = os.path.dirname(os.path.abspath(out))

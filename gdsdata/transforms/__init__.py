@@ -186,6 +186,9 @@ class CenterCrop:
         _validate(self)
         if not isinstance(self.resize, (int, np.integer)) or isinstance(self.resize, bool) or self.resize <= 0:
             raise ValueError(f"resize must be a positive integer, got {self.resize!r}")
+        if self.resize < max(_pair(self.size)):
+            raise ValueError(f"resize ({self.resize}) is smaller than size {self.size}: torchvision's Resize + "
+                             f"CenterCrop would pad the crop with zeros there; CenterCrop takes resize >= size")
 
     @property
     def output_size(self) -> tuple:
