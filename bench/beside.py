@@ -58,6 +58,8 @@ class Input:
         batches = [list(range(b * BATCH, (b + 1) * BATCH)) for b in range(len(ds) // BATCH)]
         ds.reserve_staging(len(batches))
         self.staged = [ds.read_staged(indices) for indices in batches]
+        # the crops made once, as a Loader's transform is, not once a batch
+        self.transforms = {aa: gdsdata.RandomResizedCrop(224, dtype="float16", antialias=aa) for aa in RESIZES.values()}
         torch.cuda.synchronize()  # reads still in flight on the GPU (device staging) have landed
 
     def decode(self, k, stream):
@@ -81,7 +83,7 @@ class Input:
         self.ds.close()
 
     def resize(self, batch, indices, k, antialias):
-        transform = gdsdata.RandomResizedCrop(224, dtype="float16", antialias=antialias)
+        transform = self.transforms[antialias]
         params = transform.params(batch.heights, batch.widths, indices, epoch=k)
         T.apply(transform, batch.buffer, batch.offsets, batch.heights, batch.widths, batch.channels, params)
 
