@@ -113,7 +113,7 @@ def _pack_on_ray(args, options):
 def _cmd_merge(args):
     from gdsdata.packing.merge import merge
 
-    summary = merge(args.parts, args.out, copy=args.copy, overwrite=args.overwrite)
+    summary = merge(args.parts, args.out, copy=args.copy, overwrite=args.overwrite, progress=not args.quiet)
     print(f"merged {summary['parts']} part(s) into {summary['out']}: {summary['samples']} samples, "
           f"{summary['shards']} shard(s) {'/'.join(summary['shards_placed'])}")
     return 0
@@ -276,6 +276,7 @@ def build_parser():
     p.add_argument("out", help="merged dataset folder to create")
     p.add_argument("--copy", action="store_true", help="copy shard data instead of linking it")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_cmd_merge)
 
     p = sub.add_parser("inspect", help="show what a dataset holds",

@@ -22,6 +22,7 @@ import torch
 from gdsdata.format import index as index_io
 from gdsdata.format import layout as fmt
 from gdsdata import settings
+from gdsdata.args import is_integer
 from gdsdata.backends.cpu import CpuBackend
 from gdsdata.batch import PixelBatch, Staged
 from gdsdata.errors import CorruptSampleError
@@ -154,8 +155,8 @@ class GDSDataset(torch.utils.data.Dataset):
         if isinstance(i, slice):
             raise TypeError("GDSDataset takes one sample index, not a slice (as torch datasets do); for a range "
                             "use [ds[i] for i in range(...)] or torch.utils.data.Subset(ds, range(...))")
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) and not (
-                isinstance(i, torch.Tensor) and i.ndim == 0 and not i.is_floating_point()):
+        if not is_integer(i) and not (isinstance(i, torch.Tensor) and i.ndim == 0 and not i.is_floating_point()
+                                      and i.dtype != torch.bool):
             raise TypeError(f"sample index must be an integer, got {i!r} ({type(i).__name__})")
         i = int(i)
         n = len(self)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from gdsdata import settings
+from gdsdata.args import count, is_integer
 from gdsdata import stall
 from gdsdata import transforms as T
 from gdsdata.batch import PixelBatch, upload
@@ -101,16 +102,16 @@ class Loader:
                  indices: Sequence[int] | None = None, prefetch: int = 2, rank: int | None = None,
                  world_size: int | None = None, block_size: int = 64, window: int = 16, pixels: bool = False):
         dataset, self._indices = _source(dataset, indices)
-        batch_size = _count("batch_size", batch_size)
-        seed = _count("seed", seed, minimum=0)
+        batch_size = count("batch_size", batch_size)
+        seed = count("seed", seed, minimum=0)
         if seed >= 2**63:
             raise ValueError(f"seed must be below 2**63, got {seed}")
         if rank is None or world_size is None:
             detected_rank, detected_world = _distributed_rank()
             rank = detected_rank if rank is None else rank
             world_size = detected_world if world_size is None else world_size
-        world_size = _count("world_size", world_size)
-        rank = _count("rank", rank, minimum=0)
+        world_size = count("world_size", world_size)
+        rank = count("rank", rank, minimum=0)
         if rank >= world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if not isinstance(drop_last, (bool, np.bool_)):
@@ -118,7 +119,7 @@ class Loader:
         self.dataset = dataset
         size = len(dataset) if self._indices is None else len(self._indices)
         self.spec = ShardSpec(size, world_size, rank, batch_size, bool(drop_last), _shuffle(shuffle), seed,
-                              _count("block_size", block_size), _count("window", window))
+                              count("block_size", block_size), count("window", window))
         detect = getattr(dataset, "task", "classify") == "detect"
         if detect and not isinstance(transform, DETECTION_TRANSFORMS):
             raise TypeError(f"{getattr(dataset, 'root', 'this dataset')} is a detection dataset: the Loader builds "
@@ -143,7 +144,7 @@ class Loader:
         self.pixels = bool(pixels)
         if self.pixels and (transform is not None or batch_transform is not None):
             raise ValueError("pixels=True hands on decoded pixels; it takes no transform or batch_transform")
-        self.prefetch = _count("prefetch", prefetch)
+        self.prefetch = count("prefetch", prefetch)
         self.epoch = 0
         self._consumed = None  # mask of samples delivered by earlier segments of this epoch
         self._done = 0  # batches delivered in the current segment
@@ -164,7 +165,7 @@ class Loader:
         epoch : int
             The epoch number (0 or more): with the seed it fixes the order, crops and flips.
         """
-        epoch = _count("epoch", epoch, minimum=0)
+        epoch = count("epoch", epoch, minimum=0)
         if epoch != self.epoch:
             self.epoch = epoch
             self._consumed, self._done, self._resume = None, 0, False
@@ -310,7 +311,7 @@ def _checked_state(state, spec, fingerprint) -> dict:
         raise ValueError(f"cannot resume: the state lacks {', '.join(missing)} (not a gdsdata Loader state)")
     for key, kind in _STATE_KEYS.items():
         value = state[key]
-        if isinstance(value, (bool, np.bool_)) != (kind is bool) or not isinstance(value, (int, np.integer)):
+        if not (isinstance(value, (bool, np.bool_)) if kind is bool else is_integer(value)):
             raise ValueError(f"cannot resume: the state's {key} is {value!r}, not {kind.__name__}")
         if kind is int and value < 0:
             raise ValueError(f"cannot resume: the state's {key} is {value}, below 0")
@@ -327,15 +328,6 @@ def _checked_state(state, spec, fingerprint) -> dict:
     if state["world_size"] == 0 or state["batch_size"] == 0:
         raise ValueError("cannot resume: the state's world_size and batch_size must be positive")
     return state
-
-
-def _count(name, value, minimum=1) -> int:
-    """An integer argument, checked: one clear line for a float, a string or a value out of range."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return int(value)
 
 
 def _shuffle(shuffle):

@@ -521,7 +521,7 @@ def test_a_full_disk_names_the_file_and_the_pack_resumes(src, small_disk, tmp_pa
 def test_a_full_disk_during_merge_copy_leaves_no_truncated_shard(parts, small_disk):
     (p0, p1, p2), _ = parts
     out = str(small_disk / "m")
-    code, _, err = run_cli("merge", p0, p1, p2, out, "--copy")
+    code, _, err = run_cli("merge", p0, p1, p2, out, "--copy", "-q")
     assert code == 1
     line = one_line(err)
     assert "while copying" in line and "--resume" not in line

@@ -249,6 +249,9 @@ def test_dataset_transforms_and_indices(photos_dataset):
     assert torch.equal(ds[np.int64(3)][0], image) and torch.equal(ds[torch.tensor(3)][0], image)
     with pytest.raises(TypeError, match="must be an integer, got 1.7"):
         ds[1.7]
+    for flag in (True, np.bool_(True), torch.tensor(True)):  # a bool is no sample index, as in numpy
+        with pytest.raises(TypeError, match="must be an integer"):
+            ds[flag]
     with pytest.raises(TypeError, match="not a slice"):
         ds[0:3]
     with pytest.raises(IndexError, match="out of range"):

@@ -120,6 +120,20 @@ def test_invalid_options_are_refused():
         gdsdata.RandomResizedCrop(224, antialias="yes")
     with pytest.raises(ValueError, match="seed"):
         gdsdata.RandomResizedCrop(224, seed=-1)
+    for flag in (True, np.bool_(True)):  # a bool is no integer here
+        with pytest.raises(ValueError, match="seed"):
+            gdsdata.RandomResizedCrop(224, seed=flag)
+        with pytest.raises(ValueError, match="resize"):
+            gdsdata.CenterCrop(1, resize=flag)
+        with pytest.raises(TypeError, match="size"):
+            gdsdata.CenterCrop(flag)
+    assert gdsdata.CenterCrop(np.int64(224), resize=np.int32(256)).output_size == (224, 224)
+    shape = np.array([300]), np.array([400]), np.array([7])
+    for seed in (np.uint8(3), np.int64(3)):  # a numpy integer seed draws what the same int does
+        got = gdsdata.RandomResizedCrop(224, seed=seed).params(*shape, epoch=np.int64(2))
+        want = gdsdata.RandomResizedCrop(224, seed=3).params(*shape, epoch=2)
+        fields = ("top", "left", "height", "width", "flip")
+        assert all(np.array_equal(getattr(got, f), getattr(want, f)) for f in fields)
 
 
 def test_the_gpu_kernels_compute_what_the_cpu_path_does(tmp_path):

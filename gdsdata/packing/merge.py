@@ -13,8 +13,10 @@ import json
 import logging
 import os
 import shutil
+import sys
 
 import numpy as np
+from tqdm import tqdm
 
 from gdsdata import __version__
 from gdsdata.format import layout as fmt
@@ -126,7 +128,7 @@ def _check_parts(parts, indexes):
     return [(part, index) for part, index, _ in ordered]
 
 
-def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False) -> dict:
+def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, progress: bool = False) -> dict:
     """Join the parts of one pack into one dataset (what ``gdsdata merge`` does).
 
     Parameters
@@ -140,6 +142,8 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False) -> d
         Copy shard data instead of hard-linking it (symbolic links across filesystems).
     overwrite : bool
         Replace a dataset in ``out``.
+    progress : bool
+        A progress bar (tqdm, on stderr) of the shard bytes placed: copying may take long.
 
     Returns
     -------
@@ -148,10 +152,10 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False) -> d
     """
     out = os.path.realpath(os.fspath(out))
     with writer_lock(out, f"merge of {len(parts)} part(s)"):
-        return merge_checked(parts, out, copy=copy, overwrite=overwrite)
+        return merge_checked(parts, out, copy=copy, overwrite=overwrite, progress=progress)
 
 
-def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False) -> dict:
+def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False) -> dict:
     """``merge`` for a caller that holds ``out``'s writer lock already (``pack --ray``); ``adopt``:
     the parts go after the merge, and the shards they wrote on other drives become ``out``'s."""
     if not parts:
@@ -164,14 +168,14 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False) -> di
     ordered = _check_parts(parts, indexes)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
-        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt))
+        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress))
     except BaseException:
         if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
             remove_quietly(out)
         raise
 
 
-def _merge(ordered, folder, out, copy, adopt=False):
+def _merge(ordered, folder, out, copy, adopt=False, progress=False):
     parts = [part for part, _ in ordered]
     indexes = [index for _, index in ordered]
     dataset_id = os.urandom(16)
@@ -180,7 +184,7 @@ def _merge(ordered, folder, out, copy, adopt=False):
     with open(record, "w", encoding="utf-8") as f:
         json.dump({"dataset_id": dataset_id.hex()}, f)
     try:
-        summary = _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed)
+        summary = _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress)
         os.unlink(record)
         return summary
     except BaseException:
@@ -193,27 +197,31 @@ def _merge(ordered, folder, out, copy, adopt=False):
         raise
 
 
-def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed):
+def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress=False):
     first = indexes[0]
     shard_rows, sample_tables, strings, how = [], [], bytearray(), set()
     sample_base = 0
-    for index in indexes:
-        shard_base = len(shard_rows)
-        for s in range(len(index.shards)):
-            src, dst = index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s))
-            drive = None if copy else _on_its_drive(
-                src, dst, index.dataset_id, lambda root: shard_folder(root, os.path.basename(out), dataset_id),
-                placed, adopt)
-            how.add(drive or _place(src, dst, copy))
-            row = index.shards[s].copy()
-            row["first_sample"] += sample_base
-            shard_rows.append(row)
-        samples = index.samples.copy()
-        samples["shard"] += shard_base
-        samples["path_offset"] += len(strings)
-        sample_tables.append(samples)
-        strings += index.strings
-        sample_base += len(samples)
+    total = sum(os.path.getsize(index.shard_path(s)) for index in indexes for s in range(len(index.shards)))
+    with tqdm(total=total, unit="B", unit_scale=True, desc="copy" if copy else "link", disable=not progress,
+              file=sys.stderr) as bar:
+        for index in indexes:
+            shard_base = len(shard_rows)
+            for s in range(len(index.shards)):
+                src, dst = index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s))
+                drive = None if copy else _on_its_drive(
+                    src, dst, index.dataset_id, lambda root: shard_folder(root, os.path.basename(out), dataset_id),
+                    placed, adopt)
+                how.add(drive or _place(src, dst, copy))
+                bar.update(os.path.getsize(dst))
+                row = index.shards[s].copy()
+                row["first_sample"] += sample_base
+                shard_rows.append(row)
+            samples = index.samples.copy()
+            samples["shard"] += shard_base
+            samples["path_offset"] += len(strings)
+            sample_tables.append(samples)
+            strings += index.strings
+            sample_base += len(samples)
     samples = np.concatenate(sample_tables)
     counts = [index.meta.get("counts", {}) for index in indexes]
     meta = {

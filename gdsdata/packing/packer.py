@@ -33,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gdsdata import __version__
+from gdsdata.args import is_integer
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
@@ -413,7 +414,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         raise ValueError("append goes with none of resume, overwrite or parts")
     if alignment < 64 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
-    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
+    if not is_integer(workers) or workers < 0:
         raise ValueError(f"workers must be 0 (every core) or a number of processes, got {workers!r}")
     roots = shard_roots_of(shard_roots, out, src if isinstance(src, str) else None)
     workers = workers or os.cpu_count() or 1

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gdsdata.args import is_integer
 from gdsdata.decode.cpu import cpu_pool
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -42,7 +43,8 @@ def _mix(x):
 def uniforms(seed: int, epoch: int, indices: Sequence[int], draws: int) -> np.ndarray:
     """len(indices) x draws uniforms in [0, 1), a pure function of (seed, epoch, index, draw)."""
     with np.errstate(over="ignore"):
-        key = _mix(np.uint64(seed & (2**64 - 1)) ^ _mix(np.uint64(epoch & (2**64 - 1)) + np.uint64(0x9E3779B97F4A7C15)))
+        seed, epoch = int(seed) & (2**64 - 1), int(epoch) & (2**64 - 1)  # numpy integers too
+        key = _mix(np.uint64(seed) ^ _mix(np.uint64(epoch) + np.uint64(0x9E3779B97F4A7C15)))
         idx = np.asarray(indices, dtype=np.uint64)[:, None]
         counter = idx * np.uint64(draws) + np.arange(draws, dtype=np.uint64)[None, :]
         bits = _mix(_mix(counter + key) ^ key)
@@ -102,7 +104,7 @@ class RandomResizedCrop:
                              f"ratio={self.ratio}")
         if not 0 <= self.flip_p <= 1:
             raise ValueError(f"flip_p must lie in [0, 1], got {self.flip_p}")
-        if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool) or self.seed < 0:
+        if not is_integer(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
     @property
@@ -184,7 +186,7 @@ class CenterCrop:
 
     def __post_init__(self):
         _validate(self)
-        if not isinstance(self.resize, (int, np.integer)) or isinstance(self.resize, bool) or self.resize <= 0:
+        if not is_integer(self.resize) or self.resize <= 0:
             raise ValueError(f"resize must be a positive integer, got {self.resize!r}")
         if self.resize < max(_pair(self.size)):
             raise ValueError(f"resize ({self.resize}) is smaller than size {self.size}: torchvision's Resize + "
@@ -218,10 +220,9 @@ class CenterCrop:
 
 
 def _pair(size) -> tuple:
-    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+    if is_integer(size):
         return int(size), int(size)
-    if isinstance(size, (tuple, list)) and len(size) == 2 and all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in size):
+    if isinstance(size, (tuple, list)) and len(size) == 2 and all(is_integer(v) for v in size):
         return int(size[0]), int(size[1])
     raise TypeError(f"size must be an int or a (height, width) pair of ints, got {size!r}")
 
