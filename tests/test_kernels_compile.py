@@ -26,7 +26,9 @@ def kernels():
                                 **NORM}, {**flags, "BLOCK": K._BLOCK}
             yield K._aa_columns, {"meta": "*i64", "tmp": "*fp16", "out": out, "out_h": "i32", "out_w": "i32",
                                   **NORM}, {**flags, "ROWS": rows, "COLS": cols}
-    yield K._aa_rows, {"src": "*u8", "meta": "*i64", "tmp": "*fp16", "out_w": "i32"}, {"ROWS": rows, "COLS": cols}
+    for rgb in (True, False):  # every image of the batch RGB, or some grayscale
+        yield K._aa_rows, {"src": "*u8", "meta": "*i64", "tmp": "*fp16", "out_w": "i32"}, \
+            {"ROWS": rows, "COLS": cols, "RGB": rgb}
     for hsv in (True, False):
         for out in ("*u8", "*fp16", "*fp32"):
             yield K._detect, {"src": "*u8", "offsets": "*i64", "channels": "*i64", "inverse": "*fp32",
