@@ -145,30 +145,31 @@ def test_the_gpu_kernels_compute_what_the_cpu_path_does(tmp_path):
     pytest.importorskip("triton")
     script = tmp_path / "kernels.py"
     script.write_text(f"""
-import os, sys
+import itertools, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
 import numpy as np, torch, gdsdata
 from gdsdata import transforms as T
 from gdsdata.transforms.kernels import resample
 rng = np.random.default_rng(1)
-images = [rng.integers(0, 256, s, dtype=np.uint8) for s in ((61, 90, 3), (120, 47, 3), (33, 33, 1))]
-buffer = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))
-offsets = np.cumsum([0] + [im.size for im in images[:-1]])
-h, w, c = ([im.shape[k] for im in images] for k in range(3))
-for aa in (True, False):
-    for size, dtype, layout in ((24, "float32", "NCHW"), ((20, 36), "float32", "NCHW"), (80, "uint8", "NHWC")):
-        t = gdsdata.RandomResizedCrop(size, seed=2, dtype=dtype, antialias=aa, mean=None, std=None, layout=layout)
-        p = t.params(h, w, [0, 1, 2])
-        ref = T.apply(t, buffer, offsets, h, w, c, p).float()
-        meta = np.stack([offsets, h, w, c, p.top, p.left, p.height, p.width, p.flip.astype(np.int64)],
-                        1).astype(np.int64)
-        out = torch.empty(ref.shape, dtype=getattr(torch, dtype))
-        if dtype == "float32":
-            out.fill_(float("nan"))
-        resample(buffer, meta, out, t.output_size, (1.0,) * 3, (0.0,) * 3, layout == "NCHW", aa)
-        assert not out.isnan().any()
-        assert (out.float() - ref).abs().max() <= 1.0, (aa, size, (out.float() - ref).abs().max())
+everything = [rng.integers(0, 256, s, dtype=np.uint8) for s in ((61, 90, 3), (120, 47, 3), (33, 33, 1))]
+cases = ((24, "float32", "NCHW"), ((20, 36), "float32", "NCHW"), (80, "uint8", "NHWC"))
+for images, aa, (size, dtype, layout) in itertools.product((everything, everything[:2]), (True, False), cases):
+    # a batch with a gray image, and an all-RGB one (whose channels the row pass reads at fixed offsets)
+    buffer = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))
+    offsets = np.cumsum([0] + [im.size for im in images[:-1]])
+    h, w, c = ([im.shape[k] for im in images] for k in range(3))
+    t = gdsdata.RandomResizedCrop(size, seed=2, dtype=dtype, antialias=aa, mean=None, std=None, layout=layout)
+    p = t.params(h, w, list(range(len(images))))
+    ref = T.apply(t, buffer, offsets, h, w, c, p).float()
+    meta = np.stack([offsets, h, w, c, p.top, p.left, p.height, p.width, p.flip.astype(np.int64)],
+                    1).astype(np.int64)
+    out = torch.empty(ref.shape, dtype=getattr(torch, dtype))
+    if dtype == "float32":
+        out.fill_(float("nan"))
+    resample(buffer, meta, out, t.output_size, (1.0,) * 3, (0.0,) * 3, layout == "NCHW", aa)
+    assert not out.isnan().any()
+    assert (out.float() - ref).abs().max() <= 1.0, (aa, size, (out.float() - ref).abs().max())
 print("ok")
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
