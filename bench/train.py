@@ -28,9 +28,12 @@ median of each round's ratio to that round's synthetic row (ResNet-18's fraction
 points between processes). CPU-seconds per 1,000 images count the whole process (the training
 thread and DataLoader workers included); "GPU MiB" is the device memory in use during the timed
 epochs beyond what the same process used after training on synthetic input (the model, its
-activations and the CUDA context), i.e. what the input pipeline holds. ``--streams current,side,high`` adds
-rows with the train step on a side stream, and on a side stream of the highest priority (whose
-kernels the GPU schedules before the pipeline's). A row that makes no step for --stall seconds is a hang.
+activations and the CUDA context), i.e. what the input pipeline holds. A row also gives the share
+of the host's CPU time its hypervisor took during the timed epochs ("steal", where above 0), and the
+system block the host's speed, so that runs on a busy or slow host can be told apart.
+``--streams current,side,high`` adds rows with the train step on a side stream, and on a side stream
+of the highest priority (whose kernels the GPU schedules before the pipeline's). A row that makes no
+step for --stall seconds is a hang.
 
     python bench/train.py --dir /tmp/bench --out results/                 # the table
     python bench/train.py --dir /tmp/bench --models resnet18 --inputs synthetic,gdsdata --rounds 5
@@ -196,7 +199,7 @@ def run_row(args):
     """One (model, input, stream) row in this process; prints one JSON line."""
     import torch
 
-    from common import cpu_seconds
+    from common import cpu_seconds, host_cpu_times
 
     model = _Model(args.model, args.stream)
     progress = {"steps": 0, "t": time.monotonic()}
@@ -238,10 +241,12 @@ def run_row(args):
         epoch = _dali(args.src, args.workers)
     else:
         epoch = _dataloader(args.src, args.workers)
-    rates, cpu, used, steps, stages = [], [], [], 0, None
+    rates, cpu, used, steps, stages, host = [], [], [], 0, None, None
     for e in range(1 + args.epochs):
-        if e == 1 and hasattr(epoch, "stats"):
-            stages = epoch.stats()
+        if e == 1:
+            host = host_cpu_times()
+            if hasattr(epoch, "stats"):
+                stages = epoch.stats()
         torch.cuda.synchronize()
         t0, c0, n = time.perf_counter(), cpu_seconds(), 0
         for images, labels in epoch():
@@ -255,6 +260,9 @@ def run_row(args):
             rates.append(n / seconds)
             cpu.append((cpu_seconds() - c0) / n * 1000)
             used.append(_device_used() - baseline)
+    host_after = host_cpu_times()  # the share of the host's CPU time its hypervisor took over the timed epochs
+    steal = None if host is None or host_after is None or host_after[1] == host[1] else \
+        round(100 * (host_after[0] - host[0]) / (host_after[1] - host[1]), 2)
     if stages is not None:  # the Loader's stage times over the timed epochs, ms per batch
         from common import stage_ms
 
@@ -269,7 +277,7 @@ def run_row(args):
                       "stages_ms_per_batch": stages, "gpu_profile": profiled,
                       "path": getattr(epoch, "path", ""), "images_per_s": statistics.median(rates),
                       "rates": rates, "cpu_s_per_1k": statistics.median(cpu),
-                      "gpu_mib": max(used) / 2**20, "steps": steps}), flush=True)
+                      "gpu_mib": max(used) / 2**20, "steps": steps, "host_steal_pct": steal}), flush=True)
     os._exit(0)  # no teardown: DataLoader workers and pipelines end with the process
 
 
@@ -470,7 +478,8 @@ def _print_row(result):
         return
     model, source, stream = result["model"], result["input"], result["stream"]
     print(f"  {model:<9} {source:<10} {stream:<7} {result['images_per_s']:>8.0f} images/s  "
-          f"{result['cpu_s_per_1k']:.2f} CPU-s/1k  {result['gpu_mib']:>6.0f} MiB  [{result['path']}]", flush=True)
+          f"{result['cpu_s_per_1k']:.2f} CPU-s/1k  {result['gpu_mib']:>6.0f} MiB  [{result['path']}]"
+          + (f"  steal {result['host_steal_pct']} %" if result.get("host_steal_pct") else ""), flush=True)
     if result.get("stages_ms_per_batch"):
         print("      ms per batch: " + ", ".join(f"{k} {v}" for k, v in result["stages_ms_per_batch"].items()),
               flush=True)

@@ -112,3 +112,14 @@ def test_storage_bench_reads_cold_beside_the_storage_limit(tmp_path):
     assert (streamed["reads"], cached["reads"]) == ("direct", "preadv")
     assert streamed["resident_mib"] == 0 and cached["resident_mib"] > 0
     assert (streamed["epochs"], cached["epochs"]) == (2, 1)  # streaming epochs back to back; the cached one alone
+
+
+def test_the_system_block_says_how_fast_the_host_runs():
+    import re
+
+    common = _bench_common()
+    line = common.host_speed(seconds=0.05)
+    pattern = r"copy [\d.]+ GB/s \(1 thread\), Python \d+ M loops/s, load [\d.]+, steal ([\d.]+ %|n/a)"
+    assert re.fullmatch(pattern, line), line
+    steal, total = common.host_cpu_times()  # Linux: the cpu line of /proc/stat
+    assert 0 <= steal <= total
