@@ -381,3 +381,19 @@ def test_a_link_to_a_dataset_is_overwritten_where_it_points(src, tmp_path):
     pack(src, str(tmp_path / "alias"), workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
     assert os.path.islink(tmp_path / "alias") and gdsdata.verify(str(tmp_path / "alias")) == []
     assert remote_files(drives) == linked(real)
+
+
+def test_a_dataset_id_ending_in_a_zero_byte_still_owns_its_shards(src, tmp_path, monkeypatch):
+    """numpy reads a 16-byte id field without its trailing zero bytes: one id in 256 ends in one, and
+    its shards on other drives must still be found as its own (overwrite and removal take them)."""
+    from gdsdata.format import index as index_io
+
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: real(n - 1) + b"\0" if n == 16 else real(n))
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives)
+    first = index_io.load(out).dataset_id
+    assert len(first) == 16 and first.endswith(b"\0") and gdsdata.verify(out) == []
+    pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)  # the first one's shards go
+    assert index_io.load(out).dataset_id != first and gdsdata.verify(out) == []
+    assert remote_files(drives) == linked(out)

@@ -138,7 +138,7 @@ def header_id(root) -> "bytes | None":
     if len(raw) < fmt.INDEX_HEADER.itemsize:
         return None
     header = np.frombuffer(raw, fmt.INDEX_HEADER, count=1)[0]
-    return bytes(header["dataset_id"]) if header["magic"] == fmt.INDEX_MAGIC else None
+    return fmt.ident(header["dataset_id"]) if header["magic"] == fmt.INDEX_MAGIC else None
 
 
 def load(root) -> Index:
@@ -193,7 +193,7 @@ def load(root) -> Index:
                                starts_size + int(header["num_boxes"]) * fmt.BOX_RECORD.itemsize)
         box_start = np.frombuffer(annotations[:starts_size], fmt.BOX_START).copy()
         boxes = np.frombuffer(annotations[starts_size:], fmt.BOX_RECORD).copy()
-    index = Index(root, int(header["alignment"]), bytes(header["dataset_id"]),
+    index = Index(root, int(header["alignment"]), fmt.ident(header["dataset_id"]),
                   np.frombuffer(shards_raw, fmt.SHARD_RECORD).copy(),
                   np.frombuffer(samples_raw, fmt.SAMPLE_RECORD).copy(), strings, meta, int(header["body_crc32"]),
                   box_start, boxes, int(header["version"]))
@@ -217,7 +217,7 @@ def _check(index: Index, path: str):
         raise FormatError(f"{path}: a source path lies outside the strings section")
     for shard, record in enumerate(shards):
         shard_path = index.shard_path(shard)
-        read_header(shard_path, int(record["origin_index"]), bytes(record["origin_id"]), index.alignment)
+        read_header(shard_path, int(record["origin_index"]), fmt.ident(record["origin_id"]), index.alignment)
         size = os.path.getsize(shard_path)
         if size != int(record["size"]):
             raise FormatError(f"{shard_path}: {size} bytes on disk, the index records {record['size']} "

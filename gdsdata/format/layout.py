@@ -129,3 +129,11 @@ SHARD_HEADER = np.dtype([
     ("dataset_id", "S16"),
     ("reserved", "V24"),
 ])
+
+
+def ident(field) -> bytes:
+    """A 16-byte id field (``dataset_id``, ``origin_id``) as written: numpy's "S16" drops trailing
+    zero bytes when it reads one, and an id ending in 0x00 (one in 256) must still name its shards'
+    folders and match its shards' headers."""
+    return bytes(field).ljust(16, b"\0")
+

@@ -207,7 +207,7 @@ def read_header(path, expected_index: int, dataset_id: bytes, alignment: int):
     if header["version"] != fmt.SHARD_VERSION:
         raise FormatError(f"{path}: shard format version {header['version']}, this gdsdata reads "
                           f"version {fmt.SHARD_VERSION}")
-    if header["dataset_id"] != dataset_id:
+    if fmt.ident(header["dataset_id"]) != dataset_id:
         raise FormatError(f"{path}: shard belongs to another dataset (its id differs from the one the index "
                           f"records for it)")
     if header["shard_index"] != expected_index or header["alignment"] != alignment:
@@ -223,7 +223,7 @@ def check_opened(head: bytes, path, index, shard: int):
     record = index.shards[shard]
     if len(head) >= fmt.SHARD_HEADER.itemsize:
         header = np.frombuffer(head[:fmt.SHARD_HEADER.itemsize], fmt.SHARD_HEADER)[0]
-        if (header["magic"] == fmt.SHARD_MAGIC and header["dataset_id"] == bytes(record["origin_id"])
+        if (header["magic"] == fmt.SHARD_MAGIC and fmt.ident(header["dataset_id"]) == fmt.ident(record["origin_id"])
                 and header["shard_index"] == int(record["origin_index"])):
             return
     raise FormatError(f"{path}: not the shard this dataset's index was loaded with (the dataset was replaced "
