@@ -138,6 +138,11 @@ class GDSDataset(torch.utils.data.Dataset):
         return self.index.fingerprint
 
     @property
+    def legacy_fingerprint(self) -> str:
+        """``fingerprint`` as gdsdata gave it before ids were read whole (see ``Index``)."""
+        return self.index.legacy_fingerprint
+
+    @property
     def meta(self) -> dict:
         return dict(self.index.meta)
 

@@ -211,7 +211,8 @@ class Loader:
             saying why.
         """
         self.close()
-        state = _checked_state(state, self.spec, self._dataset_fingerprint())
+        fingerprints = {self._dataset_fingerprint(), self._dataset_fingerprint(legacy=True)}
+        state = _checked_state(state, self.spec, fingerprints)
         consumed = None
         if state["consumed"] is not None:
             consumed = np.unpackbits(np.frombuffer(state["consumed"], np.uint8), count=self.spec.size).astype(bool)
@@ -230,14 +231,20 @@ class Loader:
         self.epoch = state["epoch"]
         self._resume = True
 
-    def _dataset_fingerprint(self) -> str:
-        """What a state is valid for: the dataset's identity and the samples this loader reads."""
+    def _dataset_fingerprint(self, legacy=False) -> str:
+        """What a state is valid for: the dataset's identity and the samples this loader reads
+        (``legacy``: as states saved before ids were read whole have it)."""
+        if legacy:
+            return self._digest(getattr(self.dataset, "legacy_fingerprint", self.dataset.fingerprint))
         if self._fingerprint is None:
-            digest = hashlib.blake2b(self.dataset.fingerprint.encode(), digest_size=16)
-            if self._indices is not None:
-                digest.update(self._indices.tobytes())
-            self._fingerprint = digest.hexdigest()
+            self._fingerprint = self._digest(self.dataset.fingerprint)
         return self._fingerprint
+
+    def _digest(self, identity: str) -> str:
+        digest = hashlib.blake2b(identity.encode(), digest_size=16)
+        if self._indices is not None:
+            digest.update(self._indices.tobytes())
+        return digest.hexdigest()
 
     def indices(self) -> list[np.ndarray]:
         """The dataset indices of this rank's batches still to come in the current epoch (after
@@ -301,7 +308,7 @@ _STATE_KEYS = {"epoch": int, "batches_done": int, "size": int, "seed": int, "blo
                "world_size": int, "batch_size": int, "drop_last": bool}
 
 
-def _checked_state(state, spec, fingerprint) -> dict:
+def _checked_state(state, spec, fingerprints) -> dict:
     """``state`` checked against this loader (one clear line for anything foreign or corrupted)."""
     if not isinstance(state, dict):
         raise TypeError(f"load_state_dict takes the dict that Loader.state_dict() returned, got "
@@ -315,7 +322,7 @@ def _checked_state(state, spec, fingerprint) -> dict:
             raise ValueError(f"cannot resume: the state's {key} is {value!r}, not {kind.__name__}")
         if kind is int and value < 0:
             raise ValueError(f"cannot resume: the state's {key} is {value}, below 0")
-    if state.get("dataset") is not None and state["dataset"] != fingerprint:
+    if state.get("dataset") is not None and state["dataset"] not in fingerprints:
         raise ValueError("cannot resume: the state was saved by a Loader over another dataset or other samples "
                          "(its fingerprint differs)")
     for key in ("size", "seed", "shuffle", "block_size", "window"):

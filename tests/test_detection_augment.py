@@ -310,9 +310,12 @@ def test_wrong_transforms_and_options_get_one_clear_error(det):
     with pytest.raises(TypeError, match="classification dataset"):
         gdsdata.Loader(golden, 2, transform=gdsdata.YoloAugment())
     for bad, match in (({"imgsz": 33}, "imgsz"), ({"mosaic": 1.5}, "probability"), ({"targets": "coco"}, "targets"),
-                       ({"scale": 1.0}, "scale"), ({"epochs": 0}, "epochs"), ({"dtype": "int8"}, "dtype")):
+                       ({"scale": 1.0}, "scale"), ({"epochs": 0}, "epochs"), ({"dtype": "int8"}, "dtype"),
+                       ({"seed": True}, "seed"), ({"close_mosaic": 1.0}, "close_mosaic"), ({"pad": True}, "pad")):
         with pytest.raises(ValueError, match=match):
             gdsdata.YoloAugment(**bad)
+    numpy_ints = gdsdata.YoloAugment(imgsz=np.int64(64), seed=np.int64(3), epochs=np.int32(5), close_mosaic=np.int8(1))
+    assert numpy_ints.mosaic_on(3) and not numpy_ints.mosaic_on(4)  # numpy integers are integers, as for the Loader
     random.random()  # the module's own random stays usable after the patched tests
 
 

@@ -397,3 +397,35 @@ def test_a_dataset_id_ending_in_a_zero_byte_still_owns_its_shards(src, tmp_path,
     pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)  # the first one's shards go
     assert index_io.load(out).dataset_id != first and gdsdata.verify(out) == []
     assert remote_files(drives) == linked(out)
+
+
+def test_what_an_id_ending_in_a_zero_byte_left_before_it_was_read_whole_is_still_its_own(src, tmp_path, monkeypatch):
+    """Before ids were read whole, such a dataset's id lost its zero bytes: Loader states saved then
+    carry a fingerprint of the short id, and an append then put shards in a folder named for it."""
+    import hashlib
+
+    from gdsdata.format.lock import SHARDS_TAG, owned_target
+
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: real(n - 2) + b"\0\0" if n == 16 else real(n))
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=SHARD)
+    ds = gdsdata.GDSDataset(out)
+    short = ds.index.dataset_id.rstrip(b"\0")
+    assert len(short) == 14
+    loader = gdsdata.Loader(ds, 4, seed=1)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    old = hashlib.blake2b(f"{short.hex()}-{ds.index.body_crc32:08x}".encode(), digest_size=16).hexdigest()
+    assert state["dataset"] != old
+    resumed = gdsdata.Loader(gdsdata.GDSDataset(out), 4, seed=1)
+    resumed.load_state_dict({**state, "dataset": old})  # a state saved before the fix resumes
+    assert len(list(resumed)) == len(list(gdsdata.Loader(ds, 4, seed=1))) - 1
+    folder = tmp_path / "drive0" / f"ds{SHARDS_TAG}{short.hex()}"  # a folder named for the short id
+    folder.mkdir(parents=True)
+    (folder / "shard-00009.gds").write_bytes(b"x")
+    os.symlink(str(folder / "shard-00009.gds"), str(tmp_path / "link.gds"))
+    assert owned_target(str(tmp_path / "link.gds"), ds.index.dataset_id) == str(folder / "shard-00009.gds")
+    assert owned_target(str(tmp_path / "link.gds"), real(16)) is None

@@ -286,7 +286,11 @@ def owned_target(link: str, dataset_id: "bytes | None") -> "str | None":
     folder = os.path.basename(os.path.dirname(target))
     if link.endswith(TMP_SUFFIX) and SHARDS_TAG in folder:
         return target
-    return target if dataset_id is not None and folder.endswith(SHARDS_TAG + dataset_id.hex()) else None
+    if dataset_id is None:
+        return None
+    # the second name: a folder an append or resume made before ids were read whole (``layout.ident``)
+    names = (SHARDS_TAG + dataset_id.hex(), SHARDS_TAG + dataset_id.rstrip(bytes(1)).hex())
+    return target if folder.endswith(names) else None
 
 
 def remove_shard(path: str, dataset_id: "bytes | None"):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gdsdata.args import is_integer
 from gdsdata.batch import upload
 from gdsdata.transforms import uniforms
 
@@ -90,11 +91,11 @@ class YoloAugment:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)!r}")
         if self.translate > 0.5 or self.scale >= 1.0:
             raise ValueError(f"translate must be at most 0.5 and scale below 1, got {self.translate}, {self.scale}")
-        if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs <= 0):
+        if self.epochs is not None and (not is_integer(self.epochs) or self.epochs <= 0):
             raise ValueError(f"epochs must be a positive integer or None, got {self.epochs!r}")
-        if not isinstance(self.close_mosaic, int) or self.close_mosaic < 0:
+        if not is_integer(self.close_mosaic) or self.close_mosaic < 0:
             raise ValueError(f"close_mosaic must be a non-negative integer, got {self.close_mosaic!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
+        if not is_integer(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
     def mosaic_on(self, epoch: int) -> bool:
@@ -157,9 +158,9 @@ class Letterbox:
 
 
 def _check_common(t):
-    if not isinstance(t.imgsz, int) or isinstance(t.imgsz, bool) or t.imgsz < 32 or t.imgsz % 2:
+    if not is_integer(t.imgsz) or t.imgsz < 32 or t.imgsz % 2:
         raise ValueError(f"imgsz must be an even integer of at least 32, got {t.imgsz!r}")
-    if not isinstance(t.pad, int) or not 0 <= t.pad <= 255:
+    if not is_integer(t.pad) or not 0 <= t.pad <= 255:
         raise ValueError(f"pad must be an integer in 0..255, got {t.pad!r}")
     if t.targets not in TARGET_FORMS:
         raise ValueError(f"targets must be one of {', '.join(TARGET_FORMS)}, got {t.targets!r}")
