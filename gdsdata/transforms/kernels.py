@@ -191,14 +191,14 @@ def _aa_rows(src, meta, tmp, out_w, ROWS: tl.constexpr, COLS: tl.constexpr, RGB:
     mask = (r < rows) & (ox < out_w)
     sx = tl.where(flip > 0, (out_w - 1) - ox, ox)
     xmin, xsize, xcenter, xinv = _axis(sx.to(tl.float32), crop_w, out_w)
-    if RGB:
-        start = src + off + (top + r).to(tl.int64) * (width * 3) + (left + xmin.to(tl.int64)) * 3
-        v0, v1, v2 = _filter(start, 3, 1, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask, ROWS, COLS)
+    if RGB:  # compile-time constants: the channels' loads at immediate offsets
+        chans = 3
+        step = 1
     else:
         step = tl.where(chans == 3, 1, 0).to(tl.int64)
-        start = src + off + (top + r).to(tl.int64) * (width * chans) + (left + xmin.to(tl.int64)) * chans
-        v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask,
-                             ROWS, COLS)
+    start = src + off + (top + r).to(tl.int64) * (width * chans) + (left + xmin.to(tl.int64)) * chans
+    v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask,
+                         ROWS, COLS)
     plane = rows.to(tl.int64) * out_w
     dest = tmp + base_tmp + r.to(tl.int64) * out_w + ox
     tl.store(dest, v0.to(tmp.dtype.element_ty), mask=mask)
