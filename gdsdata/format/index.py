@@ -46,7 +46,7 @@ class Index:
     def legacy_fingerprint(self) -> str:
         """The fingerprint as gdsdata gave it before ids were read whole (``layout.ident``): an id
         ending in zero bytes lost them. Loader states saved then still resume."""
-        return f"{self.dataset_id.rstrip(bytes(1)).hex()}-{self.body_crc32:08x}"
+        return f"{fmt.short_ident(self.dataset_id).hex()}-{self.body_crc32:08x}"
 
     @property
     def classes(self):

@@ -137,3 +137,8 @@ def ident(field) -> bytes:
     folders and match its shards' headers."""
     return bytes(field).ljust(16, b"\0")
 
+
+def short_ident(ident_: bytes) -> bytes:
+    """An id as gdsdata read it before ``ident``: without its trailing zero bytes. What was named
+    or hashed with it then (shard folders of an append, Loader state fingerprints) stays the id's."""
+    return ident_.rstrip(bytes(1))

@@ -35,7 +35,7 @@ import sys
 import time
 
 from gdsdata.errors import BusyError
-from gdsdata.format.layout import JOURNAL_SUFFIX, TMP_SUFFIX
+from gdsdata.format.layout import JOURNAL_SUFFIX, TMP_SUFFIX, short_ident
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def owned_target(link: str, dataset_id: "bytes | None") -> "str | None":
     if dataset_id is None:
         return None
     # the second name: a folder an append or resume made before ids were read whole (``layout.ident``)
-    names = (SHARDS_TAG + dataset_id.hex(), SHARDS_TAG + dataset_id.rstrip(bytes(1)).hex())
+    names = (SHARDS_TAG + dataset_id.hex(), SHARDS_TAG + short_ident(dataset_id).hex())
     return target if folder.endswith(names) else None
 
 
