@@ -201,7 +201,7 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
     first = indexes[0]
     shard_rows, sample_tables, strings, how = [], [], bytearray(), set()
     sample_base = 0
-    total = sum(os.path.getsize(index.shard_path(s)) for index in indexes for s in range(len(index.shards)))
+    total = sum(int(index.shards["size"].sum()) for index in indexes)  # as the indexes record (load checks it)
     with tqdm(total=total, unit="B", unit_scale=True, desc="copy" if copy else "link", disable=not progress,
               file=sys.stderr) as bar:
         for index in indexes:
@@ -212,8 +212,8 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
                     src, dst, index.dataset_id, lambda root: shard_folder(root, os.path.basename(out), dataset_id),
                     placed, adopt)
                 how.add(drive or _place(src, dst, copy))
-                bar.update(os.path.getsize(dst))
                 row = index.shards[s].copy()
+                bar.update(int(row["size"]))
                 row["first_sample"] += sample_base
                 shard_rows.append(row)
             samples = index.samples.copy()
