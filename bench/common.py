@@ -38,12 +38,21 @@ def host_cpu_times():
     return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
 
 
-def host_speed(seconds: float = 1.0) -> str:
+def steal_pct(before, after):
+    """The share (%) of the host's CPU time its hypervisor took between two ``host_cpu_times``, or
+    None where /proc/stat gives none."""
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return round(100 * (after[0] - before[0]) / (after[1] - before[1]), 2)
+
+
+def host_speed() -> str:
     """How fast this host's CPUs run now, to tell runs on a busy or slow host apart: one thread's
     memory copy (GB/s, best of 5 over 64 MiB), a pure Python loop (million iterations a second), the
-    1-minute load average, and the share of CPU time the hypervisor stole over ``seconds``."""
+    1-minute load average, and the share of CPU time the hypervisor stole while they ran."""
     import numpy as np
 
+    before = host_cpu_times()
     src, dst = np.ones(64 << 20, np.uint8), np.empty(64 << 20, np.uint8)
     best = math.inf
     for _ in range(5):
@@ -54,11 +63,8 @@ def host_speed(seconds: float = 1.0) -> str:
     for i in range(1_000_000):
         total += i
     loops = 1.0 / (time.perf_counter() - t0)
-    before = host_cpu_times()
-    time.sleep(seconds)
-    after = host_cpu_times()
-    steal = "n/a" if before is None or after is None or after[1] == before[1] else \
-        f"{100 * (after[0] - before[0]) / (after[1] - before[1]):.1f} %"
+    steal = steal_pct(before, host_cpu_times())
+    steal = "n/a" if steal is None else f"{steal:.1f} %"
     return (f"copy {src.nbytes / best / 1e9:.1f} GB/s (1 thread), Python {loops:.0f} M loops/s, "
             f"load {os.getloadavg()[0]:.1f}, steal {steal}")
 

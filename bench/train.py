@@ -199,7 +199,7 @@ def run_row(args):
     """One (model, input, stream) row in this process; prints one JSON line."""
     import torch
 
-    from common import cpu_seconds, host_cpu_times
+    from common import cpu_seconds, host_cpu_times, steal_pct
 
     model = _Model(args.model, args.stream)
     progress = {"steps": 0, "t": time.monotonic()}
@@ -260,9 +260,7 @@ def run_row(args):
             rates.append(n / seconds)
             cpu.append((cpu_seconds() - c0) / n * 1000)
             used.append(_device_used() - baseline)
-    host_after = host_cpu_times()  # the share of the host's CPU time its hypervisor took over the timed epochs
-    steal = None if host is None or host_after is None or host_after[1] == host[1] else \
-        round(100 * (host_after[0] - host[0]) / (host_after[1] - host[1]), 2)
+    steal = steal_pct(host, host_cpu_times())  # the hypervisor's share of the host's CPU over the timed epochs
     if stages is not None:  # the Loader's stage times over the timed epochs, ms per batch
         from common import stage_ms
 
