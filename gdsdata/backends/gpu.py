@@ -41,6 +41,7 @@ class GpuBackend:
         self._slots = SlotPool(self.path.staging, device)
         self._check_stream = None  # the GPU checksums' stream (device staging)
         self._kernel_failed = False  # the CRC-32 kernel could not run here: checked through the host
+        self._fallen_back = None  # load_path once reads fell back from mapped (built once, not per batch)
         log.info("GPU path on %s: %s (%s)", device, self.path.describe(), "; ".join(self.path.why))
 
     @property
@@ -48,9 +49,11 @@ class GpuBackend:
         """The path as it stands (``reads`` becomes the fallback engine if ``mapped`` gave up)."""
         if self.reader.engine == self.path.reads:
             return self.path
-        return dataclasses.replace(self.path, reads=self.reader.engine, copy="", fallback="",
-                                   why=self.path.why + (f"reads {self.reader.engine}: CUDA could not register "
-                                                        f"the shards for mapped",))
+        if self._fallen_back is None or self._fallen_back.reads != self.reader.engine:
+            self._fallen_back = dataclasses.replace(
+                self.path, reads=self.reader.engine, copy="", fallback="",
+                why=self.path.why + (f"reads {self.reader.engine}: CUDA could not register the shards for mapped",))
+        return self._fallen_back
 
     def _plan(self, indices):
         return plan_reads(self.index.samples, indices, self.index.alignment,
