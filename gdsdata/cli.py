@@ -1,12 +1,14 @@
 """The ``gdsdata`` command: pack, inspect, verify, doctor. The only module that prints.
 
-Every error gdsdata raises on purpose becomes one line on stderr and exit status 1; usage errors exit 2.
+Every error gdsdata raises on purpose becomes one line on stderr and exit status 1; usage errors exit 2;
+Ctrl-C 130 and SIGTERM 143, after the same clean-up.
 """
 
 import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 from gdsdata import __version__
@@ -333,9 +335,12 @@ def main(argv=None):
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         message = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         print(f"gdsdata: error: {where}{message}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print(f"gdsdata: interrupted{_left_behind(args)}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        from gdsdata.errors import Terminated
+
+        how, code = ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+        print(f"gdsdata: {how}{_left_behind(args)}", file=sys.stderr)
+        return code
     return 1
 
 
@@ -365,15 +370,23 @@ def _reader_gone(fd: int) -> bool:
 
 
 def run():
-    """The ``gdsdata`` command itself: ``main``, then the exit. After Ctrl-C the process ends at once
-    (everything is written and closed by then): waiting at exit for the pool's helper threads, which
-    a killed worker can leave blocked on a pipe, could hang."""
+    """The ``gdsdata`` command itself: ``main``, then the exit. SIGTERM unwinds as Ctrl-C does. After
+    either the process ends at once (everything is written and closed by then): waiting at exit for
+    the pool's helper threads, which a killed worker can leave blocked on a pipe, could hang."""
+    signal.signal(signal.SIGTERM, _terminate)
     code = main()
-    if code == 130:
+    if code in (130, 143):
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(code)
     sys.exit(code)
+
+
+def _terminate(signum, frame):
+    from gdsdata.errors import Terminated
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding: a second TERM (Slurm repeats it) waits for it
+    raise Terminated()
 
 
 def _left_behind(args) -> str:

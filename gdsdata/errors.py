@@ -39,3 +39,8 @@ class StallError(GdsDataError):
 
 class BusyError(GdsDataError):
     """Another gdsdata process is writing the same dataset folder (one writer at a time)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the ``gdsdata`` command (``timeout``, Slurm, ``docker stop``): it unwinds as
+    Ctrl-C does (finished shards kept for ``--resume``, the rest removed), and exits 143."""

@@ -580,31 +580,46 @@ def bigger_src(tmp_path_factory):
                                                    for d in (0.05, 0.1, 0.3, 0.4, 0.7, 1.0, 1.5, 2.0))])
 @pytest.mark.parametrize("spread", [False, True], ids=["one-folder", "shard-roots"])
 def test_sigint_at_any_point_exits_130_in_one_line_and_resumes(bigger_src, tmp_path, delay, spread):
+    _stop_and_resume(bigger_src, tmp_path, delay, spread, signal.SIGINT, 130, "interrupted")
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.5, *(pytest.param(d, marks=HEAVY) for d in (0.0, 0.1, 1.0))])
+def test_sigterm_to_the_process_group_unwinds_as_ctrl_c_and_exits_143(bigger_src, tmp_path, delay):
+    """``timeout``, Slurm and ``docker stop`` send SIGTERM, the first two to the whole process group
+    (the packing workers too): one line, exit 143, finished shards kept for --resume, no worker left."""
+    _stop_and_resume(bigger_src, tmp_path, delay, True, signal.SIGTERM, 143, "terminated (SIGTERM)", group=True)
+
+
+def _stop_and_resume(src, tmp_path, delay, spread, sig, code, said, group=False):
     out = str(tmp_path / "ds")
     drives = [str(tmp_path / "drive0"), str(tmp_path / "drive1")] if spread else []
     roots = [arg for d in drives for arg in ("--shard-root", d)]
-    process = cli("pack", bigger_src, out, "-q", "--workers", "2", "--shard-size", "1000000", *roots)
+    process = cli("pack", src, out, "-q", "--workers", "2", "--shard-size", "1000000", *roots,
+                  start_new_session=group)
     lock = tmp_path / ".ds.gdsdata-lock"
     deadline = time.monotonic() + 60
     while not lock.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # the pack is running (it holds its lock): not the interpreter starting
     time.sleep(delay)
-    process.send_signal(signal.SIGINT)
+    if group:
+        os.killpg(process.pid, sig)
+    else:
+        process.send_signal(sig)
     _, err = process.communicate(timeout=30)
     if os.path.exists(os.path.join(out, fmt.INDEX_NAME)):  # finished before the signal, or as it came
-        assert process.returncode in (0, 130, -signal.SIGINT) and verify(out) == []
+        assert process.returncode in (0, code, -sig) and verify(out) == []
         return
-    assert process.returncode == 130
-    assert "interrupted" in one_line(err)
+    assert process.returncode == code, err
+    assert said in one_line(err)
     time.sleep(0.2)
-    assert not [p for p in subprocess.run(["pgrep", "-f", f"gdsdata pack {bigger_src}"], capture_output=True,
+    assert not [p for p in subprocess.run(["pgrep", "-f", f"gdsdata pack {src}"], capture_output=True,
                                           text=True).stdout.split()]
     if os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
         return
     if os.path.isdir(out):  # else the signal came before anything was written
-        pack(bigger_src, out, resume=True, workers=2, shard_size=1_000_000, shard_roots=drives)
+        pack(src, out, resume=True, workers=2, shard_size=1_000_000, shard_roots=drives)
     else:
-        pack(bigger_src, out, workers=2, shard_size=1_000_000, shard_roots=drives)
+        pack(src, out, workers=2, shard_size=1_000_000, shard_roots=drives)
     assert len(load(out)) == 480 and verify(out) == []
     on_drives = sorted(os.path.basename(f) for d in drives for _, _, files in os.walk(d) for f in files)
     assert on_drives == (sorted(n for n in os.listdir(out) if n.endswith(".gds")) if spread else [])

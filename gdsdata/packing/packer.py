@@ -185,10 +185,11 @@ def _prepare_chunk(jobs):
 
 
 def _quiet_worker(parent: int):
-    """Packing workers leave Ctrl-C to the parent, which stops them and reports once; they hold none
-    of its writer lock, and end with it (Linux): a pack killed outright leaves no worker behind to
-    keep the dataset locked."""
+    """Packing workers leave Ctrl-C and SIGTERM (sent to the whole process group by ``timeout`` and
+    Slurm) to the parent, which stops them and reports once; they hold none of its writer lock, and
+    end with it (Linux): a pack killed outright leaves no worker behind to keep the dataset locked."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     drop_inherited_locks()
     if sys.platform.startswith("linux"):
         try:
@@ -275,7 +276,7 @@ def _stop(pool):
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
-            process.terminate()
+            process.kill()  # workers ignore SIGTERM (``_quiet_worker``); they write nothing of the dataset
     for process in processes:
         process.join(5)
     if calls is not None:
