@@ -51,13 +51,19 @@ def _cmd_pack(args):
                   part=args.part, resume=args.resume, append=args.append,
                   allow_empty_classes=args.allow_empty_classes, format=args.format, split=args.split,
                   annotations=args.annotations, shard_roots=args.shard_root)
-    rate = result.packed / result.seconds if result.seconds else 0.0
-    print(f"packed {result.packed} images into {result.shards} shard(s), {_human(result.bytes)}, "
-          f"in {result.seconds:.1f} s ({rate:.0f} images/s)")
+    rate = f"{result.new / result.seconds:.0f} images/s" if result.seconds else "-"
+    whole = f"{result.packed} images in {result.shards} shard(s), {_human(result.bytes)}"
+    if args.append and not result.new:
+        print(f"nothing to append: {args.out} holds every image of {args.src} already ({whole}; unchanged)")
+    elif args.append:
+        print(f"appended {result.new} images in {result.seconds:.1f} s ({rate}): {args.out} now holds {whole}")
+    else:
+        print(f"packed {whole} in {result.seconds:.1f} s ({rate})")
     print(f"  stored as is: {result.packed - result.converted}, converted: {result.converted}, "
           f"resized: {result.resized}")
     if result.resumed_shards:
-        print(f"  resumed: kept {result.resumed_shards} shard(s) of the interrupted pack")
+        print(f"  resumed: kept {result.resumed_shards} shard(s) ({result.packed - result.new} images) of the "
+              f"interrupted pack; packed {result.new} more")
     if result.skipped:
         print(f"  skipped {len(result.skipped)} file(s) that cannot be decoded:")
         for item in result.skipped[:10]:
@@ -73,7 +79,8 @@ def _cmd_pack(args):
             print(f"  {what} {len(entries)} folder(s) or file(s):")
             for item in entries[:10]:
                 print(f"    {item['path']}: {item['reason']}")
-    print(f"  report: {result.report_path}")
+    if result.report_path:
+        print(f"  report: {result.report_path}")
     return 0
 
 

@@ -132,6 +132,14 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
     # the one file left to add is the broken one: nothing appended, the dataset untouched
     assert_one_line_error(*run("pack", small_src, merged, "--append", "-q")[::2], "none of its 1 new image files")
     assert run("verify", merged, "-q")[0] == 0
+    extra = str(tmp_path / "extra")
+    write_photos(extra, 3, classes=1, start_seed=900)
+    os.rename(os.path.join(extra, "class0"), os.path.join(extra, "zebra"))  # a new class: every file new
+    rc, stdout, err = run("pack", extra, merged, "--append", "-q")
+    assert rc == 0 and stdout.startswith("appended 3 images in ") and "now holds 12 images in" in stdout, err
+    rc, stdout, err = run("pack", extra, merged, "--append", "-q")  # up to date: says so, succeeds, writes nothing
+    assert rc == 0 and stdout.startswith(f"nothing to append: {merged} holds every image of {extra} already"), err
+    assert run("verify", merged, "-q")[0] == 0
     assert_one_line_error(*run("pack", small_src, merged, "--resume", "-q")[::2], "already a finished dataset")
     assert_one_line_error(*run("pack", small_src, str(tmp_path / "x"), "--num-parts", "2", "--part", "2")[::2],
                           "part must be between")

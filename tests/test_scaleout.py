@@ -211,7 +211,9 @@ def test_append_adds_new_images_and_classes(tmp_path):
     assert after[:len(before[1])] == before[1] and len(after) == len(before[1]) + 6
     assert {s[0]: s[1] for s in after[len(before[1]):]} == {
         **{f"aardvark/new{k}.jpg": 3 for k in range(3)}, **{f"class1/new{k}.jpg": 1 for k in range(3)}}
-    assert result.packed == len(after)
-    with pytest.raises(SourceError, match="nothing to append"):
-        pack(str(src), out, workers=1, shard_size=SHARD, append=True)
+    assert result.packed == len(after) and result.new == 6
+    index = open(os.path.join(out, fmt.INDEX_NAME), "rb").read()
+    again = pack(str(src), out, workers=1, shard_size=SHARD, append=True)  # up to date: nothing written
+    assert (again.new, again.packed, again.shards) == (0, len(after), result.shards)
+    assert open(os.path.join(out, fmt.INDEX_NAME), "rb").read() == index
     GDSDataset(out).__getitems__(range(len(after)))

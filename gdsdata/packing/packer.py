@@ -66,6 +66,7 @@ class PackResult:
     resumed_shards: int = 0  # shards kept from an interrupted pack (resume=True)
     labels: dict = None  # detection packs: what the labels got wrong (detection.LabelReport.as_dict())
     boxes: int = 0  # detection packs: boxes packed
+    new: int = 0  # images this run packed itself: ``packed`` less a resume's kept ones or an append's base
 
 
 def scan(src):
@@ -459,8 +460,6 @@ def _appendable(out, source, alignment):
     classes = base.classes + sorted(set(source.classes) - set(base.classes))
     label = {name: k for k, name in enumerate(classes)}
     items = [replace(item, label=label[source.classes[item.label]]) for item in source.items if item.rel not in known]
-    if not items:
-        raise SourceError(f"{source.root}: nothing to append, {out} holds every image of it already")
     return base, items, classes
 
 
@@ -495,6 +494,14 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     classes, everything = source.classes, source.items
     if append:
         base, everything, classes = _appendable(out, source, alignment)
+        if not everything:  # up to date: the dataset stays as it is, untouched
+            log.info("nothing to append: %s holds every image of %s already", out, src)
+            return PackResult(out, len(base), int(((base.samples["flags"] & fmt.FLAG_CONVERTED) != 0).sum()),
+                              int(((base.samples["flags"] & fmt.FLAG_RESIZED) != 0).sum()), len(base.shards),
+                              int(base.shards["size"].sum()), time.perf_counter() - started,
+                              ignored=source.ignored, unreadable=getattr(source, "unreadable", []),
+                              special=getattr(source, "special", []),
+                              boxes=base.meta.get("detection", {}).get("boxes", 0), new=0)
     first, last = part * len(everything) // num_parts, (part + 1) * len(everything) // num_parts
     items = everything[first:last]
     ignored = source.ignored if part == 0 else []
@@ -520,6 +527,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         skipped[:] = journal["skipped"]
         converted, resized, done = journal["converted"], journal["resized"], journal["items_done"]
     position = {"item": done, "shard_start": len(records)}  # source items consumed; this shard's first record
+    carried = len(records)  # an append's base and a resume's kept shards: packed before this run
 
     def write_journal(shard, record):
         mine = range(position["shard_start"], len(records))
@@ -661,7 +669,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     log.info("packed %d images into %d shards in %.1f s", len(samples), len(shard_table), seconds)
     return PackResult(out, len(samples), converted, resized, len(shard_table), total, seconds,
                       skipped, ignored, unreadable, special, report_path, len(journals), report.get("labels"),
-                      meta.get("detection", {}).get("boxes", 0))
+                      meta.get("detection", {}).get("boxes", 0), len(samples) - carried)
 
 
 def _sample_boxes(records, strings, boxes_of, base=None) -> list:
