@@ -7,6 +7,7 @@ calling a change to them done)."""
 import json
 import os
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -91,7 +92,44 @@ def test_a_second_writer_is_refused_naming_the_holder(src, tmp_path):
         code, _, err = run_cli("pack", src, out, "-q")
         assert code == 1 and "another gdsdata pack of somewhere" in one_line(err)
     assert not os.path.exists(out) or not os.listdir(out)
-    pack(src, out, workers=1)  # free again once the holder is done
+    os.makedirs(out, exist_ok=True)
+    open(os.path.join(out, fmt.shard_name(0) + fmt.TMP_SUFFIX), "wb").close()  # as a pack underway has it
+    with writer_lock(out, "pack of somewhere"):  # inspect names the writer, not --resume or --overwrite
+        code, _, err = run_cli("inspect", out)
+        assert code == 1 and "a gdsdata pack of somewhere (pid" in one_line(err) and "wait for it" in err
+    assert "--resume" in one_line(run_cli("inspect", out)[2])  # no writer: an unfinished pack
+    pack(src, out, workers=1, overwrite=True)  # free again once the holder is done
+
+
+def test_a_pack_stopped_before_its_first_shard_leaves_a_folder_packed_again_without_overwrite(src, tmp_path):
+    out = tmp_path / "ds"
+    for status in ("interrupted", "failed"):
+        out.mkdir()
+        (out / fmt.REPORT_NAME).write_text(json.dumps({"status": status, "finished_shards": 0}))
+        code, _, err = run_cli("inspect", str(out))
+        assert code == 1 and f"stopped before it wrote a shard: {fmt.REPORT_NAME} says why" in one_line(err)
+        pack(src, str(out), workers=1)
+        assert verify(str(out)) == []
+        shutil.rmtree(out)
+
+
+def test_a_folder_that_takes_no_new_files_is_named_as_such(src, tmp_path, monkeypatch):
+    """Where OUT's folder refuses new files (read-only, immutable), the error names that folder, not the
+    writer lock gdsdata keeps there."""
+    from gdsdata.format import lock
+
+    real_open = os.open
+
+    def refuse(path, *args, **kwargs):
+        if str(path).endswith(".gdsdata-lock"):
+            raise PermissionError(1, "Operation not permitted", path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(lock.os, "open", refuse)
+    with pytest.raises(OSError) as caught:
+        pack(src, str(tmp_path / "ro" / "o.gds"), workers=1)
+    assert str(caught.value) == (f"[Errno 1] cannot write in {tmp_path / 'ro'}, the folder that holds o.gds: "
+                                 f"Operation not permitted") and caught.value.filename is None
 
 
 @pytest.mark.parametrize("trial", trials(2, 12))

@@ -157,9 +157,17 @@ def load(root) -> Index:
                               f"{fmt.INDEX_NAME} and the shards)")
         raise FormatError(f"{root}: no such dataset folder")
     if not os.path.exists(path):
-        hint = (" (an unfinished pack: finish it with --resume, or pack again with --overwrite)"
-                if any(n.endswith(fmt.TMP_SUFFIX) or n.endswith(".gds") for n in os.listdir(root))
-                else " (an image folder? pack it first: gdsdata pack SRC OUT)")
+        from gdsdata.format.lock import writing
+
+        names = os.listdir(root)
+        if (writer := writing(root)) is not None:
+            hint = f" yet: a gdsdata {writer} is writing it; wait for it to finish"
+        elif any(n.endswith(fmt.TMP_SUFFIX) or n.endswith(".gds") for n in names):
+            hint = " (an unfinished pack: finish it with --resume, or pack again with --overwrite)"
+        elif names == [fmt.REPORT_NAME]:
+            hint = f" (a pack into it stopped before it wrote a shard: {fmt.REPORT_NAME} says why; pack again)"
+        else:
+            hint = " (an image folder? pack it first: gdsdata pack SRC OUT)"
         raise FormatError(f"{path}: no index, so {root} is not a finished gdsdata dataset{hint}")
     with open(path, "rb") as f:
         raw = f.read()

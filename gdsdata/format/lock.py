@@ -57,9 +57,14 @@ def writer_lock(out, what: str):
     import fcntl
 
     path = _lock_path(os.fspath(out))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    parent = os.path.dirname(path)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # the lock lives beside OUT: its folder must take new files
+            raise OSError(e.errno, f"cannot write in {parent}, the folder that holds "
+                                   f"{os.path.basename(os.path.abspath(out))}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -89,6 +94,25 @@ def writer_lock(out, what: str):
             pass
         _HELD.discard(fd)
         os.close(fd)  # releases the lock
+
+
+def writing(out) -> str | None:
+    """Who holds ``out``'s writer lock now (``"pack of SRC (pid ... on HOST, since ...)"``), or None."""
+    import fcntl
+
+    try:
+        fd = os.open(_lock_path(os.fspath(out)), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return _holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (a shared lock taken goes with it)
 
 
 def drop_inherited_locks():

@@ -130,10 +130,10 @@ def gdsdata_owned(name):
 
 
 def _failed_report(path) -> bool:
-    """Whether ``path`` is the report of a pack that failed (and so wrote no dataset)."""
+    """Whether ``path`` is the report of a pack that failed or was stopped (beside it: no dataset)."""
     try:
         with open(path) as f:
-            return json.load(f).get("status") == "failed"
+            return json.load(f).get("status") in ("failed", "interrupted")
     except (OSError, ValueError, AttributeError):
         return False
 
