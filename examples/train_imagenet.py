@@ -14,6 +14,7 @@ GPU it trains on the CPU (gloo), which is how the tests run it.
 import argparse
 import math
 import os
+import sys
 import time
 
 import torch
@@ -112,12 +113,19 @@ def main(argv=None):
     step = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location=device, weights_only=False)
-        getattr(model, "module", model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        train.load_state_dict(state["loader"])  # the same on every rank: where the epoch stands
+        try:  # the loader first: it tells another dataset (or another batch size, seed...) apart
+            train.load_state_dict(state["loader"])  # the same on every rank: where the epoch stands
+            getattr(model, "module", model).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, RuntimeError, KeyError) as e:
+            reason = str(e).splitlines()[0].removeprefix("cannot resume: ")
+            sys.exit(f"cannot resume from {args.checkpoint}: {reason}")
         step = state["step"]
         if rank == 0:
             print(f"resumed at step {step} (epoch {train.epoch})", flush=True)
+        if step >= total_steps and rank == 0:
+            print(f"the checkpoint is at step {step}, the end of --epochs {args.epochs} ({total_steps} steps): "
+                  f"nothing left to train", flush=True)
 
     warmup = int(args.warmup_epochs * steps_per_epoch)
     t0, seen = time.perf_counter(), 0
@@ -148,7 +156,7 @@ def main(argv=None):
     if args.checkpoint:
         save(args.checkpoint, model, optimizer, train, step, rank)
     if rank == 0:
-        print(f"stopped at step {step}/{total_steps} (epoch {train.epoch})" +
+        print(f"stopped at step {step}/{max(step, total_steps)} (epoch {train.epoch})" +
               (f", checkpoint {args.checkpoint}" if args.checkpoint else ""), flush=True)
     train.close()
     if world > 1:

@@ -10,15 +10,15 @@ import pytest
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_imagenet.py")
 
 
-def _run(args, tmp_path, torchrun=0):
+def _run(args, tmp_path, torchrun=0, code=0):
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), ".."), "OMP_NUM_THREADS": "1"}
     prefix = [sys.executable]
     if torchrun:
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
     done = subprocess.run(prefix + [EXAMPLE] + args, capture_output=True, text=True, timeout=600, env=env,
                           cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout
+    assert done.returncode == code, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout if code == 0 else done.stderr
 
 
 @pytest.mark.slow
@@ -33,6 +33,16 @@ def test_train_checkpoint_resume_and_evaluate(photos_dataset, tmp_path):
     assert "resumed at step 3 (epoch 0)" in second
     assert "step 4/14" in second and "step 14/14" in second
     assert "validation top-1" in second
+    done = _run([*common, "--epochs", "1"], tmp_path)  # (the last --epochs counts) already past its end
+    assert "the checkpoint is at step 14, the end of --epochs 1 (7 steps): nothing left to train" in done
+    src, _, _ = photos_dataset
+    from gdsdata.packing.packer import pack
+
+    other = str(tmp_path / "other")
+    pack(src, other, workers=1, shard_size=300_000)  # the same images, another dataset: not this checkpoint's
+    said = _run([*common[:1], other, *common[2:]], tmp_path, code=1)
+    assert said.startswith(f"cannot resume from {ckpt}: the state was saved by a Loader over another dataset"), said
+    assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
 
 
 @pytest.mark.slow
