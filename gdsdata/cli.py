@@ -54,7 +54,8 @@ def _cmd_pack(args):
     rate = f"{result.new / result.seconds:.0f} images/s" if result.seconds else "-"
     whole = f"{result.packed} images in {result.shards} shard(s), {_human(result.bytes)}"
     if args.append and not result.new:
-        print(f"nothing to append: {args.out} holds every image of {args.src} already ({whole}; unchanged)")
+        held = "the rest" if result.skipped else "every image"
+        print(f"nothing to append: {args.out} holds {held} of {args.src} already ({whole}; unchanged)")
     elif args.append:
         print(f"appended {result.new} images in {result.seconds:.1f} s ({rate}): {args.out} now holds {whole}")
     else:

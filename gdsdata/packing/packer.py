@@ -463,6 +463,18 @@ def _appendable(out, source, alignment):
     return base, items, classes
 
 
+def _unchanged(base, source, out, started, skipped=()) -> PackResult:
+    """An append that adds nothing: the dataset as it is (left untouched), and the new files that
+    could not be packed, if any."""
+    log.info("nothing appended to %s from %s (%d new file(s) that cannot be packed)", out, source.root, len(skipped))
+    flags = base.samples["flags"]
+    return PackResult(out, len(base), int(((flags & fmt.FLAG_CONVERTED) != 0).sum()),
+                      int(((flags & fmt.FLAG_RESIZED) != 0).sum()), len(base.shards), int(base.shards["size"].sum()),
+                      time.perf_counter() - started, list(skipped), source.ignored,
+                      getattr(source, "unreadable", []), getattr(source, "special", []),
+                      boxes=base.meta.get("detection", {}).get("boxes", 0), new=0)
+
+
 def within(path, folder) -> bool:
     """Whether ``path`` is ``folder`` or lies inside it, links followed."""
     real = os.path.realpath(folder)
@@ -495,13 +507,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     if append:
         base, everything, classes = _appendable(out, source, alignment)
         if not everything:  # up to date: the dataset stays as it is, untouched
-            log.info("nothing to append: %s holds every image of %s already", out, src)
-            return PackResult(out, len(base), int(((base.samples["flags"] & fmt.FLAG_CONVERTED) != 0).sum()),
-                              int(((base.samples["flags"] & fmt.FLAG_RESIZED) != 0).sum()), len(base.shards),
-                              int(base.shards["size"].sum()), time.perf_counter() - started,
-                              ignored=source.ignored, unreadable=getattr(source, "unreadable", []),
-                              special=getattr(source, "special", []),
-                              boxes=base.meta.get("detection", {}).get("boxes", 0), new=0)
+            return _unchanged(base, source, out, started)
     first, last = part * len(everything) // num_parts, (part + 1) * len(everything) // num_parts
     items = everything[first:last]
     ignored = source.ignored if part == 0 else []
@@ -589,10 +595,11 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 converted += bool(prepared.flags & fmt.FLAG_CONVERTED)
                 resized += bool(prepared.flags & fmt.FLAG_RESIZED)
                 position["item"] += 1
-        if not records or (append and len(records) == len(base)):
-            what = "new image files" if append else "image files"
+        if append and len(records) == len(base):  # every new file was bad (each in skipped): nothing written
+            return _unchanged(base, source, out, started, skipped)
+        if not records:
             reasons = "; ".join(f"{item['path']}: {item['reason']}" for item in skipped[:3])
-            raise SourceError(f"{src}: none of its {len(items)} {what} could be packed ({reasons}"
+            raise SourceError(f"{src}: none of its {len(items)} image files could be packed ({reasons}"
                               f"{' ...' if len(skipped) > 3 else ''})")
         writer.close_shard()
     except BaseException as e:
