@@ -331,6 +331,8 @@ def main(argv=None):
         logging.getLogger("gdsdata.format.lock").setLevel(logging.WARNING)
     from gdsdata.errors import GdsDataError
 
+    if args.command in ("pack", "merge"):  # what OUT held before: an interrupt says whether it still does
+        args.before = _index_stamp((args.paths[-1] if args.paths else "") if args.command == "pack" else args.out)
     try:
         return args.run(args)
     except BrokenPipeError as e:
@@ -381,6 +383,8 @@ def run():
     """The ``gdsdata`` command itself: ``main``, then the exit. SIGTERM unwinds as Ctrl-C does. After
     either the process ends at once (everything is written and closed by then): waiting at exit for
     the pool's helper threads, which a killed worker can leave blocked on a pipe, could hang."""
+    global _COMMAND_PID
+    _COMMAND_PID = os.getpid()
     signal.signal(signal.SIGTERM, _terminate)
     code = main()
     if code in (130, 143):
@@ -390,11 +394,29 @@ def run():
     sys.exit(code)
 
 
+_COMMAND_PID = None
+
+
 def _terminate(signum, frame):
+    if os.getpid() != _COMMAND_PID:  # a packing worker forked with this handler, not yet its own: it just ends
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     from gdsdata.errors import Terminated
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding: a second TERM (Slurm repeats it) waits for it
     raise Terminated()
+
+
+def _index_stamp(out):
+    """Which index file ``out`` holds (inode, modification time, size), or None."""
+    from gdsdata.format import layout as fmt
+
+    try:
+        info = os.stat(os.path.join(out, fmt.INDEX_NAME))
+    except (OSError, TypeError, ValueError):
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_size
 
 
 def _left_behind(args) -> str:
@@ -408,7 +430,10 @@ def _left_behind(args) -> str:
         names = os.listdir(out)
     except OSError:
         return f"; {out} was not written"
-    if fmt.INDEX_NAME in names and not getattr(args, "append", False):
+    if fmt.INDEX_NAME in names:
+        if _index_stamp(out) != getattr(args, "before", None):  # (an index is replaced whole, by a rename)
+            return f"; {out} holds the {'appended' if getattr(args, 'append', False) else 'new'} dataset (the " \
+                   f"signal came once it was complete)"
         return f"; {out} is as it was"
     journals = sum(name.endswith(fmt.JOURNAL_SUFFIX) for name in names)
     if journals and args.command == "pack":

@@ -24,6 +24,7 @@ def assert_one_line_error(rc, err, *needles):
     assert len(lines) == 1, err
     for needle in needles:
         assert needle in lines[0]
+    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,11 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
     assert "merged from 2 part(s)" in run("inspect", merged)[1]
     assert "part 1 of 2" in run("inspect", parts[1])[1]
     assert_one_line_error(*run("merge", *parts, merged)[::2], "--overwrite")
+    leftover = tmp_path / "leftover"  # what an interrupted merge leaves: --overwrite, never --resume (merge has none)
+    leftover.mkdir()
+    (leftover / fmt.shard_name(0)).write_bytes(b"")
+    said = assert_one_line_error(*run("merge", *parts, str(leftover))[::2], "--overwrite")
+    assert "--resume" not in said
     # the one file left to add is the broken one: nothing appended, it is listed, the dataset untouched
     index = open(os.path.join(merged, fmt.INDEX_NAME), "rb").read()
     rc, stdout, err = run("pack", small_src, merged, "--append", "-q")

@@ -101,6 +101,68 @@ def test_a_second_writer_is_refused_naming_the_holder(src, tmp_path):
     pack(src, out, workers=1, overwrite=True)  # free again once the holder is done
 
 
+def test_inspect_names_no_writer_that_is_itself_or_dead(src, tmp_path):
+    from gdsdata.format import lock
+
+    out = str(tmp_path / "ds")
+    os.makedirs(out)
+    with lock.writer_lock(out, "append of somewhere"):  # this process: not "another" writer
+        assert lock.writing(out) is None
+        with pytest.raises(FormatError, match="an image folder"):
+            load(out)
+    with open(lock._lock_path(out), "w") as f:  # what a SIGKILLed writer leaves: its pid is gone
+        json.dump({"what": "pack of x", "pid": _dead_pid(), "host": __import__("socket").gethostname()}, f)
+    assert lock.writing(out) is None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_signals_wait_for_a_deferred_block_then_unwind(sig):
+    from gdsdata.errors import Terminated
+    from gdsdata.format.lock import deferred_signals
+
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: (_ for _ in ()).throw(Terminated()))
+    done = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with deferred_signals():
+                os.kill(os.getpid(), sig)
+                time.sleep(0.05)  # (a handler would have run by now)
+                done.append(True)
+        assert done == [True]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.2, 0.3, *(pytest.param(d, marks=HEAVY)
+                                                   for d in (0.0, 0.05, 0.15, 0.25, 0.4))])
+def test_an_append_stopped_by_sigterm_leaves_the_dataset_as_it_was(src, tmp_path, delay):
+    more = tmp_path / "more"
+    write_photos(str(more / "new"), 240, classes=2, start_seed=6000, scale=1.0)
+    for k in range(2):  # classes of their own: every file new to the dataset
+        os.rename(more / "new" / f"class{k}", more / "new" / f"fresh{k}")
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    held = len(load(out))
+    before = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
+    process = cli("pack", str(more / "new"), out, "--append", "-q", "--workers", "2", "--shard-size", "200000",
+                  start_new_session=True)
+    lock = tmp_path / ".ds.gdsdata-lock"
+    deadline = time.monotonic() + 60
+    while not lock.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(delay)
+    os.killpg(process.pid, signal.SIGTERM)
+    _, err = process.communicate(timeout=30)
+    after = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
+    if after == before:
+        assert process.returncode == 143 and one_line(err).endswith(f"{out} is as it was"), err
+    else:  # it came once the append was complete
+        assert len(load(out)) == held + 240 and not [n for n in after if "journal" in n or n.endswith(".tmp")]
+        assert process.returncode in (0, 143, -signal.SIGTERM)
+    assert verify(out) == []
+
+
 def test_a_pack_stopped_before_its_first_shard_leaves_a_folder_packed_again_without_overwrite(src, tmp_path):
     out = tmp_path / "ds"
     for status in ("interrupted", "failed"):

@@ -30,8 +30,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 
 from gdsdata.errors import BusyError
@@ -97,22 +99,20 @@ def writer_lock(out, what: str):
 
 
 def writing(out) -> str | None:
-    """Who holds ``out``'s writer lock now (``"pack of SRC (pid ... on HOST, since ...)"``), or None."""
-    import fcntl
-
+    """Who is writing ``out`` now, in the words of ``BusyError`` ("pack of SRC (pid ... on HOST, since
+    ...)"), or None: a live writer of this host other than this process, or one of another host (which
+    cannot be checked). Takes no lock, so a writer starting meanwhile is never turned away."""
     try:
-        fd = os.open(_lock_path(os.fspath(out)), os.O_RDONLY)
-    except OSError:
+        with open(_lock_path(os.fspath(out)), "rb") as f:
+            info = json.loads(f.read(4096).decode() or "{}")
+    except (OSError, ValueError):
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    if not isinstance(info, dict) or not info:
         return None
-    except BlockingIOError:
-        return _holder(fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)  # (a shared lock taken goes with it)
+    pid, host = info.get("pid"), info.get("host")
+    if host == socket.gethostname() and (pid == os.getpid() or not isinstance(pid, int) or not _running(pid)):
+        return None  # this process, or a writer killed before it could remove the file
+    return _described(info)
 
 
 def drop_inherited_locks():
@@ -136,8 +136,10 @@ def _holder(fd) -> str:
         if info:
             break
         time.sleep(0.025)
-    if not info:
-        return "writer"
+    return _described(info) if info else "writer"
+
+
+def _described(info: dict) -> str:
     return f"{info.get('what', 'writer')} (pid {info.get('pid')} on {info.get('host')}, since {info.get('since')})"
 
 
@@ -254,14 +256,40 @@ def swap_in(new: str, out: str, old_id: "bytes | None" = None):
         os.rename(new, out)
         return
     keep = _linked(new)
-    if _exchange(new, out):
-        remove_dataset(new, old_id, keep)  # the old dataset, now under the temporary name
-        return
-    old = aside(out, "old")
-    os.rmdir(old)
-    os.rename(out, old)  # a reader opening the dataset in between finds no folder, never a mix
-    os.rename(new, out)
+    with deferred_signals():  # out is the old dataset or the new one whenever Ctrl-C or SIGTERM unwinds
+        if _exchange(new, out):
+            old = new  # the old dataset, now under the temporary name
+        else:
+            old = aside(out, "old")
+            os.rmdir(old)
+            os.rename(out, old)  # a reader opening the dataset in between finds no folder, never a mix
+            os.rename(new, out)
     remove_dataset(old, old_id, keep)
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """Ctrl-C and SIGTERM wait for the block (renames that must not be split) to end; then the
+    handlers in place take each signal that came. In the main thread only, where Python runs
+    signal handlers; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda number, frame: came.append(number))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for sig in dict.fromkeys(came):
+            handler = previous[sig]
+            if callable(handler):
+                handler(sig, None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), sig)
 
 
 def _exchange(a: str, b: str) -> bool:

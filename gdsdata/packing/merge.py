@@ -168,7 +168,8 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     ordered = _check_parts(parts, indexes)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
-        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress))
+        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress),
+                    resumable=False)
     except BaseException:
         if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
             remove_quietly(out)

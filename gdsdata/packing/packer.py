@@ -37,8 +37,8 @@ from gdsdata.args import is_integer
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
-from gdsdata.format.lock import (aside, dataset_owner, drop_inherited_locks, remove_dataset, remove_shard, swap_in,
-                                 writer_lock)
+from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_inherited_locks, remove_dataset,
+                                 remove_shard, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32
 from gdsdata.packing.detection import annotate, open_detection
@@ -138,7 +138,7 @@ def _failed_report(path) -> bool:
         return False
 
 
-def check_output(out, overwrite) -> bool:
+def check_output(out, overwrite, resumable=True) -> bool:
     """Refuse an ``out`` that must not be written: a dataset (or any other file) without
     ``overwrite``, files gdsdata did not write even with it, a folder inside a dataset. Returns
     whether ``out`` holds anything (then an overwrite builds the new dataset aside and swaps it in
@@ -155,7 +155,7 @@ def check_output(out, overwrite) -> bool:
         return False  # a pack that failed left only its report: nothing to keep, pack again
     if existing and not overwrite:
         what = "holds a gdsdata dataset" if fmt.INDEX_NAME in existing else "is not empty"
-        hint = "" if fmt.INDEX_NAME in existing else " (or --resume to finish an interrupted pack)"
+        hint = "" if fmt.INDEX_NAME in existing or not resumable else " (or --resume to finish an interrupted pack)"
         raise OutputExistsError(f"{out}: {what}; pass --overwrite to replace it{hint} (left untouched)")
     foreign = [n for n in existing if not gdsdata_owned(n)]
     if foreign:
@@ -164,11 +164,12 @@ def check_output(out, overwrite) -> bool:
     return bool(existing)
 
 
-def into(out, overwrite, build):
+def into(out, overwrite, build, resumable=True):
     """Run ``build(folder)`` to make a complete dataset for ``out``: in ``out`` itself when it is
     empty or new, else (an overwrite) in a sibling folder swapped in once ``build`` returns; a
-    failed build leaves the old dataset as it was and nothing of the new one."""
-    if not check_output(out, overwrite):
+    failed build leaves the old dataset as it was and nothing of the new one. ``resumable``: an
+    unfinished build in ``out`` can be finished (a pack's ``--resume``)."""
+    if not check_output(out, overwrite, resumable):
         os.makedirs(out, exist_ok=True)
         return build(out)
     staging = aside(out, "new")
@@ -186,11 +187,12 @@ def _prepare_chunk(jobs):
 
 
 def _quiet_worker(parent: int):
-    """Packing workers leave Ctrl-C and SIGTERM (sent to the whole process group by ``timeout`` and
-    Slurm) to the parent, which stops them and reports once; they hold none of its writer lock, and
-    end with it (Linux): a pack killed outright leaves no worker behind to keep the dataset locked."""
+    """Packing workers leave Ctrl-C to the parent, which stops them and reports once; SIGTERM (sent
+    to the whole process group by ``timeout`` and Slurm) ends them as the pool itself ends its
+    workers, while the parent unwinds as for Ctrl-C. They hold none of its writer lock, and end
+    with it (Linux): a pack killed outright leaves no worker behind to keep the dataset locked."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, which a fork inherits
     drop_inherited_locks()
     if sys.platform.startswith("linux"):
         try:
@@ -277,7 +279,7 @@ def _stop(pool):
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
-            process.kill()  # workers ignore SIGTERM (``_quiet_worker``); they write nothing of the dataset
+            process.terminate()
     for process in processes:
         process.join(5)
     if calls is not None:
@@ -605,28 +607,32 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     except BaseException as e:
         writer.abort()  # the shard being written, never finished, goes
         finished = writer.next_shard - len(shard_rows) - (1 if writer.aborted else 0)
-        # resumable: finished shards stay (not those of an overwrite's replacement, which goes)
-        keep = isinstance(e, (KeyboardInterrupt, OSError)) and folder == out
-        if not keep:  # a clean failure removes what this run wrote, on every drive
-            for shard in range(len(shard_rows), writer.next_shard + 1):
-                for name in (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.JOURNAL_SUFFIX,
-                             fmt.shard_name(shard) + fmt.TMP_SUFFIX):
-                    remove_shard(os.path.join(folder, name), dataset_id)
+        # resumable: finished shards stay (not those of an overwrite's replacement, nor an append's, which go)
+        keep = isinstance(e, (KeyboardInterrupt, OSError)) and folder == out and not append
+        for shard in range(len(shard_rows), writer.next_shard + 1):
+            journal = _journal_path(folder, shard)
+            names = (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.TMP_SUFFIX, journal)
+            # a journal cut short by the signal goes always; the rest where a clean failure removes what this
+            # run wrote, on every drive
+            for path in [journal + fmt.TMP_SUFFIX] + ([] if keep else [os.path.join(folder, n) for n in names]):
+                remove_shard(path, dataset_id)
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         report.update(status=status, error=str(e) if isinstance(e, (GdsDataError, OSError)) else repr(e),
                       finished_shards=finished if keep else 0)
         try:
-            _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
+            if not append:  # (an append leaves the dataset as it was, its report too)
+                _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
         except OSError:  # the disk may be full: the error says what happened
             pass
-        if isinstance(e, OSError) and folder == out:
+        if isinstance(e, OSError) and keep:
             hint = (f"; {finished + len(journals)} finished shard(s) kept: free space, then run the same command "
                     f"with --resume" if finished + len(journals) else "")
             raise OSError(e.errno, f"{e.strerror or e} while writing {e.filename or out}{hint}",
                           out) from e
-        if isinstance(e, OSError):  # an overwrite's replacement, built aside: removed, the old one stays
-            raise OSError(e.errno, f"{e.strerror or e} while writing the replacement dataset; the dataset there "
-                                   f"is unchanged", out) from e
+        if isinstance(e, OSError):  # an overwrite's replacement, built aside, or an append's shards: removed
+            what = "the appended shards" if append else "the replacement dataset"
+            raise OSError(e.errno, f"{e.strerror or e} while writing {what}; the dataset there is unchanged",
+                          out) from e
         raise
     samples = np.array(records, dtype=fmt.SAMPLE_RECORD)
     shard_table = np.array(shard_rows + writer.records, dtype=fmt.SHARD_RECORD)
@@ -668,11 +674,12 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         raise
     report_path = _write_json(os.path.join(folder, fmt.REPORT_NAME), report)  # complete: the index exists
     report_path = os.path.join(out, fmt.REPORT_NAME)
-    for shard in range(len(shard_table)):  # the index is authoritative now
-        try:
-            os.unlink(_journal_path(folder, shard))
-        except FileNotFoundError:
-            pass
+    with deferred_signals():  # the index is authoritative now: its journals go, all of them, before an interrupt
+        for shard in range(len(shard_table)):
+            try:
+                os.unlink(_journal_path(folder, shard))
+            except FileNotFoundError:
+                pass
     log.info("packed %d images into %d shards in %.1f s", len(samples), len(shard_table), seconds)
     return PackResult(out, len(samples), converted, resized, len(shard_table), total, seconds,
                       skipped, ignored, unreadable, special, report_path, len(journals), report.get("labels"),
