@@ -134,6 +134,30 @@ def test_signals_wait_for_a_deferred_block_then_unwind(sig):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_ctrl_c_between_the_swaps_two_renames_waits_for_the_second(src, tmp_path, monkeypatch):
+    """Where the atomic exchange is not available (NFS), an overwrite's swap is two renames: an
+    interrupt between them waits, so OUT is never left without a dataset."""
+    from gdsdata.format import lock
+
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    monkeypatch.setattr(lock, "_exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def rename(a, b):
+        real_rename(a, b)
+        if os.path.abspath(a) == out:  # the old dataset moved aside: the new one not yet in place
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+
+    monkeypatch.setattr(lock.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        pack(src, out, workers=1, overwrite=True, shard_size=200_000)
+    monkeypatch.setattr(lock.os, "rename", real_rename)
+    assert len(load(out)) == 48 and verify(out) == []  # the new dataset (smaller shards) in place
+    assert len(load(out).shards) > 1
+
+
 @pytest.mark.parametrize("delay", [0.1, 0.2, 0.3, *(pytest.param(d, marks=HEAVY)
                                                    for d in (0.0, 0.05, 0.15, 0.25, 0.4))])
 def test_an_append_stopped_by_sigterm_leaves_the_dataset_as_it_was(src, tmp_path, delay):
