@@ -387,6 +387,8 @@ def run():
     _COMMAND_PID = os.getpid()
     signal.signal(signal.SIGTERM, _terminate)
     code = main()
+    # the command is over: a TERM now ends the exit at once, not as an exception inside an atexit hook (Ray's)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if code in (130, 143):
         sys.stdout.flush()
         sys.stderr.flush()

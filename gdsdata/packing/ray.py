@@ -12,7 +12,9 @@ folders), and the part folders go.
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 from tqdm import tqdm
@@ -63,8 +65,11 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     with writer_lock(out, f"pack --ray of {display(src)}"):
         check_output(out, overwrite)
         if not ray.is_initialized():
+            on_term = signal.getsignal(signal.SIGTERM)
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False,
                      configure_logging=False)
+            if callable(on_term) and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, on_term)  # ray.init puts its own: the caller's (the CLI's) stays
         cpus = int(ray.cluster_resources().get("CPU", 1))
         if format == "folder":
             source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
