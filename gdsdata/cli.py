@@ -332,7 +332,9 @@ def main(argv=None):
     from gdsdata.errors import GdsDataError
 
     if args.command in ("pack", "merge"):  # what OUT held before: an interrupt says whether it still does
-        args.before = _index_stamp((args.paths[-1] if args.paths else "") if args.command == "pack" else args.out)
+        from gdsdata.format.index import stamp
+
+        args.before = stamp((args.paths[-1] if args.paths else "") if args.command == "pack" else args.out)
     try:
         return args.run(args)
     except BrokenPipeError as e:
@@ -410,17 +412,6 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
-def _index_stamp(out):
-    """Which index file ``out`` holds (inode, modification time, size), or None."""
-    from gdsdata.format import layout as fmt
-
-    try:
-        info = os.stat(os.path.join(out, fmt.INDEX_NAME))
-    except (OSError, TypeError, ValueError):
-        return None
-    return info.st_ino, info.st_mtime_ns, info.st_size
-
-
 def _left_behind(args) -> str:
     """What an interrupted pack or merge left in OUT, in a few words."""
     out = getattr(args, "out", None)
@@ -433,7 +424,9 @@ def _left_behind(args) -> str:
     except OSError:
         return f"; {out} was not written"
     if fmt.INDEX_NAME in names:
-        if _index_stamp(out) != getattr(args, "before", None):  # (an index is replaced whole, by a rename)
+        from gdsdata.format.index import stamp
+
+        if stamp(out) != getattr(args, "before", None):  # (an index is replaced whole, by a rename)
             return f"; {out} holds the {'appended' if getattr(args, 'append', False) else 'new'} dataset (the " \
                    f"signal came once it was complete)"
         return f"; {out} is as it was"

@@ -134,6 +134,36 @@ def test_signals_wait_for_a_deferred_block_then_unwind(sig):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.parametrize("shard_roots", [False, True], ids=["one-folder", "shard-roots"])
+def test_an_append_stopped_while_its_index_is_written_leaves_nothing_of_it(src, tmp_path, monkeypatch, shard_roots):
+    import gdsdata.packing.packer as packer
+
+    drives = [str(tmp_path / "d0"), str(tmp_path / "d1")] if shard_roots else []
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_roots=drives)
+
+    def files():
+        return {os.path.join(d, f): open(os.path.join(d, f), "rb").read()
+                for root in [out, *drives] for d, _, names in os.walk(root) for f in names}
+
+    before = files()
+    more = tmp_path / "more"
+    write_photos(str(more), 30, classes=1, start_seed=6500)
+    os.rename(more / "class0", more / "fresh")
+    real_write = packer.index_io.write
+
+    def interrupted(folder, *args, **kwargs):  # the index half written when Ctrl-C comes
+        open(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX), "wb").write(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(packer.index_io, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pack(str(more), out, workers=1, append=True, shard_size=100_000, shard_roots=drives)
+    assert files() == before and verify(out) == []
+    monkeypatch.setattr(packer.index_io, "write", real_write)
+    assert pack(str(more), out, workers=1, append=True, shard_roots=drives).new == 30 and verify(out) == []
+
+
 def test_ctrl_c_between_the_swaps_two_renames_waits_for_the_second(src, tmp_path, monkeypatch):
     """Where the atomic exchange is not available (NFS), an overwrite's swap is two renames: an
     interrupt between them waits, so OUT is never left without a dataset."""

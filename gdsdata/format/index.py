@@ -147,6 +147,16 @@ def header_id(root) -> "bytes | None":
     return fmt.ident(header["dataset_id"]) if header["magic"] == fmt.INDEX_MAGIC else None
 
 
+def stamp(root):
+    """Which index file ``root`` holds: (inode, modification time, size), or None. ``write`` replaces
+    the file whole, by a rename, so a new index has a new stamp."""
+    try:
+        info = os.stat(os.path.join(root, fmt.INDEX_NAME))
+    except (OSError, TypeError, ValueError):
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_size
+
+
 def load(root) -> Index:
     """Read and check a dataset's index and shard headers; raises ``FormatError`` naming the file."""
     root = os.fspath(root)

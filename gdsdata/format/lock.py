@@ -256,15 +256,28 @@ def swap_in(new: str, out: str, old_id: "bytes | None" = None):
         os.rename(new, out)
         return
     keep = _linked(new)
-    with deferred_signals():  # out is the old dataset or the new one whenever Ctrl-C or SIGTERM unwinds
-        if _exchange(new, out):
-            old = new  # the old dataset, now under the temporary name
-        else:
-            old = aside(out, "old")
-            os.rmdir(old)
-            os.rename(out, old)  # a reader opening the dataset in between finds no folder, never a mix
-            os.rename(new, out)
-    remove_dataset(old, old_id, keep)
+    done = False
+    try:
+        with deferred_signals():  # out is the old dataset or the new one whenever Ctrl-C or SIGTERM unwinds
+            if _exchange(new, out):
+                old = new  # the old dataset, now under the temporary name
+            else:
+                old = aside(out, "old")
+                os.rmdir(old)
+                os.rename(out, old)  # a reader opening the dataset in between finds no folder, never a mix
+                os.rename(new, out)
+            done = True
+    except BaseException:
+        if not done:  # no swap: the new dataset goes, the old one stays
+            remove_dataset(new, dataset_owner(new))
+        raise
+    finally:
+        if done:  # also when a signal that waited for the swap unwinds now
+            remove_dataset(old, old_id, keep)
+
+
+def _settable(handler):
+    return handler if handler is not None else signal.SIG_DFL  # (None: a handler not set from Python)
 
 
 @contextlib.contextmanager
@@ -276,20 +289,23 @@ def deferred_signals():
         yield
         return
     came = []
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in previous:
-        signal.signal(sig, lambda number, frame: came.append(number))
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in sigs}
     try:
+        for sig in sigs:  # (what came between these two is in ``came`` too, or raised before the block)
+            signal.signal(sig, lambda number, frame: came.append(number))
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        for sig in dict.fromkeys(came):
-            handler = previous[sig]
-            if callable(handler):
-                handler(sig, None)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), sig)
+    finally:  # SIGINT's recorder goes last, so that a Ctrl-C here finds both handlers back
+        try:
+            signal.signal(signal.SIGTERM, _settable(previous[signal.SIGTERM]))
+        finally:
+            signal.signal(signal.SIGINT, _settable(previous[signal.SIGINT]))
+    for sig in dict.fromkeys(came):
+        handler = previous[sig]
+        if callable(handler):
+            handler(sig, None)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), sig)
 
 
 def _exchange(a: str, b: str) -> bool:

@@ -175,10 +175,10 @@ def into(out, overwrite, build, resumable=True):
     staging = aside(out, "new")
     try:
         result = build(staging)
-        swap_in(staging, out, dataset_owner(out))
     except BaseException:
         remove_dataset(staging, dataset_owner(staging))  # with what it wrote on other drives
         raise
+    swap_in(staging, out, dataset_owner(out))  # (which removes whichever of the two is not out's)
     return result
 
 
@@ -521,6 +521,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     records, strings, skipped = [], bytearray(), []
     shard_rows = []
     converted = resized = done = 0
+    base_stamp = index_io.stamp(out) if append else None  # which index file the dataset held when it began
     if append:  # the dataset so far, unchanged; new samples go to new shards
         dataset_id, records, strings, shard_rows = base.dataset_id, base.samples.tolist(), bytearray(base.strings), \
             base.shards.tolist()
@@ -536,6 +537,15 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         converted, resized, done = journal["converted"], journal["resized"], journal["items_done"]
     position = {"item": done, "shard_start": len(records)}  # source items consumed; this shard's first record
     carried = len(records)  # an append's base and a resume's kept shards: packed before this run
+
+    def remove_written(keep=False):
+        """What this run wrote, on every drive (``keep``: only a journal cut short; its finished shards stay
+        for ``--resume``)."""
+        for shard in range(len(shard_rows), writer.next_shard + 1):
+            journal = _journal_path(folder, shard)
+            names = (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.TMP_SUFFIX, journal)
+            for path in [journal + fmt.TMP_SUFFIX] + ([] if keep else [os.path.join(folder, n) for n in names]):
+                remove_shard(path, dataset_id)
 
     def write_journal(shard, record):
         mine = range(position["shard_start"], len(records))
@@ -609,13 +619,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         finished = writer.next_shard - len(shard_rows) - (1 if writer.aborted else 0)
         # resumable: finished shards stay (not those of an overwrite's replacement, nor an append's, which go)
         keep = isinstance(e, (KeyboardInterrupt, OSError)) and folder == out and not append
-        for shard in range(len(shard_rows), writer.next_shard + 1):
-            journal = _journal_path(folder, shard)
-            names = (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.TMP_SUFFIX, journal)
-            # a journal cut short by the signal goes always; the rest where a clean failure removes what this
-            # run wrote, on every drive
-            for path in [journal + fmt.TMP_SUFFIX] + ([] if keep else [os.path.join(folder, n) for n in names]):
-                remove_shard(path, dataset_id)
+        remove_written(keep)
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         report.update(status=status, error=str(e) if isinstance(e, (GdsDataError, OSError)) else repr(e),
                       finished_shards=finished if keep else 0)
@@ -634,43 +638,51 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             raise OSError(e.errno, f"{e.strerror or e} while writing {what}; the dataset there is unchanged",
                           out) from e
         raise
-    samples = np.array(records, dtype=fmt.SAMPLE_RECORD)
-    shard_table = np.array(shard_rows + writer.records, dtype=fmt.SHARD_RECORD)
-    seconds = time.perf_counter() - started
-    per_class = np.bincount(samples["label"], minlength=len(classes)).tolist()
-    meta = {
-        "classes": classes,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gdsdata_version": __version__,
-        "source": src,
-        "options": {**asdict(options), "shard_size": shard_size, "alignment": alignment},
-        "counts": {"packed": len(samples), "skipped": len(skipped), "converted": converted,
-                   "resized": resized, "ignored": len(ignored), "per_class": per_class},
-    }
-    if num_parts > 1:
-        meta["part"] = report["part"]
-    box_args = {}
-    if task == "detect":
-        per_sample = _sample_boxes(records, strings, {item.rel: item.boxes for item in items},
-                                   base if append else None)
-        box_args = annotate(meta, classes, source.format, source.category_ids, per_sample)
-        per_class = meta["counts"]["per_class"]  # boxes per class, not samples
-        report["labels"] = source.report.as_dict() if part == 0 or num_parts == 1 else None
-    total = int(shard_table["size"].sum())
-    if append:
-        report["appended"] = len(samples) - len(base)
-        meta["appended"] = base.meta.get("appended", []) + [{"source": src, "samples": report["appended"]}]
-    report.update(status="complete", packed=len(samples), converted=converted, resized=resized,
-                  shards=len(shard_table), bytes=total, seconds=round(seconds, 3), resumed_shards=len(journals),
-                  empty_classes=[c for c, n in zip(classes, per_class) if n == 0])
-    try:
+    try:  # the tables, then the index: the dataset is complete once it is renamed into place
+        samples = np.array(records, dtype=fmt.SAMPLE_RECORD)
+        shard_table = np.array(shard_rows + writer.records, dtype=fmt.SHARD_RECORD)
+        seconds = time.perf_counter() - started
+        per_class = np.bincount(samples["label"], minlength=len(classes)).tolist()
+        meta = {
+            "classes": classes,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gdsdata_version": __version__,
+            "source": src,
+            "options": {**asdict(options), "shard_size": shard_size, "alignment": alignment},
+            "counts": {"packed": len(samples), "skipped": len(skipped), "converted": converted,
+                       "resized": resized, "ignored": len(ignored), "per_class": per_class},
+        }
+        if num_parts > 1:
+            meta["part"] = report["part"]
+        box_args = {}
+        if task == "detect":
+            per_sample = _sample_boxes(records, strings, {item.rel: item.boxes for item in items},
+                                       base if append else None)
+            box_args = annotate(meta, classes, source.format, source.category_ids, per_sample)
+            per_class = meta["counts"]["per_class"]  # boxes per class, not samples
+            report["labels"] = source.report.as_dict() if part == 0 or num_parts == 1 else None
+        total = int(shard_table["size"].sum())
+        if append:
+            report["appended"] = len(samples) - len(base)
+            meta["appended"] = base.meta.get("appended", []) + [{"source": src, "samples": report["appended"]}]
+        report.update(status="complete", packed=len(samples), converted=converted, resized=resized,
+                      shards=len(shard_table), bytes=total, seconds=round(seconds, 3), resumed_shards=len(journals),
+                      empty_classes=[c for c, n in zip(classes, per_class) if n == 0])
         index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
-    except OSError as e:  # finished shards and journals stay: --resume writes the index
-        report.update(status="failed", error=f"{e.strerror or e} while writing the index")
-        try:
-            _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
-        except OSError:
-            pass
+    except BaseException as e:
+        if append:  # the dataset's own index still in place: what this run wrote goes
+            if index_io.stamp(out) == base_stamp:
+                remove_written()
+                try:  # an index cut short
+                    os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
+                except FileNotFoundError:
+                    pass
+        elif isinstance(e, OSError):  # finished shards and journals stay: --resume writes the index
+            report.update(status="failed", error=f"{e.strerror or e} while writing the index")
+            try:
+                _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
+            except OSError:
+                pass
         raise
     report_path = _write_json(os.path.join(folder, fmt.REPORT_NAME), report)  # complete: the index exists
     report_path = os.path.join(out, fmt.REPORT_NAME)
