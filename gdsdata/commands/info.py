@@ -51,6 +51,7 @@ def info(root) -> dict:
     """
     index = index_io.load(root)
     samples, shards = index.samples, index.shards
+    converted, resized = index.flag_counts()
     payload = int(samples["length"].sum())
     stored = int(shards["size"].sum())
     per_class = np.bincount(samples["label"], minlength=len(index.classes))
@@ -73,9 +74,9 @@ def info(root) -> dict:
         "height": _stats(samples["height"]),
         "codecs": _tally(samples["codec"], fmt.CODEC_NAMES),
         "subsampling": _tally(samples["subsampling"], fmt.SUBSAMPLING_NAMES),
-        "stored_as_is": int(((samples["flags"] & fmt.FLAG_CONVERTED) == 0).sum()),
-        "converted": int(((samples["flags"] & fmt.FLAG_CONVERTED) != 0).sum()),
-        "resized": int(((samples["flags"] & fmt.FLAG_RESIZED) != 0).sum()),
+        "stored_as_is": len(samples) - converted,
+        "converted": converted,
+        "resized": resized,
         "pack_options": meta.get("options", {}),
         "pack_counts": meta.get("counts", {}),
         "part": meta.get("part"),

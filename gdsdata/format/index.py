@@ -42,6 +42,11 @@ class Index:
         """The dataset's identity: its id (from packing) and its index's checksum."""
         return f"{self.dataset_id.hex()}-{self.body_crc32:08x}"
 
+    def flag_counts(self) -> tuple[int, int]:
+        """(converted, resized): the samples re-encoded at pack time, and those downscaled."""
+        flags = self.samples["flags"]
+        return int(((flags & fmt.FLAG_CONVERTED) != 0).sum()), int(((flags & fmt.FLAG_RESIZED) != 0).sum())
+
     @property
     def legacy_fingerprint(self) -> str:
         """The fingerprint as gdsdata gave it before ids were read whole (``layout.ident``): an id

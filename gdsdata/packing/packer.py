@@ -129,7 +129,7 @@ def gdsdata_owned(name):
             or (name.startswith("shard-") and name.endswith(".gds")))
 
 
-def _failed_report(path) -> bool:
+def _stopped_report(path) -> bool:
     """Whether ``path`` is the report of a pack that failed or was stopped (beside it: no dataset)."""
     try:
         with open(path) as f:
@@ -151,8 +151,8 @@ def check_output(out, overwrite, resumable=True) -> bool:
             raise OutputExistsError(f"{out}: inside the dataset {parent}; write to a folder outside it")
         parent = os.path.dirname(parent)
     existing = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    if existing == [fmt.REPORT_NAME] and _failed_report(os.path.join(out, fmt.REPORT_NAME)):
-        return False  # a pack that failed left only its report: nothing to keep, pack again
+    if existing == [fmt.REPORT_NAME] and _stopped_report(os.path.join(out, fmt.REPORT_NAME)):
+        return False  # a pack that failed or was stopped left only its report: nothing to keep, pack again
     if existing and not overwrite:
         what = "holds a gdsdata dataset" if fmt.INDEX_NAME in existing else "is not empty"
         hint = "" if fmt.INDEX_NAME in existing or not resumable else " (or --resume to finish an interrupted pack)"
@@ -469,9 +469,7 @@ def _unchanged(base, source, out, started, skipped=()) -> PackResult:
     """An append that adds nothing: the dataset as it is (left untouched), and the new files that
     could not be packed, if any."""
     log.info("nothing appended to %s from %s (%d new file(s) that cannot be packed)", out, source.root, len(skipped))
-    flags = base.samples["flags"]
-    return PackResult(out, len(base), int(((flags & fmt.FLAG_CONVERTED) != 0).sum()),
-                      int(((flags & fmt.FLAG_RESIZED) != 0).sum()), len(base.shards), int(base.shards["size"].sum()),
+    return PackResult(out, len(base), *base.flag_counts(), len(base.shards), int(base.shards["size"].sum()),
                       time.perf_counter() - started, list(skipped), source.ignored,
                       getattr(source, "unreadable", []), getattr(source, "special", []),
                       boxes=base.meta.get("detection", {}).get("boxes", 0), new=0)
@@ -525,8 +523,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     if append:  # the dataset so far, unchanged; new samples go to new shards
         dataset_id, records, strings, shard_rows = base.dataset_id, base.samples.tolist(), bytearray(base.strings), \
             base.shards.tolist()
-        converted = int(((base.samples["flags"] & fmt.FLAG_CONVERTED) != 0).sum())
-        resized = int(((base.samples["flags"] & fmt.FLAG_RESIZED) != 0).sum())
+        converted, resized = base.flag_counts()
     for journal in journals:
         for row, rel in zip(journal["samples"], journal["paths"]):
             path_bytes = rel.encode("utf-8", "surrogateescape")
