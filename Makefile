@@ -10,11 +10,16 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test test-gpu bench bench-gpu bench-suite fuzz clean
 
+# each install is tried up to 4 times, and pip resumes a download cut off mid-file: a dropped
+# connection to PyPI (seen on a CI run, for a 79 MB wheel) should not fail the build
+PIP := $(PY) -m pip install --quiet --retries 10 --timeout 60
+RETRY := tools/retry 4 30
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(RETRY) $(PIP) --upgrade pip
+	$(RETRY) $(PIP) --resume-retries 20 $(TORCH)
+	$(RETRY) $(PIP) --resume-retries 20 -e ".[$(EXTRAS)]"
 	touch $@
 
 demo: $(VENV)/.installed
