@@ -62,6 +62,10 @@ def _cmd_pack(args):
         print(f"packed {whole} in {result.seconds:.1f} s ({rate})")
     print(f"  stored as is: {result.packed - result.converted}, converted: {result.converted}, "
           f"resized: {result.resized}")
+    if result.relabeled:
+        names = ", ".join(result.relabeled[:5]) + (" ..." if len(result.relabeled) > 5 else "")
+        print(f"  new classes sort among the old ones (ImageFolder's labels): {len(result.relabeled)} class(es) "
+              f"of the dataset got a new label ({names}); models trained on its old labels do not match them")
     if result.resumed_shards:
         print(f"  resumed: kept {result.resumed_shards} shard(s) ({result.packed - result.new} images) of the "
               f"interrupted pack; packed {result.new} more")
@@ -82,6 +86,8 @@ def _cmd_pack(args):
                 print(f"    {item['path']}: {item['reason']}")
     if result.report_path:
         print(f"  report: {result.report_path}")
+    elif not (args.append and not result.new):
+        print("  report: none (it could not be written: is the disk full?); the dataset is complete")
     return 0
 
 

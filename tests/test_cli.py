@@ -155,6 +155,23 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
                           "part must be between")
 
 
+def test_pack_refuses_an_empty_part_and_a_raw_size_for_jpegs(small_src, tmp_path):
+    said = assert_one_line_error(*run("pack", small_src, str(tmp_path / "x"), "--num-parts", "40", "--part", "0")[::2],
+                                 "would hold no image")
+    assert "at most 10 parts" in said  # (one of its 10 image files cannot be decoded: a part can still hold it)
+    assert_one_line_error(*run("pack", small_src, str(tmp_path / "y"), "--size", "64")[::2], "--codec raw")
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+
+
+def test_an_append_that_sorts_new_classes_first_says_which_labels_changed(small_src, tmp_path):
+    out, extra = str(tmp_path / "ds"), str(tmp_path / "extra")
+    assert run("pack", small_src, out, "-q")[0] == 0
+    write_photos(extra, 2, classes=1, start_seed=900)
+    os.rename(os.path.join(extra, "class0"), os.path.join(extra, "aardvark"))
+    rc, stdout, err = run("pack", extra, out, "--append", "-q")
+    assert rc == 0 and "got a new label (class0, class1" in stdout, err
+
+
 def test_doctor_shows_how_a_dataset_loads(small_src, tmp_path):
     out = str(tmp_path / "ds")
     assert run("pack", small_src, out, "-q")[0] == 0

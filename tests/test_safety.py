@@ -591,7 +591,7 @@ def test_every_bit_flip_is_caught_by_default(tmp_path, codec, flips):
     src = tmp_path / "src"
     write_photos(str(src), 6, classes=2, start_seed=110)
     out = str(tmp_path / "ds")
-    pack(str(src), out, workers=1, options=gdsdata.PackOptions(codec=codec, raw_size=48))
+    pack(str(src), out, workers=1, options=gdsdata.PackOptions(codec=codec, raw_size=48 if codec == "raw" else 0))
     index = load(out)
     rng = random.Random(7)
     for trial in range(flips):
@@ -670,6 +670,42 @@ def test_a_full_disk_names_the_file_and_the_pack_resumes(src, small_disk, tmp_pa
     pack(src, reference, workers=1, shard_size=100_000)
     assert load(out).samples["crc32"].tolist() == load(reference).samples["crc32"].tolist()
     assert verify(out) == []
+
+
+def test_a_full_disk_while_the_index_is_written_names_the_dataset_and_the_pack_resumes(src, tmp_path, monkeypatch):
+    from gdsdata.format import index as index_io
+
+    out, written = str(tmp_path / "ds"), index_io.write
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(index_io, "write", full)
+    with pytest.raises(OSError) as caught:
+        pack(src, out, workers=1, shard_size=100_000)
+    said = caught.value.strerror
+    assert said.startswith("No space left on device while writing the index of") and out in said and "--resume" in said
+    assert fmt.INDEX_NAME not in os.listdir(out) and json.load(open(os.path.join(out, fmt.REPORT_NAME)))["status"] == \
+        "failed"
+    monkeypatch.setattr(index_io, "write", written)
+    assert pack(src, out, resume=True, workers=1, shard_size=100_000).resumed_shards >= 1 and verify(out) == []
+
+
+def test_a_report_that_cannot_be_written_leaves_a_complete_dataset(src, tmp_path, monkeypatch):
+    from gdsdata.packing import packer
+
+    out, dump = str(tmp_path / "ds"), json.dump
+
+    def full(payload, f, **kwargs):
+        if payload.get("status") == "complete":  # the report, once the index is in place
+            f.write("{")  # cut short by the full disk
+            raise OSError(28, "No space left on device")
+        return dump(payload, f, **kwargs)
+
+    monkeypatch.setattr(packer.json, "dump", full)
+    result = pack(src, out, workers=1, shard_size=100_000)
+    assert result.report_path == "" and result.packed == len(load(out)) and verify(out) == []
+    assert sorted(os.listdir(out)) == sorted([fmt.INDEX_NAME] + [fmt.shard_name(k) for k in range(result.shards)])
 
 
 def test_a_full_disk_during_merge_copy_leaves_no_truncated_shard(parts, small_disk):

@@ -225,6 +225,27 @@ def test_tar_shards_on_s3_are_fetched_and_packed(source, s3, tmp_path):
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "gdsdata-fetch-*"))) == fetched  # the copy removed
 
 
+def test_an_append_from_s3_compares_the_listed_sizes(source, s3, tmp_path):
+    import boto3
+
+    from gdsdata.errors import SourceError
+
+    src, _ = source
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    assert pack("s3://images/train", out, workers=1, append=True).new == 0  # the same files: nothing new
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="grown")
+    first = sorted(os.listdir(os.path.join(src, "class0")))[0]
+    for name in sorted(os.listdir(os.path.join(src, "class0")))[:2]:
+        client.upload_file(os.path.join(src, "class0", name), "grown", f"train/class0/{name}")
+    with open(os.path.join(src, "class1", sorted(os.listdir(os.path.join(src, "class1")))[0]), "rb") as f:
+        client.put_object(Bucket="grown", Key=f"train/class0/{first}", Body=f.read())  # another image, same path
+    with pytest.raises(SourceError, match=f"already holds a different image under class0/{first}"):
+        pack("s3://grown/train", out, workers=1, append=True)
+    assert verify(out) == []
+
+
 def test_a_missing_bucket_is_one_line(s3, tmp_path):
     from gdsdata.cli import main
 

@@ -184,6 +184,26 @@ def test_tar_source(tmp_path):
     assert all(g[0].startswith("train-000") for g in got)
 
 
+def torchvision_labels(root):
+    from torchvision.datasets import ImageFolder
+
+    folder = ImageFolder(root)
+    return {os.path.relpath(path, root): label for path, label in folder.samples}
+
+
+def test_append_refuses_another_image_under_a_path_the_dataset_holds(tmp_path):
+    src, other = tmp_path / "src", tmp_path / "other"
+    write_photos(str(src), 6, classes=2, start_seed=700)
+    write_photos(str(other), 6, classes=2, start_seed=900)  # the same names, other images
+    (other / "class0" / "extra.jpg").write_bytes(jpeg_bytes(photo(950), quality=85))
+    out = str(tmp_path / "ds")
+    pack(str(src), out, workers=1, shard_size=SHARD)
+    index = open(os.path.join(out, fmt.INDEX_NAME), "rb").read()
+    with pytest.raises(SourceError, match=r"already holds a different image under class0/.*--overwrite"):
+        pack(str(other), out, workers=1, shard_size=SHARD, append=True)
+    assert open(os.path.join(out, fmt.INDEX_NAME), "rb").read() == index  # untouched
+
+
 def test_readers_never_write(whole):
     before = {n: (os.stat(os.path.join(whole, n)).st_mtime_ns, os.stat(os.path.join(whole, n)).st_size)
               for n in os.listdir(whole)}
@@ -207,11 +227,15 @@ def test_append_adds_new_images_and_classes(tmp_path):
             (src / folder / f"new{k}.jpg").write_bytes(jpeg_bytes(photo(800 + k), quality=85))
     result = pack(str(src), out, workers=1, shard_size=SHARD, append=True)
     classes, after = samples_of(out)
-    assert classes == ["class0", "class1", "class2", "aardvark"]  # old labels unchanged, new appended
-    assert after[:len(before[1])] == before[1] and len(after) == len(before[1]) + 6
+    assert classes == ["aardvark", "class0", "class1", "class2"]  # ImageFolder's labels: the sorted names
+    shifted = [(s[0], s[1] + 1) + s[2:] for s in before[1]]  # every old class sorts after "aardvark"
+    assert after[:len(before[1])] == shifted and len(after) == len(before[1]) + 6
     assert {s[0]: s[1] for s in after[len(before[1]):]} == {
-        **{f"aardvark/new{k}.jpg": 3 for k in range(3)}, **{f"class1/new{k}.jpg": 1 for k in range(3)}}
-    assert result.packed == len(after) and result.new == 6
+        **{f"aardvark/new{k}.jpg": 0 for k in range(3)}, **{f"class1/new{k}.jpg": 2 for k in range(3)}}
+    assert result.packed == len(after) and result.new == 6 and result.relabeled == ["class0", "class1", "class2"]
+    folder = torchvision_labels(str(src))  # the same labels as an ImageFolder of the grown source
+    ds = GDSDataset(out)
+    assert {ds.index.path(i): int(ds.index.samples[i]["label"]) for i in range(len(ds))} == folder
     index = open(os.path.join(out, fmt.INDEX_NAME), "rb").read()
     again = pack(str(src), out, workers=1, shard_size=SHARD, append=True)  # up to date: nothing written
     assert (again.new, again.packed, again.shards) == (0, len(after), result.shards)

@@ -11,6 +11,7 @@ same samples and shard bytes as an uninterrupted pack. ``num_parts``/``part`` pa
 part of the source, with labels from the full class list, for ``merge.merge`` to join.
 """
 
+import contextlib
 import ctypes
 import datetime
 import itertools
@@ -67,6 +68,7 @@ class PackResult:
     labels: dict = None  # detection packs: what the labels got wrong (detection.LabelReport.as_dict())
     boxes: int = 0  # detection packs: boxes packed
     new: int = 0  # images this run packed itself: ``packed`` less a resume's kept ones or an append's base
+    relabeled: list = field(default_factory=list)  # an append: the dataset's classes whose label changed
 
 
 def scan(src):
@@ -301,11 +303,17 @@ def _results(jobs, workers):
 
 
 def _write_json(path, payload):
-    with open(path + fmt.TMP_SUFFIX, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1)  # ASCII with escapes: names that are not UTF-8 survive
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + fmt.TMP_SUFFIX, path)
+    """Write ``payload`` whole or not at all (a failed write, a full disk say, leaves no temporary file)."""
+    try:
+        with open(path + fmt.TMP_SUFFIX, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1)  # ASCII with escapes: names that are not UTF-8 survive
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + fmt.TMP_SUFFIX, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path + fmt.TMP_SUFFIX)
+        raise
     return path
 
 
@@ -431,6 +439,9 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         options = replace(options, exif_transpose=True)  # YOLO labels are in the EXIF-oriented frame
     name = src if isinstance(src, str) else source.root
     try:
+        if (part + 1) * len(source.items) // num_parts == part * len(source.items) // num_parts:
+            raise SourceError(f"{name}: part {part} of {num_parts} would hold no image ({len(source.items)} in all): "
+                              f"split it into at most {len(source.items)} parts")
         if isinstance(src, str) and os.path.isdir(src) and within(out, src):
             raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it (its "
                               f"shards would be read as images of a class)")
@@ -458,11 +469,44 @@ def _appendable(out, source, alignment):
     if task == "detect" and source.classes != base.classes:
         raise SourceError(f"{out}: appending detection images needs the same class names ({len(base.classes)} in "
                           f"the dataset, {len(source.classes)} in {source.root})")
-    known = {base.path(i) for i in range(len(base))}
-    classes = base.classes + sorted(set(source.classes) - set(base.classes))
+    held = {base.path(i): i for i in range(len(base))}
+    _check_held(base, source, held)
+    added = set(source.classes) - set(base.classes)
+    if base.classes == sorted(base.classes):  # ImageFolder's labels: the sorted class names, old and new alike
+        classes = sorted(set(base.classes) | added)
+    else:  # an order the source gave (an LMDB's or a tar's class list): new classes after it
+        classes = base.classes + sorted(added)
     label = {name: k for k, name in enumerate(classes)}
-    items = [replace(item, label=label[source.classes[item.label]]) for item in source.items if item.rel not in known]
+    items = [replace(item, label=label[source.classes[item.label]]) for item in source.items if item.rel not in held]
     return base, items, classes
+
+
+def _check_held(base, source, held):
+    """An append adds the paths the dataset does not hold; a file at a path it holds must be the image
+    packed from it, or the new image would be dropped unseen. Compared where the dataset stored the file
+    byte for byte (not converted at pack time): its size, and where the source reads the bytes here
+    (tar shards, LMDB) their CRC-32 too."""
+    for item in source.items:
+        k = held.get(item.rel)
+        if k is None or base.samples[k]["flags"] & fmt.FLAG_CONVERTED:
+            continue
+        length, crc = int(base.samples[k]["length"]), int(base.samples[k]["crc32"])
+        try:
+            data = source.read(item)
+            if data is not None:
+                size, same = len(data), zlib.crc32(data) == crc
+            elif is_url(item.path):  # the size the listing gave (no request an object)
+                size, same = source.sizes[item.rel], True
+            else:
+                size, same = os.stat(item.path).st_size, True
+        except (BadImageError, OSError):
+            continue  # unreadable now: nothing to compare (the dataset keeps what it packed)
+        if size != length or not same:
+            where = item.path or os.path.join(str(source.root), item.rel)
+            raise SourceError(f"{display(where)}: {base.root} already holds a "
+                              f"different image under {display(item.rel)} ({size:,} bytes here, {length:,} packed); "
+                              f"--append adds only the paths the dataset does not hold: pack again with "
+                              f"--overwrite to replace images")
 
 
 def _unchanged(base, source, out, started, skipped=()) -> PackResult:
@@ -521,8 +565,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     converted = resized = done = 0
     base_stamp = index_io.stamp(out) if append else None  # which index file the dataset held when it began
     if append:  # the dataset so far, unchanged; new samples go to new shards
+        relabel = [classes.index(name) for name in base.classes]  # the dataset's labels in the merged class list
         dataset_id, records, strings, shard_rows = base.dataset_id, base.samples.tolist(), bytearray(base.strings), \
             base.shards.tolist()
+        records = [row[:4] + (relabel[row[4]],) + row[5:] for row in records]
         converted, resized = base.flag_counts()
     for journal in journals:
         for row, rel in zip(journal["samples"], journal["paths"]):
@@ -680,9 +726,17 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
             except OSError:
                 pass
+        if isinstance(e, OSError):
+            then = ("the dataset there is unchanged" if append or folder != out else
+                    "its shards are kept: free space, then run the same command with --resume")
+            raise OSError(e.errno, f"{e.strerror or e} while writing the index of {display(out)}; {then}") from e
         raise
-    report_path = _write_json(os.path.join(folder, fmt.REPORT_NAME), report)  # complete: the index exists
     report_path = os.path.join(out, fmt.REPORT_NAME)
+    try:  # the index is in place: the dataset is complete, whether or not its report can be written
+        _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
+    except OSError as e:
+        log.warning("%s: the dataset is complete, but its report could not be written (%s)", out, e.strerror or e)
+        report_path = ""
     with deferred_signals():  # the index is authoritative now: its journals go, all of them, before an interrupt
         for shard in range(len(shard_table)):
             try:
@@ -692,7 +746,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     log.info("packed %d images into %d shards in %.1f s", len(samples), len(shard_table), seconds)
     return PackResult(out, len(samples), converted, resized, len(shard_table), total, seconds,
                       skipped, ignored, unreadable, special, report_path, len(journals), report.get("labels"),
-                      meta.get("detection", {}).get("boxes", 0), len(samples) - carried)
+                      meta.get("detection", {}).get("boxes", 0), len(samples) - carried,
+                      [name for k, name in enumerate(base.classes) if relabel[k] != k] if append else [])
 
 
 def _sample_boxes(records, strings, boxes_of, base=None) -> list:

@@ -39,6 +39,9 @@ class PackOptions:
             raise ValueError(f"codec must be 'jpeg' or 'raw', got {self.codec!r}")
         if not 1 <= self.quality <= 100:
             raise ValueError(f"JPEG quality must be between 1 and 100, got {self.quality}")
+        if self.raw_size and self.codec != "raw":
+            raise ValueError("a raw size (--size) applies to the raw codec (--codec raw); JPEGs are downscaled with "
+                             "a max side (--max-side)")
         if self.max_side < 0 or self.raw_size < 0:
             raise ValueError("max side and raw size must be positive (or 0 to keep the size)")
         if self.max_pixels < 0:

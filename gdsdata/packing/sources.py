@@ -264,18 +264,20 @@ class RemoteFolderSource:
         base = root.rstrip("/")
 
         def listing(name):
-            return sorted(fs.find(f"{base}/{name}"))
+            return sorted(fs.find(f"{base}/{name}", detail=True).items())
 
         with ThreadPoolExecutor(min(threads, len(self.classes))) as pool:
             found = list(pool.map(listing, self.classes))
         protocol = url.split("://", 1)[0]
         self.items, self.ignored, self.unreadable, self.special = [], [], [], []
+        self.sizes = {}  # the listing's object sizes, by relative path (an append compares them)
         for label, (name, paths) in enumerate(zip(self.classes, found)):
             images = 0
-            for path in paths:
+            for path, info in paths:
                 rel = os.path.relpath(path, base)
                 if path.lower().endswith(IMAGE_EXTENSIONS):
                     self.items.append(Item(rel, label, path=f"{protocol}://{path}"))
+                    self.sizes[rel] = info.get("size")
                     images += 1
                 else:
                     self.ignored.append(rel)
