@@ -46,9 +46,11 @@ class GDSDataset(torch.utils.data.Dataset):
         "cpu", or "cuda" / "cuda:N" for the GPU path (cuFile reads, nvJPEG decode).
     transform : callable, optional
         Applied to each image (a uint8 CHW tensor) by ``ds[i]`` and ``__getitems__``, as
-        torchvision datasets do: torchvision v2 transforms and other callables.
+        torchvision datasets do: torchvision v2 transforms and other callables; for torch's
+        ``DataLoader``. ``gdsdata.Loader`` refuses a dataset opened with one (it applies its own
+        ``transform=`` and ``batch_transform=`` to whole batches).
     target_transform : callable, optional
-        Applied to each label.
+        Applied to each label, likewise by ``ds[i]`` and not by ``gdsdata.Loader``.
     on_error : str
         "raise" (default): a bad sample raises ``CorruptSampleError`` naming it, its shard, offset and
         source path; "skip": it is replaced by the next good one, deterministically, and counted in

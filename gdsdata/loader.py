@@ -60,7 +60,9 @@ class Loader:
     Parameters
     ----------
     dataset : GDSDataset or torch.utils.data.Subset of one
-        What to read; a Subset (``random_split`` gives those) reads only its samples.
+        What to read; a Subset (``random_split`` gives those) reads only its samples. A dataset
+        opened with ``transform=`` or ``target_transform=`` (applied per sample by ``ds[i]``) is
+        refused with ``ValueError``: the Loader's own ``transform`` and ``batch_transform`` apply.
     batch_size : int
         Samples per batch.
     shuffle : bool or str
@@ -102,6 +104,7 @@ class Loader:
                  indices: Sequence[int] | None = None, prefetch: int = 2, rank: int | None = None,
                  world_size: int | None = None, block_size: int = 64, window: int = 16, pixels: bool = False):
         dataset, self._indices = _source(dataset, indices)
+        _no_sample_transforms(dataset)
         batch_size = count("batch_size", batch_size)
         seed = count("seed", seed, minimum=0)
         if seed >= 2**63:
@@ -373,6 +376,19 @@ def _source(dataset, indices):
         if not len(picked):
             raise ValueError("indices is empty: a Loader needs at least one sample")
     return dataset, picked
+
+
+def _no_sample_transforms(dataset):
+    """A dataset opened with per-sample transforms is refused: ``ds[i]`` applies them, the Loader's
+    pipeline does not, and training on untransformed batches would go unnoticed."""
+    given = [name for name in ("transform", "target_transform") if getattr(dataset, name, None) is not None]
+    if given:
+        raise ValueError(
+            f"{getattr(dataset, 'root', 'the dataset')} was opened with GDSDataset(..., {'=, '.join(given)}=), which "
+            f"ds[i] applies per sample but gdsdata.Loader does not: the Loader applies its own transform= "
+            f"(gdsdata.RandomResizedCrop or CenterCrop) and batch_transform=(images, labels) -> (images, labels) to "
+            f"whole batches; open the dataset without them and pass them to the Loader, or keep them and read the "
+            f"dataset with torch's DataLoader")
 
 
 def _index_array(values, name) -> np.ndarray:

@@ -167,6 +167,20 @@ def test_unusable_transforms_get_one_clear_error(ds):
         next(iter(loader))
 
 
+@pytest.mark.parametrize("given", [dict(transform=lambda im: im[:, :10, :10]),
+                                   dict(target_transform=lambda y: y + 100)])
+def test_a_dataset_with_per_sample_transforms_is_refused(photos_dataset, given):
+    """The Loader builds batches with its own transform= and batch_transform=: a dataset whose
+    transform= or target_transform= ds[i] applies would otherwise give untransformed batches."""
+    ds = gdsdata.GDSDataset(photos_dataset[2], **given)
+    name = next(iter(given))
+    for source in (ds, torch.utils.data.Subset(ds, range(10))):
+        with pytest.raises(ValueError, match=f"opened with GDSDataset\\(..., {name}=\\).*the Loader applies its own "
+                                             f"transform=.*torch's DataLoader"):
+            gdsdata.Loader(source, 8, transform=gdsdata.CenterCrop(16))
+    ds.close()
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(batch_size=1.5), TypeError, "batch_size must be an integer, got 1.5"),
     (dict(batch_size="8"), TypeError, "batch_size must be an integer"),
