@@ -94,7 +94,9 @@ class Loader:
     -----
     ``len(loader)`` is the number of batches of an epoch for this rank. Each ``iter(loader)`` starts
     a pass at the beginning of the current epoch, except right after ``load_state_dict``, where it
-    continues at the saved batch (``batches_left()`` says how many remain). After a full epoch the
+    continues at the saved batch (``batches_left()`` says how many remain). One pass runs at a time:
+    a new ``iter(loader)`` or ``load_state_dict`` ends the iterator before it, whose next ``next()``
+    raises ``RuntimeError`` (torch's DataLoader would run both). After a full epoch the
     loader is at the next one (``epoch``), whose first batches are already being read; ``set_epoch``
     picks an epoch explicitly.
     """
@@ -190,9 +192,10 @@ class Loader:
         Returns
         -------
         dict
-            The epoch, the batches delivered, which samples were consumed, and what the state is
-            valid for (the dataset's fingerprint, size, seed, shuffle, world size, batch size);
-            plain Python values, so ``torch.save`` and ``json`` take it.
+            The epoch, the batches delivered (by the pass started last), which samples were
+            consumed, and what the state is valid for (the dataset's fingerprint, size, seed,
+            shuffle, world size, batch size); plain Python values, so ``torch.save`` and ``json``
+            take it.
         """
         consumed = None if self._consumed is None else np.packbits(self._consumed).tobytes()
         return {"version": _STATE_VERSION, "dataset": self._dataset_fingerprint(), "epoch": self.epoch,
@@ -213,7 +216,7 @@ class Loader:
             one or one out of range raises ``ValueError`` (``TypeError`` for what is not a dict)
             saying why.
         """
-        self.close()
+        self._end_passes("loader.load_state_dict() ended it: the next iter(loader) resumes at the loaded state")
         fingerprints = {self._dataset_fingerprint(), self._dataset_fingerprint(legacy=True)}
         state = _checked_state(state, self.spec, fingerprints)
         consumed = None
@@ -265,14 +268,14 @@ class Loader:
         if not self._resume:  # a new pass starts its epoch from the beginning
             self._consumed, self._done = None, 0
         self._resume = False
-        carry, self._carry = self._carry, None
+        carry = self._carry
         if carry is not None and carry.epoch == self.epoch and not self._done and self._consumed is None:
+            self._carry = None
             self._active = weakref.ref(carry)  # the pipeline runs on into this epoch
             self._last_stats = carry.stats
             return carry
-        if carry is not None:
-            carry.close()
-        self.close()
+        self._end_passes("a new iter(loader) replaced it: a Loader runs one pass at a time, and each iter() "
+                         "starts the epoch again; peek before the loop, or with a second Loader")
         active = _Prefetcher(self, self.epoch, rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
         self._last_stats = active.stats  # kept after the pass is gone
@@ -286,9 +289,14 @@ class Loader:
 
     def close(self) -> None:
         """Stop the prefetch threads, if any (also those already reading the next epoch)."""
+        self._end_passes()
+
+    def _end_passes(self, why=None):
+        """Stop the passes this Loader holds; with ``why`` (another pass replaces them) their next
+        ``next()`` raises ``RuntimeError`` saying so instead of ending the loop quietly."""
         for active in (self._active() if self._active is not None else None, self._carry):
             if active is not None:
-                active.close()
+                active.close(replaced=why)
         self._active = self._carry = None
 
     def _delivered(self, finished_epoch: bool, prefetcher=None, replaced=0):
@@ -840,6 +848,7 @@ class _Prefetcher:
         self.held = None  # a PixelBatch handed to the consumer (pixels=True), released at the next step
         self.gpu_waits = collections.deque()  # (before, after) events around the loop stream's waits
         self.closed_by = None  # why the dataset closed this pass under a running loop
+        self.replaced = None  # why the Loader ended this pass for another (a new iter(), a loaded state)
         self.stats = PipelineStats()
         # The threads hold no reference to this object, so dropping the iterator stops them.
         self.dataset = loader.dataset
@@ -890,6 +899,8 @@ class _Prefetcher:
         if self.threads is None:
             if self.closed_by is not None:
                 raise GdsDataError(f"the Loader's dataset was closed while it was reading ({self.closed_by})")
+            if self.replaced is not None:
+                raise RuntimeError(f"this gdsdata Loader iterator has ended: {self.replaced}")
             raise StopIteration
         self._release_held()
         t0 = time.perf_counter()
@@ -949,13 +960,13 @@ class _Prefetcher:
         after.record(stream)
         self.gpu_waits.append((before, after))
 
-    def close(self, reason=None, grace=None):
+    def close(self, reason=None, grace=None, replaced=None):
         """Stop the threads, waiting for them at most ``grace`` seconds (default: the stall_timeout
-        setting); with ``reason`` (the dataset was closed under the loop) the next ``next()`` raises
-        instead of ending the epoch quietly."""
+        setting); with ``reason`` (the dataset was closed under the loop) or ``replaced`` (the Loader
+        started another pass) the next ``next()`` raises instead of ending the epoch quietly."""
         if self.threads is None:
             return
-        self.closed_by = reason
+        self.closed_by, self.replaced = reason, replaced
         self.stop.set()
         self._release_held()
         me = threading.current_thread()  # the garbage collector may run this in a prefetch thread

@@ -48,6 +48,30 @@ def test_peek_then_loop_gives_a_whole_epoch(ds):
     assert loader.epoch == 1
 
 
+def test_a_second_iter_inside_a_loop_ends_the_first_loudly(ds):
+    """One pass at a time per Loader: a peek inside the loop replaces the loop's pass, whose next
+    next() raises instead of ending the epoch quietly after 3 of 8 batches; the state is the new pass's."""
+    loader = gdsdata.Loader(ds, 8, seed=1)
+    reference = labels_of(gdsdata.Loader(ds, 8, seed=1))
+    seen = []
+    with pytest.raises(RuntimeError, match="a new iter\\(loader\\) replaced it: a Loader runs one pass at a time"):
+        for k, (_, labels) in enumerate(loader):
+            seen.append(labels.tolist())
+            if k == 2:
+                peeked = next(iter(loader))[1].tolist()
+    assert seen == reference[:3] and peeked == reference[0]
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches_done"]) == (0, 1)  # where the pass that replaced it stands
+    assert labels_of(loader) == reference and loader.epoch == 1  # the next loop is a whole epoch
+    it = iter(loader)
+    next(it)
+    loader.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="load_state_dict\\(\\) ended it"):
+        next(it)
+    assert labels_of(loader) == reference[1:]
+    loader.close()
+
+
 def test_a_loop_broken_off_starts_again_at_the_epoch_start(ds):
     loader = gdsdata.Loader(ds, 8, seed=1)
     reference = labels_of(gdsdata.Loader(ds, 8, seed=1))
