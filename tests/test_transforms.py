@@ -100,6 +100,31 @@ def test_center_crop_refuses_a_resize_under_its_size():
     gdsdata.CenterCrop(224, resize=224)
 
 
+@pytest.mark.parametrize("make", [gdsdata.RandomResizedCrop, gdsdata.CenterCrop])
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(std=(0, 1, 1)), ValueError, "std holds a zero"),
+    (dict(std=(0.0, 58.0, 57.0)), ValueError, "std holds a zero"),
+    (dict(std=(58.0, 57.0)), ValueError, "std must hold 3 finite values"),
+    (dict(std=(58.0, float("inf"), 57.0)), ValueError, "std must hold 3 finite values"),
+    (dict(mean=(124.0, float("nan"), 104.0)), ValueError, "mean must hold 3 finite values"),
+    (dict(mean=(1, 2, 3, 4)), ValueError, "mean must hold 3"),
+    (dict(mean="rgb"), TypeError, "mean must be 3 numbers"),
+    (dict(std=58.0), TypeError, "std must be 3 numbers"),
+])
+def test_mean_and_std_are_checked_when_made(make, kwargs, error, match):
+    """As torchvision's Normalize checks them: not at the first batch, in the Loader's thread."""
+    with pytest.raises(error, match=match):
+        make(16, **kwargs)
+
+
+def test_mean_and_std_of_any_sequence_are_kept_as_floats():
+    t = gdsdata.CenterCrop(16, mean=[1, 2, 3], std=np.array([4, 5, 6]))
+    assert t.mean == (1.0, 2.0, 3.0) and t.std == (4.0, 5.0, 6.0) and hash(t) == hash(gdsdata.CenterCrop(
+        16, mean=(1, 2, 3), std=(4, 5, 6)))
+    assert gdsdata.RandomResizedCrop(16, mean=None, std=None).std is None
+    assert gdsdata.RandomResizedCrop(16, mean=None).mean is None  # mean=None skips normalisation
+
+
 def test_center_crop_of_a_rectangle():
     p = gdsdata.CenterCrop((224, 112), 256).params(np.array([512]), np.array([1024]))
     assert (p.height[0], p.width[0]) == (448, 224) and (p.top[0], p.left[0]) == (32, 400)

@@ -239,10 +239,22 @@ def _validate(t):
         raise ValueError(f"size must be positive, got {t.size}")
     if not isinstance(t.antialias, bool):
         raise TypeError(f"antialias must be True or False, got {t.antialias!r}")
-    for name in ("mean", "std"):
+    for name in ("mean", "std"):  # checked here, as torchvision's Normalize does, not at the first batch
         value = getattr(t, name)
-        if value is not None and len(value) != 3:
-            raise ValueError(f"{name} must hold 3 values (R, G, B on the 0-255 scale) or be None, got {value!r}")
+        if value is None:
+            continue
+        try:
+            values = tuple(float(v) for v in value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be 3 numbers (R, G, B on the 0-255 scale) or None, got {value!r}") from None
+        if len(values) != 3 or not all(math.isfinite(v) for v in values):
+            raise ValueError(f"{name} must hold 3 finite values (R, G, B on the 0-255 scale) or be None, "
+                             f"got {value!r}")
+        if name == "std" and 0 in values:
+            raise ValueError(f"std holds a zero, got {value!r}: normalising divides by it; give each channel's "
+                             f"spread on the 0-255 scale (ImageNet's: gdsdata.transforms.IMAGENET_STD), or "
+                             f"mean=None, std=None to skip normalisation")
+        object.__setattr__(t, name, values)
 
 
 def output_dtype(transform, device: str | torch.device) -> torch.dtype:
