@@ -279,3 +279,32 @@ def test_a_shard_truncated_under_a_running_loader_raises_naming_it(photos_datase
             pass
     loader.close()
     ds.close()
+
+
+@pytest.mark.parametrize("device, reads", [("cpu", "cached"), ("cpu", "direct"),
+                                           pytest.param("cuda", "cached", marks=pytest.mark.gpu)])
+def test_a_shard_gone_with_a_replaced_dataset_raises_format_error(photos_dataset, tmp_path, device, reads):
+    """Repacked into fewer shards while open: a shard the old index names no longer exists, and
+    ds[i] and the Loader both say the dataset was replaced (a GdsDataError), not FileNotFoundError."""
+    from gdsdata.errors import FormatError, GdsDataError
+    from gdsdata.packing.packer import pack
+
+    src, _, _ = photos_dataset
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=600_000)
+    with settings.set(**({"io_engine": "direct"} if reads == "direct" else {})):
+        ds = GDSDataset(out, device=device)
+    last = len(ds) - 1
+    gone = os.path.basename(ds.index.shard_path(int(ds.index.samples[last]["shard"])))
+    assert gone != "shard-00000.gds"
+    ds[0]  # shard 0 opened before the replacement
+    pack(src, out, overwrite=True, workers=1)  # one shard now
+    assert not os.path.exists(os.path.join(out, gone))
+    said = (rf"{gone}: not the shard this dataset's index was loaded with \(the dataset was replaced .*: "
+            r"open the dataset again")
+    with pytest.raises(FormatError, match=said) as raised:
+        ds[last]
+    assert isinstance(raised.value.__cause__, FileNotFoundError)
+    with pytest.raises(GdsDataError, match=said):
+        next(iter(gdsdata.Loader(ds, 4, shuffle=False, indices=[last])))
+    ds.close()

@@ -24,6 +24,16 @@ def open_files_budget() -> int:
     return max(4, min(256, soft // 4))
 
 
+def shard_gone(error: FileNotFoundError, path, index, shard):
+    """Raise ``check_opened``'s ``FormatError`` for a shard file gone since the index was loaded
+    (the dataset was replaced or removed while open), chained to ``error``, instead of a bare
+    ``FileNotFoundError``."""
+    try:
+        check_opened(b"", path, index, shard)  # no header: not the shard the index was loaded with
+    except FormatError as replaced:
+        raise replaced from error
+
+
 class OpenShards:
     """Shard files a reader holds open, at most ``max_open`` of them: opening one more closes the
     least recently used one that no read is using (reads may hold a few more for a moment). Each
@@ -43,7 +53,11 @@ class OpenShards:
             if handle is None:
                 for old in [k for k in self._open if not self._busy[k]][:max(0, len(self._open) + 1 - self.max_open)]:
                     self._closer(self._open.pop(old))
-                handle = self._open[shard] = self._opener(self.index.shard_path(shard), shard)
+                path = self.index.shard_path(shard)
+                try:
+                    handle = self._open[shard] = self._opener(path, shard)
+                except FileNotFoundError as e:
+                    shard_gone(e, path, self.index, shard)
             self._open.move_to_end(shard)
             self._busy[shard] += 1
         try:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from gdsdata import stall
-from gdsdata.io.cpu import OpenShards
+from gdsdata.io.cpu import OpenShards, shard_gone
 from gdsdata.io.direct import DirectReads, fill
 from gdsdata.format.shards import check_opened
 from gdsdata.errors import FormatError, GpuError, GpuUnavailableError
@@ -168,6 +168,8 @@ class ShardMaps:
                         mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)  # the map outlives the descriptor
                     finally:
                         os.close(fd)
+                except FileNotFoundError as e:
+                    shard_gone(e, path, self.index, shard)
                 except (OSError, ValueError) as e:  # ValueError: an empty file
                     raise FormatError(f"{path}: cannot map the shard ({e})") from e
                 check_opened(mapped[:4096], path, self.index, shard)
