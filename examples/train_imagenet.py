@@ -7,8 +7,10 @@
         --arch resnet50 --epochs 90 --checkpoint /ckpt/resnet50.pt
 
 Run it again with the same --checkpoint after an interruption: it resumes mid-epoch, at the exact
-batch the checkpoint was written after (the Loader's state_dict is part of the checkpoint). Without a
-GPU it trains on the CPU (gloo), which is how the tests run it.
+batch the checkpoint was written after (the Loader's state_dict is part of the checkpoint), also with
+another --batch-size or number of processes: the learning-rate schedule follows the training's
+progress in epochs (from the Loader's state), not a count of batches, and training stops at --epochs.
+Without a GPU it trains on the CPU (gloo), which is how the tests run it.
 """
 
 import argparse
@@ -59,11 +61,14 @@ def setup():
     return rank, world, device
 
 
-def lr_at(step, total, warmup, base):
-    """Linear warm-up, then cosine decay to zero."""
-    if step < warmup:
-        return base * (step + 1) / warmup
-    return 0.5 * base * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+def lr_at(progress, step, epochs, warmup, base):
+    """The learning rate of the step that takes training from ``progress`` to ``progress + step``,
+    all in epochs (fractions of one too): linear warm-up over ``warmup`` epochs, then cosine decay to
+    zero at ``epochs``. In epochs, not batches, so that a resume with another batch size or world
+    size keeps the schedule."""
+    if progress < warmup:
+        return base * min(1.0, (progress + step) / warmup)
+    return 0.5 * base * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / max(step, epochs - warmup))))
 
 
 def evaluate(model, loader, device, world):
@@ -97,8 +102,7 @@ def main(argv=None):
         val_ds = gdsdata.GDSDataset(args.val, device=device)
         val = gdsdata.Loader(val_ds, args.batch_size, shuffle=False,
                              transform=gdsdata.CenterCrop(args.size, resize=round(args.size / 0.875)))
-    steps_per_epoch = len(train)  # batches per epoch for this rank
-    total_steps = args.epochs * steps_per_epoch
+    steps_per_epoch = len(train)  # batches per epoch for this rank, at this batch size and world size
 
     model = getattr(torchvision.models, args.arch)(num_classes=len(train_ds.classes))
     model = model.to(device, memory_format=torch.channels_last)
@@ -110,7 +114,7 @@ def main(argv=None):
                                 weight_decay=args.weight_decay)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
 
-    step = 0
+    step = 0  # optimizer steps taken, resumed ones included (of whatever batch size they had)
     if args.checkpoint and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location=device, weights_only=False)
         try:  # the loader first: it tells another dataset (or another batch size, seed...) apart
@@ -123,23 +127,29 @@ def main(argv=None):
         step = state["step"]
         if rank == 0:
             print(f"resumed at step {step} (epoch {train.epoch})", flush=True)
-        if step >= total_steps and rank == 0:
-            print(f"the checkpoint is at step {step}, the end of --epochs {args.epochs} ({total_steps} steps): "
-                  f"nothing left to train", flush=True)
+        if train.epoch >= args.epochs and rank == 0:
+            print(f"the checkpoint is at step {step}, after {train.epoch} epochs: --epochs {args.epochs} leaves "
+                  f"nothing to train", flush=True)
+    # the steps this run ends at: those taken, the rest of this epoch (a resume: at this batch and
+    # world size), the epochs after it
+    left = train.batches_left() + (args.epochs - train.epoch - 1) * steps_per_epoch if train.epoch < args.epochs else 0
+    total_steps = step + left
 
-    warmup = int(args.warmup_epochs * steps_per_epoch)
     t0, seen = time.perf_counter(), 0
-    while step < total_steps and not (args.max_steps and step >= args.max_steps):
+    while train.epoch < args.epochs and not (args.max_steps and step >= args.max_steps):
         epoch = train.epoch  # after a full epoch the loader is at the next one; a resume sets it too
+        done = steps_per_epoch - train.batches_left()  # the share of the epoch already trained, in these batches
         for images, labels in train:
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, total_steps, warmup, base_lr)
+                group["lr"] = lr_at(epoch + done / steps_per_epoch, 1 / steps_per_epoch, args.epochs,
+                                    args.warmup_epochs, base_lr)
             with torch.autocast(device.type, torch.bfloat16):
                 loss = criterion(model(images.contiguous(memory_format=torch.channels_last)), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             step += 1
+            done += 1
             seen += labels.numel() * world
             if rank == 0 and step % args.log_every == 0:
                 rate = seen / (time.perf_counter() - t0)

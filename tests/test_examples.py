@@ -34,7 +34,8 @@ def test_train_checkpoint_resume_and_evaluate(photos_dataset, tmp_path):
     assert "step 4/14" in second and "step 14/14" in second
     assert "validation top-1" in second
     done = _run([*common, "--epochs", "1"], tmp_path)  # (the last --epochs counts) already past its end
-    assert "the checkpoint is at step 14, the end of --epochs 1 (7 steps): nothing left to train" in done
+    assert "the checkpoint is at step 14, after 2 epochs: --epochs 1 leaves nothing to train" in done
+    assert "stopped at step 14/14 (epoch 2)" in done
     src, _, _ = photos_dataset
     from gdsdata.packing.packer import pack
 
@@ -43,6 +44,38 @@ def test_train_checkpoint_resume_and_evaluate(photos_dataset, tmp_path):
     said = _run([*common[:1], other, *common[2:]], tmp_path, code=1)
     assert said.startswith(f"cannot resume from {ckpt}: the state was saved by a Loader over another dataset"), said
     assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
+
+
+def _lrs(printed) -> list:
+    return [float(line.split(" lr ")[1].split()[0]) for line in printed.splitlines() if " lr " in line]
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_batch_size_keeps_the_schedule_and_stops_at_epochs(photos_dataset, tmp_path):
+    """The schedule follows the epochs trained, not a count of batches of one size: a resume with
+    half the batch size continues the same cosine and stops at --epochs; a checkpoint at --epochs
+    trains nothing more at any batch size."""
+    import math
+
+    _, _, out = photos_dataset  # 60 samples: 7 batches of 8 an epoch (drop_last), 15 of 4
+    ckpt = str(tmp_path / "ckpt.pt")
+    common = ["--train", out, "--arch", "resnet18", "--epochs", "2", "--size", "32", "--checkpoint", ckpt,
+              "--log-every", "1", "--warmup-epochs", "0", "--lr", "25.6"]  # base lr: batch size / 10
+    first = _run([*common, "--batch-size", "8", "--max-steps", "4"], tmp_path)  # 32 samples of epoch 0
+    assert "stopped at step 4/14 (epoch 0)" in first
+    resumed = _run([*common, "--batch-size", "4"], tmp_path)  # the other 28 (7 batches of 4), then 15
+    assert "resumed at step 4 (epoch 0)" in resumed
+    assert "step 26/26" in resumed and "stopped at step 26/26 (epoch 2)" in resumed
+    shares = [lr / 0.8 for lr in _lrs(first)] + [lr / 0.4 for lr in _lrs(resumed)]  # of the base lr
+    assert len(shares) == 26 and shares == sorted(shares, reverse=True)  # never climbs back
+    assert shares[-1] < 0.01
+    cosine = lambda epochs: 0.5 * (1 + math.cos(math.pi * epochs / 2))  # noqa: E731
+    assert shares[3] == pytest.approx(cosine(3 / 7), abs=5e-4)  # the last step of the first run
+    assert shares[4] == pytest.approx(cosine(32 / 60), abs=5e-4)  # the resumed one: 32 of 60 samples in
+    assert shares[11] == pytest.approx(cosine(1), abs=5e-4)  # epoch 1's first step
+    again = _run([*common, "--batch-size", "16"], tmp_path)
+    assert "after 2 epochs: --epochs 2 leaves nothing to train" in again
+    assert "stopped at step 26/26 (epoch 2)" in again and "loss" not in again
 
 
 @pytest.mark.slow
