@@ -8,7 +8,7 @@ Label conventions:
 - LMDB: the common folder-to-LMDB layout (``tools/make_lmdb.py`` writes it): keys are the sample
   index as ASCII digits, values ``pickle.dumps((encoded_bytes, label))``; optional keys
   ``__len__`` and ``__classes__`` (pickled list of names). Values are unpickled: pack only LMDBs you
-  trust.
+  trust. Keys name the samples; keys that are not UTF-8 are kept byte for byte, as folder names are.
 - tar (WebDataset): files grouped by their name up to the first dot of the last path component;
   one image member (``.jpg .jpeg .png ...``) and a ``.cls`` member holding the integer label per
   sample. Class names are the labels as text.
@@ -154,14 +154,15 @@ class LmdbSource:
             for key, value in txn.cursor():
                 if key.startswith(b"__"):
                     continue
+                rel = bytes(key).decode("utf-8", "surrogateescape")  # the key's bytes, whatever they are
                 try:
                     _, label = pickle.loads(value)
                     label = int(label)
                 except Exception:  # noqa: BLE001 - a value of another layout is reported, not fatal
-                    self.ignored.append(key.decode("utf-8", "replace"))
+                    self.ignored.append(display(rel))
                     continue
                 labels.add(label)
-                self.items.append(Item(key.decode("utf-8", "replace"), label, ref=bytes(key)))
+                self.items.append(Item(rel, label, ref=bytes(key)))
         self.items.sort(key=lambda item: (len(item.rel), item.rel))  # numeric keys in numeric order
         self.classes = (pickle.loads(raw_classes) if raw_classes
                         else [str(k) for k in range(max(labels, default=-1) + 1)])
@@ -169,7 +170,8 @@ class LmdbSource:
             raise SourceError(f"{src}: the LMDB holds no (image bytes, label) values")
         bad = [item.rel for item in self.items if not 0 <= item.label < len(self.classes)]
         if bad:
-            raise SourceError(f"{src}: key {bad[0]} has a label outside the {len(self.classes)} classes")
+            raise SourceError(f"{display(src)}: key {display(bad[0])} has a label outside the {len(self.classes)} "
+                              f"classes")
 
     def read(self, item):
         with self.env.begin() as txn:
