@@ -269,3 +269,16 @@ def test_the_command_line(synthetic, tmp_path, capsys):
                 str(tmp_path / "y"), "-q"]) != 0
     err = capsys.readouterr().err
     assert "no split 'test' (the YAML has train, val; --split chooses)" in err and "Traceback" not in err
+
+
+def test_a_yolo_class_id_too_large_without_names_leaves_its_image_out(tmp_path):
+    src = str(tmp_path / "src")
+    yolo_tree(src, {"a": "0 0.5 0.5 0.2 0.2\n1 0.2 0.2 0.1 0.1\n", "huge": "3000000000 0.5 0.5 0.1 0.1\n"})
+    os.unlink(os.path.join(src, "data.yaml"))  # the folder alone: no names, the ids are the names
+    result = pack(src, str(tmp_path / "ds"), format="yolo", workers=1)
+    assert result.packed == 1 and gdsdata.GDSDataset(result.out).classes == ["0", "1"]
+    [bad] = result.labels["bad_labels"]
+    assert bad["path"] == os.path.join("images", "train", "huge.jpg")
+    assert "class id 3000000000 is beyond 1048575, the largest without class names" in bad["reason"]
+    with pytest.raises(SourceError, match=r"huge.txt: class id 3000000000 is beyond 1048575.*classes.txt.*--strict"):
+        pack(src, str(tmp_path / "strict"), format="yolo", workers=1, strict=True)

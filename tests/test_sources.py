@@ -1,11 +1,14 @@
 """The packing sources on hostile or unusual input: LMDB keys and values, tar shards, fsspec URLs.
 Each case packs what it can and names what it cannot, in one line, before anything is written."""
 
+import io
 import pickle
+import tarfile
 
 import pytest
 from conftest import jpeg_bytes, photo
 
+from gdsdata.errors import SourceError
 from gdsdata.format import index as index_io
 from gdsdata.packing.packer import pack
 from gdsdata.packing.sources import open_source
@@ -47,3 +50,41 @@ def test_lmdb_keys_that_are_not_utf8_stay_distinct_and_keep_their_labels(tmp_pat
     assert samples == {b"\xff1": (0, a), b"\xfe1": (1, b), b"2": (1, a)}  # the keys' own bytes name them
     names = sorted(item.rel for item in open_source(db).items)
     assert [n.encode("utf-8", "surrogateescape") for n in names] == [b"2", b"\xfe1", b"\xff1"]
+
+
+# --- labels without class names -----------------------------------------------------------------
+def write_tar(path, members):
+    """A tar of ``members`` (name -> bytes), in that order."""
+    with tarfile.open(path, "w") as tar:
+        for name, payload in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    return str(path)
+
+
+@pytest.mark.parametrize("label", [-1, 2**20, 300_000_000, 4_000_000_000])
+def test_a_tar_label_outside_the_unnamed_range_is_refused_before_anything_is_written(tmp_path, label):
+    image = jpeg_bytes(photo(3))
+    shard = write_tar(tmp_path / "train-0.tar", {"a.jpg": image, "a.cls": b"1", "b.jpg": image,
+                                                 "b.cls": str(label).encode()})
+    out = tmp_path / "ds"
+    with pytest.raises(SourceError) as caught:
+        pack(shard, str(out), workers=1)
+    message = str(caught.value)
+    assert message.startswith(f"{shard}: train-0.tar/b.cls: label {label}") and "\n" not in message
+    assert ("negative" if label < 0 else "beyond 1048575") in message
+    assert not out.exists()  # refused while listing: no shard, no journal
+
+
+def test_an_lmdb_label_outside_the_unnamed_range_is_refused_and_names_let_it_be(tmp_path):
+    image = jpeg_bytes(photo(4))
+    db = write_lmdb(str(tmp_path / "huge.lmdb"), {b"0": (image, 0), b"1": (image, 300_000_000)})
+    with pytest.raises(SourceError, match=r"huge.lmdb: key 1: label 300000000 is beyond 1048575, .*__classes__"):
+        open_source(db)
+    db = write_lmdb(str(tmp_path / "negative.lmdb"), {b"0": (image, 0), b"1": (image, -3)})
+    with pytest.raises(SourceError, match=r"negative.lmdb: key 1: label -3 is negative"):
+        open_source(db)
+    db = write_lmdb(str(tmp_path / "named.lmdb"), {b"0": (image, 0), b"1": (image, 3)}, classes=["a", "b"])
+    with pytest.raises(SourceError, match=r"named.lmdb: key 1 has label 3, outside the 2 classes of __classes__"):
+        open_source(db)

@@ -10,7 +10,9 @@ YOLO (``--format yolo``), as Ultralytics reads it:
   folder of the path becomes ``labels``). One object per line: ``class cx cy w h``, normalised to
   the image, or ``class x1 y1 x2 y2 ...`` (a polygon, taken as its bounding box).
 - Class names: the YAML's ``names`` (a list or a {id: name} mapping); without a YAML, a
-  ``classes.txt`` (one name per line) beside ``images/`` or ``labels/``, else the ids as text.
+  ``classes.txt`` (one name per line) beside ``images/`` or ``labels/``, else the ids as text, up to
+  the largest id used; then an id of 2**20 or more leaves its image out (``bad_labels``), so that a
+  stray huge id cannot make hundreds of millions of classes.
 - Images are oriented by their EXIF tag before packing, as Ultralytics (OpenCV) reads them; the
   labels are in that frame.
 
@@ -38,7 +40,7 @@ import numpy as np
 
 from gdsdata.errors import SourceError
 from gdsdata.format import layout as fmt
-from gdsdata.packing.sources import IMAGE_EXTENSIONS, Item, display
+from gdsdata.packing.sources import IMAGE_EXTENSIONS, Item, display, unnamed_label_problem
 
 _NOT_NORMALISED = 2.0  # YOLO coordinates above this are pixels, not fractions: the label file is refused
 _SLACK = 1e-4  # a corner this far outside the image is the rounding of the label text: clipped without a word
@@ -219,8 +221,14 @@ class YoloSource(DetectionSource):
                               f"{' '.join(IMAGE_EXTENSIONS)})")
         labels_of = {image: label_path(image) for image in images}
         parsed = {image: self._labels(labels_of[image]) for image in images}
-        if names is None:  # the ids as names, up to the largest id used
-            top = max((int(lb.max()) for lb, _ in parsed.values() if lb is not None and len(lb)), default=0)
+        if names is None:  # the ids as names, up to the largest id used; a stray huge id leaves its image out
+            for image, (rows, problem) in parsed.items():
+                if problem is None and rows is not None and len(rows):
+                    problem = unnamed_label_problem(int(rows[:, 0].max()), "class id")
+                    if problem is not None:
+                        parsed[image] = (None, f"{problem}; give the class names in a data YAML or classes.txt")
+            top = max((int(rows[:, 0].max()) for rows, _ in parsed.values() if rows is not None and len(rows)),
+                      default=0)
             names = [str(k) for k in range(top + 1)]
         self.classes = names
         for image in images:

@@ -12,6 +12,9 @@ Label conventions:
 - tar (WebDataset): files grouped by their name up to the first dot of the last path component;
   one image member (``.jpg .jpeg .png ...``) and a ``.cls`` member holding the integer label per
   sample. Class names are the labels as text.
+- Without class names (tar, an LMDB without ``__classes__``) every id up to the largest becomes a
+  class named by its number, so labels must be ``0 <= label < UNNAMED_LABELS`` (2**20): a stray
+  huge id would otherwise make hundreds of millions of classes.
 """
 
 import os
@@ -24,6 +27,21 @@ from gdsdata.errors import BadImageError, SourceError
 
 # The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+# Labels without class names become the classes 0..largest, named by their numbers: the bound keeps a
+# stray huge id from making a list of hundreds of millions of names (gigabytes, then out of memory).
+# 2**20 is far above the label sets in use (ImageNet-21k: 21,841 classes; with names, any count).
+UNNAMED_LABELS = 2**20
+
+
+def unnamed_label_problem(label: int, noun="label"):
+    """Why ``label`` cannot be a class id without class names, or None."""
+    if label < 0:
+        return f"{noun} {label} is negative (labels are class indices, from 0)"
+    if label >= UNNAMED_LABELS:
+        return (f"{noun} {label} is beyond {UNNAMED_LABELS - 1}, the largest without class names (every id up to "
+                f"the largest becomes a class named by its number)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -148,7 +166,7 @@ class LmdbSource:
             self.env = lmdb.open(src, readonly=True, lock=False, readahead=False, subdir=os.path.isdir(src))
         except lmdb.Error as e:
             raise SourceError(f"{src}: cannot open as LMDB ({e})") from e
-        self.items, self.ignored, labels = [], [], set()
+        self.items, self.ignored = [], []
         with self.env.begin() as txn:
             raw_classes = txn.get(b"__classes__")
             for key, value in txn.cursor():
@@ -161,17 +179,23 @@ class LmdbSource:
                 except Exception:  # noqa: BLE001 - a value of another layout is reported, not fatal
                     self.ignored.append(display(rel))
                     continue
-                labels.add(label)
                 self.items.append(Item(rel, label, ref=bytes(key)))
         self.items.sort(key=lambda item: (len(item.rel), item.rel))  # numeric keys in numeric order
-        self.classes = (pickle.loads(raw_classes) if raw_classes
-                        else [str(k) for k in range(max(labels, default=-1) + 1)])
         if not self.items:
             raise SourceError(f"{src}: the LMDB holds no (image bytes, label) values")
-        bad = [item.rel for item in self.items if not 0 <= item.label < len(self.classes)]
-        if bad:
-            raise SourceError(f"{display(src)}: key {display(bad[0])} has a label outside the {len(self.classes)} "
-                              f"classes")
+        if raw_classes:
+            self.classes = pickle.loads(raw_classes)
+            bad = next((item for item in self.items if not 0 <= item.label < len(self.classes)), None)
+            if bad is not None:
+                raise SourceError(f"{display(src)}: key {display(bad.rel)} has label {bad.label}, outside the "
+                                  f"{len(self.classes)} classes of __classes__ (0..{len(self.classes) - 1})")
+        else:
+            for item in self.items:
+                problem = unnamed_label_problem(item.label)
+                if problem is not None:
+                    raise SourceError(f"{display(src)}: key {display(item.rel)}: {problem}; store the class names "
+                                      f"under __classes__ (a pickled list) to use more")
+            self.classes = [str(k) for k in range(max(item.label for item in self.items) + 1)]
 
     def read(self, item):
         with self.env.begin() as txn:
@@ -220,6 +244,11 @@ class TarSource:
             except ValueError:
                 self.ignored.append(rel)
                 continue
+            problem = unnamed_label_problem(label)
+            if problem is not None:
+                raise SourceError(f"{display(src)}: {display(os.path.basename(path))}/{display(entry['cls'].name)}: "
+                                  f"{problem}; WebDataset labels carry no class names, so they must lie in "
+                                  f"0..{UNNAMED_LABELS - 1}")
             labels.add(label)
             rel = f"{os.path.basename(path)}/{entry['image'].name}"
             self.items.append(Item(rel, label, ref=(path, entry["image"])))
