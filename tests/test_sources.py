@@ -8,7 +8,8 @@ import tarfile
 import pytest
 from conftest import jpeg_bytes, photo
 
-from gdsdata.errors import SourceError
+from gdsdata.cli import main as cli
+from gdsdata.errors import BadImageError, SourceError
 from gdsdata.format import index as index_io
 from gdsdata.packing.packer import pack
 from gdsdata.packing.sources import open_source
@@ -88,3 +89,28 @@ def test_an_lmdb_label_outside_the_unnamed_range_is_refused_and_names_let_it_be(
     db = write_lmdb(str(tmp_path / "named.lmdb"), {b"0": (image, 0), b"1": (image, 3)}, classes=["a", "b"])
     with pytest.raises(SourceError, match=r"named.lmdb: key 1 has label 3, outside the 2 classes of __classes__"):
         open_source(db)
+
+
+def test_lmdb_values_of_another_shape_are_skipped_with_the_reason(tmp_path, capsys):
+    image = jpeg_bytes(photo(5))
+    db = write_lmdb(str(tmp_path / "odd.lmdb"), {b"0": (image, 0), b"1": ("notbytes", 0), b"2": (None, 1),
+                                                 b"3": (5, 1)})
+    result = pack(db, str(tmp_path / "ds"), workers=1)
+    assert result.packed == 1
+    reasons = {entry["path"]: entry["reason"] for entry in result.skipped}
+    assert sorted(reasons) == ["1", "2", "3"]
+    assert reasons["1"].startswith("its value holds a str where the encoded image bytes go")
+    assert reasons["2"].startswith("its value holds a NoneType where")
+    with pytest.raises(BadImageError, match=r"odd.lmdb/1: its value holds a str where the encoded image bytes go"):
+        pack(db, str(tmp_path / "strict"), workers=1, strict=True)
+
+
+@pytest.mark.parametrize("classes, what", [(5, "an int"), (["a", 3], "a list holding an int (3)"),
+                                           (["a", None], "a list holding a NoneType (None)"),
+                                           (["a", "a"], "the name 'a' twice")])
+def test_lmdb_class_names_that_are_not_a_list_of_names_are_refused_in_one_line(tmp_path, capsys, classes, what):
+    db = write_lmdb(str(tmp_path / "names.lmdb"), {b"0": (jpeg_bytes(photo(6)), 0)}, classes=classes)
+    assert cli(["pack", db, str(tmp_path / "ds"), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"gdsdata: error: {db}: key __classes__ holds {what}, not a list of distinct class names "
+                   f"(str); store pickle.dumps([name, ...]), a name for each label\n")

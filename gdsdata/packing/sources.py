@@ -7,7 +7,8 @@ Label conventions:
   torchvision's ImageFolder).
 - LMDB: the common folder-to-LMDB layout (``tools/make_lmdb.py`` writes it): keys are the sample
   index as ASCII digits, values ``pickle.dumps((encoded_bytes, label))``; optional keys
-  ``__len__`` and ``__classes__`` (pickled list of names). Values are unpickled: pack only LMDBs you
+  ``__len__`` and ``__classes__`` (pickled list of distinct names, refused otherwise); a value
+  whose image is not bytes is skipped with the reason. Values are unpickled: pack only LMDBs you
   trust. Keys name the samples; keys that are not UTF-8 are kept byte for byte, as folder names are.
 - tar (WebDataset): files grouped by their name up to the first dot of the last path component;
   one image member (``.jpg .jpeg .png ...``) and a ``.cls`` member holding the integer label per
@@ -21,6 +22,7 @@ import os
 import pickle
 import stat
 import tarfile
+from collections import Counter
 from dataclasses import dataclass, field
 
 from gdsdata.errors import BadImageError, SourceError
@@ -184,7 +186,7 @@ class LmdbSource:
         if not self.items:
             raise SourceError(f"{src}: the LMDB holds no (image bytes, label) values")
         if raw_classes:
-            self.classes = pickle.loads(raw_classes)
+            self.classes = _lmdb_classes(src, raw_classes)
             bad = next((item for item in self.items if not 0 <= item.label < len(self.classes)), None)
             if bad is not None:
                 raise SourceError(f"{display(src)}: key {display(bad.rel)} has label {bad.label}, outside the "
@@ -199,11 +201,45 @@ class LmdbSource:
 
     def read(self, item):
         with self.env.begin() as txn:
-            data, _ = pickle.loads(txn.get(item.ref))
-        return bytes(data)
+            value = txn.get(item.ref)
+        if value is None:
+            raise BadImageError("its key is gone from the LMDB (changed since it was listed)")
+        try:
+            data, _ = pickle.loads(value)
+        except Exception as e:  # noqa: BLE001 - whatever the value unpickles to, this sample is skipped
+            raise BadImageError(f"cannot unpickle its value ({type(e).__name__}: {e})") from None
+        try:
+            return bytes(memoryview(data))
+        except TypeError:
+            raise BadImageError(f"its value holds {_a(type(data).__name__)} where the encoded image bytes go "
+                                f"(values are pickle.dumps((image_bytes, label)))") from None
 
     def close(self):
         self.env.close()
+
+
+def _lmdb_classes(src, raw) -> list:
+    """The class names under ``__classes__``: a pickled list (or tuple) of distinct names."""
+    try:
+        classes = pickle.loads(raw)
+    except Exception as e:  # noqa: BLE001 - any failure to unpickle is the same refusal
+        raise SourceError(f"{display(src)}: key __classes__: cannot unpickle it ({type(e).__name__}: {e})") from e
+    if not isinstance(classes, (list, tuple)):
+        what = _a(type(classes).__name__)
+    else:
+        odd = [name for name in classes if not isinstance(name, str)][:1]
+        counts = {} if odd else Counter(classes)
+        twice = next((name for name in classes if counts.get(name, 0) > 1), None)
+        what = (f"a list holding {_a(type(odd[0]).__name__)} ({str(odd[0])[:40]})" if odd else
+                f"the name {twice!r} twice" if twice is not None else None)
+    if what is not None:
+        raise SourceError(f"{display(src)}: key __classes__ holds {what}, not a list of distinct class names (str); "
+                          f"store pickle.dumps([name, ...]), a name for each label")
+    return [str(name) for name in classes]
+
+
+def _a(noun) -> str:
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
 
 
 class TarSource:
