@@ -6,7 +6,7 @@ import pickle
 import tarfile
 
 import pytest
-from conftest import jpeg_bytes, photo
+from conftest import jpeg_bytes, photo, png_bytes
 
 from gdsdata.cli import main as cli
 from gdsdata.errors import BadImageError, SourceError
@@ -114,3 +114,33 @@ def test_lmdb_class_names_that_are_not_a_list_of_names_are_refused_in_one_line(t
     err = capsys.readouterr().err
     assert err == (f"gdsdata: error: {db}: key __classes__ holds {what}, not a list of distinct class names "
                    f"(str); store pickle.dumps([name, ...]), a name for each label\n")
+
+
+# --- tar shards ---------------------------------------------------------------------------------
+def test_a_tar_sample_with_two_images_packs_one_and_names_the_other(tmp_path):
+    jpg, png, mask = jpeg_bytes(photo(7)), png_bytes(photo(8)), png_bytes(photo(9))
+    shard = write_tar(tmp_path / "train-0.tar", {"a.png": png, "a.jpg": jpg, "a.cls": b"0",
+                                                 "b.seg.png": mask, "b.jpg": jpg, "b.cls": b"1"})
+    result = pack(shard, str(tmp_path / "ds"), workers=1)
+    assert result.packed == 2
+    _, samples = packed(result.out)
+    assert sorted(samples) == [b"train-0.tar/a.png", b"train-0.tar/b.jpg"]  # the first plain image of each
+    assert samples[b"train-0.tar/b.jpg"] == (1, jpg)
+    assert result.special == [
+        {"path": "train-0.tar/a.jpg", "reason": "a second image of sample a (a.png is packed): skipped unopened"},
+        {"path": "train-0.tar/b.seg.png", "reason": "a second image of sample b (b.jpg is packed): skipped unopened"}]
+
+
+@pytest.mark.parametrize("name", ["train-0.tar.gz", "train-0.tgz"])
+def test_a_folder_of_gzipped_tar_shards_is_a_tar_source(tmp_path, name):
+    shards = tmp_path / "wds"
+    shards.mkdir()
+    image = jpeg_bytes(photo(10))
+    with tarfile.open(shards / name, "w:gz") as tar:
+        for member, payload in (("a.jpg", image), ("a.cls", b"2")):
+            info = tarfile.TarInfo(member)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    result = pack(str(shards), str(tmp_path / "ds"), workers=1)
+    classes, samples = packed(result.out)
+    assert classes == ["0", "1", "2"] and samples == {f"{name}/a.jpg".encode(): (2, image)}

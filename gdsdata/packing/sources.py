@@ -12,7 +12,9 @@ Label conventions:
   trust. Keys name the samples; keys that are not UTF-8 are kept byte for byte, as folder names are.
 - tar (WebDataset): files grouped by their name up to the first dot of the last path component;
   one image member (``.jpg .jpeg .png ...``) and a ``.cls`` member holding the integer label per
-  sample. Class names are the labels as text.
+  sample. Class names are the labels as text. A sample's further image members (``x.png`` beside
+  ``x.jpg``, a mask ``x.seg.png``) are skipped unopened, each named with the reason (``special``):
+  the packed one is the first in the tar whose extension is an image extension alone, else the first.
 - Without class names (tar, an LMDB without ``__classes__``) every id up to the largest becomes a
   class named by its number, so labels must be ``0 <= label < UNNAMED_LABELS`` (2**20): a stray
   huge id would otherwise make hundreds of millions of classes.
@@ -29,6 +31,7 @@ from gdsdata.errors import BadImageError, SourceError
 
 # The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+TAR_EXTENSIONS = (".tar", ".tar.gz", ".tgz")  # WebDataset shards, plain or gzipped
 
 # Labels without class names become the classes 0..largest, named by their numbers: the bound keeps a
 # stray huge id from making a list of hundreds of millions of names (gigabytes, then out of memory).
@@ -246,12 +249,12 @@ class TarSource:
     def __init__(self, src):
         self.root = src
         paths = [src] if os.path.isfile(src) else sorted(
-            os.path.join(src, n) for n in os.listdir(src) if n.endswith((".tar", ".tar.gz", ".tgz")))
+            os.path.join(src, n) for n in os.listdir(src) if n.endswith(TAR_EXTENSIONS))
         if not paths:
-            raise SourceError(f"{src}: no .tar shards")
+            raise SourceError(f"{display(src)}: no tar shards ({' '.join(TAR_EXTENSIONS)})")
         self.tars = {}
-        samples = {}  # (tar, key) -> {"image": member, "cls": member}
-        self.ignored = []
+        samples = {}  # (tar, key) -> {"images": [member, ...], "cls": member}
+        self.ignored, self.special = [], []
         for path in paths:
             try:
                 tar = self.tars[path] = tarfile.open(path)
@@ -264,21 +267,29 @@ class TarSource:
                     continue
                 folder, name = os.path.split(member.name)
                 key, _, ext = name.partition(".")
-                entry = samples.setdefault((path, os.path.join(folder, key)), {})
+                entry = samples.setdefault((path, os.path.join(folder, key)), {"images": []})
                 if ("." + ext.lower()).endswith(IMAGE_EXTENSIONS):
-                    entry["image"] = member
+                    entry["images"].append(member)
                 elif ext == "cls":
                     entry["cls"] = member
         self.items, labels = [], set()
         for (path, key), entry in samples.items():
             rel = f"{os.path.basename(path)}/{key}"
-            if "image" not in entry or "cls" not in entry:
-                self.ignored.append(rel)
+            if not entry["images"] or "cls" not in entry:
+                self.ignored.append(display(rel))
                 continue
+            # the first image whose extension is an image extension alone ("jpg", not "seg.png"), else the first
+            image = min(entry["images"], key=lambda member: "." in os.path.basename(member.name).partition(".")[2])
+            for other in entry["images"]:
+                if other is not image:
+                    self.special.append({"path": display(f"{os.path.basename(path)}/{other.name}"),
+                                         "reason": f"a second image of sample {display(os.path.basename(key))} "
+                                                   f"({display(os.path.basename(image.name))} is packed): "
+                                                   f"skipped unopened"})
             try:
                 label = int(self.tars[path].extractfile(entry["cls"]).read().decode().strip())
             except ValueError:
-                self.ignored.append(rel)
+                self.ignored.append(display(rel))
                 continue
             problem = unnamed_label_problem(label)
             if problem is not None:
@@ -286,8 +297,8 @@ class TarSource:
                                   f"{problem}; WebDataset labels carry no class names, so they must lie in "
                                   f"0..{UNNAMED_LABELS - 1}")
             labels.add(label)
-            rel = f"{os.path.basename(path)}/{entry['image'].name}"
-            self.items.append(Item(rel, label, ref=(path, entry["image"])))
+            rel = f"{os.path.basename(path)}/{image.name}"
+            self.items.append(Item(rel, label, ref=(path, image)))
         if not self.items:
             raise SourceError(f"{src}: no samples with an image and a .cls label")
         self.classes = [str(k) for k in range(max(labels) + 1)]
@@ -392,12 +403,12 @@ def _fetched(url, where) -> str:
 
 def open_source(src, strict=False, allow_empty=False):
     """The source at ``src``: an LMDB (a folder holding data.mdb, or an .lmdb/.mdb file), tar shards
-    (a .tar file, or a folder of them and no class folders), else an ImageFolder tree; a URL reads
+    (a .tar, .tar.gz or .tgz file, or a folder of them and no class folders), else an ImageFolder tree; a URL reads
     through fsspec (an ImageFolder tree in place; tar shards and LMDBs fetched to a temporary folder)."""
     if isinstance(src, Listing):
         return src
     if is_url(src):
-        if src.rstrip("/").endswith((".tar", ".tar.gz", ".tgz", ".lmdb", ".mdb")) or _remote_kind(src) != "folder":
+        if src.rstrip("/").endswith(TAR_EXTENSIONS + (".lmdb", ".mdb")) or _remote_kind(src) != "folder":
             import shutil
             import tempfile
 
@@ -422,11 +433,11 @@ def open_source(src, strict=False, allow_empty=False):
     src = os.fspath(src)
     if os.path.isfile(os.path.join(src, "data.mdb")) or (os.path.isfile(src) and src.endswith((".lmdb", ".mdb"))):
         return LmdbSource(src)
-    if os.path.isfile(src) and src.endswith((".tar", ".tar.gz", ".tgz")):
+    if os.path.isfile(src) and src.endswith(TAR_EXTENSIONS):
         return TarSource(src)
     if os.path.isdir(src):
         entries = list(os.scandir(src))
-        if entries and not any(e.is_dir() for e in entries) and any(e.name.endswith(".tar") for e in entries):
+        if entries and not any(e.is_dir() for e in entries) and any(e.name.endswith(TAR_EXTENSIONS) for e in entries):
             return TarSource(src)
     return FolderSource(src, strict=strict, allow_empty=allow_empty)
 
@@ -436,7 +447,7 @@ def _remote_kind(url) -> str:
     names = [os.path.basename(n.rstrip("/")) for n in fs.ls(path, detail=False)]
     if "data.mdb" in names:
         return "lmdb"
-    if names and all(n.endswith((".tar", ".tar.gz", ".tgz")) for n in names):
+    if names and all(n.endswith(TAR_EXTENSIONS) for n in names):
         return "tar"
     return "folder"
 
