@@ -2,7 +2,11 @@
 Each case packs what it can and names what it cannot, in one line, before anything is written."""
 
 import io
+import os
 import pickle
+import socket
+import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -13,6 +17,8 @@ from gdsdata.errors import BadImageError, SourceError
 from gdsdata.format import index as index_io
 from gdsdata.packing.packer import pack
 from gdsdata.packing.sources import open_source
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def write_lmdb(path, entries, classes=None):
@@ -144,3 +150,59 @@ def test_a_folder_of_gzipped_tar_shards_is_a_tar_source(tmp_path, name):
     result = pack(str(shards), str(tmp_path / "ds"), workers=1)
     classes, samples = packed(result.out)
     assert classes == ["0", "1", "2"] and samples == {f"{name}/a.jpg".encode(): (2, image)}
+
+
+# --- fsspec URLs --------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    s3fs = pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_MAX_ATTEMPTS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()  # a filesystem of another module's server would be reused
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="images")
+    client.put_object(Bucket="images", Key="train/a/x.jpg", Body=jpeg_bytes(photo(11)))
+    yield env
+    server.stop()
+    s3fs.S3FileSystem.clear_instance_cache()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.mark.parametrize("url, reason", [
+    ("s3://images/nope", "no such folder"),
+    ("s3://no-such-bucket/train", "no such folder (The specified bucket does not exist)"),
+    ("s3://images/nope.tar", "no such file or folder (The specified key does not exist.)"),
+])
+def test_a_missing_url_is_one_line_naming_it_and_the_reason(s3, tmp_path, capsys, url, reason):
+    assert cli(["pack", url, str(tmp_path / "ds"), "-q"]) == 1
+    assert capsys.readouterr().err == f"gdsdata: error: {url}: {reason}\n"
+
+
+def test_an_endpoint_out_of_reach_is_one_line_naming_the_url(tmp_path):
+    pytest.importorskip("s3fs")
+    env = {**os.environ, "PYTHONPATH": ROOT, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+           "AWS_MAX_ATTEMPTS": "1"}  # no retries: the test stays fast
+    done = subprocess.run([sys.executable, "-m", "gdsdata", "pack", "s3://images/train", str(tmp_path / "ds"), "-q"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("gdsdata: error: s3://images/train: cannot reach the endpoint: ")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr

@@ -25,6 +25,7 @@ import pickle
 import stat
 import tarfile
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from gdsdata.errors import BadImageError, SourceError
@@ -332,17 +333,16 @@ class RemoteFolderSource:
 
         fs, root = _filesystem(url)
         self.root, self.fs, self._url = url, fs, url.rstrip("/")
-        try:
+        with remote_errors(url):
             entries = fs.ls(root, detail=True)
-        except (OSError, ValueError) as e:
-            raise SourceError(f"{url}: cannot list it ({e})") from e
         self.classes = sorted(os.path.basename(e["name"].rstrip("/")) for e in entries if e["type"] == "directory")
         if not self.classes:
             raise SourceError(f"{url}: no class folders (expected the ImageFolder layout URL/CLASS/IMAGE)")
         base = root.rstrip("/")
 
         def listing(name):
-            return sorted(fs.find(f"{base}/{name}", detail=True).items())
+            with remote_errors(f"{url.rstrip('/')}/{name}"):
+                return sorted(fs.find(f"{base}/{name}", detail=True).items())
 
         with ThreadPoolExecutor(min(threads, len(self.classes))) as pool:
             found = list(pool.map(listing, self.classes))
@@ -384,6 +384,33 @@ def _filesystem(url):
         raise SourceError(f"{url}: no fsspec filesystem for it ({e})") from None
 
 
+@contextmanager
+def remote_errors(url, missing="no such folder", doing="cannot list it"):
+    """Whatever a filesystem call raises, as a ``SourceError`` of one line naming ``url`` and the reason:
+    ``missing`` (not found), access denied, the endpoint out of reach, else ``doing`` and the error."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - each fsspec filesystem raises its own kinds (botocore, aiohttp ...)
+        raise SourceError(f"{url}: {_remote_reason(url, e, missing, doing)}") from e
+
+
+def _remote_reason(url, e, missing, doing) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if isinstance(e, FileNotFoundError):  # s3fs: the path alone for a missing prefix, else the server's words
+        return missing if not text or text.strip("/") in url else f"{missing} ({text})"
+    if isinstance(e, PermissionError):
+        return f"access denied ({text})"
+    chain = [e]  # the error and what it was raised from (a connection refused, a timeout ...)
+    while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 16:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    if any(isinstance(x, (ConnectionError, TimeoutError)) or "Connect" in type(x).__name__ or
+           "Timeout" in type(x).__name__ for x in chain):
+        root = chain[-1]
+        cause = getattr(root, "strerror", None) or str(root)
+        return f"cannot reach the endpoint: {text}" + (f" ({cause})" if root is not e and cause not in text else "")
+    return f"{doing} ({type(e).__name__}: {text})"
+
+
 def read_url(url) -> bytes:
     """A packing worker's read of one object (fsspec)."""
     fs, path = _filesystem(url)
@@ -394,10 +421,11 @@ def _fetched(url, where) -> str:
     """Tar shards and LMDBs at a URL are fetched to a local folder first (both need seeks)."""
     fs, path = _filesystem(url)
     local = os.path.join(where, os.path.basename(path.rstrip("/")) or "source")
-    if fs.isdir(path):
-        fs.get(path.rstrip("/") + "/", local.rstrip("/") + "/", recursive=True)
-    else:
-        fs.get(path, local)
+    with remote_errors(url, missing="no such file or folder", doing="cannot fetch it"):
+        if fs.isdir(path):
+            fs.get(path.rstrip("/") + "/", local.rstrip("/") + "/", recursive=True)
+        else:
+            fs.get(path, local)
     return local
 
 
@@ -444,7 +472,8 @@ def open_source(src, strict=False, allow_empty=False):
 
 def _remote_kind(url) -> str:
     fs, path = _filesystem(url)
-    names = [os.path.basename(n.rstrip("/")) for n in fs.ls(path, detail=False)]
+    with remote_errors(url):
+        names = [os.path.basename(n.rstrip("/")) for n in fs.ls(path, detail=False)]
     if "data.mdb" in names:
         return "lmdb"
     if names and all(n.endswith(TAR_EXTENSIONS) for n in names):
