@@ -282,3 +282,31 @@ def test_a_yolo_class_id_too_large_without_names_leaves_its_image_out(tmp_path):
     assert "class id 3000000000 is beyond 1048575, the largest without class names" in bad["reason"]
     with pytest.raises(SourceError, match=r"huge.txt: class id 3000000000 is beyond 1048575.*classes.txt.*--strict"):
         pack(src, str(tmp_path / "strict"), format="yolo", workers=1, strict=True)
+
+
+def test_a_txt_split_list_resolves_its_lines_as_ultralytics_does(tmp_path, monkeypatch):
+    """COCO's layout: coco/train2017.txt lists ./images/train2017/NAME.jpg, relative to the list's own
+    folder; a line without ./ is a path from the current folder (ultralytics/data/base.py get_img_files)."""
+    coco = str(tmp_path / "coco")
+    yolo_tree(coco, {"a": "0 0.5 0.5 0.2 0.2\n", "b": "1 0.25 0.25 0.1 0.1\n"})
+    os.rename(os.path.join(coco, "images", "train"), os.path.join(coco, "images", "train2017"))
+    os.rename(os.path.join(coco, "labels", "train"), os.path.join(coco, "labels", "train2017"))
+    elsewhere = tmp_path / "elsewhere" / "images"
+    elsewhere.mkdir(parents=True)
+    Image.new("RGB", (80, 60), (90, 30, 60)).save(elsewhere / "c.jpg", quality=90)
+    with open(os.path.join(coco, "train2017.txt"), "w", encoding="utf-8-sig") as f:  # a byte-order mark too
+        f.write("./images/train2017/a.jpg\n./images/train2017/b.jpg\nimages/c.jpg\nimages/gone.jpg\n")
+    with open(os.path.join(coco, "coco.yaml"), "w") as f:
+        f.write("path: .\ntrain: train2017.txt\nnames: [a, b]\n")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    result = pack(os.path.join(coco, "coco.yaml"), str(tmp_path / "ds"), format="yolo", workers=1)
+    ds = gdsdata.GDSDataset(result.out)
+    assert sorted(os.path.basename(ds.source(i)) for i in range(len(ds))) == ["a.jpg", "b.jpg", "c.jpg"]
+    labels = {os.path.basename(ds.source(i)): ds.target(i)["labels"].tolist() for i in range(len(ds))}
+    assert labels == {"a.jpg": [0], "b.jpg": [1], "c.jpg": []}
+    [missing] = result.unreadable
+    assert missing["path"] == "images/gone.jpg"
+    assert missing["reason"].startswith(f"line 4 of {os.path.join(coco, 'train2017.txt')}: no such file "
+                                        f"{tmp_path / 'elsewhere' / 'images' / 'gone.jpg'} (a relative line")
+    with pytest.raises(SourceError, match=r"images/gone.jpg: line 4 of .*--strict"):
+        pack(os.path.join(coco, "coco.yaml"), str(tmp_path / "strict"), format="yolo", workers=1, strict=True)

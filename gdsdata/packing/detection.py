@@ -5,7 +5,11 @@ it found wrong in the labels, in the words of the file and line it found it in.
 YOLO (``--format yolo``), as Ultralytics reads it:
 - SRC is a data YAML (``path``, ``train``/``val``/``test``, ``names``), a dataset folder holding
   ``images/<split>/``, or an images folder itself. A split is a folder of images (searched
-  recursively), a ``.txt`` list of image paths, or a list of either.
+  recursively), a ``.txt`` list of image paths, or a list of either. In a ``.txt`` list (UTF-8, a
+  byte-order mark allowed) a line starting with ``./`` is relative to the list's own folder (COCO's
+  ``train2017.txt`` beside ``images/``), other relative lines to the current folder, as Ultralytics'
+  ``get_img_files`` reads them; a line naming no file is listed under ``unreadable`` (``--strict``:
+  the pack stops).
 - The label file of ``.../images/.../name.jpg`` is ``.../labels/.../name.txt`` (the last ``images``
   folder of the path becomes ``labels``). One object per line: ``class cx cy w h``, normalised to
   the image, or ``class x1 y1 x2 y2 ...`` (a polygon, taken as its bounding box).
@@ -208,6 +212,8 @@ class YoloSource(DetectionSource):
             images = []
             for entry in entries:
                 images += self._split(os.path.normpath(entry if os.path.isabs(entry) else os.path.join(base, entry)))
+            if strict and self.unreadable:
+                raise SourceError(f"{self.unreadable[0]['path']}: {self.unreadable[0]['reason']} (--strict)")
             self.root = os.path.abspath(base)
         else:
             folder = os.path.join(src, "images", split) if os.path.isdir(os.path.join(src, "images")) else src
@@ -252,13 +258,34 @@ class YoloSource(DetectionSource):
         if os.path.isdir(entry):
             return _images_under(entry)
         if os.path.isfile(entry) and entry.endswith(".txt"):
-            parent = os.path.dirname(os.path.dirname(os.path.abspath(entry)))
-            with open(entry, encoding="utf-8") as f:
-                lines = [line.strip() for line in f if line.strip()]
-            paths = [line if os.path.isabs(line) else os.path.join(parent, line[2:] if line.startswith("./") else
-                                                                    line) for line in lines]
-            return [os.path.normpath(p) for p in paths if p.lower().endswith(IMAGE_EXTENSIONS)]
+            return self._listed(entry)
         raise SourceError(f"{display(entry)}: a split is a folder of images or a .txt list of them")
+
+    def _listed(self, entry) -> list:
+        """The images a ``.txt`` list names, resolved as Ultralytics' ``get_img_files`` does: ``./x`` from
+        the folder of the list (its real path: ``Path.resolve``), other relative lines from the current
+        folder; images that are not there are reported (``unreadable``)."""
+        parent = os.path.dirname(os.path.realpath(entry))
+        try:
+            with open(entry, encoding="utf-8-sig") as f:
+                lines = f.read().strip().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SourceError(f"{display(entry)}: cannot read the image list ({getattr(e, 'strerror', None) or e})") \
+                from e
+        images = []
+        for number, line in enumerate(lines, 1):
+            line = line.strip()
+            if not line.lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            path = os.path.normpath(parent + os.sep + line[2:] if line.startswith("./") else os.path.abspath(line))
+            if os.path.isfile(path):
+                images.append(path)
+                continue
+            where = "" if line.startswith("./") or os.path.isabs(line) else (
+                " (a relative line not starting with ./ names a file of the current folder, as in Ultralytics)")
+            self.unreadable.append({"path": display(line), "reason": f"line {number} of {display(entry)}: no such "
+                                                                      f"file {display(path)}{where}"})
+        return images
 
     @staticmethod
     def _classes_txt(src, folder):
