@@ -206,3 +206,12 @@ def test_an_endpoint_out_of_reach_is_one_line_naming_the_url(tmp_path):
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith("gdsdata: error: s3://images/train: cannot reach the endpoint: ")
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_an_lmdb_label_that_is_not_an_integer_is_ignored_not_truncated(tmp_path):
+    image = jpeg_bytes(photo(12))
+    db = write_lmdb(str(tmp_path / "float.lmdb"), {b"1": (image, 0.9), b"2": (image, 1.5), b"3": (image, 1.0),
+                                                   b"4": (image, 0)}, classes=["a", "b"])
+    source = open_source(db)
+    assert [(item.rel, item.label) for item in source.items] == [("3", 1), ("4", 0)]
+    assert source.ignored == ["1", "2"]

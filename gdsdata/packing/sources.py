@@ -8,7 +8,8 @@ Label conventions:
 - LMDB: the common folder-to-LMDB layout (``tools/make_lmdb.py`` writes it): keys are the sample
   index as ASCII digits, values ``pickle.dumps((encoded_bytes, label))``; optional keys
   ``__len__`` and ``__classes__`` (pickled list of distinct names, refused otherwise); a value
-  whose image is not bytes is skipped with the reason. Values are unpickled: pack only LMDBs you
+  whose image is not bytes is skipped with the reason; one whose label is not an integer (1.5) is
+  ignored, as a value of another layout. Values are unpickled: pack only LMDBs you
   trust. Keys name the samples; keys that are not UTF-8 are kept byte for byte, as folder names are.
 - tar (WebDataset): files grouped by their name up to the first dot of the last path component;
   one image member (``.jpg .jpeg .png ...``) and a ``.cls`` member holding the integer label per
@@ -20,6 +21,7 @@ Label conventions:
   huge id would otherwise make hundreds of millions of classes.
 """
 
+import numbers
 import os
 import pickle
 import stat
@@ -180,8 +182,10 @@ class LmdbSource:
                     continue
                 rel = bytes(key).decode("utf-8", "surrogateescape")  # the key's bytes, whatever they are
                 try:
-                    _, label = pickle.loads(value)
-                    label = int(label)
+                    _, given = pickle.loads(value)
+                    label = int(given)
+                    if isinstance(given, numbers.Real) and label != given:  # 1.5 is no class index, nor 1
+                        raise ValueError(f"label {given} is not an integer")
                 except Exception:  # noqa: BLE001 - a value of another layout is reported, not fatal
                     self.ignored.append(display(rel))
                     continue
