@@ -629,7 +629,7 @@ def test_merge_refuses_incomplete_repeated_or_foreign_parts(parts, tmp_path):
     (p0, p1, p2), other = parts
     with pytest.raises(SourceError, match="part 1 of 3 is missing"):
         merge([p0, p2], str(tmp_path / "a"))
-    with pytest.raises(SourceError, match="part 0 of 3 given twice"):
+    with pytest.raises(SourceError, match="given twice; merge takes each dataset once"):
         merge([p0, p0, p1, p2], str(tmp_path / "b"))
     with pytest.raises(SourceError, match="different --num-parts"):
         merge([p0, p1, p2, other], str(tmp_path / "c"))

@@ -3,6 +3,8 @@
 import io
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +18,10 @@ from conftest import jpeg_bytes, photo, write_photos
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.dataset import GDSDataset
-from gdsdata.errors import FormatError, OutputExistsError, SourceError
+from gdsdata.errors import BusyError, FormatError, OutputExistsError, SourceError
 from gdsdata.packing.merge import merge
 from gdsdata.packing.packer import pack
+from gdsdata.commands.verify import verify
 
 SHARD = 120_000  # small shards: many shard boundaries in a small set
 
@@ -82,6 +85,129 @@ def test_merge_refuses_parts_of_different_sources(whole, tmp_path):
     pack(other, part, workers=1)
     with pytest.raises(SourceError, match="class list differs"):
         merge([whole, part], str(tmp_path / "m"))
+
+
+def test_merge_takes_each_dataset_once(source, whole, tmp_path, capsys):
+    """The same folder twice (under any name), a copy (the same dataset id) or a dataset holding
+    another's shards (merged from it) would give samples twice: one line naming both arguments."""
+    from gdsdata.cli import main
+
+    out = str(tmp_path / "m")
+    alias = str(tmp_path / "alias")
+    os.symlink(whole, alias)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(whole, copy)
+    for parts, said in (([whole, whole], f"{whole}: given twice;"),
+                        ([whole, alias], f"{alias}: given twice (as {whole}: the same folder)"),
+                        ([whole, copy], f"{copy}: the same dataset as {whole} (a copy")):
+        with pytest.raises(SourceError, match=re.escape(said)):
+            merge(parts, out)
+        assert main(["merge", *parts, out, "-q"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "Traceback" not in err
+        assert not os.path.exists(out)
+    halves = [str(tmp_path / f"half{k}") for k in range(2)]
+    for k, half in enumerate(halves):
+        pack(source, half, workers=1, shard_size=SHARD, num_parts=2, part=k)
+    both = str(tmp_path / "both")
+    merge(halves, both)
+    with pytest.raises(SourceError, match=re.escape(f"{halves[0]}: its shard-00000.gds is a shard {both} holds")):
+        merge([both, halves[0]], out)
+
+
+@pytest.fixture
+def halves(source, tmp_path):
+    """A source packed in two parts, and the command that packs part 1 again (--overwrite)."""
+    parts = [str(tmp_path / f"part{k}") for k in range(2)]
+    for k, part in enumerate(parts):
+        pack(source, part, workers=1, shard_size=SHARD, num_parts=2, part=k)
+    return parts, lambda: pack(source, parts[1], workers=1, shard_size=SHARD, num_parts=2, part=1, overwrite=True)
+
+
+def _when_loaded(monkeypatch, part, action):
+    """Run ``action`` right after the merge has read ``part``'s index."""
+    from gdsdata.packing import merge as merging
+
+    load = merging.index_io.load
+
+    def load_then_act(root):
+        index = load(root)
+        if os.fspath(root) == part:
+            action()
+        return index
+
+    monkeypatch.setattr(merging.index_io, "load", load_then_act)
+
+
+def test_a_part_cannot_be_packed_again_while_a_merge_reads_it(halves, tmp_path, monkeypatch):
+    from gdsdata.format.lock import writer_lock
+
+    parts, overwrite = halves
+    out = str(tmp_path / "m")
+    refused = []
+
+    def try_overwrite():
+        with pytest.raises(BusyError, match=re.escape(f"{parts[1]}: a gdsdata merge into {out} (pid")) as e:
+            overwrite()
+        refused.append(str(e.value))
+
+    _when_loaded(monkeypatch, parts[1], try_overwrite)
+    assert merge(parts, out)["samples"] == 40 and refused
+    assert "is reading it; wait for it to finish" in refused[0]
+    assert verify(out) == [] and len(GDSDataset(out)) == 40
+    assert sorted(os.listdir(tmp_path)) == ["m", "part0", "part1"]  # the parts' lock files went with the merge
+    monkeypatch.undo()
+    overwrite()  # free again once the merge is done
+    with writer_lock(parts[0], "pack of somewhere"):  # a part being written: the merge stops at once, naming it
+        with pytest.raises(BusyError, match=re.escape(f"{parts[0]}: a gdsdata pack of somewhere (pid")):
+            merge(parts, str(tmp_path / "m2"), overwrite=True)
+    assert not os.path.exists(tmp_path / "m2")
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "overwrite"])
+def test_a_part_rewritten_where_the_lock_does_not_reach_fails_the_merge(halves, tmp_path, monkeypatch, existing):
+    """A part packed again after the merge read its index (on another host, or where flock is not
+    forwarded) has other shards under the same names: the merge checks each placed shard's header
+    and leaves nothing (or the dataset it was to replace, as it was) instead of a dataset no reader
+    can open."""
+    import contextlib
+
+    from gdsdata.packing import merge as merging
+
+    parts, overwrite = halves
+    out = str(tmp_path / "m")
+    if existing:
+        merge(parts, out)
+        before = index_io.load(out).dataset_id
+    monkeypatch.setattr(merging, "reader_lock", lambda part, what: contextlib.nullcontext())
+    _when_loaded(monkeypatch, parts[1], overwrite)
+    with pytest.raises(FormatError, match=re.escape(f"{parts[1]}: shard-00000.gds is not the shard its index "
+                                                    f"recorded when the merge began (shard belongs to another "
+                                                    f"dataset): the part was written meanwhile; merge again")):
+        merge(parts, out, overwrite=existing)
+    if existing:
+        assert index_io.load(out).dataset_id == before and verify(out) == []
+    else:
+        assert not os.path.exists(out)
+    assert sorted(os.listdir(tmp_path)) == sorted(["part0", "part1"] + (["m"] if existing else []))
+
+
+def test_readers_share_the_lock_and_leave_no_file(tmp_path):
+    from gdsdata.format import lock
+
+    ds = str(tmp_path / "ds")
+    os.makedirs(ds)
+    with lock.reader_lock(ds, "merge into a"), lock.reader_lock(ds, "merge into b"):
+        assert lock.writing(ds) is None  # a reader is no writer (inspect names none)
+        with pytest.raises(BusyError, match="merge into . .pid .* is reading it"):
+            with lock.writer_lock(ds, "pack of x"):
+                pass
+    assert os.listdir(tmp_path) == ["ds"]
+    with lock.writer_lock(ds, "pack of x"):
+        with pytest.raises(BusyError, match=re.escape(f"{ds}: a gdsdata pack of x (pid")):
+            with lock.reader_lock(ds, "merge into a"):
+                pass
+    assert os.listdir(tmp_path) == ["ds"]
 
 
 def _pack_cmd(source, out, *extra):

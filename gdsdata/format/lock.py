@@ -4,8 +4,10 @@
 (``.NAME.gdsdata-lock`` in its parent) for the whole of a pack, append, resume, merge or overwrite;
 a second writer gets ``BusyError`` naming the holder (its command, process and host, and since
 when). The lock goes with the process: a writer killed with SIGKILL holds nothing. Readers take no
-lock. (``flock`` is advisory and local: writers on different hosts of a network filesystem that
-does not forward it are not kept apart.)
+lock, but a merge holds each part's shared (``reader_lock``) while it links the part's shards: other
+merges share it, a writer of the part is refused at once naming the merge. (``flock`` is advisory
+and local: writers on different hosts of a network filesystem that does not forward it are not kept
+apart.)
 
 ``aside(out)`` gives the folder a replacement is built in (a sibling, so that the swap is a rename
 on one filesystem) and ``swap_in`` exchanges it with ``out`` in one step where the kernel has
@@ -56,37 +58,9 @@ def _lock_path(out: str) -> str:
 @contextlib.contextmanager
 def writer_lock(out, what: str):
     """Hold ``out``'s writer lock for the block, or raise ``BusyError`` at once."""
-    import fcntl
-
-    path = _lock_path(os.fspath(out))
-    parent = os.path.dirname(path)
-    while True:
-        try:
-            os.makedirs(parent, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:  # the lock lives beside OUT: its folder must take new files
-            raise OSError(e.errno, f"cannot write in {parent}, the folder that holds "
-                                   f"{os.path.basename(os.path.abspath(out))}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
-            os.close(fd)
-            raise BusyError(f"{out}: another gdsdata {holder} is writing it; wait for it to finish "
-                            f"(one writer at a time per dataset)") from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a file a finished writer unlinked
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    _HELD.add(fd)
+    fd, path = _take(os.fspath(out), exclusive=True)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"what": what, "pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                 "command": " ".join(sys.argv[:4])}).encode())
+        _sign(fd, what, reading=False)
         _clear_leftovers(os.fspath(out))
         yield
     finally:
@@ -98,6 +72,106 @@ def writer_lock(out, what: str):
         os.close(fd)  # releases the lock
 
 
+@contextlib.contextmanager
+def reader_lock(dataset, what: str):
+    """Keep writers off the finished dataset ``dataset`` for the block (a merge reading its parts):
+    its writer lock held shared, so that other readers holding it go on and a writer (``pack
+    --overwrite``, ``--append``, a merge into it) is refused at once, naming this reader; raises
+    ``BusyError`` naming the writer if one holds it now. Where the lock file can neither be made nor
+    opened (a folder this user cannot write) the block runs without it: the caller checks what it
+    read (a merge, every shard's header). Readers that only load a dataset take no lock."""
+    import fcntl
+
+    try:
+        fd, path = _take(os.fspath(dataset), exclusive=False, what=what)
+    except OSError as e:
+        log.info("%s: read without its writer lock (%s)", dataset, e.strerror or e)
+        fd = None
+    if fd is None:
+        yield
+        return
+    try:
+        _sign(fd, what, reading=True)
+        yield
+    finally:
+        _HELD.discard(fd)
+        try:  # the last reader out removes the file, as a writer does (another reader keeps it)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                os.unlink(path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _take(out: str, exclusive: bool, what: str = "") -> "tuple[int, str]":
+    """Lock ``out``'s lock file (``exclusive``: a writer; else a reader, ``what``) without waiting:
+    the descriptor holding it, and the file's path; ``BusyError`` naming the holder."""
+    import fcntl
+
+    path = _lock_path(out)
+    parent = os.path.dirname(path)
+    waited = time.monotonic() + 0.5  # a reader leaving holds the lock whole for a moment, to remove the file
+    while True:
+        try:
+            if exclusive:
+                os.makedirs(parent, exist_ok=True)
+            fd = _open_lock(path, exclusive)
+        except OSError as e:  # the lock lives beside OUT: its folder must take new files
+            raise OSError(e.errno, f"cannot write in {parent}, the folder that holds "
+                                   f"{os.path.basename(os.path.abspath(out))}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = _holder(fd)
+            os.close(fd)
+            if info.get("reading") and time.monotonic() < waited:  # (perhaps one leaving: try again)
+                time.sleep(0.02)
+                continue
+            raise _busy(out, info, exclusive, what) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a file a finished writer unlinked
+        except FileNotFoundError:
+            same = False
+        if same:
+            _HELD.add(fd)
+            return fd, path
+        os.close(fd)
+
+
+def _open_lock(path: str, exclusive: bool) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:
+        if exclusive:
+            raise
+        return os.open(path, os.O_RDONLY)  # another user's lock file: a shared lock needs no writing
+
+
+def _busy(out, info: dict, exclusive: bool, what: str) -> BusyError:
+    holder = _described(info) if info else "writer"
+    if info.get("reading"):
+        return BusyError(f"{out}: a gdsdata {holder} is reading it; wait for it to finish (no writer while a "
+                         f"merge reads it)")
+    if exclusive:
+        return BusyError(f"{out}: another gdsdata {holder} is writing it; wait for it to finish "
+                         f"(one writer at a time per dataset)")
+    return BusyError(f"{out}: a gdsdata {holder} is writing it; wait for it to finish, then run the {what} again")
+
+
+def _sign(fd: int, what: str, reading: bool):
+    """Who holds the lock, for the next writer's ``BusyError`` and ``writing``."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"what": what, "pid": os.getpid(), "host": socket.gethostname(),
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                  "command": " ".join(sys.argv[:4]), **({"reading": True} if reading else {})})
+                  .encode(), 0)
+    except OSError:
+        if not reading:
+            raise
+
+
 def writing(out) -> str | None:
     """Who is writing ``out`` now, in the words of ``BusyError`` ("pack of SRC (pid ... on HOST, since
     ...)"), or None: a live writer of this host other than this process, or one of another host (which
@@ -107,8 +181,8 @@ def writing(out) -> str | None:
             info = json.loads(f.read(4096).decode() or "{}")
     except (OSError, ValueError):
         return None
-    if not isinstance(info, dict) or not info:
-        return None
+    if not isinstance(info, dict) or not info or info.get("reading"):
+        return None  # (a merge reading a finished dataset writes nothing there)
     pid, host = info.get("pid"), info.get("host")
     if host == socket.gethostname() and (pid == os.getpid() or not isinstance(pid, int) or not _running(pid)):
         return None  # this process, or a writer killed before it could remove the file
@@ -126,7 +200,7 @@ def drop_inherited_locks():
     _HELD.clear()
 
 
-def _holder(fd) -> str:
+def _holder(fd) -> dict:
     info = {}
     for _ in range(20):  # the holder writes who it is right after taking the lock
         try:
@@ -136,7 +210,7 @@ def _holder(fd) -> str:
         if info:
             break
         time.sleep(0.025)
-    return _described(info) if info else "writer"
+    return info if isinstance(info, dict) else {}
 
 
 def _described(info: dict) -> str:

@@ -4,9 +4,14 @@ Shard data is not copied: each part's shards are hard-linked into the output (sy
 filesystems; a part's shards on other drives get hard links in the output's own folders there), or
 copied with ``copy=True``. The merged index renumbers the shard files and keeps each
 shard's origin (the id and index in its header, format.md). Parts must share the class list and the
-alignment; their samples follow each other in the order the parts are given.
+alignment; their samples follow each other in the order the parts are given; each dataset is given
+once. While it runs the merge holds each part's writer lock shared (a writer of a part is refused,
+naming the merge), and every shard it places is checked against what the part's index said of it
+(its header's dataset id and index, and its size): a part rewritten meanwhile where the lock does not
+reach (another host) fails the merge, which then leaves nothing.
 """
 
+import contextlib
 import datetime
 import errno
 import json
@@ -21,8 +26,10 @@ from tqdm import tqdm
 from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
-from gdsdata.errors import SourceError
-from gdsdata.format.lock import SHARDS_TAG, owned_target, remove_quietly, remove_shard, shard_folder, writer_lock
+from gdsdata.errors import FormatError, SourceError
+from gdsdata.format.lock import (SHARDS_TAG, owned_target, reader_lock, remove_quietly, remove_shard, shard_folder,
+                                 writer_lock)
+from gdsdata.format.shards import read_header
 from gdsdata.packing.detection import annotate
 from gdsdata.packing.packer import into
 
@@ -86,9 +93,57 @@ def _place(src, dst, copy):
         return "symlinked"
 
 
+def _given_once(parts, out):
+    """Each folder once, none of them ``out``; else one line naming both arguments."""
+    seen = {}
+    for part in parts:
+        real = os.path.realpath(os.fspath(part))
+        if real == out:
+            raise SourceError(f"{part}: a part cannot be merged into itself")
+        if real in seen:
+            also = "" if os.fspath(seen[real]) == os.fspath(part) else f" (as {seen[real]}: the same folder)"
+            raise SourceError(f"{part}: given twice{also}; merge takes each dataset once")
+        seen[real] = part
+
+
+def _distinct(parts, indexes):
+    """No dataset twice under other names (a copy keeps its id) and no shard in two of them (a merged
+    dataset and one of its parts, a dataset and its append): their samples would be merged twice."""
+    ids, shards = {}, {}
+    for part, index in zip(parts, indexes):
+        if index.dataset_id in ids:
+            raise SourceError(f"{part}: the same dataset as {ids[index.dataset_id]} (a copy of it: the same "
+                              f"dataset id); merge takes each dataset once")
+        ids[index.dataset_id] = part
+        for s, record in enumerate(index.shards):
+            origin = (fmt.ident(record["origin_id"]), int(record["origin_index"]))
+            other = shards.setdefault(origin, part)
+            if other is not part:
+                raise SourceError(f"{part}: its {fmt.shard_name(s)} is a shard {other} holds too (one dataset "
+                                  f"merged or appended from the other); merge takes each sample once")
+
+
+def _as_recorded(placed, part, shard, index):
+    """The shard just placed (``placed``, a link to it or a copy) is the one ``part``'s index, read when
+    the merge began, records: a part packed again meanwhile has other shards under the same names."""
+    record = index.shards[shard]
+    try:
+        read_header(placed, int(record["origin_index"]), fmt.ident(record["origin_id"]), index.alignment)
+        size = os.path.getsize(placed)
+        if size != int(record["size"]):
+            raise FormatError(f"{placed}: {size} bytes, the index records {int(record['size'])}")
+    except (FormatError, OSError) as e:
+        reason = str(e).removeprefix(f"{placed}: ").split(" (")[0] if isinstance(e, FormatError) else \
+            (e.strerror or str(e))
+        raise FormatError(f"{part}: {fmt.shard_name(shard)} is not the shard its index recorded when the merge "
+                          f"began ({reason}): the part was written meanwhile; merge again once it is done "
+                          f"(nothing of this merge was kept)") from None
+
+
 def _check_parts(parts, indexes):
     """Parts of one pack, each once, all of them, in order; else one line saying what is wrong.
     Returns the parts in part order."""
+    _distinct(parts, indexes)
     first = indexes[0]
     for part, index in zip(parts, indexes):
         if index.classes != first.classes:
@@ -151,7 +206,10 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
         ``out``, ``parts``, ``samples``, ``shards`` and how the shards were placed.
     """
     out = os.path.realpath(os.fspath(out))
-    with writer_lock(out, f"merge of {len(parts)} part(s)"):
+    _given_once(parts, out)
+    with writer_lock(out, f"merge of {len(parts)} part(s)"), contextlib.ExitStack() as reading:
+        for part in parts:  # no writer of a part while its shards are placed (other merges may read it too)
+            reading.enter_context(reader_lock(part, f"merge into {out}"))
         return merge_checked(parts, out, copy=copy, overwrite=overwrite, progress=progress)
 
 
@@ -161,10 +219,8 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     if not parts:
         raise SourceError("merge needs at least one part")
     out = os.path.realpath(os.fspath(out))
+    _given_once(parts, out)
     indexes = [index_io.load(p) for p in parts]
-    for part, index in zip(parts, indexes):
-        if os.path.realpath(index.root) == out:
-            raise SourceError(f"{part}: a part cannot be merged into itself")
     ordered = _check_parts(parts, indexes)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
@@ -205,7 +261,7 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
     total = sum(int(index.shards["size"].sum()) for index in indexes)  # as the indexes record (load checks it)
     with tqdm(total=total, unit="B", unit_scale=True, desc="copy" if copy else "link", disable=not progress,
               file=sys.stderr) as bar:
-        for index in indexes:
+        for part, index in zip(parts, indexes):
             shard_base = len(shard_rows)
             for s in range(len(index.shards)):
                 src, dst = index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s))
@@ -213,6 +269,7 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
                     src, dst, index.dataset_id, lambda root: shard_folder(root, os.path.basename(out), dataset_id),
                     placed, adopt)
                 how.add(drive or _place(src, dst, copy))
+                _as_recorded(dst, part, s, index)
                 row = index.shards[s].copy()
                 bar.update(int(row["size"]))
                 row["first_sample"] += sample_base
