@@ -130,6 +130,95 @@ def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, 
     assert np.array_equal(merged.boxes, single.boxes) and np.array_equal(merged.box_start, single.box_start)
 
 
+def test_the_report_holds_every_part_s_skipped_files_as_a_local_pack_s(local_ray, tmp_path):
+    """OUT/pack_report.json of ``pack --ray`` is a local pack's: the bad files of every part with
+    their reasons, the ignored ones, the same fields and counts."""
+    import json
+
+    from gdsdata.packing.ray import pack_on_ray
+
+    src = str(tmp_path / "src")
+    write_photos(src, 24, classes=3, start_seed=700, scale=0.4)
+    for k, name in enumerate(("a_broken.jpg", "m_broken.jpg", "zz_broken.jpg")):  # in different parts
+        with open(os.path.join(src, f"class{k}", name), "wb") as f:
+            f.write(b"\xff\xd8\xff nothing")
+    with open(os.path.join(src, "class1", "notes.txt"), "w") as f:
+        f.write("ignored")
+    local = json.load(open(pack(src, str(tmp_path / "local"), workers=1).report_path))
+    summary = pack_on_ray(src, str(tmp_path / "ray"), num_parts=3, shard_size=64 * 1024)
+    with open(os.path.join(tmp_path, "ray", "pack_report.json")) as f:
+        report = json.load(f)
+    assert report == summary["report"] and summary["report_path"] == str(tmp_path / "ray" / "pack_report.json")
+    assert len(report["skipped"]) == summary["skipped"] == 3
+    for key in ("skipped", "ignored", "unreadable", "special", "status", "classes", "packed", "converted",
+                "resized", "empty_classes"):
+        assert report[key] == local[key], key
+    assert set(report) - set(local) == {"ray"} and report["ray"]["parts"] == 3
+    assert report["shards"] == len(load(summary["out"]).shards) and report["packed"] == 24
+
+
+def test_never_more_parts_than_images(local_ray, tmp_path, caplog):
+    from gdsdata.packing.ray import pack_on_ray
+
+    src = str(tmp_path / "src")
+    write_photos(src, 2, classes=2, start_seed=800, scale=0.3)
+    with caplog.at_level("WARNING", logger="gdsdata.packing.ray"):
+        summary = pack_on_ray(src, str(tmp_path / "ds"), num_parts=3)
+    assert summary["parts"] == 2 and summary["samples"] == 2
+    assert "3 part(s) asked for, 2 image file(s) to pack: 2 part(s)" in caplog.text
+
+
+def _ray_processes(mark):
+    """Processes (Ray's, started by a command run with ``mark`` in its environment) still alive."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark.encode() in f.read():
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["ray-starting", "parts-packing"])
+def test_sigterm_on_ray_unwinds_as_a_local_pack_and_leaves_no_process(when, tmp_path):
+    """SIGTERM while the command's local Ray starts or while the parts pack: one line, exit 143, no
+    dataset and no part folder, and none of Ray's processes left (they would outlive the command)."""
+    import signal
+    import time
+    import uuid
+
+    pytest.importorskip("ray")
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs /proc to find the command's processes")
+    src, out, mark = str(tmp_path / "src"), str(tmp_path / "ds"), f"GDSDATA_TEST_{uuid.uuid4().hex}"
+    write_photos(src, 40, classes=2, start_seed=600, scale=0.5)
+    command = subprocess.Popen([sys.executable, "-m", "gdsdata", "pack", src, out, "--ray", "--num-parts", "4",
+                                "-q", "--shard-size", "64K"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONPATH": ROOT, mark: "1"})
+    deadline = time.time() + 120
+    while command.poll() is None and time.time() < deadline:
+        others = [pid for pid in _ray_processes(mark) if pid != command.pid]
+        parts = [n for n in os.listdir(tmp_path) if ".gdsdata-parts-" in n]
+        if (others and not parts) if when == "ray-starting" else \
+                any(os.listdir(os.path.join(tmp_path, n)) for n in parts):
+            break
+        time.sleep(0.01)
+    command.send_signal(signal.SIGTERM)
+    _, err = command.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line and "Token authentication" not in line]  # (Ray's notice)
+    assert command.returncode == 143 and lines == [f"gdsdata: terminated (SIGTERM); {out} was not written"], err
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+    deadline = time.time() + 30  # (Ray's processes go as shutdown returns; give the last a moment)
+    while _ray_processes(mark) and time.time() < deadline:
+        time.sleep(0.5)
+    assert _ray_processes(mark) == []
+
+
 def test_the_part_count_follows_size_and_cpus():
     from gdsdata.packing.ray import choose_parts
 

@@ -31,7 +31,7 @@ from gdsdata.format.lock import (SHARDS_TAG, owned_target, reader_lock, remove_q
                                  writer_lock)
 from gdsdata.format.shards import read_header
 from gdsdata.packing.detection import annotate
-from gdsdata.packing.packer import into
+from gdsdata.packing.packer import _write_json, into
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +213,11 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
         return merge_checked(parts, out, copy=copy, overwrite=overwrite, progress=progress)
 
 
-def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False) -> dict:
+def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False, report=None) -> dict:
     """``merge`` for a caller that holds ``out``'s writer lock already (``pack --ray``); ``adopt``:
-    the parts go after the merge, and the shards they wrote on other drives become ``out``'s."""
+    the parts go after the merge, and the shards they wrote on other drives become ``out``'s;
+    ``report``: a function of the merged index's metadata and shard table giving the
+    ``pack_report.json`` written beside the index once it is (as a pack writes its own)."""
     if not parts:
         raise SourceError("merge needs at least one part")
     out = os.path.realpath(os.fspath(out))
@@ -224,7 +226,7 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     ordered = _check_parts(parts, indexes)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
-        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress),
+        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report),
                     resumable=False)
     except BaseException:
         if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
@@ -232,7 +234,7 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
         raise
 
 
-def _merge(ordered, folder, out, copy, adopt=False, progress=False):
+def _merge(ordered, folder, out, copy, adopt=False, progress=False, report=None):
     parts = [part for part, _ in ordered]
     indexes = [index for _, index in ordered]
     dataset_id = os.urandom(16)
@@ -241,7 +243,7 @@ def _merge(ordered, folder, out, copy, adopt=False, progress=False):
     with open(record, "w", encoding="utf-8") as f:
         json.dump({"dataset_id": dataset_id.hex()}, f)
     try:
-        summary = _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress)
+        summary = _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress, report)
         os.unlink(record)
         return summary
     except BaseException:
@@ -254,7 +256,7 @@ def _merge(ordered, folder, out, copy, adopt=False, progress=False):
         raise
 
 
-def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress=False):
+def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress=False, report=None):
     first = indexes[0]
     shard_rows, sample_tables, strings, how = [], [], bytearray(), set()
     sample_base = 0
@@ -301,6 +303,8 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
                             first.meta["detection"].get("category_ids"), per_sample)
     shards = np.array(shard_rows, dtype=fmt.SHARD_RECORD)
     index_io.write(folder, first.alignment, dataset_id, shards, samples, bytes(strings), meta, **box_args)
+    if report is not None:
+        _write_json(os.path.join(folder, fmt.REPORT_NAME), report(meta, shards))
     log.info("merged %d parts: %d samples, %d shards (%s)", len(parts), len(samples), len(shards), ", ".join(how))
     return {"out": out, "parts": len(parts), "samples": len(samples), "shards": len(shards),
             "shards_placed": sorted(how)}

@@ -10,6 +10,8 @@ into OUT (their shards hard-linked, or with shard roots moved on their drives in
 folders), and the part folders go.
 """
 
+import contextlib
+import json
 import logging
 import os
 import signal
@@ -20,8 +22,8 @@ import time
 from tqdm import tqdm
 
 from gdsdata.format import layout as fmt
-from gdsdata.errors import GdsDataError, SourceError
-from gdsdata.format.lock import aside, remove_dataset, remove_quietly, writer_lock
+from gdsdata.errors import GdsDataError, SourceError, Terminated
+from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_quietly, writer_lock
 from gdsdata.packing.detection import DetectionSource, open_detection
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, open_source
 
@@ -49,9 +51,13 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                 allow_empty_classes=False, max_retries=3, format="folder", split="train", annotations=None,
                 shard_roots=None) -> dict:
     """Pack ``src`` into ``out`` with the parts as Ray tasks (``address``: a running cluster, None:
-    start or join a local Ray). Returns the merge's summary plus ``parts`` and ``seconds``.
+    start or join a local Ray). Returns the merge's summary plus ``parts``, ``cpus``, ``seconds``,
+    ``skipped`` (how many), ``report`` (what ``out/pack_report.json`` holds, as a pack without Ray
+    writes it: every part's skipped, ignored, unreadable and special files) and ``report_path``.
     ``shard_roots``: as ``pack``'s (folders every node sees at the same paths); each part writes its
-    shards there and the merge moves them, on their drives, into ``out``'s own folders."""
+    shards there and the merge moves them, on their drives, into ``out``'s own folders. A Ray this
+    call starts (or joins) is shut down when it returns or fails; one already running in the process
+    is left as it is."""
     from gdsdata.packing.merge import merge_checked
     from gdsdata.packing.packer import check_output, dataset_owner, shard_roots_of, within
 
@@ -64,60 +70,181 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
         raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it")
     with writer_lock(out, f"pack --ray of {display(src)}"):
         check_output(out, overwrite)
-        if not ray.is_initialized():
-            on_term = signal.getsignal(signal.SIGTERM)
-            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False,
-                     configure_logging=False)
-            if callable(on_term) and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, on_term)  # ray.init puts its own: the caller's (the CLI's) stays
-        cpus = int(ray.cluster_resources().get("CPU", 1))
-        if format == "folder":
-            source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
-        else:
-            source = open_detection(format, src, split=split, annotations=annotations, strict=strict)
+        owner = None if ray.is_initialized() else _RayOwner(ray, address)
+        came = []  # the signals that stopped the job (Ray's own waits may turn SIGTERM's unwinding into Ctrl-C's)
+        pending, parts, folder = {}, 0, None
         try:
-            listed = isinstance(source, (FolderSource, RemoteFolderSource, DetectionSource))
-            total = len(source.items)
-            job_source = ray.put(Listing(source)) if listed else src
+            if owner is not None:
+                owner.start()
+            with _noted(came):
+                cpus = int(ray.cluster_resources().get("CPU", 1))
+                if format == "folder":
+                    source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
+                else:
+                    source = open_detection(format, src, split=split, annotations=annotations, strict=strict)
+                try:
+                    listed = isinstance(source, (FolderSource, RemoteFolderSource, DetectionSource))
+                    total = len(source.items)
+                    job_source = ray.put(Listing(source)) if listed else src
+                finally:
+                    source.close()
+                parts = max(1, min(num_parts or choose_parts(total, cpus), total))
+                if num_parts > parts:
+                    log.warning("%s: %d part(s) asked for, %d image file(s) to pack: %d part(s), one file or more "
+                                "each", display(src), num_parts, total, parts)
+                kwargs = dict(options=options, shard_size=shard_size, alignment=alignment, strict=strict,
+                              allow_empty_classes=allow_empty_classes,
+                              shard_roots=shard_roots_of(shard_roots, out, src if local else None))
+                folder = aside(out, "parts")
+                counter = _Counter.remote()
+                task = ray.remote(max_retries=max_retries, retry_exceptions=True, num_cpus=1)(_pack_part)
+                pending = {task.remote(job_source, os.path.join(folder, f"part-{k}"), parts, k, kwargs, counter): k
+                           for k in range(parts)}
+                reports = {}
+                bar = tqdm(total=total, unit="img", desc=f"pack on Ray ({parts} parts, {cpus} CPUs)",
+                           disable=not progress, file=sys.stderr)
+                with bar:
+                    while pending:
+                        ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+                        bar.update(ray.get(counter.count.remote()) - bar.n)
+                        for ref in ready:
+                            k = pending.pop(ref)
+                            try:
+                                reports[k] = ray.get(ref)
+                            except Exception as e:  # noqa: BLE001 - Ray wraps what the task raised
+                                raise GdsDataError(f"part {k} of {parts} failed after {max_retries} retries: "
+                                                   f"{_reason(e)}") from None
+                union = _JoinedReport(src, out, [reports[k] for k in range(parts)], kwargs["shard_roots"], started,
+                                parts, cpus)
+                summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
+                                        overwrite=overwrite, adopt=True, report=union)
+        except KeyboardInterrupt as e:
+            if signal.SIGTERM in came and not isinstance(e, Terminated):
+                raise Terminated() from None
+            raise
         finally:
-            source.close()
-        parts = num_parts or choose_parts(total, cpus)
-        kwargs = dict(options=options, shard_size=shard_size, alignment=alignment, strict=strict,
-                      allow_empty_classes=allow_empty_classes,
-                      shard_roots=shard_roots_of(shard_roots, out, src if local else None))
-        folder = aside(out, "parts")
-        counter = _Counter.remote() if parts else None
-        task = ray.remote(max_retries=max_retries, retry_exceptions=True, num_cpus=1)(_pack_part)
-        pending = {task.remote(job_source, os.path.join(folder, f"part-{k}"), parts, k, kwargs, counter): k
-                   for k in range(parts)}
-        done_parts = {}
-        try:
-            bar = tqdm(total=total, unit="img", desc=f"pack on Ray ({parts} parts, {cpus} CPUs)",
-                       disable=not progress, file=sys.stderr)
-            with bar:
-                while pending:
-                    ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
-                    bar.update(ray.get(counter.count.remote()) - bar.n)
-                    for ref in ready:
-                        k = pending.pop(ref)
-                        try:
-                            done_parts[k] = ray.get(ref)
-                        except Exception as e:  # noqa: BLE001 - Ray wraps what the task raised
-                            raise GdsDataError(f"part {k} of {parts} failed after {max_retries} retries: "
-                                               f"{_reason(e)}") from None
-            summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
-                                    overwrite=overwrite, adopt=True)
-        finally:
-            for ref in pending:
-                ray.cancel(ref, force=True)
-            for k in range(parts):  # with what they left on the shard roots (after a failure)
-                part = os.path.join(folder, f"part-{k}")
-                remove_dataset(part, dataset_owner(part))
-            remove_quietly(folder)
-    summary.update(parts=parts, cpus=cpus, seconds=time.perf_counter() - started,
-                   skipped=sum(len(r["skipped"]) for r in done_parts.values()),
-                   resumed_shards=sum(r["resumed_shards"] for r in done_parts.values()))
+            with deferred_signals():  # Ray's processes end before the part folders go, whatever comes meanwhile
+                try:
+                    for ref in pending:
+                        ray.cancel(ref, force=True)
+                finally:
+                    if owner is not None:
+                        owner.stop()
+                    if folder is not None:
+                        for k in range(parts):  # with what they left on the shard roots (after a failure)
+                            part = os.path.join(folder, f"part-{k}")
+                            remove_dataset(part, dataset_owner(part))
+                        remove_quietly(folder)
+    report = union.made
+    summary.update(parts=parts, cpus=cpus, seconds=time.perf_counter() - started, skipped=len(report["skipped"]),
+                   resumed_shards=report["resumed_shards"], report=report,
+                   report_path=os.path.join(out, fmt.REPORT_NAME))
     return summary
+
+
+class _RayOwner:
+    """A local Ray (or a connection to a cluster) that this pack starts and shuts down. ``ray.init``
+    runs in a thread of its own, which lives until ``stop``: in the main thread Ray puts its own
+    SIGTERM handler (``sys.exit``) in place of the caller's for the start, and a signal there stops
+    the start midway, leaving the processes it has started behind; here Ctrl-C and SIGTERM reach the
+    caller's handlers, and the main thread waits for the start to end, shuts Ray down and unwinds.
+    (Ray's processes end with the thread that started them: it waits for ``stop``.)"""
+
+    def __init__(self, ray, address):
+        self.ray, self.address, self.error = ray, address, None
+        self.up, self.done = threading.Event(), threading.Event()
+
+    def start(self):
+        quiet = _NoThreadNotice()
+        logging.getLogger("ray._private.worker").addFilter(quiet)
+        try:
+            threading.Thread(target=self._run, name="gdsdata-ray-init", daemon=True).start()
+            try:
+                while not self.up.wait(0.1):
+                    pass
+            except BaseException:  # Ctrl-C or SIGTERM while Ray starts: Ray goes (in ``stop``) once started
+                with deferred_signals():
+                    self.up.wait()
+                raise
+        finally:
+            logging.getLogger("ray._private.worker").removeFilter(quiet)
+        if self.error is not None:
+            raise self.error
+
+    def _run(self):
+        try:
+            self.ray.init(address=self.address, ignore_reinit_error=True, log_to_driver=False,
+                          include_dashboard=False, configure_logging=False)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            self.error = e
+        finally:
+            self.up.set()
+        self.done.wait()
+
+    def stop(self):
+        """Shut down the Ray this pack started (a cluster it joined only loses this driver), what a
+        failed start left included."""
+        try:
+            self.ray.shutdown()
+        finally:
+            self.done.set()
+
+
+class _NoThreadNotice(logging.Filter):
+    """Ray's note that it put no SIGTERM handler, which is the point of starting it in a thread."""
+
+    def filter(self, record):
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _noted(came: list):
+    """Note in ``came`` a SIGTERM that reaches the caller's handler (which then runs as it would)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum, frame):
+        came.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, note)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is note:  # (the caller's handler may have put another)
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _JoinedReport:
+    """What ``out/pack_report.json`` holds, made from the parts' reports once the merged index is
+    written (``merge_checked(report=)``): the fields a pack without Ray writes, the parts' lists
+    joined in part order, the counts of the merged dataset."""
+
+    def __init__(self, src, out, reports, roots, started, parts, cpus):
+        self.src, self.out, self.reports, self.roots, self.started = src, out, reports, roots, started
+        self.ray = {"parts": parts, "cpus": cpus}
+        self.made = None
+
+    def __call__(self, meta, shards):
+        reports, counts = self.reports, meta["counts"]
+        report = {"source": display(self.src), "out": display(self.out), "status": "complete",
+                  "classes": len(meta["classes"])}
+        for key in ("ignored", "skipped", "unreadable", "special"):
+            report[key] = [entry for part in reports for entry in part.get(key) or []]
+        if self.roots:
+            report["shard_roots"] = [display(root) for root in self.roots]
+        if any("labels" in part for part in reports):  # the labels' report of the whole source: part 0's
+            report["labels"] = reports[0].get("labels")
+        report.update(packed=int(counts["packed"]), converted=int(counts["converted"]),
+                      resized=int(counts["resized"]), shards=len(shards), bytes=int(shards["size"].sum()),
+                      seconds=round(time.perf_counter() - self.started, 3),
+                      resumed_shards=sum(part.get("resumed_shards", 0) for part in reports),
+                      empty_classes=[c for c, n in zip(meta["classes"], counts["per_class"]) if n == 0],
+                      ray=self.ray)
+        self.made = report
+        return report
 
 
 def _reason(error) -> str:
@@ -126,11 +253,12 @@ def _reason(error) -> str:
 
 
 def _pack_part(job_source, part_out, parts, k, kwargs, counter):
-    """One part, in a Ray worker: packed, or (after a failure or a killed worker) resumed."""
+    """One part, in a Ray worker: packed, or (after a failure or a killed worker) resumed. Returns
+    its ``pack_report.json``."""
     from gdsdata.packing.packer import pack
 
     if os.path.exists(os.path.join(part_out, fmt.INDEX_NAME)):  # finished before the retry
-        return {"skipped": [], "resumed_shards": 0}
+        return _part_report(part_out)
     resume = os.path.isdir(part_out) and any(n.endswith(fmt.JOURNAL_SUFFIX) for n in os.listdir(part_out))
     done = {"n": 0}
 
@@ -140,10 +268,29 @@ def _pack_part(job_source, part_out, parts, k, kwargs, counter):
             counter.add.remote(done["n"])
             done["n"] = 0
 
-    result = pack(job_source, part_out, workers=1, num_parts=parts, part=k, resume=resume, on_progress=tell,
-                  **kwargs)
+    pack(job_source, part_out, workers=1, num_parts=parts, part=k, resume=resume, on_progress=tell, **kwargs)
     counter.add.remote(done["n"])
-    return {"skipped": result.skipped, "resumed_shards": result.resumed_shards}
+    return _part_report(part_out)
+
+
+def _part_report(part_out) -> dict:
+    """The report a part's pack wrote beside its index; for one killed between the two, the files
+    its last journal lists as skipped (the rest is in the index)."""
+    try:
+        with open(os.path.join(part_out, fmt.REPORT_NAME), encoding="utf-8") as f:
+            report = json.load(f)
+        if report.get("status") == "complete":
+            return report
+    except (OSError, ValueError):
+        pass
+    journals = sorted(n for n in os.listdir(part_out) if n.endswith(fmt.JOURNAL_SUFFIX))
+    try:
+        with open(os.path.join(part_out, journals[-1]), encoding="utf-8") as f:
+            return {"skipped": json.load(f)["skipped"]}
+    except (OSError, ValueError, KeyError, IndexError):
+        log.warning("%s: no report of its skipped files (its pack ended between its index and its report)",
+                    part_out)
+        return {}
 
 
 def _counter_class():
