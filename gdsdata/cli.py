@@ -69,26 +69,31 @@ def _cmd_pack(args):
     if result.resumed_shards:
         print(f"  resumed: kept {result.resumed_shards} shard(s) ({result.packed - result.new} images) of the "
               f"interrupted pack; packed {result.new} more")
-    if result.skipped:
-        print(f"  skipped {len(result.skipped)} file(s) that cannot be decoded:")
-        for item in result.skipped[:10]:
-            print(f"    {item['path']}: {item['reason']}")
-        if len(result.skipped) > 10:
-            print(f"    ... {len(result.skipped) - 10} more")
-    if result.ignored:
-        print(f"  ignored {len(result.ignored)} non-image file(s)")
     if result.labels is not None:
         _print_labels(result)
-    for what, entries in (("could not read", result.unreadable), ("skipped unopened", result.special)):
-        if entries:
-            print(f"  {what} {len(entries)} folder(s) or file(s):")
-            for item in entries[:10]:
-                print(f"    {item['path']}: {item['reason']}")
+    _print_left_out(result.skipped, result.ignored, result.unreadable, result.special)
     if result.report_path:
         print(f"  report: {result.report_path}")
     elif not (args.append and not result.new):
         print("  report: none (it could not be written: is the disk full?); the dataset is complete")
     return 0
+
+
+def _print_left_out(skipped, ignored, unreadable, special):
+    """What a pack left out, as its report lists it: each list's first ten, with the reasons."""
+    if skipped:
+        print(f"  skipped {len(skipped)} file(s) that cannot be decoded:")
+        for item in skipped[:10]:
+            print(f"    {item['path']}: {item['reason']}")
+        if len(skipped) > 10:
+            print(f"    ... {len(skipped) - 10} more")
+    if ignored:
+        print(f"  ignored {len(ignored)} non-image file(s)")
+    for what, entries in (("could not read", unreadable), ("skipped unopened", special)):
+        if entries:
+            print(f"  {what} {len(entries)} folder(s) or file(s):")
+            for item in entries[:10]:
+                print(f"    {item['path']}: {item['reason']}")
 
 
 def _print_labels(result):
@@ -120,9 +125,9 @@ def _pack_on_ray(args, options):
                           annotations=args.annotations, shard_roots=args.shard_root)
     print(f"packed {summary['samples']} images in {summary['parts']} part(s) on Ray ({summary['cpus']} CPUs), "
           f"{summary['shards']} shard(s), in {summary['seconds']:.1f} s into {summary['out']}")
-    if summary["skipped"]:
-        print(f"  skipped {summary['skipped']} file(s) that cannot be decoded (reasons: each part's pack_report.json "
-              f"before the merge; run without --ray for one report)")
+    report = summary["report"]
+    _print_left_out(report["skipped"], report["ignored"], report["unreadable"], report["special"])
+    print(f"  report: {summary['report_path']}")
     return 0
 
 

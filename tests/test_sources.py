@@ -174,8 +174,8 @@ def s3():
     import boto3
 
     client = boto3.client("s3")
-    client.create_bucket(Bucket="images")
-    client.put_object(Bucket="images", Key="train/a/x.jpg", Body=jpeg_bytes(photo(11)))
+    client.create_bucket(Bucket="errors")  # (moto's buckets are one store per process: a name of this module's own)
+    client.put_object(Bucket="errors", Key="train/a/x.jpg", Body=jpeg_bytes(photo(11)))
     yield env
     server.stop()
     s3fs.S3FileSystem.clear_instance_cache()
@@ -187,9 +187,9 @@ def s3():
 
 
 @pytest.mark.parametrize("url, reason", [
-    ("s3://images/nope", "no such folder"),
+    ("s3://errors/nope", "no such folder"),
     ("s3://no-such-bucket/train", "no such folder (The specified bucket does not exist)"),
-    ("s3://images/nope.tar", "no such file or folder (The specified key does not exist.)"),
+    ("s3://errors/nope.tar", "no such file or folder (The specified key does not exist.)"),
 ])
 def test_a_missing_url_is_one_line_naming_it_and_the_reason(s3, tmp_path, capsys, url, reason):
     assert cli(["pack", url, str(tmp_path / "ds"), "-q"]) == 1
