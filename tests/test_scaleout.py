@@ -147,13 +147,14 @@ def test_a_part_cannot_be_packed_again_while_a_merge_reads_it(halves, tmp_path, 
     refused = []
 
     def try_overwrite():
-        with pytest.raises(BusyError, match=re.escape(f"{parts[1]}: a gdsdata merge into {out} (pid")) as e:
+        with pytest.raises(BusyError, match=re.escape(f"{parts[1]}: a gdsdata merge is reading it (the latest to "
+                                                     f"start: merge into {out} (pid")) as e:
             overwrite()
         refused.append(str(e.value))
 
     _when_loaded(monkeypatch, parts[1], try_overwrite)
     assert merge(parts, out)["samples"] == 40 and refused
-    assert "is reading it; wait for it to finish" in refused[0]
+    assert "wait for the merges reading it to finish" in refused[0]
     assert verify(out) == [] and len(GDSDataset(out)) == 40
     assert sorted(os.listdir(tmp_path)) == ["m", "part0", "part1"]  # the parts' lock files went with the merge
     monkeypatch.undo()
@@ -199,7 +200,7 @@ def test_readers_share_the_lock_and_leave_no_file(tmp_path):
     os.makedirs(ds)
     with lock.reader_lock(ds, "merge into a"), lock.reader_lock(ds, "merge into b"):
         assert lock.writing(ds) is None  # a reader is no writer (inspect names none)
-        with pytest.raises(BusyError, match="merge into . .pid .* is reading it"):
+        with pytest.raises(BusyError, match=r"is reading it \(the latest to start: merge into b \(pid"):
             with lock.writer_lock(ds, "pack of x"):
                 pass
     assert os.listdir(tmp_path) == ["ds"]
@@ -287,21 +288,25 @@ def test_lmdb_source(source, whole, tmp_path):
     assert [g[1:] for g in got] == [w[1:] for w in want]  # same labels and bytes; keys name the samples
 
 
+def write_tar(path, samples):
+    """A WebDataset tar shard of (key, JPEG bytes, label) samples."""
+    with tarfile.open(path, "w") as tar:
+        for key, data, label in samples:
+            for name, payload in ((f"{key}.jpg", data), (f"{key}.cls", str(label).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+
+
 def test_tar_source(tmp_path):
     shards = tmp_path / "wds"
     shards.mkdir()
     expected = []
     for t in range(2):
-        with tarfile.open(shards / f"train-{t:04d}.tar", "w") as tar:
-            for k in range(5):
-                key = f"sample{t}{k:03d}"
-                data = jpeg_bytes(photo(300 + 10 * t + k), quality=85)
-                label = (t * 5 + k) % 3
-                for name, payload in ((f"{key}.jpg", data), (f"{key}.cls", str(label).encode())):
-                    info = tarfile.TarInfo(name)
-                    info.size = len(payload)
-                    tar.addfile(info, io.BytesIO(payload))
-                expected.append((label, data))
+        samples = [(f"sample{t}{k:03d}", jpeg_bytes(photo(300 + 10 * t + k), quality=85), (t * 5 + k) % 3)
+                   for k in range(5)]
+        write_tar(shards / f"train-{t:04d}.tar", samples)
+        expected += [(label, data) for _, data, label in samples]
     out = str(tmp_path / "ds")
     pack(str(shards), out, workers=1)
     classes, got = samples_of(out)
@@ -328,6 +333,39 @@ def test_append_refuses_another_image_under_a_path_the_dataset_holds(tmp_path):
     with pytest.raises(SourceError, match=r"already holds a different image under class0/.*--overwrite"):
         pack(str(other), out, workers=1, shard_size=SHARD, append=True)
     assert open(os.path.join(out, fmt.INDEX_NAME), "rb").read() == index  # untouched
+
+
+def test_an_append_from_tar_shards_keeps_their_label_numbers(tmp_path):
+    """Labels 0..9 sort as names too ("0" < ... < "9"): appending labels 10 and 11 must not sort
+    "10" before "2" (a tar's labels are its own numbers, not folder names)."""
+    shards = tmp_path / "wds"
+    shards.mkdir()
+    write_tar(shards / "a.tar", [(f"s{k}", jpeg_bytes(photo(400 + k), quality=85), k) for k in range(10)])
+    out = str(tmp_path / "ds")
+    pack(str(shards), out, workers=1)
+    before = samples_of(out)
+    write_tar(shards / "b.tar", [(f"t{k}", jpeg_bytes(photo(420 + k), quality=85), k) for k in (2, 10, 11)])
+    result = pack(str(shards), out, workers=1, append=True)
+    classes, after = samples_of(out)
+    assert classes == [str(k) for k in range(12)] and result.relabeled == []
+    assert after[:10] == before[1]
+    assert {s[0]: s[1] for s in after[10:]} == {"b.tar/t2.jpg": 2, "b.tar/t10.jpg": 10, "b.tar/t11.jpg": 11}
+
+
+def test_an_append_to_a_merge_that_holds_a_path_twice(tmp_path):
+    """Two datasets of the same file names merged hold each path twice; an append of either source
+    compares each file with any sample of its path."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    write_photos(str(one), 4, classes=2, start_seed=500)
+    write_photos(str(two), 4, classes=2, start_seed=600)
+    parts = [str(tmp_path / "d1"), str(tmp_path / "d2")]
+    pack(str(one), parts[0], workers=1)
+    pack(str(two), parts[1], workers=1)
+    out = str(tmp_path / "merged")
+    merge(parts, out)
+    (one / "class0" / "new.jpg").write_bytes(jpeg_bytes(photo(700), quality=85))
+    assert pack(str(one), out, workers=1, append=True).new == 1
+    assert pack(str(two), out, workers=1, append=True).new == 0
 
 
 def test_readers_never_write(whole):

@@ -151,8 +151,8 @@ def _open_lock(path: str, exclusive: bool) -> int:
 def _busy(out, info: dict, exclusive: bool, what: str) -> BusyError:
     holder = _described(info) if info else "writer"
     if info.get("reading"):
-        return BusyError(f"{out}: a gdsdata {holder} is reading it; wait for it to finish (no writer while a "
-                         f"merge reads it)")
+        return BusyError(f"{out}: a gdsdata merge is reading it (the latest to start: {holder}); wait for the "
+                         f"merges reading it to finish (no writer while a merge reads it)")
     if exclusive:
         return BusyError(f"{out}: another gdsdata {holder} is writing it; wait for it to finish "
                          f"(one writer at a time per dataset)")

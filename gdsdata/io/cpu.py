@@ -24,14 +24,12 @@ def open_files_budget() -> int:
     return max(4, min(256, soft // 4))
 
 
-def shard_gone(error: FileNotFoundError, path, index, shard):
-    """Raise ``check_opened``'s ``FormatError`` for a shard file gone since the index was loaded
-    (the dataset was replaced or removed while open), chained to ``error``, instead of a bare
+def shard_gone(error: FileNotFoundError, path):
+    """Raise a ``FormatError`` for a shard file gone since the index was loaded (the dataset was
+    replaced with fewer shards, or the file removed), chained to ``error``, instead of a bare
     ``FileNotFoundError``."""
-    try:
-        check_opened(b"", path, index, shard)  # no header: not the shard the index was loaded with
-    except FormatError as replaced:
-        raise replaced from error
+    raise FormatError(f"{path}: missing, gone since the dataset was opened (if it was packed again, open it "
+                      f"again; if the file was removed, the dataset is incomplete)") from error
 
 
 class OpenShards:
@@ -57,7 +55,7 @@ class OpenShards:
                 try:
                     handle = self._open[shard] = self._opener(path, shard)
                 except FileNotFoundError as e:
-                    shard_gone(e, path, self.index, shard)
+                    shard_gone(e, path)
             self._open.move_to_end(shard)
             self._busy[shard] += 1
         try:

@@ -169,7 +169,7 @@ class ShardMaps:
                     finally:
                         os.close(fd)
                 except FileNotFoundError as e:
-                    shard_gone(e, path, self.index, shard)
+                    shard_gone(e, path)
                 except (OSError, ValueError) as e:  # ValueError: an empty file
                     raise FormatError(f"{path}: cannot map the shard ({e})") from e
                 check_opened(mapped[:4096], path, self.index, shard)

@@ -43,7 +43,8 @@ from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_in
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32
 from gdsdata.packing.detection import annotate, open_detection
-from gdsdata.packing.sources import Listing, display, is_url, open_source, read_url
+from gdsdata.packing.sources import (FolderSource, Listing, RemoteFolderSource, display, is_url, open_source,
+                                     read_url)
 
 log = logging.getLogger(__name__)
 _WINDOW_PER_WORKER = 16  # images in flight per worker: bounds memory for sources read here
@@ -469,12 +470,14 @@ def _appendable(out, source, alignment):
     if task == "detect" and source.classes != base.classes:
         raise SourceError(f"{out}: appending detection images needs the same class names ({len(base.classes)} in "
                           f"the dataset, {len(source.classes)} in {source.root})")
-    held = {base.path(i): i for i in range(len(base))}
+    held = {}  # every sample of a path (a merge of datasets may hold a path twice)
+    for i in range(len(base)):
+        held.setdefault(base.path(i), []).append(i)
     _check_held(base, source, held)
     added = set(source.classes) - set(base.classes)
-    if base.classes == sorted(base.classes):  # ImageFolder's labels: the sorted class names, old and new alike
-        classes = sorted(set(base.classes) | added)
-    else:  # an order the source gave (an LMDB's or a tar's class list): new classes after it
+    if isinstance(source, (FolderSource, RemoteFolderSource)) and base.classes == sorted(base.classes):
+        classes = sorted(set(base.classes) | added)  # ImageFolder's labels: the sorted names, old and new alike
+    else:  # the order a source gave (an LMDB's class list, a tar's label numbers): new classes after it
         classes = base.classes + sorted(added)
     label = {name: k for k, name in enumerate(classes)}
     items = [replace(item, label=label[source.classes[item.label]]) for item in source.items if item.rel not in held]
@@ -484,24 +487,27 @@ def _appendable(out, source, alignment):
 def _check_held(base, source, held):
     """An append adds the paths the dataset does not hold; a file at a path it holds must be the image
     packed from it, or the new image would be dropped unseen. Compared where the dataset stored the file
-    byte for byte (not converted at pack time): its size, and where the source reads the bytes here
-    (tar shards, LMDB) their CRC-32 too."""
+    byte for byte (not converted at pack time): its size (a folder's file, an object's size as listed, a
+    tar member's), and in an LMDB, whose values are read to know it, its CRC-32 too."""
     for item in source.items:
-        k = held.get(item.rel)
-        if k is None or base.samples[k]["flags"] & fmt.FLAG_CONVERTED:
+        stored = [k for k in held.get(item.rel, ()) if not base.samples[k]["flags"] & fmt.FLAG_CONVERTED]
+        if not stored:
             continue
-        length, crc = int(base.samples[k]["length"]), int(base.samples[k]["crc32"])
         try:
-            data = source.read(item)
-            if data is not None:
-                size, same = len(data), zlib.crc32(data) == crc
+            if isinstance(item.ref, tuple):  # a tar member: the size its header gives
+                size, crc = item.ref[1].size, None
+            elif item.ref is not None:
+                data = source.read(item)
+                size, crc = len(data), zlib.crc32(data)
             elif is_url(item.path):  # the size the listing gave (no request an object)
-                size, same = source.sizes[item.rel], True
+                size, crc = source.sizes[item.rel], None
             else:
-                size, same = os.stat(item.path).st_size, True
+                size, crc = os.stat(item.path).st_size, None
         except (BadImageError, OSError):
             continue  # unreadable now: nothing to compare (the dataset keeps what it packed)
-        if size != length or not same:
+        if not any(int(base.samples[k]["length"]) == size and crc in (None, int(base.samples[k]["crc32"]))
+                   for k in stored):
+            length = int(base.samples[stored[0]]["length"])
             where = item.path or os.path.join(str(source.root), item.rel)
             raise SourceError(f"{display(where)}: {base.root} already holds a "
                               f"different image under {display(item.rel)} ({size:,} bytes here, {length:,} packed); "

@@ -162,9 +162,10 @@ class _RayOwner:
             try:
                 while not self.up.wait(0.1):
                     pass
-            except BaseException:  # Ctrl-C or SIGTERM while Ray starts: Ray goes (in ``stop``) once started
-                with deferred_signals():
-                    self.up.wait()
+            except BaseException:  # Ctrl-C or SIGTERM while Ray starts: a local Ray goes (in ``stop``) once started
+                if self.address is None:  # (joining a cluster starts no process here: nothing to wait for)
+                    with deferred_signals():
+                        self.up.wait()
                 raise
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
