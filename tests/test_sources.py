@@ -215,3 +215,26 @@ def test_an_lmdb_label_that_is_not_an_integer_is_ignored_not_truncated(tmp_path)
     source = open_source(db)
     assert [(item.rel, item.label) for item in source.items] == [("3", 1), ("4", 0)]
     assert source.ignored == ["1", "2"]
+
+
+def test_an_image_folder_served_over_http_packs_as_from_disk(tmp_path):
+    """fsspec's HTTP filesystem lists whole URLs (an object store's listing gives bare paths)."""
+    import functools
+    import http.server
+    import threading
+
+    from conftest import write_photos
+
+    pytest.importorskip("aiohttp")
+    src = tmp_path / "src"
+    write_photos(str(src), 6, classes=2, start_seed=40)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(src))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = pack(f"http://127.0.0.1:{server.server_address[1]}/", str(tmp_path / "web"), workers=1)
+    finally:
+        server.shutdown()
+    pack(str(src), str(tmp_path / "disk"), workers=1)
+    assert result.packed == 6 and packed(str(tmp_path / "web")) == packed(str(tmp_path / "disk"))

@@ -90,6 +90,13 @@ def test_dtype_follows_the_device_by_default():
     assert T.output_dtype(t, "cuda") == torch.float16
 
 
+def test_center_crop_of_an_image_far_under_its_resize_takes_a_pixel_at_least():
+    """A 16 px image under Resize(256) + CenterCrop(8): the window is half a source pixel; it takes the
+    centre pixel (an empty window cannot be resampled)."""
+    p = gdsdata.CenterCrop(8).params(np.array([16, 3]), np.array([16, 1]))
+    assert p.height.tolist() == [1, 1] and p.width.tolist() == [1, 1] and p.top.tolist() == [7, 1]
+
+
 def test_center_crop_refuses_a_resize_under_its_size():
     """torchvision's Resize(100) + CenterCrop(224) pads the crop with zeros; the one-pass CenterCrop
     says so rather than give other pixels."""

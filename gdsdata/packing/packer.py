@@ -505,6 +505,8 @@ def _check_held(base, source, held):
                 size, crc = os.stat(item.path).st_size, None
         except (BadImageError, OSError):
             continue  # unreadable now: nothing to compare (the dataset keeps what it packed)
+        if size is None:  # a listing that gives no sizes (HTTP)
+            continue
         if not any(int(base.samples[k]["length"]) == size and crc in (None, int(base.samples[k]["crc32"]))
                    for k in stored):
             length = int(base.samples[stored[0]]["length"])

@@ -358,7 +358,7 @@ class RemoteFolderSource:
             for path, info in paths:
                 rel = os.path.relpath(path, base)
                 if path.lower().endswith(IMAGE_EXTENSIONS):
-                    self.items.append(Item(rel, label, path=f"{protocol}://{path}"))
+                    self.items.append(Item(rel, label, path=path if "://" in path else f"{protocol}://{path}"))
                     self.sizes[rel] = info.get("size")
                     images += 1
                 else:

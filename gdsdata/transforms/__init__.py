@@ -213,8 +213,8 @@ class CenterCrop:
         widths = np.asarray(widths, np.float64)
         out_h, out_w = self.output_size
         shorter = np.minimum(heights, widths) / self.resize  # source pixels per resized pixel
-        h = np.minimum(np.round(shorter * out_h), heights)
-        w = np.minimum(np.round(shorter * out_w), widths)
+        h = np.clip(np.round(shorter * out_h), 1, heights)  # at least a pixel: an image far under resize
+        w = np.clip(np.round(shorter * out_w), 1, widths)  # (its window under one pixel) gives its centre one
         return CropParams(((heights - h) // 2).astype(np.int64), ((widths - w) // 2).astype(np.int64),
                           h.astype(np.int64), w.astype(np.int64), np.zeros(len(heights), bool))
 
