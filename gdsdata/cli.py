@@ -82,18 +82,21 @@ def _cmd_pack(args):
 def _print_left_out(skipped, ignored, unreadable, special):
     """What a pack left out, as its report lists it: each list's first ten, with the reasons."""
     if skipped:
-        print(f"  skipped {len(skipped)} file(s) that cannot be decoded:")
-        for item in skipped[:10]:
-            print(f"    {item['path']}: {item['reason']}")
-        if len(skipped) > 10:
-            print(f"    ... {len(skipped) - 10} more")
+        _print_entries(f"  skipped {len(skipped)} file(s) that cannot be decoded:", skipped)
     if ignored:
         print(f"  ignored {len(ignored)} non-image file(s)")
     for what, entries in (("could not read", unreadable), ("skipped unopened", special)):
         if entries:
-            print(f"  {what} {len(entries)} folder(s) or file(s):")
-            for item in entries[:10]:
-                print(f"    {item['path']}: {item['reason']}")
+            _print_entries(f"  {what} {len(entries)} folder(s) or file(s):", entries)
+
+
+def _print_entries(heading, entries, shown=10):
+    """A report list's heading, its first ``shown`` entries with their reasons, and how many more."""
+    print(heading)
+    for item in entries[:shown]:
+        print(f"    {item.get('path') or item.get('label')}: {item['reason']}")
+    if len(entries) > shown:
+        print(f"    ... {len(entries) - shown} more (pack_report.json lists them all)")
 
 
 def _print_labels(result):
@@ -104,11 +107,7 @@ def _print_labels(result):
                       ("orphans", "labels without an image")):
         entries = labels[key]
         if entries:
-            print(f"  {what}: {len(entries)}")
-            for item in entries[:5]:
-                print(f"    {item.get('path') or item.get('label')}: {item['reason']}")
-            if len(entries) > 5:
-                print(f"    ... {len(entries) - 5} more (pack_report.json lists them all)")
+            _print_entries(f"  {what}: {len(entries)}", entries, shown=5)
 
 
 def _pack_on_ray(args, options):
