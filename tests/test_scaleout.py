@@ -368,6 +368,23 @@ def test_an_append_to_a_merge_that_holds_a_path_twice(tmp_path):
     assert pack(str(two), out, workers=1, append=True).new == 0
 
 
+def test_a_part_of_bad_files_only_is_an_empty_part_and_the_merge_takes_the_rest(tmp_path):
+    """As one pack skips bad files, so do parts: a part whose files all fail packs empty (its report
+    lists them) rather than failing, which would leave a --ray job or a merge without it."""
+    src = tmp_path / "src"
+    paths = write_photos(str(src), 6, classes=2, start_seed=20)
+    for rel in paths[3:]:  # the second half: part 1
+        (src / rel).write_bytes(b"\xff\xd8 not a JPEG")
+    parts = [str(tmp_path / f"p{k}") for k in range(2)]
+    results = [pack(str(src), part, num_parts=2, part=k, workers=1) for k, part in enumerate(parts)]
+    assert [(r.packed, r.shards, len(r.skipped)) for r in results] == [(3, 1, 0), (0, 0, 3)]
+    out = str(tmp_path / "merged")
+    assert merge(parts, out)["samples"] == 3
+    reference = str(tmp_path / "whole")
+    pack(str(src), reference, workers=1)
+    assert samples_of(out)[1] == samples_of(reference)[1]
+
+
 def test_readers_never_write(whole):
     before = {n: (os.stat(os.path.join(whole, n)).st_mtime_ns, os.stat(os.path.join(whole, n)).st_size)
               for n in os.listdir(whole)}

@@ -660,7 +660,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 position["item"] += 1
         if append and len(records) == len(base):  # every new file was bad (each in skipped): nothing written
             return _unchanged(base, source, out, started, skipped)
-        if not records:
+        if not records and num_parts == 1:  # (a part of bad files only is an empty part: the merge skips it)
             reasons = "; ".join(f"{item['path']}: {item['reason']}" for item in skipped[:3])
             raise SourceError(f"{src}: none of its {len(items)} image files could be packed ({reasons}"
                               f"{' ...' if len(skipped) > 3 else ''})")
