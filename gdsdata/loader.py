@@ -156,6 +156,7 @@ class Loader:
         self._resume = False  # a state was loaded: the next pass continues it
         self._active = None  # weak reference to the pass being iterated
         self._carry = None  # a pass that finished an epoch and already reads the next one
+        self._next_epoch = None  # set_epoch's epoch, set while a pass ran: the next pass reads it
         self._fingerprint = None
         self._last_stats = None  # the PipelineStats of the last pass
         self.skipped = {}  # epoch -> bad samples replaced (on_error="skip") in the batches delivered
@@ -171,9 +172,22 @@ class Loader:
             The epoch number (0 or more): with the seed it fixes the order, crops and flips.
         """
         epoch = count("epoch", epoch, minimum=0)
+        active = self._active() if self._active is not None else None
+        if active is not None and active is not self._carry and active.threads is not None:
+            self._next_epoch = epoch  # a pass mid-epoch reads on; as DistributedSampler's, the next pass takes it
+            return
+        self._next_epoch = None
         if epoch != self.epoch:
             self.epoch = epoch
             self._consumed, self._done, self._resume = None, 0, False
+
+    def _take_next_epoch(self):
+        """Apply the epoch that ``set_epoch`` set during a pass, now that the pass is over."""
+        if self._next_epoch is not None:
+            epoch, self._next_epoch = self._next_epoch, None
+            if epoch != self.epoch:
+                self.epoch = epoch
+                self._consumed, self._done, self._resume = None, 0, False
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
@@ -217,6 +231,7 @@ class Loader:
             saying why.
         """
         self._end_passes("loader.load_state_dict() ended it: the next iter(loader) resumes at the loaded state")
+        self._next_epoch = None
         fingerprints = {self._dataset_fingerprint(), self._dataset_fingerprint(legacy=True)}
         state = _checked_state(state, self.spec, fingerprints)
         consumed = None
@@ -265,6 +280,7 @@ class Loader:
 
     # --- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator:
+        self._take_next_epoch()
         if not self._resume:  # a new pass starts its epoch from the beginning
             self._consumed, self._done = None, 0
         self._resume = False
@@ -306,6 +322,7 @@ class Loader:
             self.epoch += 1
             self._consumed, self._done = None, 0
             self._carry = prefetcher  # kept alive: it is reading the next epoch already
+            self._take_next_epoch()  # (another epoch than it reads: the next iter() starts that one)
         else:
             self._done += 1
 

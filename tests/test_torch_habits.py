@@ -72,6 +72,28 @@ def test_a_second_iter_inside_a_loop_ends_the_first_loudly(ds):
     loader.close()
 
 
+def test_set_epoch_during_a_pass_takes_the_next_pass_as_distributed_sampler_does(ds):
+    """The pass reads its epoch to the end, the state stays its own, and the next pass reads the
+    epoch set (before: the loader's epoch changed under the running pass, and it then counted on
+    from the new value)."""
+    loader = gdsdata.Loader(ds, 8, seed=1)
+    reference = labels_of(gdsdata.Loader(ds, 8, seed=1))
+    later = gdsdata.Loader(ds, 8, seed=1)
+    later.set_epoch(5)
+    epoch5 = labels_of(later)
+    seen = []
+    for k, (_, labels) in enumerate(loader):
+        seen.append(labels.tolist())
+        if k == 1:
+            loader.set_epoch(5)
+            assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["batches_done"] == 2
+    assert seen == reference and loader.epoch == 5
+    assert labels_of(loader) == epoch5 and loader.epoch == 6
+    loader.set_epoch(6)  # between passes, as usual: at once
+    assert loader.epoch == 6
+    loader.close()
+
+
 def test_a_loop_broken_off_starts_again_at_the_epoch_start(ds):
     loader = gdsdata.Loader(ds, 8, seed=1)
     reference = labels_of(gdsdata.Loader(ds, 8, seed=1))
