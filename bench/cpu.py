@@ -53,7 +53,16 @@ def gdsdata_pipeline(args, root, float_out, verify=None):
     ds = gdsdata.GDSDataset(root, verify_checksums=verify)
     loader = gdsdata.Loader(ds, args.batch, shuffle=True, drop_last=True,
                             transform=gdsdata.RandomResizedCrop(SIZE, dtype="float32" if float_out else "uint8"))
-    return lambda: iter(loader)
+
+    def batches():
+        """One epoch; the Loader closed after it, so that it reads no further epoch ahead while the
+        other rows are timed (that work would count against them, and give this row a head start)."""
+        try:
+            yield from loader
+        finally:
+            loader.close()
+
+    return batches
 
 
 def imagefolder_pipeline(args, src, float_out):

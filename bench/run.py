@@ -96,8 +96,8 @@ def main(argv=None):
     if not os.path.exists(os.path.join(src, f".complete-{count}")):
         generate(src, count, classes=classes)
         open(os.path.join(src, f".complete-{count}"), "w").close()
-    packed = gdsdata.pack(src, os.path.join(work, "jpeg.gds"), overwrite=True)
-    payload = packed.bytes
+    gdsdata.pack(src, os.path.join(work, "jpeg.gds"), overwrite=True)
+    payload = int(gdsdata.GDSDataset(os.path.join(work, "jpeg.gds")).index.samples["length"].sum())  # no padding
     files = sorted(os.path.join(root, f) for root, _, names in os.walk(src) for f in names if f.endswith(".jpg"))
     n = len(files)
     print(f"\n{n} images in {classes} classes, batch {batch}, {args.runs} timed epochs after a warm-up")

@@ -121,6 +121,24 @@ def test_coco_ids_crowds_and_bad_annotations(tmp_path):
     assert report["labels"]["duplicates"] == labels["duplicates"]
 
 
+def test_a_coco_image_listed_twice_keeps_its_first_record_s_boxes_and_reports_the_second(tmp_path):
+    ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (64, 48)}, [
+        {"image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10]},
+        {"image_id": 1, "category_id": 1, "bbox": [20, 20, 10, 10]},
+        {"image_id": 3, "category_id": 1, "bbox": [5, 5, 5, 5]}], [(1, "x")])
+    data = json.load(open(ann))
+    data["images"].append({"id": 3, "file_name": "a.jpg", "width": 64, "height": 48})  # a.jpg again
+    json.dump(data, open(ann, "w"))
+    result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
+    ds = gdsdata.GDSDataset(result.out)
+    assert [ds.index.path(k) for k in range(len(ds))] == ["a.jpg", "b.jpg"]
+    assert torch.allclose(ds.target(0)["boxes"], torch.tensor([[1.0, 1, 11, 11], [20, 20, 30, 30]]), atol=1e-3)
+    assert result.labels["negatives"] == 1 and ds.index.meta["detection"]["negatives"] == 1
+    assert result.labels["bad_labels"] == [{"path": "a.jpg", "reason": "listed again as image id 3 (first as image "
+                                                                       "id 1): this record and its 1 annotation(s) "
+                                                                       "left out"}]
+
+
 def test_coco_image_of_another_size_than_annotated_is_left_out(tmp_path):
     ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (64, 48)},
                              [{"image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10]}], [(1, "x")])

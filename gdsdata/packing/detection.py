@@ -406,6 +406,7 @@ class CocoSource(DetectionSource):
                 self.report.dropped.append({"label": name, "reason": f"category id {cid} is not in 'categories'"})
                 continue
             by_image[image_id].append((name, x, y, w, h, label[cid], fmt.BOX_CROWD if ann.get("iscrowd") else 0))
+        listed = {}  # file name -> the image id that named it first
         for record in records:
             try:
                 file_name, width, height = str(record["file_name"]), int(record["width"]), int(record["height"])
@@ -417,6 +418,12 @@ class CocoSource(DetectionSource):
                 self.report.bad_labels.append({"path": file_name, "reason": f"declared size {width}x{height}"})
                 continue
             anns = by_image[int(record["id"])]
+            if file_name in listed:  # one sample a file: the first record's (torchvision would make two samples)
+                self.report.bad_labels.append({"path": file_name, "reason": (
+                    f"listed again as image id {record['id']} (first as image id {listed[file_name]}): this "
+                    f"record and its {len(anns)} annotation(s) left out")})
+                continue
+            listed[file_name] = record["id"]
             xyxy = [(x / width, y / height, (x + w) / width, (y + h) / height) for _, x, y, w, h, _, _ in anns]
             boxes = boxes_from_xyxy(xyxy, [a[5] for a in anns], [a[6] for a in anns],
                                     lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report)
