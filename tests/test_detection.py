@@ -302,6 +302,23 @@ def test_a_yolo_class_id_too_large_without_names_leaves_its_image_out(tmp_path):
         pack(src, str(tmp_path / "strict"), format="yolo", workers=1, strict=True)
 
 
+def test_a_txt_split_of_one_images_folder_reports_no_other_split_s_labels_as_orphans(tmp_path):
+    """Ultralytics' autosplit layout: one images/ folder, train and val lists of it; the labels of the
+    val images are no orphans of the train split, a label with no image at all is."""
+    root = str(tmp_path / "set")
+    yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n", "b": "1 0.25 0.25 0.1 0.1\n", "c": "0 0.5 0.5 0.1 0.1\n"})
+    with open(os.path.join(root, "labels", "train", "lost.txt"), "w") as f:
+        f.write("0 0.5 0.5 0.1 0.1\n")
+    with open(os.path.join(root, "autosplit_train.txt"), "w") as f:
+        f.write("./images/train/a.jpg\n")
+    with open(os.path.join(root, "data.yaml"), "w") as f:
+        f.write("path: .\ntrain: autosplit_train.txt\nnames: [a, b]\n")
+    result = pack(os.path.join(root, "data.yaml"), str(tmp_path / "ds"), format="yolo", workers=1)
+    assert result.packed == 1
+    assert result.labels["orphans"] == [{"label": os.path.join("labels", "train", "lost.txt"),
+                                         "reason": "a label file without an image"}]
+
+
 def test_a_txt_split_list_resolves_its_lines_as_ultralytics_does(tmp_path, monkeypatch):
     """COCO's layout: coco/train2017.txt lists ./images/train2017/NAME.jpg, relative to the list's own
     folder; a line without ./ is a path from the current folder (ultralytics/data/base.py get_img_files)."""

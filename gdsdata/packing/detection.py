@@ -149,6 +149,13 @@ def label_path(image_path: str) -> str:
     return os.path.splitext(base)[0] + ".txt"
 
 
+def _images_folder(labels_folder: str) -> str:
+    """The folder whose images ``label_path`` puts their labels in ``labels_folder``."""
+    sa, sb = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
+    head, sep, tail = (labels_folder.rstrip(os.sep) + os.sep).rpartition(sb)
+    return (head + sa + tail) if sep else labels_folder
+
+
 def _load_yaml(path):
     import yaml
 
@@ -344,15 +351,23 @@ class YoloSource(DetectionSource):
                                self.report)
 
     def _orphans(self, wanted):
+        """Label files beside this split's with no image of their name at all (an image of another
+        split, listed in its own .txt, is no orphan's)."""
         folders = {os.path.dirname(p) for p in wanted}
         for folder in sorted(folders):
             try:
                 names = sorted(os.listdir(folder))
             except OSError:
                 continue
+            try:
+                stems = {os.path.splitext(n)[0] for n in os.listdir(_images_folder(folder))
+                         if n.lower().endswith(IMAGE_EXTENSIONS)}
+            except OSError:
+                stems = set()
             for name in names:
                 path = os.path.join(folder, name)
-                if name.endswith(".txt") and name != "classes.txt" and path not in wanted:
+                if name.endswith(".txt") and name != "classes.txt" and path not in wanted and \
+                        os.path.splitext(name)[0] not in stems:
                     self.report.orphans.append({"label": display(os.path.relpath(path, self.root)),
                                                 "reason": "a label file without an image"})
 
