@@ -395,6 +395,7 @@ class GDSDataset(torch.utils.data.Dataset):
         self.settings = types.MappingProxyType(state.get("settings") or dict(settings.snapshot()))
         self._passes = weakref.WeakSet()
         self._book = threading.Lock()
+        self._labels.flags.writeable = False  # (a pickled array comes back writeable)
 
     def __enter__(self):
         return self

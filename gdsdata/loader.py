@@ -362,6 +362,9 @@ def _checked_state(state, spec, fingerprints) -> dict:
         raise ValueError(f"cannot resume: the state's mask of delivered samples does not fit {spec.size} samples")
     if state["world_size"] == 0 or state["batch_size"] == 0:
         raise ValueError("cannot resume: the state's world_size and batch_size must be positive")
+    if state["world_size"] > max(spec.size, spec.world_size):  # (re-splitting loops over the old ranks)
+        raise ValueError(f"cannot resume: the state's world_size {state['world_size']} is more than the dataset's "
+                         f"{spec.size} samples (a damaged state?)")
     return state
 
 

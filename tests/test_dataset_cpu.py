@@ -307,3 +307,106 @@ def test_a_shard_gone_with_a_replaced_dataset_raises_format_error(photos_dataset
     with pytest.raises(GdsDataError, match=said):
         next(iter(gdsdata.Loader(ds, 4, shuffle=False, indices=[last])))
     ds.close()
+
+
+# --- a damaged index header, odd shard files, damaged states ---------------------------------------
+@pytest.mark.parametrize("field, bit", [("num_samples", 6), ("num_samples", 0), ("strings_offset", 2),
+                                        ("num_shards", 1), ("meta_size", 3)])
+def test_a_bit_flip_in_the_index_header_is_refused(photos_dataset, tmp_path, field, bit):
+    """The index checksum covers the body only: a flipped count or offset loaded as a smaller dataset
+    (or shifted names) that every checksum still passed."""
+    import shutil
+
+    from gdsdata.errors import FormatError
+
+    _, _, out = photos_dataset
+    copy = str(tmp_path / "ds")
+    shutil.copytree(out, copy)
+    path = os.path.join(copy, fmt.INDEX_NAME)
+    raw = bytearray(open(path, "rb").read())
+    raw[fmt.INDEX_HEADER.fields[field][1]] ^= 1 << bit
+    open(path, "wb").write(raw)
+    with pytest.raises(FormatError, match="index"):
+        GDSDataset(copy)
+    assert verify(copy)
+
+
+def test_a_shard_whose_open_hangs_holds_up_only_its_own_reads(photos_dataset, tmp_path):
+    """A shard that cannot be opened (a FIFO standing for a dead network mount) blocks the reads of
+    that shard, not those of the others, nor close()."""
+    import shutil
+    import threading
+
+    from gdsdata.errors import FormatError
+
+    _, _, out = photos_dataset
+    copy = str(tmp_path / "ds")
+    shutil.copytree(out, copy)
+    ds = GDSDataset(copy)
+    first, last = 0, len(ds) - 1
+    stuck = ds.index.shard_path(int(ds.index.samples[last]["shard"]))
+    assert int(ds.index.samples[first]["shard"]) != int(ds.index.samples[last]["shard"])
+    os.unlink(stuck)
+    os.mkfifo(stuck)
+    failed = []
+
+    def read_stuck():
+        try:
+            ds[last]
+        except FormatError as e:
+            failed.append(e)
+
+    reader = threading.Thread(target=read_stuck, daemon=True)
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive()  # opening the FIFO waits for a writer
+    done = threading.Event()
+    threading.Thread(target=lambda: (ds[first], done.set()), daemon=True).start()
+    assert done.wait(30), "a read of another shard waited for the stuck open"
+    with open(stuck, "wb"):  # a writer at last: the stuck open ends, the empty "shard" is refused
+        pass
+    reader.join(30)
+    assert not reader.is_alive() and failed
+    ds.close()
+
+
+def test_shard_files_that_cannot_be_opened_are_named(photos_dataset, tmp_path):
+    import errno
+    import shutil
+
+    from gdsdata.errors import FormatError, GdsDataError
+    from gdsdata.io.cpu import OpenShards
+
+    _, _, out = photos_dataset
+    copy = str(tmp_path / "ds")
+    shutil.copytree(out, copy)
+    ds = GDSDataset(copy)
+    shard = ds.index.shard_path(int(ds.index.samples[len(ds) - 1]["shard"]))
+    os.unlink(shard)
+    os.mkdir(shard)
+    with pytest.raises(FormatError, match=f"{shard}: not a shard file"):
+        ds[len(ds) - 1]
+
+    def too_many(path, shard):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with pytest.raises(GdsDataError, match="too many files open .*ulimit -n"):
+        with OpenShards(ds.index, too_many, lambda handle: None).use(0):
+            pass
+    ds.close()
+
+
+def test_a_state_with_a_huge_world_size_is_refused_at_once(photos_dataset):
+    _, _, out = photos_dataset
+    loader = gdsdata.Loader(GDSDataset(out), 8)
+    state = loader.state_dict()
+    state["world_size"] = 10 ** 9
+    with pytest.raises(ValueError, match="world_size 1000000000 is more than the dataset's 60 samples"):
+        loader.load_state_dict(state)
+
+
+def test_labels_stay_read_only_in_a_pickled_dataset(photos_dataset):
+    _, _, out = photos_dataset
+    copy = pickle.loads(pickle.dumps(GDSDataset(out)))
+    with pytest.raises(ValueError):
+        copy.labels[0] = 4

@@ -204,6 +204,7 @@ def load(root) -> Index:
     body_start = fmt.INDEX_HEADER.itemsize
     if zlib.crc32(raw[body_start:]) != int(header["body_crc32"]):
         raise FormatError(f"{path}: index checksum mismatch (corrupt or truncated index)")
+    _check_layout(header, raw, path)
     try:
         meta = json.loads(meta_raw.decode("utf-8"))
         classes = meta["classes"]
@@ -228,6 +229,33 @@ def load(root) -> Index:
                   box_start, boxes, int(header["version"]))
     _check(index, path)
     return index
+
+
+def _check_layout(header, raw: bytes, path: str):
+    """The header's counts and offsets against the body they describe (its checksum covers the body
+    only): the sections follow each other from the header to the end of the file, and the shards
+    hold the samples. A damaged count or offset would otherwise load as a smaller dataset, or
+    shifted names, that every checksum still passes."""
+    sections = [("shard table", "shards_offset", int(header["num_shards"]) * fmt.SHARD_RECORD.itemsize),
+                ("sample table", "samples_offset", int(header["num_samples"]) * fmt.SAMPLE_RECORD.itemsize),
+                ("strings", "strings_offset", int(header["strings_size"])),
+                ("metadata", "meta_offset", int(header["meta_size"]))]
+    if header["version"] >= 3 and int(header["annotations_offset"]):
+        sections.append(("annotation table", "annotations_offset", (int(header["num_samples"]) + 1) *
+                         fmt.BOX_START.itemsize + int(header["num_boxes"]) * fmt.BOX_RECORD.itemsize))
+    at = fmt.INDEX_HEADER.itemsize
+    for name, key, size in sections:
+        if int(header[key]) != at:
+            raise FormatError(f"{path}: corrupt index header (its {name} should start at byte {at}, the header "
+                              f"says {int(header[key])})")
+        at += size
+    if at != len(raw):
+        raise FormatError(f"{path}: corrupt index header (its sections end at byte {at}, the file at {len(raw)})")
+    shards = np.frombuffer(raw, fmt.SHARD_RECORD, count=int(header["num_shards"]),
+                           offset=int(header["shards_offset"]))
+    if int(shards["num_samples"].sum()) != int(header["num_samples"]):
+        raise FormatError(f"{path}: corrupt index header ({int(header['num_samples'])} samples, its shards hold "
+                          f"{int(shards['num_samples'].sum())})")
 
 
 def _check(index: Index, path: str):

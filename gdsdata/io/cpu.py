@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import errno
 import os
 import resource
 import threading
@@ -10,7 +11,7 @@ import numpy as np
 
 from gdsdata import settings
 from gdsdata import stall
-from gdsdata.errors import FormatError
+from gdsdata.errors import FormatError, GdsDataError
 from gdsdata.format.shards import check_opened
 from gdsdata.io.plan import Plan, max_gap, plan_reads
 
@@ -42,27 +43,58 @@ class OpenShards:
         self.max_open = max_open or open_files_budget()
         self._open = collections.OrderedDict()  # shard -> handle, least recently used first
         self._busy = collections.Counter()
+        self._opening = {}  # shard -> Event set once its opening ended (others wait for it)
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def use(self, shard):
-        with self._lock:
-            handle = self._open.get(shard)
-            if handle is None:
-                for old in [k for k in self._open if not self._busy[k]][:max(0, len(self._open) + 1 - self.max_open)]:
-                    self._closer(self._open.pop(old))
-                path = self.index.shard_path(shard)
-                try:
-                    handle = self._open[shard] = self._opener(path, shard)
-                except FileNotFoundError as e:
-                    shard_gone(e, path)
-            self._open.move_to_end(shard)
-            self._busy[shard] += 1
+        while True:
+            with self._lock:
+                handle = self._open.get(shard)
+                if handle is not None:
+                    self._open.move_to_end(shard)
+                    self._busy[shard] += 1
+                    break
+                opening = self._opening.get(shard)
+                if opening is None:
+                    opening = self._opening[shard] = threading.Event()
+                    break
+            opening.wait()  # another read opens it: take its handle (or open it again if that failed)
+        if handle is None:  # opened outside the lock: a shard whose open hangs holds up only its own reads
+            handle = self._open_new(shard, opening)
         try:
             yield handle
         finally:
             with self._lock:
                 self._busy[shard] -= 1
+
+    def _open_new(self, shard, opening):
+        path = self.index.shard_path(shard)
+        try:
+            handle = self._opener(path, shard)
+        except BaseException as e:
+            with self._lock:
+                del self._opening[shard]
+            opening.set()
+            if isinstance(e, FileNotFoundError):
+                shard_gone(e, path)
+            if isinstance(e, OSError) and e.errno == errno.EMFILE:
+                raise GdsDataError(f"{path}: cannot open it, the process has too many files open (its limit: "
+                                   f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; the reader keeps up to "
+                                   f"{self.max_open} shards open, and reads past the page cache more): raise the "
+                                   f"limit (ulimit -n) or lower GDSDATA_DIRECT_DEPTH") from e
+            if isinstance(e, (IsADirectoryError, NotADirectoryError)) or \
+                    (isinstance(e, OSError) and e.errno == errno.ELOOP):
+                raise FormatError(f"{path}: not a shard file ({e.strerror or e})") from e
+            raise
+        with self._lock:
+            for old in [k for k in self._open if not self._busy[k]][:max(0, len(self._open) + 1 - self.max_open)]:
+                self._closer(self._open.pop(old))
+            self._open[shard] = handle
+            self._busy[shard] += 1
+            del self._opening[shard]
+        opening.set()
+        return handle
 
     def __len__(self):
         return len(self._open)
