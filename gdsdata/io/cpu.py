@@ -84,7 +84,7 @@ class OpenShards:
                                    f"{self.max_open} shards open, and reads past the page cache more): raise the "
                                    f"limit (ulimit -n) or lower GDSDATA_DIRECT_DEPTH") from e
             if isinstance(e, (IsADirectoryError, NotADirectoryError)) or \
-                    (isinstance(e, OSError) and e.errno == errno.ELOOP):
+                    (isinstance(e, OSError) and e.errno in (errno.ELOOP, errno.ESPIPE)):  # (ESPIPE: a FIFO)
                 raise FormatError(f"{path}: not a shard file ({e.strerror or e})") from e
             raise
         with self._lock:
