@@ -332,6 +332,7 @@ class Loader:
 
 
 _STATE_VERSION = 2
+_MAX_RANKS = 1 << 16  # a saved world size beyond this (and the samples) is taken for a damaged state
 _STATE_KEYS = {"epoch": int, "batches_done": int, "size": int, "seed": int, "block_size": int, "window": int,
                "world_size": int, "batch_size": int, "drop_last": bool}
 
@@ -362,9 +363,9 @@ def _checked_state(state, spec, fingerprints) -> dict:
         raise ValueError(f"cannot resume: the state's mask of delivered samples does not fit {spec.size} samples")
     if state["world_size"] == 0 or state["batch_size"] == 0:
         raise ValueError("cannot resume: the state's world_size and batch_size must be positive")
-    if state["world_size"] > max(spec.size, spec.world_size):  # (re-splitting loops over the old ranks)
+    if state["world_size"] > max(spec.size, spec.world_size, _MAX_RANKS):  # (re-splitting loops over old ranks)
         raise ValueError(f"cannot resume: the state's world_size {state['world_size']} is more than the dataset's "
-                         f"{spec.size} samples (a damaged state?)")
+                         f"{spec.size} samples and {_MAX_RANKS} ranks (a damaged state?)")
     return state
 
 

@@ -404,6 +404,10 @@ def test_a_state_with_a_huge_world_size_is_refused_at_once(photos_dataset):
     state["world_size"] = 10 ** 9
     with pytest.raises(ValueError, match="world_size 1000000000 is more than the dataset's 60 samples"):
         loader.load_state_dict(state)
+    few = gdsdata.Loader(GDSDataset(out), 1, indices=[0, 1, 2], rank=0, world_size=8)  # more ranks than samples
+    next(iter(few))
+    fewer = gdsdata.Loader(GDSDataset(out), 1, indices=[0, 1, 2], rank=0, world_size=2)
+    fewer.load_state_dict(few.state_dict())  # a legitimate state: resumed on fewer ranks
 
 
 def test_labels_stay_read_only_in_a_pickled_dataset(photos_dataset):
@@ -411,3 +415,48 @@ def test_labels_stay_read_only_in_a_pickled_dataset(photos_dataset):
     copy = pickle.loads(pickle.dumps(GDSDataset(out)))
     with pytest.raises(ValueError):
         copy.labels[0] = 4
+
+
+def test_open_shards_close_what_an_open_finishing_after_close_opened_and_survive_a_failed_close(photos_dataset):
+    import threading
+
+    from gdsdata.errors import GdsDataError
+    from gdsdata.format import index as index_io
+    from gdsdata.io.cpu import OpenShards
+
+    _, _, out = photos_dataset
+    index = index_io.load(out)
+    closed, release = [], threading.Event()
+
+    def slow(path, shard):
+        release.wait(10)
+        return f"handle {shard}"
+
+    files = OpenShards(index, slow, closed.append)
+    failed = []
+
+    def read():
+        try:
+            with files.use(0):
+                pass
+        except GdsDataError as e:
+            failed.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    files.close()  # while shard 0 opens
+    release.set()
+    reader.join(10)
+    assert closed == ["handle 0"] and "closed while this shard was being opened" in str(failed[0])
+
+    def failing_close(handle):
+        raise OSError(5, "Input/output error")
+
+    files = OpenShards(index, lambda path, shard: f"handle {shard}", failing_close, max_open=1)
+    with files.use(0):
+        pass
+    with files.use(1):  # evicts shard 0, whose close fails: this read goes on
+        pass
+    with files.use(1):
+        pass
+    assert len(files) == 1 and not files._opening

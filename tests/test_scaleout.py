@@ -340,16 +340,16 @@ def test_an_append_from_tar_shards_keeps_their_label_numbers(tmp_path):
     "10" before "2" (a tar's labels are its own numbers, not folder names)."""
     shards = tmp_path / "wds"
     shards.mkdir()
-    write_tar(shards / "a.tar", [(f"s{k}", jpeg_bytes(photo(400 + k), quality=85), k) for k in range(10)])
+    write_tar(shards / "a.tar", [(f"s{k}", jpeg_bytes(photo(400 + k), quality=85), k) for k in range(9)])
     out = str(tmp_path / "ds")
     pack(str(shards), out, workers=1)
     before = samples_of(out)
-    write_tar(shards / "b.tar", [(f"t{k}", jpeg_bytes(photo(420 + k), quality=85), k) for k in (2, 10, 11)])
+    write_tar(shards / "b.tar", [(f"t{k}", jpeg_bytes(photo(420 + k), quality=85), k) for k in (2, 9, 10)])
     result = pack(str(shards), out, workers=1, append=True)
     classes, after = samples_of(out)
-    assert classes == [str(k) for k in range(12)] and result.relabeled == []
-    assert after[:10] == before[1]
-    assert {s[0]: s[1] for s in after[10:]} == {"b.tar/t2.jpg": 2, "b.tar/t10.jpg": 10, "b.tar/t11.jpg": 11}
+    assert classes == [str(k) for k in range(11)] and result.relabeled == []  # (not "10" before "9" either)
+    assert after[:9] == before[1]
+    assert {s[0]: s[1] for s in after[9:]} == {"b.tar/t2.jpg": 2, "b.tar/t9.jpg": 9, "b.tar/t10.jpg": 10}
 
 
 def test_an_append_to_a_merge_that_holds_a_path_twice(tmp_path):
@@ -383,6 +383,18 @@ def test_a_part_of_bad_files_only_is_an_empty_part_and_the_merge_takes_the_rest(
     reference = str(tmp_path / "whole")
     pack(str(src), reference, workers=1)
     assert samples_of(out)[1] == samples_of(reference)[1]
+
+
+def test_parts_of_bad_files_only_merge_into_nothing_but_an_error(tmp_path):
+    src = tmp_path / "src"
+    for rel in write_photos(str(src), 4, classes=2, start_seed=30):
+        (src / rel).write_bytes(b"\xff\xd8 not a JPEG")
+    parts = [str(tmp_path / f"p{k}") for k in range(2)]
+    for k, part in enumerate(parts):
+        pack(str(src), part, num_parts=2, part=k, workers=1)
+    with pytest.raises(SourceError, match=r"none of the 2 parts holds an image: every file failed to decode \(class"):
+        merge(parts, str(tmp_path / "m"))
+    assert not os.path.exists(tmp_path / "m")
 
 
 def test_readers_never_write(whole):

@@ -407,7 +407,7 @@ def test_what_an_id_ending_in_a_zero_byte_left_before_it_was_read_whole_is_still
     from gdsdata.format.lock import SHARDS_TAG, owned_target
 
     real = os.urandom
-    monkeypatch.setattr(os, "urandom", lambda n: real(n - 2) + b"\0\0" if n == 16 else real(n))
+    monkeypatch.setattr(os, "urandom", lambda n: real(n - 3) + b"\1\0\0" if n == 16 else real(n))  # two zeros
     out = str(tmp_path / "ds")
     pack(src, out, workers=1, shard_size=SHARD)
     ds = gdsdata.GDSDataset(out)

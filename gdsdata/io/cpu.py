@@ -3,6 +3,7 @@
 import collections
 import contextlib
 import errno
+import logging
 import os
 import resource
 import threading
@@ -14,6 +15,8 @@ from gdsdata import stall
 from gdsdata.errors import FormatError, GdsDataError
 from gdsdata.format.shards import check_opened
 from gdsdata.io.plan import Plan, max_gap, plan_reads
+
+log = logging.getLogger(__name__)
 
 
 def open_files_budget() -> int:
@@ -44,6 +47,7 @@ class OpenShards:
         self._open = collections.OrderedDict()  # shard -> handle, least recently used first
         self._busy = collections.Counter()
         self._opening = {}  # shard -> Event set once its opening ended (others wait for it)
+        self._closed = False
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -69,38 +73,52 @@ class OpenShards:
                 self._busy[shard] -= 1
 
     def _open_new(self, shard, opening):
+        """Open ``shard`` (its ``opening`` event set when done, whatever happens), registered busy."""
         path = self.index.shard_path(shard)
+        handle, kept, evicted = None, False, []
         try:
-            handle = self._opener(path, shard)
-        except BaseException as e:
+            handle = self._open_checked(path, shard)
             with self._lock:
-                del self._opening[shard]
+                if self._closed:
+                    raise GdsDataError(f"{path}: the dataset was closed while this shard was being opened")
+                idle = [k for k in self._open if not self._busy[k]]
+                evicted = [self._open.pop(k) for k in idle[:max(0, len(self._open) + 1 - self.max_open)]]
+                self._open[shard] = handle
+                self._busy[shard] += 1
+                kept = True
+        finally:
+            with self._lock:
+                self._opening.pop(shard, None)
             opening.set()
-            if isinstance(e, FileNotFoundError):
-                shard_gone(e, path)
-            if isinstance(e, OSError) and e.errno == errno.EMFILE:
+            for old in evicted + ([] if kept or handle is None else [handle]):
+                try:
+                    self._closer(old)
+                except Exception as e:  # noqa: BLE001 - a failed close of another file fails no read
+                    log.warning("closing a shard file failed: %s", e)
+        return handle
+
+    def _open_checked(self, path, shard):
+        """The opener's handle; its errors as gdsdata's, naming the file."""
+        try:
+            return self._opener(path, shard)
+        except FileNotFoundError as e:
+            shard_gone(e, path)
+        except OSError as e:
+            if e.errno == errno.EMFILE:
                 raise GdsDataError(f"{path}: cannot open it, the process has too many files open (its limit: "
                                    f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; the reader keeps up to "
                                    f"{self.max_open} shards open, and reads past the page cache more): raise the "
                                    f"limit (ulimit -n) or lower GDSDATA_DIRECT_DEPTH") from e
-            if isinstance(e, (IsADirectoryError, NotADirectoryError)) or \
-                    (isinstance(e, OSError) and e.errno in (errno.ELOOP, errno.ESPIPE)):  # (ESPIPE: a FIFO)
+            if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ESPIPE):  # (ESPIPE: a FIFO)
                 raise FormatError(f"{path}: not a shard file ({e.strerror or e})") from e
             raise
-        with self._lock:
-            for old in [k for k in self._open if not self._busy[k]][:max(0, len(self._open) + 1 - self.max_open)]:
-                self._closer(self._open.pop(old))
-            self._open[shard] = handle
-            self._busy[shard] += 1
-            del self._opening[shard]
-        opening.set()
-        return handle
 
     def __len__(self):
         return len(self._open)
 
     def close(self):
         with self._lock:
+            self._closed = True  # (an open still running closes its file itself)
             handles, self._open = list(self._open.values()), collections.OrderedDict()
         for handle in handles:
             self._closer(handle)

@@ -224,6 +224,9 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     _given_once(parts, out)
     indexes = [index_io.load(p) for p in parts]
     ordered = _check_parts(parts, indexes)
+    if not any(len(index) for index in indexes):  # as one pack of those files would fail
+        raise SourceError(f"none of the {len(parts)} parts holds an image: every file failed to decode "
+                          f"({_first_reasons(parts)})")
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
         return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report),
@@ -232,6 +235,19 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
         if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
             remove_quietly(out)
         raise
+
+
+def _first_reasons(parts, most=3) -> str:
+    """The first files the parts' reports list as skipped, with why."""
+    skipped = []
+    for part in parts:
+        try:
+            with open(os.path.join(part, fmt.REPORT_NAME), encoding="utf-8") as f:
+                skipped += json.load(f).get("skipped") or []
+        except (OSError, ValueError):
+            continue
+    said = "; ".join(f"{item['path']}: {item['reason']}" for item in skipped[:most])
+    return (said + (" ..." if len(skipped) > most else "")) or f"each part's {fmt.REPORT_NAME} says why"
 
 
 def _merge(ordered, folder, out, copy, adopt=False, progress=False, report=None):

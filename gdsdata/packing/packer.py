@@ -477,8 +477,8 @@ def _appendable(out, source, alignment):
     added = set(source.classes) - set(base.classes)
     if isinstance(source, (FolderSource, RemoteFolderSource)) and base.classes == sorted(base.classes):
         classes = sorted(set(base.classes) | added)  # ImageFolder's labels: the sorted names, old and new alike
-    else:  # the order a source gave (an LMDB's class list, a tar's label numbers): new classes after it
-        classes = base.classes + sorted(added)
+    else:  # the order a source gave (an LMDB's class list, a tar's label numbers): new classes after it, in it
+        classes = base.classes + [name for name in source.classes if name in added]
     label = {name: k for k, name in enumerate(classes)}
     items = [replace(item, label=label[source.classes[item.label]]) for item in source.items if item.rel not in held]
     return base, items, classes

@@ -125,8 +125,9 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
         finally:
             with deferred_signals():  # Ray's processes end before the part folders go, whatever comes meanwhile
                 try:
-                    for ref in pending:
-                        ray.cancel(ref, force=True)
+                    if owner is None or owner.address is not None:  # (a local Ray this pack started goes whole)
+                        for ref in pending:
+                            ray.cancel(ref, force=True)
                 finally:
                     if owner is not None:
                         owner.stop()
