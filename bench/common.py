@@ -370,6 +370,11 @@ def loader_epoch(ds, transform, shuffle="full", batch=256):
     return epoch
 
 
+def shown_rate(images_per_s: float) -> str:
+    """A rate as printed: whole images/s, with two decimals under 10 (a slow CPU run is not 0)."""
+    return f"{images_per_s:.0f}" if images_per_s >= 10 else f"{images_per_s:.2f}"
+
+
 def interleaved(pipelines: dict, modes, rounds, measure, wanted=lambda name, model: True) -> list:
     """Every (mode, pipeline) row once a round, a warm-up round then ``rounds`` timed ones, each row
     printed as it ends: ``measure(make, model)`` gives (images/s, CPU-seconds per 1,000 images); a
@@ -391,7 +396,7 @@ def interleaved(pipelines: dict, modes, rounds, measure, wanted=lambda name, mod
                 if round_:
                     results.setdefault((name, mode), []).append((rate, cpu))
                 print(f"  round {round_}{' (warm-up)' if not round_ else ''}: {name:<12} {mode:<24} "
-                      f"{rate:8.0f} images/s  {cpu:6.2f} CPU-s/1k", flush=True)
+                      f"{shown_rate(rate):>8} images/s  {cpu:6.2f} CPU-s/1k", flush=True)
     return [{"pipeline": name, "mode": mode, "images_per_s": statistics.median(r for r, _ in runs),
              "cpu_s_per_1k": statistics.median(c for _, c in runs), "rates": [r for r, _ in runs]}
             for (name, mode), runs in results.items()]

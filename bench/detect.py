@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("YOLO_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import begin, build_pipelines, cpu_seconds, interleaved  # noqa: E402
+from common import begin, build_pipelines, cpu_seconds, interleaved, shown_rate  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -189,8 +189,9 @@ def main(argv=None):
         if "synthetic" in same and row["pipeline"] != "synthetic":
             row["of_synthetic"] = row["images_per_s"] / same["synthetic"]["images_per_s"]
             notes.append(f"{row['of_synthetic']:.3f} of synthetic")
-        print(f"{row['pipeline']:<12} {row['mode']:<20} {row['images_per_s']:8.0f} images/s "
-              f"({min(row['rates']):.0f}-{max(row['rates']):.0f})  {row['cpu_s_per_1k']:6.2f} CPU-s/1k  "
+        print(f"{row['pipeline']:<12} {row['mode']:<20} {shown_rate(row['images_per_s']):>8} images/s "
+              f"({shown_rate(min(row['rates']))}-{shown_rate(max(row['rates']))})  "
+              f"{row['cpu_s_per_1k']:6.2f} CPU-s/1k  "
               + ", ".join(notes))
     with open(os.path.join(args.out, "detect.json"), "w") as f:
         json.dump({"system": system, "args": vars(args), "results": table}, f, indent=2, default=str)
