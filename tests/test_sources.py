@@ -137,6 +137,15 @@ def test_a_tar_sample_with_two_images_packs_one_and_names_the_other(tmp_path):
         {"path": "train-0.tar/b.seg.png", "reason": "a second image of sample b (b.jpg is packed): skipped unopened"}]
 
 
+def test_a_tar_label_that_is_not_an_integer_is_named_with_the_reason(tmp_path):
+    jpg = jpeg_bytes(photo(7))
+    shard = write_tar(tmp_path / "train-0.tar", {"a.jpg": jpg, "a.cls": b"0", "b.jpg": jpg, "b.cls": b"dog"})
+    result = pack(shard, str(tmp_path / "ds"), workers=1)
+    assert result.packed == 1 and result.ignored == []
+    assert result.special == [{"path": "train-0.tar/b.cls",
+                               "reason": "a label that is not an integer (b'dog'): its sample skipped unopened"}]
+
+
 @pytest.mark.parametrize("name", ["train-0.tar.gz", "train-0.tgz"])
 def test_a_folder_of_gzipped_tar_shards_is_a_tar_source(tmp_path, name):
     shards = tmp_path / "wds"

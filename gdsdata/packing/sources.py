@@ -291,10 +291,13 @@ class TarSource:
                                          "reason": f"a second image of sample {display(os.path.basename(key))} "
                                                    f"({display(os.path.basename(image.name))} is packed): "
                                                    f"skipped unopened"})
+            text = self.tars[path].extractfile(entry["cls"]).read()
             try:
-                label = int(self.tars[path].extractfile(entry["cls"]).read().decode().strip())
-            except ValueError:
-                self.ignored.append(display(rel))
+                label = int(text.decode().strip())
+            except ValueError:  # (UnicodeDecodeError too)
+                self.special.append({"path": display(f"{os.path.basename(path)}/{entry['cls'].name}"),
+                                     "reason": f"a label that is not an integer ({text[:20]!r}): its sample "
+                                               f"skipped unopened"})
                 continue
             problem = unnamed_label_problem(label)
             if problem is not None:
