@@ -171,18 +171,13 @@ class Loader:
         epoch : int
             The epoch number (0 or more): with the seed it fixes the order, crops and flips.
         """
-        epoch = count("epoch", epoch, minimum=0)
+        self._next_epoch = count("epoch", epoch, minimum=0)
         active = self._active() if self._active is not None else None
-        if active is not None and active is not self._carry and active.threads is not None:
-            self._next_epoch = epoch  # a pass mid-epoch reads on; as DistributedSampler's, the next pass takes it
-            return
-        self._next_epoch = None
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self._consumed, self._done, self._resume = None, 0, False
+        if active is None or active is self._carry or active.threads is None:
+            self._take_next_epoch()  # (a pass mid-epoch reads on; as DistributedSampler's, the next pass takes it)
 
     def _take_next_epoch(self):
-        """Apply the epoch that ``set_epoch`` set during a pass, now that the pass is over."""
+        """Apply the epoch that ``set_epoch`` set, at once or, set during a pass, once it is over."""
         if self._next_epoch is not None:
             epoch, self._next_epoch = self._next_epoch, None
             if epoch != self.epoch:

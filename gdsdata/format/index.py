@@ -194,17 +194,15 @@ def load(root) -> Index:
     if header["version"] not in fmt.READABLE_VERSIONS:
         raise FormatError(f"{path}: format version {header['version']}; this gdsdata reads versions "
                           f"{', '.join(map(str, fmt.READABLE_VERSIONS))} (upgrade gdsdata, or pack again)")
-    num_shards, num_samples = int(header["num_shards"]), int(header["num_samples"])
-    shards_raw = _section(raw, path, "shard table", int(header["shards_offset"]),
-                          num_shards * fmt.SHARD_RECORD.itemsize)
-    samples_raw = _section(raw, path, "sample table", int(header["samples_offset"]),
-                           num_samples * fmt.SAMPLE_RECORD.itemsize)
-    strings = _section(raw, path, "strings", int(header["strings_offset"]), int(header["strings_size"]))
-    meta_raw = _section(raw, path, "metadata", int(header["meta_offset"]), int(header["meta_size"]))
+    num_samples = int(header["num_samples"])
+    sections = _sections(header)
+    body = {name: _section(raw, path, name, offset, size) for name, offset, size in sections}
+    shards_raw, samples_raw = body["shard table"], body["sample table"]
+    strings, meta_raw = body["strings"], body["metadata"]
     body_start = fmt.INDEX_HEADER.itemsize
     if zlib.crc32(raw[body_start:]) != int(header["body_crc32"]):
         raise FormatError(f"{path}: index checksum mismatch (corrupt or truncated index)")
-    _check_layout(header, raw, path)
+    _check_layout(sections, len(raw), path)
     try:
         meta = json.loads(meta_raw.decode("utf-8"))
         classes = meta["classes"]
@@ -216,11 +214,10 @@ def load(root) -> Index:
         raise FormatError(f"{path}: {len(classes)} class names, header says {header['num_classes']}")
     box_start = boxes = None
     if meta.get("task") == "detect":
-        if header["version"] < 3 or not int(header["annotations_offset"]):
+        if "annotation table" not in body:
             raise FormatError(f"{path}: a detection dataset without its annotation table (corrupt index)")
         starts_size = (num_samples + 1) * fmt.BOX_START.itemsize
-        annotations = _section(raw, path, "annotation table", int(header["annotations_offset"]),
-                               starts_size + int(header["num_boxes"]) * fmt.BOX_RECORD.itemsize)
+        annotations = body["annotation table"]
         box_start = np.frombuffer(annotations[:starts_size], fmt.BOX_START).copy()
         boxes = np.frombuffer(annotations[starts_size:], fmt.BOX_RECORD).copy()
     index = Index(root, int(header["alignment"]), fmt.ident(header["dataset_id"]),
@@ -231,36 +228,42 @@ def load(root) -> Index:
     return index
 
 
-def _check_layout(header, raw: bytes, path: str):
-    """The header's counts and offsets against the body they describe (its checksum covers the body
-    only): the sections follow each other from the header to the end of the file, and the shards
-    hold the samples. A damaged count or offset would otherwise load as a smaller dataset, or
-    shifted names, that every checksum still passes."""
-    sections = [("shard table", "shards_offset", int(header["num_shards"]) * fmt.SHARD_RECORD.itemsize),
-                ("sample table", "samples_offset", int(header["num_samples"]) * fmt.SAMPLE_RECORD.itemsize),
-                ("strings", "strings_offset", int(header["strings_size"])),
-                ("metadata", "meta_offset", int(header["meta_size"]))]
+def _sections(header) -> list:
+    """(name, offset, size) of each section of the index body the header describes, in file order
+    (``write`` lays them out so); the annotation table where there is one (format 3, detection)."""
+    num_samples = int(header["num_samples"])
+    sections = [("shard table", int(header["shards_offset"]), int(header["num_shards"]) * fmt.SHARD_RECORD.itemsize),
+                ("sample table", int(header["samples_offset"]), num_samples * fmt.SAMPLE_RECORD.itemsize),
+                ("strings", int(header["strings_offset"]), int(header["strings_size"])),
+                ("metadata", int(header["meta_offset"]), int(header["meta_size"]))]
     if header["version"] >= 3 and int(header["annotations_offset"]):
-        sections.append(("annotation table", "annotations_offset", (int(header["num_samples"]) + 1) *
-                         fmt.BOX_START.itemsize + int(header["num_boxes"]) * fmt.BOX_RECORD.itemsize))
+        boxes = int(header["num_boxes"])
+        sections.append(("annotation table", int(header["annotations_offset"]),
+                         (num_samples + 1) * fmt.BOX_START.itemsize + boxes * fmt.BOX_RECORD.itemsize))
+    return sections
+
+
+def _check_layout(sections, file_size: int, path: str):
+    """The header's counts and offsets against the body they describe (its checksum covers the body
+    only): the sections follow each other from the header to the end of the file. A damaged count or
+    offset would otherwise load as a smaller dataset, or shifted names, that every checksum still
+    passes (``_check`` adds that the shards hold the samples)."""
     at = fmt.INDEX_HEADER.itemsize
-    for name, key, size in sections:
-        if int(header[key]) != at:
+    for name, offset, size in sections:
+        if offset != at:
             raise FormatError(f"{path}: corrupt index header (its {name} should start at byte {at}, the header "
-                              f"says {int(header[key])})")
+                              f"says {offset})")
         at += size
-    if at != len(raw):
-        raise FormatError(f"{path}: corrupt index header (its sections end at byte {at}, the file at {len(raw)})")
-    shards = np.frombuffer(raw, fmt.SHARD_RECORD, count=int(header["num_shards"]),
-                           offset=int(header["shards_offset"]))
-    if int(shards["num_samples"].sum()) != int(header["num_samples"]):
-        raise FormatError(f"{path}: corrupt index header ({int(header['num_samples'])} samples, its shards hold "
-                          f"{int(shards['num_samples'].sum())})")
+    if at != file_size:
+        raise FormatError(f"{path}: corrupt index header (its sections end at byte {at}, the file at {file_size})")
 
 
 def _check(index: Index, path: str):
     """Cross-check the tables against each other and against the shard files on disk."""
     samples, shards = index.samples, index.shards
+    if int(shards["num_samples"].sum()) != len(samples):  # (a damaged count in the header: see _check_layout)
+        raise FormatError(f"{path}: corrupt index header ({len(samples)} samples, its shards hold "
+                          f"{int(shards['num_samples'].sum())})")
     if len(samples) and int(samples["shard"].max()) >= len(shards):
         bad = int(np.argmax(samples["shard"] >= len(shards)))
         raise FormatError(f"{path}: sample {bad} points to shard {samples['shard'][bad]}, "

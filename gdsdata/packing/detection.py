@@ -141,19 +141,20 @@ def detection_meta(classes, format, category_ids, per_sample_boxes) -> dict:
 
 
 # --- YOLO ---------------------------------------------------------------------------------------
+def _swap_last(path: str, folder: str, other: str) -> str:
+    """``path`` with its last ``/folder/`` made ``/other/`` (as it is without one)."""
+    head, sep, tail = path.rpartition(f"{os.sep}{folder}{os.sep}")
+    return (head + f"{os.sep}{other}{os.sep}" + tail) if sep else path
+
+
 def label_path(image_path: str) -> str:
     """Ultralytics' rule: the last ``/images/`` of the path becomes ``/labels/``, the extension ``.txt``."""
-    sa, sb = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
-    head, sep, tail = image_path.rpartition(sa)
-    base = (head + sb + tail) if sep else image_path
-    return os.path.splitext(base)[0] + ".txt"
+    return os.path.splitext(_swap_last(image_path, "images", "labels"))[0] + ".txt"
 
 
 def _images_folder(labels_folder: str) -> str:
     """The folder whose images ``label_path`` puts their labels in ``labels_folder``."""
-    sa, sb = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
-    head, sep, tail = (labels_folder.rstrip(os.sep) + os.sep).rpartition(sb)
-    return (head + sa + tail) if sep else labels_folder
+    return _swap_last(labels_folder.rstrip(os.sep) + os.sep, "labels", "images")
 
 
 def _load_yaml(path):

@@ -573,7 +573,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     converted = resized = done = 0
     base_stamp = index_io.stamp(out) if append else None  # which index file the dataset held when it began
     if append:  # the dataset so far, unchanged; new samples go to new shards
-        relabel = [classes.index(name) for name in base.classes]  # the dataset's labels in the merged class list
+        position = {name: k for k, name in enumerate(classes)}
+        relabel = [position[name] for name in base.classes]  # the dataset's labels in the merged class list
         dataset_id, records, strings, shard_rows = base.dataset_id, base.samples.tolist(), bytearray(base.strings), \
             base.shards.tolist()
         records = [row[:4] + (relabel[row[4]],) + row[5:] for row in records]
