@@ -6,7 +6,7 @@ identical pixels (docs/design.md).
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import simplejpeg
@@ -31,14 +31,40 @@ def cpu_pool() -> ThreadPoolExecutor:
         return _pool["executor"]
 
 
+def run_parallel(work, count: int):
+    """``work(k)`` for each k in ``range(count)`` on the CPU pool, the k in a few contiguous runs a
+    thread: a task (a future) per image held the GIL for as long as the image's own Python did, and
+    the training thread of the same process waits for the GIL. Returns when every run has ended;
+    the first exception raised is raised then."""
+    if count <= 1:
+        for k in range(count):
+            work(k)
+        return
+    runs = min(count, 4 * settings.get("cpu_threads"))  # a few runs a thread: images differ in cost
+
+    def run(r):
+        for k in range(r * count // runs, (r + 1) * count // runs):
+            work(k)
+
+    futures = [cpu_pool().submit(run, r) for r in range(runs)]
+    wait(futures)
+    for future in futures:
+        future.result()
+
+
 try:  # Intel ISA-L's CRC-32 (the same polynomial as zlib's), faster than zlib's
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib computes the same value
     from zlib import crc32
 
 
+def _named(name) -> str:
+    """``name``: how an error names the sample, or a call that makes it (made only for an error)."""
+    return name() if callable(name) else name
+
+
 def checksum_error(name) -> CorruptSampleError:
-    return CorruptSampleError(f"{name}: checksum mismatch (the stored bytes changed since packing)")
+    return CorruptSampleError(f"{_named(name)}: checksum mismatch (the stored bytes changed since packing)")
 
 
 def check_crc(payload, record, name):
@@ -60,18 +86,18 @@ def check_batch(index, buffer, plan, indices) -> dict:
 
 def decode(payload, record, name, out=None) -> np.ndarray:
     """Decode one stored sample to an HxWx3 uint8 array (into ``out`` when given, a writable buffer of
-    height*width*3 bytes); ``name`` is how errors name the sample."""
+    height*width*3 bytes); ``name`` is how errors name the sample (or a call that makes it)."""
     codec = int(record["codec"])
     height, width = int(record["height"]), int(record["width"])
     if codec == fmt.CODEC_JPEG:
         try:
             pixels = simplejpeg.decode_jpeg(payload, colorspace="RGB", buffer=out)
         except (ValueError, RuntimeError) as e:
-            raise CorruptSampleError(f"{name}: JPEG decoding failed ({e})") from e
+            raise CorruptSampleError(f"{_named(name)}: JPEG decoding failed ({e})") from e
     elif codec == fmt.CODEC_RAW:
         components = int(record["components"])
         if len(payload) != height * width * components:
-            raise CorruptSampleError(f"{name}: raw payload holds {len(payload)} bytes, expected "
+            raise CorruptSampleError(f"{_named(name)}: raw payload holds {len(payload)} bytes, expected "
                                      f"{height}x{width}x{components}")
         pixels = np.frombuffer(payload, np.uint8).reshape(height, width, components)
         if components == 1:
@@ -81,8 +107,8 @@ def decode(payload, record, name, out=None) -> np.ndarray:
             target[...] = pixels
             pixels = target
     else:
-        raise CorruptSampleError(f"{name}: unknown codec {codec}")
+        raise CorruptSampleError(f"{_named(name)}: unknown codec {codec}")
     if pixels.shape != (height, width, 3):
-        raise CorruptSampleError(f"{name}: decoded {pixels.shape[1]}x{pixels.shape[0]}, the index "
+        raise CorruptSampleError(f"{_named(name)}: decoded {pixels.shape[1]}x{pixels.shape[0]}, the index "
                                  f"records {width}x{height}")
     return pixels

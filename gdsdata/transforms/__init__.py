@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gdsdata.args import is_integer
-from gdsdata.decode.cpu import cpu_pool
+from gdsdata.decode.cpu import run_parallel
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -298,11 +298,13 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
     (torch's kernels release the GIL). Then the whole batch converted and normalised at once."""
     n = len(meta)
     resized = torch.empty((n, 3, *size), dtype=torch.uint8, device=buffer.device)
+    rows = meta.tolist()  # Python ints once: numpy scalars a field at a time held the GIL per image
 
     def one(k):
-        off, height, width, chans, top, left, crop_h, crop_w, flip = (int(v) for v in meta[k])
-        pixels = buffer[off:off + height * width * chans].view(height, width, chans)
-        crop = pixels[top:top + crop_h, left:left + crop_w].permute(2, 0, 1)[None]
+        off, height, width, chans, top, left, crop_h, crop_w, flip = rows[k]
+        # the crop window of the HWC image as a 1xCxHxW view, made in one call (the Python of each call holds the GIL)
+        crop = buffer.as_strided((1, chans, crop_h, crop_w), (chans, 1, width * chans, chans),
+                                 off + (top * width + left) * chans)
         if crop.is_cuda:  # CUDA's interpolate takes no uint8: in float32, rounded back (torchvision v2's way)
             value = torch.nn.functional.interpolate(crop.float(), size=size, mode="bilinear", align_corners=False,
                                                     antialias=antialias)[0].round_().clamp_(0, 255).to(torch.uint8)
@@ -314,8 +316,8 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
         resized[k] = value  # a gray image's one channel fills all three
 
     with torch.no_grad():
-        if buffer.device.type == "cpu" and n > 1:
-            list(cpu_pool().map(one, range(n)))
+        if buffer.device.type == "cpu":
+            run_parallel(one, n)
         else:
             for k in range(n):
                 one(k)
