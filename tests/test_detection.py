@@ -345,3 +345,62 @@ def test_a_txt_split_list_resolves_its_lines_as_ultralytics_does(tmp_path, monke
                                         f"{tmp_path / 'elsewhere' / 'images' / 'gone.jpg'} (a relative line")
     with pytest.raises(SourceError, match=r"images/gone.jpg: line 4 of .*--strict"):
         pack(os.path.join(coco, "coco.yaml"), str(tmp_path / "strict"), format="yolo", workers=1, strict=True)
+
+
+def _yaml(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _sources(out):
+    ds = gdsdata.GDSDataset(out)
+    return [ds.source(i) for i in range(len(ds))]
+
+
+def test_a_relative_yaml_path_is_found_where_ultralytics_looks(tmp_path, monkeypatch):
+    """Ultralytics' own YAMLs (``path: coco8``) name a folder of the current folder or of its
+    datasets_dir setting, not of the YAML's folder: they pack as they train."""
+    yolo_tree(str(tmp_path / "work" / "mini"), {"a": "0 0.5 0.5 0.2 0.2\n"})
+    data = _yaml(str(tmp_path / "cfg" / "mini.yaml"), "path: mini\ntrain: images/train\nnames: [a, b]\n")
+    monkeypatch.chdir(tmp_path / "work")
+    assert pack(data, str(tmp_path / "ds1"), format="yolo", workers=1).packed == 1
+    monkeypatch.chdir(tmp_path)  # now only Ultralytics' datasets_dir holds it
+    config = tmp_path / "config"
+    _yaml(str(config / "settings.json"), json.dumps({"datasets_dir": str(tmp_path / "work")}))
+    monkeypatch.setenv("YOLO_CONFIG_DIR", str(config))
+    assert pack(data, str(tmp_path / "ds2"), format="yolo", workers=1).packed == 1
+    monkeypatch.setenv("YOLO_CONFIG_DIR", str(tmp_path / "none"))
+    with pytest.raises(SourceError, match=r"mini.yaml: split 'train' \(images/train\) is not under any of "):
+        pack(data, str(tmp_path / "ds3"), format="yolo", workers=1)
+
+
+def test_a_yaml_path_two_places_would_satisfy_is_refused(tmp_path, monkeypatch):
+    """``path: .`` run from another dataset's folder: the YAML's folder and the current folder both
+    hold images/train; Ultralytics would take the current one, the YAML's author likely meant its own."""
+    data = yolo_tree(str(tmp_path / "one"), {"a": "0 0.5 0.5 0.2 0.2\n"})
+    yolo_tree(str(tmp_path / "two"), {"b": "1 0.5 0.5 0.2 0.2\n"})
+    monkeypatch.chdir(tmp_path / "two")
+    with pytest.raises(SourceError, match=r"holds split 'train' both in .*one and in .*two .*give path: as an "
+                                          r"absolute folder"):
+        pack(data, str(tmp_path / "ds"), format="yolo", workers=1)
+    assert not os.path.exists(tmp_path / "ds")
+    monkeypatch.chdir(tmp_path / "one")  # the same folder both ways: no doubt
+    assert pack(data, str(tmp_path / "ds"), format="yolo", workers=1).packed == 1
+
+
+def test_a_split_packs_in_ultralytics_order(tmp_path):
+    """get_img_files sorts the split's paths as text: a subfolder's images come before a later name of
+    the folder above, and a .txt list's lines are sorted too."""
+    root = str(tmp_path / "set")
+    yolo_tree(root, {"z": "0 0.5 0.5 0.2 0.2\n", "c": "1 0.5 0.5 0.2 0.2\n"})
+    for sub in ("b", "y"):
+        os.makedirs(os.path.join(root, "images", "train", sub))
+        os.makedirs(os.path.join(root, "labels", "train", sub))
+        Image.new("RGB", (40, 30)).save(os.path.join(root, "images", "train", sub, "m.jpg"))
+    expected = ["images/train/b/m.jpg", "images/train/c.jpg", "images/train/y/m.jpg", "images/train/z.jpg"]
+    assert _sources(pack(root, str(tmp_path / "folder"), format="yolo", workers=1).out) == expected
+    listed = _yaml(os.path.join(root, "list.yaml"), "train: train.txt\nnames: [a, b]\n")
+    _yaml(os.path.join(root, "train.txt"), "".join(f"./{p}\n" for p in reversed(expected)))
+    assert _sources(pack(listed, str(tmp_path / "list"), format="yolo", workers=1).out) == expected

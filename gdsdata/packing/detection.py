@@ -4,7 +4,10 @@ it found wrong in the labels, in the words of the file and line it found it in.
 
 YOLO (``--format yolo``), as Ultralytics reads it:
 - SRC is a data YAML (``path``, ``train``/``val``/``test``, ``names``), a dataset folder holding
-  ``images/<split>/``, or an images folder itself. A split is a folder of images (searched
+  ``images/<split>/``, or an images folder itself. A relative ``path`` is looked for from the YAML's
+  folder and where Ultralytics looks (the current folder, then its ``datasets_dir`` setting): the one
+  that holds the split is the dataset (two different ones: refused); no ``path``: the YAML's folder.
+  A split's images are in Ultralytics' order (their paths sorted). A split is a folder of images (searched
   recursively), a ``.txt`` list of image paths, or a list of either. In a ``.txt`` list (UTF-8, a
   byte-order mark allowed) a line starting with ``./`` is relative to the list's own folder (COCO's
   ``train2017.txt`` beside ``images/``), other relative lines to the current folder, as Ultralytics'
@@ -186,6 +189,65 @@ def _names(raw, where) -> list:
     raise SourceError(f"{where}: no class names (names: a list, or a mapping from id to name)")
 
 
+def _ultralytics_datasets_dir() -> str:
+    """Ultralytics' ``datasets_dir`` setting, read from its settings file (importing Ultralytics would
+    write one); without the file, its default: ``datasets`` in the current folder."""
+    config = os.environ.get("YOLO_CONFIG_DIR") or os.path.join(
+        os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser(os.path.join("~", ".config")), "Ultralytics")
+    try:
+        with open(os.path.join(config, "settings.json"), encoding="utf-8") as f:
+            folder = json.load(f).get("datasets_dir")
+        if isinstance(folder, str) and folder:
+            return folder
+    except (OSError, ValueError, AttributeError):
+        pass
+    return os.path.abspath("datasets")
+
+
+def _split_entries(root, entries) -> list:
+    """A split's entries under the dataset root, as Ultralytics' ``check_det_dataset`` places them (an
+    entry ``../x`` that is not there is tried as ``x``); None unless every one of them exists."""
+    placed = []
+    for entry in entries:
+        path = os.path.normpath(os.path.join(root, entry))
+        if not os.path.exists(path) and entry.startswith("../"):
+            path = os.path.normpath(os.path.join(root, entry[3:]))
+        if not os.path.exists(path):
+            return None
+        placed.append(path)
+    return placed
+
+
+def _dataset_root(yaml_path, path, split, entries):
+    """(dataset root, the split's entries as paths) for a data YAML whose ``path`` is ``path``. A
+    relative ``path`` is tried from the YAML's folder, then where Ultralytics looks (the current
+    folder, then its ``datasets_dir``); the root is the one place that holds the split, and a YAML that
+    two different places would satisfy is refused rather than packed from a guess."""
+    here = os.path.dirname(os.path.abspath(yaml_path))
+    if not path:
+        candidates = [here]  # no path: the YAML's folder, for Ultralytics too
+    elif os.path.isabs(path):
+        candidates = [path]
+    else:
+        candidates = [os.path.join(here, path), os.path.abspath(path),
+                      os.path.join(_ultralytics_datasets_dir(), path)]
+    found = {}
+    for root in candidates:
+        placed = _split_entries(os.path.normpath(root), entries)
+        if placed is not None:
+            found.setdefault(os.path.realpath(root), (os.path.normpath(root), placed))
+    if len(found) > 1:
+        first, second = (display(root) for root, _ in list(found.values())[:2])
+        raise SourceError(f"{display(yaml_path)}: path: {path!r} holds split {split!r} both in {first} and in "
+                          f"{second} (from the YAML's folder, and where Ultralytics looks); give path: as an "
+                          f"absolute folder")
+    if not found:
+        tried = ", ".join(dict.fromkeys(display(os.path.normpath(root)) for root in candidates))
+        raise SourceError(f"{display(yaml_path)}: split {split!r} ({', '.join(entries)}) is not under "
+                          f"{'any of ' if len(candidates) > 1 else ''}{tried}")
+    return next(iter(found.values()))
+
+
 def _images_under(top) -> list:
     found = []
     for folder, dirs, files in os.walk(top, followlinks=True):
@@ -208,18 +270,18 @@ class YoloSource(DetectionSource):
             if not src.endswith((".yaml", ".yml")):
                 raise SourceError(f"{display(src)}: --format yolo takes a data YAML or a folder")
             data = _load_yaml(src)
-            base = data.get("path") or "."
-            base = os.path.normpath(base if os.path.isabs(base) else
-                                    os.path.join(os.path.dirname(os.path.abspath(src)), base))
             if data.get(split) in (None, ""):
                 known = [k for k in ("train", "val", "test") if data.get(k)]
                 raise SourceError(f"{display(src)}: no split {split!r} (the YAML has {', '.join(known) or 'none'}; "
                                   f"--split chooses)")
             names = _names(data.get("names"), display(src))
             entries = data[split] if isinstance(data[split], list) else [data[split]]
+            if not all(isinstance(entry, str) and entry for entry in entries):
+                raise SourceError(f"{display(src)}: split {split!r} must be a path or a list of paths")
+            base, entries = _dataset_root(src, data.get("path"), split, entries)
             images = []
             for entry in entries:
-                images += self._split(os.path.normpath(entry if os.path.isabs(entry) else os.path.join(base, entry)))
+                images += self._split(entry)
             if strict and self.unreadable:
                 raise SourceError(f"{self.unreadable[0]['path']}: {self.unreadable[0]['reason']} (--strict)")
             self.root = os.path.abspath(base)
@@ -230,6 +292,7 @@ class YoloSource(DetectionSource):
             images = self._split(folder)
             names = self._classes_txt(src, folder)
             self.root = os.path.abspath(src)
+        images.sort()  # Ultralytics' get_img_files order: the split's paths sorted as text
         if not images:
             raise SourceError(f"{display(src)}: no image files in split {split!r} (extensions: "
                               f"{' '.join(IMAGE_EXTENSIONS)})")
