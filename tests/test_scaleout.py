@@ -165,6 +165,24 @@ def test_a_part_cannot_be_packed_again_while_a_merge_reads_it(halves, tmp_path, 
     assert not os.path.exists(tmp_path / "m2")
 
 
+def test_a_part_given_through_a_link_is_locked_under_its_own_name(halves, tmp_path, monkeypatch):
+    """The lock lives beside the dataset itself: a merge given a part by a symbolic link keeps the
+    writer of the part's real folder off it as one given the folder does."""
+    parts, overwrite = halves
+    link = str(tmp_path / "link")
+    os.symlink(parts[1], link)
+    refused = []
+
+    def try_overwrite():
+        with pytest.raises(BusyError, match=re.escape(f"{parts[1]}: a gdsdata merge is reading it")) as e:
+            overwrite()
+        refused.append(str(e.value))
+
+    _when_loaded(monkeypatch, link, try_overwrite)
+    assert merge([parts[0], link], str(tmp_path / "m"))["samples"] == 40 and refused
+    assert verify(str(tmp_path / "m")) == []
+
+
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "overwrite"])
 def test_a_part_rewritten_where_the_lock_does_not_reach_fails_the_merge(halves, tmp_path, monkeypatch, existing):
     """A part packed again after the merge read its index (on another host, or where flock is not

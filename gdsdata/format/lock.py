@@ -51,7 +51,9 @@ _HELD = set()  # the descriptors of the locks this process holds (a forked worke
 
 
 def _lock_path(out: str) -> str:
-    parent, name = os.path.split(os.path.abspath(out))
+    """Beside the folder itself (its real path): a reader or writer given a symbolic link to it takes
+    the lock every other one of it takes."""
+    parent, name = os.path.split(os.path.realpath(out))
     return os.path.join(parent, f".{name}.gdsdata-lock")
 
 
@@ -220,7 +222,7 @@ def _described(info: dict) -> str:
 def aside(out: str, tag: str) -> str:
     """A new empty sibling folder of ``out`` for a replacement to be built in (``tag``: one of
     ``_TAGS``), named for this host and process."""
-    parent, name = os.path.split(os.path.abspath(out))
+    parent, name = os.path.split(os.path.realpath(out))
     path = os.path.join(parent, f".{name}.gdsdata-{tag}-{_HOST}-{os.getpid()}-{os.urandom(4).hex()}")
     os.makedirs(path)
     return path
@@ -266,7 +268,7 @@ def _clear_leftovers(out: str):
     between ``swap_in``'s two renames (its swapped-out dataset lies beside it), its complete
     replacement becomes ``out``; a swapped-out dataset is never removed while ``out`` is missing."""
     _clear_journals(out)
-    parent, name = os.path.split(os.path.abspath(out))
+    parent, name = os.path.split(os.path.realpath(out))
     try:
         entries = sorted(os.listdir(parent))
     except OSError:
