@@ -303,6 +303,24 @@ def _results(jobs, workers):
                         jobs, workers * _WINDOW_PER_WORKER, context)
 
 
+def report_opening(src, out, classes, roots, **lists) -> dict:
+    """``pack_report.json``'s fields known before anything is packed (a failed pack's report holds
+    these): the source, OUT, ``status`` "failed" until ``report_complete``, the class count, the
+    lists of files left out (``lists``: ignored, skipped, unreadable, special) and the shard roots."""
+    report = {"source": display(src), "out": display(out), "status": "failed", "classes": len(classes), **lists}
+    if roots:
+        report["shard_roots"] = [display(root) for root in roots]
+    return report
+
+
+def report_complete(report, classes, per_class, shard_table, seconds, **counts) -> dict:
+    """``report`` made complete once the index is about to be written: ``counts`` (packed, converted,
+    resized, resumed_shards), the shards and their bytes, the time, the classes without samples."""
+    report.update(status="complete", **counts, shards=len(shard_table), bytes=int(shard_table["size"].sum()),
+                  seconds=round(seconds, 3), empty_classes=[c for c, n in zip(classes, per_class) if n == 0])
+    return report
+
+
 def _write_json(path, payload):
     """Write ``payload`` whole or not at all (a failed write, a full disk say, leaves no temporary file)."""
     try:
@@ -621,12 +639,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                          name=os.path.basename(out))
     unreadable = getattr(source, "unreadable", []) if part == 0 else []
     special = getattr(source, "special", []) if part == 0 else []
-    report = {"source": display(src), "out": display(out), "status": "failed", "classes": len(classes),
-              "ignored": ignored, "skipped": skipped, "unreadable": unreadable, "special": special}
+    report = report_opening(src, out, classes, roots, ignored=ignored, skipped=skipped, unreadable=unreadable,
+                            special=special)
     if num_parts > 1:
         report["part"] = {"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
-    if roots:
-        report["shard_roots"] = [display(root) for root in roots]
     jobs = (_job(source, item, options) for item in items[done:])
     labels = {item.rel: item.label for item in items}
     task = getattr(source, "task", "classify")
@@ -717,9 +733,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         if append:
             report["appended"] = len(samples) - len(base)
             meta["appended"] = base.meta.get("appended", []) + [{"source": src, "samples": report["appended"]}]
-        report.update(status="complete", packed=len(samples), converted=converted, resized=resized,
-                      shards=len(shard_table), bytes=total, seconds=round(seconds, 3), resumed_shards=len(journals),
-                      empty_classes=[c for c, n in zip(classes, per_class) if n == 0])
+        report_complete(report, classes, per_class, shard_table, seconds, packed=len(samples), converted=converted,
+                        resized=resized, resumed_shards=len(journals))
         index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
     except BaseException as e:
         if append:  # the dataset's own index still in place: what this run wrote goes

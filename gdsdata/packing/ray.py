@@ -25,6 +25,7 @@ from gdsdata.format import layout as fmt
 from gdsdata.errors import GdsDataError, SourceError, Terminated
 from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_quietly, writer_lock
 from gdsdata.packing.detection import DetectionSource, open_detection
+from gdsdata.packing.packer import report_complete, report_opening
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, open_source
 
 log = logging.getLogger(__name__)
@@ -231,20 +232,16 @@ class _JoinedReport:
 
     def __call__(self, meta, shards):
         reports, counts = self.reports, meta["counts"]
-        report = {"source": display(self.src), "out": display(self.out), "status": "complete",
-                  "classes": len(meta["classes"])}
-        for key in ("ignored", "skipped", "unreadable", "special"):
-            report[key] = [entry for part in reports for entry in part.get(key) or []]
-        if self.roots:
-            report["shard_roots"] = [display(root) for root in self.roots]
+        report = report_opening(self.src, self.out, meta["classes"], self.roots,
+                                **{key: [entry for part in reports for entry in part.get(key) or []]
+                                   for key in ("ignored", "skipped", "unreadable", "special")})
         if any("labels" in part for part in reports):  # the labels' report of the whole source: part 0's
             report["labels"] = reports[0].get("labels")
-        report.update(packed=int(counts["packed"]), converted=int(counts["converted"]),
-                      resized=int(counts["resized"]), shards=len(shards), bytes=int(shards["size"].sum()),
-                      seconds=round(time.perf_counter() - self.started, 3),
-                      resumed_shards=sum(part.get("resumed_shards", 0) for part in reports),
-                      empty_classes=[c for c, n in zip(meta["classes"], counts["per_class"]) if n == 0],
-                      ray=self.ray)
+        report_complete(report, meta["classes"], counts["per_class"], shards, time.perf_counter() - self.started,
+                        packed=int(counts["packed"]), converted=int(counts["converted"]),
+                        resized=int(counts["resized"]),
+                        resumed_shards=sum(part.get("resumed_shards", 0) for part in reports))
+        report["ray"] = self.ray
         self.made = report
         return report
 
