@@ -61,9 +61,9 @@ def test_lmdb_keys_that_are_not_utf8_stay_distinct_and_keep_their_labels(tmp_pat
 
 # --- labels without class names -----------------------------------------------------------------
 def write_tar(path, members):
-    """A tar of ``members`` (name -> bytes), in that order."""
+    """A tar of ``members`` (name -> bytes, or (name, bytes) pairs: a name may repeat), in that order."""
     with tarfile.open(path, "w") as tar:
-        for name, payload in members.items():
+        for name, payload in (members.items() if isinstance(members, dict) else members):
             info = tarfile.TarInfo(name)
             info.size = len(payload)
             tar.addfile(info, io.BytesIO(payload))
@@ -144,6 +144,19 @@ def test_a_tar_label_that_is_not_an_integer_is_named_with_the_reason(tmp_path):
     assert result.packed == 1 and result.ignored == []
     assert result.special == [{"path": "train-0.tar/b.cls",
                                "reason": "a label that is not an integer (b'dog'): its sample skipped unopened"}]
+
+
+def test_a_tar_sample_labelled_twice_is_named_not_packed_with_either_label(tmp_path):
+    """Extracting the tar keeps the last .cls, WebDataset refuses the shard: neither is a label to
+    trust, so the sample is left out with the reason."""
+    jpg = jpeg_bytes(photo(7))
+    shard = write_tar(tmp_path / "train-0.tar", [("a.jpg", jpg), ("a.cls", b"0"), ("b.jpg", jpg), ("b.cls", b"1"),
+                                                 ("b.cls", b"2")])
+    result = pack(shard, str(tmp_path / "ds"), workers=1)
+    assert result.packed == 1 and result.ignored == []
+    assert sorted(packed(result.out)[1]) == [b"train-0.tar/a.jpg"]
+    assert result.special == [{"path": "train-0.tar/b.cls",
+                               "reason": "sample b has 2 labels (.cls members): skipped unopened"}]
 
 
 @pytest.mark.parametrize("name", ["train-0.tar.gz", "train-0.tgz"])

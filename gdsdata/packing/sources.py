@@ -16,6 +16,7 @@ Label conventions:
   sample. Class names are the labels as text. A sample's further image members (``x.png`` beside
   ``x.jpg``, a mask ``x.seg.png``) are skipped unopened, each named with the reason (``special``):
   the packed one is the first in the tar whose extension is an image extension alone, else the first.
+  A sample with a ``.cls`` that is not an integer, or with two ``.cls`` members, is skipped and named.
 - Without class names (tar, an LMDB without ``__classes__``) every id up to the largest becomes a
   class named by its number, so labels must be ``0 <= label < UNNAMED_LABELS`` (2**20): a stray
   huge id would otherwise make hundreds of millions of classes.
@@ -258,7 +259,7 @@ class TarSource:
         if not paths:
             raise SourceError(f"{display(src)}: no tar shards ({' '.join(TAR_EXTENSIONS)})")
         self.tars = {}
-        samples = {}  # (tar, key) -> {"images": [member, ...], "cls": member}
+        samples = {}  # (tar, key) -> {"images": [member, ...], "cls": [member, ...]}
         self.ignored, self.special = [], []
         for path in paths:
             try:
@@ -272,16 +273,21 @@ class TarSource:
                     continue
                 folder, name = os.path.split(member.name)
                 key, _, ext = name.partition(".")
-                entry = samples.setdefault((path, os.path.join(folder, key)), {"images": []})
+                entry = samples.setdefault((path, os.path.join(folder, key)), {"images": [], "cls": []})
                 if ("." + ext.lower()).endswith(IMAGE_EXTENSIONS):
                     entry["images"].append(member)
                 elif ext == "cls":
-                    entry["cls"] = member
+                    entry["cls"].append(member)
         self.items, labels = [], set()
         for (path, key), entry in samples.items():
             rel = f"{os.path.basename(path)}/{key}"
-            if not entry["images"] or "cls" not in entry:
+            if not entry["images"] or not entry["cls"]:
                 self.ignored.append(display(rel))
+                continue
+            if len(entry["cls"]) > 1:  # (WebDataset refuses a tar with a name twice; extracting keeps the last)
+                self.special.append({"path": display(f"{os.path.basename(path)}/{entry['cls'][-1].name}"),
+                                     "reason": f"sample {display(os.path.basename(key))} has {len(entry['cls'])} "
+                                               f"labels (.cls members): skipped unopened"})
                 continue
             # the first image whose extension is an image extension alone ("jpg", not "seg.png"), else the first
             image = min(entry["images"], key=lambda member: "." in os.path.basename(member.name).partition(".")[2])
@@ -291,17 +297,18 @@ class TarSource:
                                          "reason": f"a second image of sample {display(os.path.basename(key))} "
                                                    f"({display(os.path.basename(image.name))} is packed): "
                                                    f"skipped unopened"})
-            text = self.tars[path].extractfile(entry["cls"]).read()
+            [cls] = entry["cls"]
+            text = self.tars[path].extractfile(cls).read()
             try:
                 label = int(text.decode().strip())
             except ValueError:  # (UnicodeDecodeError too)
-                self.special.append({"path": display(f"{os.path.basename(path)}/{entry['cls'].name}"),
+                self.special.append({"path": display(f"{os.path.basename(path)}/{cls.name}"),
                                      "reason": f"a label that is not an integer ({text[:20]!r}): its sample "
                                                f"skipped unopened"})
                 continue
             problem = unnamed_label_problem(label)
             if problem is not None:
-                raise SourceError(f"{display(src)}: {display(os.path.basename(path))}/{display(entry['cls'].name)}: "
+                raise SourceError(f"{display(src)}: {display(os.path.basename(path))}/{display(cls.name)}: "
                                   f"{problem}; WebDataset labels carry no class names, so they must lie in "
                                   f"0..{UNNAMED_LABELS - 1}")
             labels.add(label)
