@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gdsdata import stall
 from gdsdata.args import is_integer
 from gdsdata.decode.cpu import run_parallel
 
@@ -292,6 +293,18 @@ def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, p
     return _resample_torch(buffer, meta, (out_h, out_w), dtype, scale, shift, nchw, transform.antialias)
 
 
+def each_image(work, n: int, buffer):
+    """``work(k)`` for each image k of a batch whose pixels are in ``buffer``: on the CPU threads in
+    parallel (each k writes only its own image; torch's kernels release the GIL), on a GPU (without
+    Triton) one after another."""
+    if buffer.is_cuda:
+        for k in range(n):
+            work(k)
+    else:
+        with stall.native("CPU resampling on the cpu_threads pool"):
+            run_parallel(work, n)
+
+
 def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
     """Per image, on uint8: crop, ``interpolate(bilinear, align_corners=False, antialias)`` (torch's
     own kernel, torchvision v2's ``resized_crop``), flip; the images on the CPU threads in parallel
@@ -316,11 +329,7 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
         resized[k] = value  # a gray image's one channel fills all three
 
     with torch.no_grad():
-        if buffer.device.type == "cpu":
-            run_parallel(one, n)
-        else:
-            for k in range(n):
-                one(k)
+        each_image(one, n, buffer)
         if dtype == torch.uint8:
             out = resized
         else:

@@ -30,7 +30,7 @@ import torch
 
 from gdsdata.args import is_integer
 from gdsdata.batch import upload
-from gdsdata.transforms import uniforms
+from gdsdata.transforms import each_image, uniforms
 
 _DRAWS = 16  # uniforms per output image: 0 mosaic?, 1-3 partners, 4-5 centre, 6 angle, 7 scale,
 #               8-9 shear, 10-11 translate, 12 flip lr, 13 flip ud, 14-15 spare; HSV gains below
@@ -375,7 +375,11 @@ def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels
     out = _sample_windows(t, buffer, offsets, channels, p).round_().clamp_(0, 255)
     if jitter:
         gains = _to(p.hsv, np.float32, buffer.device)
-        out = torch.cat([_hsv(out[a:a + 1], gains[a:a + 1]) for a in range(len(out))])
+
+        def jitter_one(a):
+            out[a:a + 1] = _hsv(out[a:a + 1], gains[a:a + 1])
+
+        each_image(jitter_one, len(out), buffer)
     if t.dtype is None:
         return out.to(torch.uint8)
     return (out / 255).to(dtype)
@@ -384,7 +388,8 @@ def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels
 def _sample_windows(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
     n, s = len(p.inverse), t.imgsz
     out = torch.full((n, 3, s, s), float(t.pad), device=buffer.device)
-    for k in range(n):
+
+    def sample_one(k):
         inv = p.inverse[k]
         forward = np.linalg.inv(np.vstack([inv, [0.0, 0.0, 1.0]]))
         for q in range(4):
@@ -413,6 +418,8 @@ def _sample_windows(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
                                                       mode="bilinear", padding_mode="border", align_corners=False)[0]
             window = out[k, :, top:bottom, left:right]
             window.copy_(torch.where(inside, sampled, window))
+
+    each_image(sample_one, n, buffer)
     return out
 
 
