@@ -94,7 +94,35 @@ def test_center_crop_of_an_image_far_under_its_resize_takes_a_pixel_at_least():
     """A 16 px image under Resize(256) + CenterCrop(8): the window is half a source pixel; it takes the
     centre pixel (an empty window cannot be resampled)."""
     p = gdsdata.CenterCrop(8).params(np.array([16, 3]), np.array([16, 1]))
-    assert p.height.tolist() == [1, 1] and p.width.tolist() == [1, 1] and p.top.tolist() == [7, 1]
+    assert p.height.tolist() == [1, 1] and p.width.tolist() == [1, 1] and p.top.tolist() == [8, 1]  # (7.5: to even)
+
+
+@pytest.mark.parametrize("shape", [(256, 259), (259, 256), (256, 261), (256, 256)])
+def test_center_crop_of_an_image_at_its_resize_is_torchvision_s_exactly(shape):
+    """Where Resize(256) leaves the image as it is, the window is torchvision's CenterCrop's to the
+    pixel: half the difference rounded half to even (35 -> 18, 37 -> 18), not floored."""
+    from torchvision.transforms import v2
+
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    t = gdsdata.CenterCrop(224, resize=256, dtype="uint8")
+    p = t.params([shape[0]], [shape[1]])
+    out = T.apply(t, torch.from_numpy(image.reshape(-1)), [0], [shape[0]], [shape[1]], [3], p)[0]
+    chw = torch.from_numpy(image).permute(2, 0, 1)
+    assert torch.equal(out, v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])(chw))
+
+
+def test_a_buffer_that_is_a_view_resamples_its_own_pixels():
+    """A batch's pixels handed in as a slice of a larger tensor (a staging buffer's window, a user's
+    own transform under pixels=True): the crops are taken from the view, not its storage's start."""
+    images, buffer, offsets, heights, widths, chans = _images()
+    padded = torch.cat([torch.randint(0, 256, (1001,), dtype=torch.uint8), buffer])[1001:]
+    strided = torch.stack([buffer, torch.zeros_like(buffer)], 1)[:, 0]  # every other byte of its storage
+    for t in (gdsdata.RandomResizedCrop(24, seed=4, dtype="uint8"), gdsdata.CenterCrop(16, resize=20, dtype="uint8")):
+        p = t.params(heights, widths, [0, 1, 2, 3])
+        expected = T.apply(t, buffer, offsets, heights, widths, chans, p)
+        for view in (padded, strided):
+            assert torch.equal(T.apply(t, view, offsets, heights, widths, chans, p), expected)
 
 
 def test_center_crop_refuses_a_resize_under_its_size():

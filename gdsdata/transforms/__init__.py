@@ -216,7 +216,8 @@ class CenterCrop:
         shorter = np.minimum(heights, widths) / self.resize  # source pixels per resized pixel
         h = np.clip(np.round(shorter * out_h), 1, heights)  # at least a pixel: an image far under resize
         w = np.clip(np.round(shorter * out_w), 1, widths)  # (its window under one pixel) gives its centre one
-        return CropParams(((heights - h) // 2).astype(np.int64), ((widths - w) // 2).astype(np.int64),
+        # centred as torchvision's CenterCrop places its window: half the difference, rounded half to even
+        return CropParams(np.round((heights - h) / 2).astype(np.int64), np.round((widths - w) / 2).astype(np.int64),
                           h.astype(np.int64), w.astype(np.int64), np.zeros(len(heights), bool))
 
 
@@ -312,12 +313,14 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
     n = len(meta)
     resized = torch.empty((n, 3, *size), dtype=torch.uint8, device=buffer.device)
     rows = meta.tolist()  # Python ints once: numpy scalars a field at a time held the GIL per image
+    buffer = buffer.contiguous()  # (a copy only of a strided buffer: the crops below assume unit steps)
+    base = buffer.storage_offset()  # (as_strided counts from the storage's start, not the view's)
 
     def one(k):
         off, height, width, chans, top, left, crop_h, crop_w, flip = rows[k]
         # the crop window of the HWC image as a 1xCxHxW view, made in one call (the Python of each call holds the GIL)
         crop = buffer.as_strided((1, chans, crop_h, crop_w), (chans, 1, width * chans, chans),
-                                 off + (top * width + left) * chans)
+                                 base + off + (top * width + left) * chans)
         if crop.is_cuda:  # CUDA's interpolate takes no uint8: in float32, rounded back (torchvision v2's way)
             value = torch.nn.functional.interpolate(crop.float(), size=size, mode="bilinear", align_corners=False,
                                                     antialias=antialias)[0].round_().clamp_(0, 255).to(torch.uint8)
