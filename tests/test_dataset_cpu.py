@@ -460,3 +460,43 @@ def test_open_shards_close_what_an_open_finishing_after_close_opened_and_survive
     with files.use(1):
         pass
     assert len(files) == 1 and not files._opening
+
+
+def test_the_cpu_pool_runs_each_item_once_waits_for_all_and_raises_a_failure():
+    """``run_parallel`` (the CPU decode's and resample's): every k once; on a failure nothing of the
+    batch still runs once it has raised; called again from inside the pool (work that nests) it
+    runs in place instead of waiting on the pool it occupies."""
+    import threading
+    import time
+
+    from gdsdata.decode.cpu import run_parallel
+
+    with settings.set(cpu_threads=2):
+        seen, lock = [], threading.Lock()
+
+        def note(k):
+            with lock:
+                seen.append(k)
+
+        run_parallel(note, 37)
+        assert sorted(seen) == list(range(37))
+        seen.clear()
+
+        def fails_at_5(k):
+            if k == 5:
+                raise ValueError("sample five")
+            time.sleep(0.005)
+            note(k)
+
+        with pytest.raises(ValueError, match="sample five"):
+            run_parallel(fails_at_5, 40)
+        ran = len(seen)
+        time.sleep(0.1)
+        assert len(seen) == ran and 5 not in seen
+        nested = []
+        worker = threading.Thread(target=run_parallel, args=(lambda k: run_parallel(
+            lambda j: nested.append((k, j)), 3), 8), daemon=True)
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "run_parallel inside the pool waited on the pool"
+        assert sorted(nested) == [(k, j) for k in range(8) for j in range(3)]

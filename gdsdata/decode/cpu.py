@@ -17,6 +17,7 @@ from gdsdata.errors import CorruptSampleError
 
 _pool = {"executor": None, "pid": None, "size": None}
 _pool_lock = threading.Lock()
+_PREFIX = "gdsdata-cpu"
 
 
 def cpu_pool() -> ThreadPoolExecutor:
@@ -26,7 +27,7 @@ def cpu_pool() -> ThreadPoolExecutor:
     size = settings.get("cpu_threads")
     with _pool_lock:
         if _pool["executor"] is None or _pool["pid"] != os.getpid() or _pool["size"] != size:
-            _pool.update(executor=ThreadPoolExecutor(size, thread_name_prefix="gdsdata-cpu"), pid=os.getpid(),
+            _pool.update(executor=ThreadPoolExecutor(size, thread_name_prefix=_PREFIX), pid=os.getpid(),
                          size=size)
         return _pool["executor"]
 
@@ -34,9 +35,11 @@ def cpu_pool() -> ThreadPoolExecutor:
 def run_parallel(work, count: int):
     """``work(k)`` for each k in ``range(count)`` on the CPU pool, the k in a few contiguous runs a
     thread: a task (a future) per image held the GIL for as long as the image's own Python did, and
-    the training thread of the same process waits for the GIL. Returns when every run has ended;
-    the first exception raised is raised then."""
-    if count <= 1:
+    the training thread of the same process waits for the GIL. Returns when every run has ended
+    (nothing runs on after it); a run stops at its first exception, and the exception of the first
+    run that failed (in run order) is raised then. Called from a thread of the pool itself (work
+    that nests) it runs the work in place: waiting there for the pool could wait forever."""
+    if count <= 1 or threading.current_thread().name.startswith(_PREFIX):
         for k in range(count):
             work(k)
         return
