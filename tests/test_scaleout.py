@@ -291,6 +291,24 @@ def test_resume_refuses_other_options_and_finished_datasets(source, whole, bigge
         pack(bigger[0], out, resume=True, shard_size=SHARD * 2)
 
 
+def test_resume_refuses_a_listing_changed_between_its_ends(bigger, tmp_path):
+    """The same count of files, the same first and last, one renamed in the middle: the journals'
+    samples are not the first of the new listing, so going on would pack some twice and lose others."""
+    src = str(tmp_path / "src")
+    shutil.copytree(bigger[0], src)
+    out = str(tmp_path / "ds")
+    proc = subprocess.Popen(_pack_cmd(src, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_journals(out, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
+        pytest.skip("the pack finished before it was killed")
+    middle = sorted(os.listdir(os.path.join(src, "class1")))[0]
+    os.rename(os.path.join(src, "class1", middle), os.path.join(src, "class1", "renamed-" + middle))
+    with pytest.raises(SourceError, match="other sources or options"):
+        pack(src, out, resume=True, shard_size=SHARD)
+
+
 def test_lmdb_source(source, whole, tmp_path):
     pytest.importorskip("lmdb")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))

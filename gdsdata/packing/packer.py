@@ -14,6 +14,7 @@ part of the source, with labels from the full class list, for ``merge.merge`` to
 import contextlib
 import ctypes
 import datetime
+import hashlib
 import itertools
 import json
 import logging
@@ -303,21 +304,26 @@ def _results(jobs, workers):
                         jobs, workers * _WINDOW_PER_WORKER, context)
 
 
-def report_opening(src, out, classes, roots, **lists) -> dict:
+def report_opening(src, out, classes, roots, lists: dict, part=None) -> dict:
     """``pack_report.json``'s fields known before anything is packed (a failed pack's report holds
     these): the source, OUT, ``status`` "failed" until ``report_complete``, the class count, the
-    lists of files left out (``lists``: ignored, skipped, unreadable, special) and the shard roots."""
+    lists of files left out (``lists``: ignored, skipped, unreadable, special), the part of a
+    ``--num-parts`` pack and the shard roots."""
     report = {"source": display(src), "out": display(out), "status": "failed", "classes": len(classes), **lists}
+    if part is not None:
+        report["part"] = part
     if roots:
         report["shard_roots"] = [display(root) for root in roots]
     return report
 
 
-def report_complete(report, classes, per_class, shard_table, seconds, **counts) -> dict:
-    """``report`` made complete once the index is about to be written: ``counts`` (packed, converted,
-    resized, resumed_shards), the shards and their bytes, the time, the classes without samples."""
-    report.update(status="complete", **counts, shards=len(shard_table), bytes=int(shard_table["size"].sum()),
-                  seconds=round(seconds, 3), empty_classes=[c for c, n in zip(classes, per_class) if n == 0])
+def report_complete(report, classes, per_class, shard_table, seconds, *, packed, converted, resized,
+                    resumed_shards) -> dict:
+    """``report`` made complete once the index is about to be written: the counts, the shards and
+    their bytes, the time, the shards a resume kept, the classes without samples."""
+    report.update(status="complete", packed=packed, converted=converted, resized=resized, shards=len(shard_table),
+                  bytes=int(shard_table["size"].sum()), seconds=round(seconds, 3), resumed_shards=resumed_shards,
+                  empty_classes=[c for c, n in zip(classes, per_class) if n == 0])
     return report
 
 
@@ -338,6 +344,16 @@ def _write_json(path, payload):
 
 def _journal_path(out, shard):
     return os.path.join(out, fmt.shard_name(shard) + fmt.JOURNAL_SUFFIX)
+
+
+def _listing_digest(items) -> str:
+    """A digest of the items' names and labels in packing order: a resume goes on where the journals
+    end only in the same order (another order, or a source with files added, removed or renamed
+    inside the listing, would pack some images twice and leave others out)."""
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(f"{item.rel}\0{item.label}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
 
 
 def _resume_state(out, signature):
@@ -582,8 +598,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     items = everything[first:last]
     ignored = source.ignored if part == 0 else []
     signature = {"source": src, "options": asdict(options), "shard_size": shard_size, "alignment": alignment,
-                 "part": [part, num_parts], "items": len(items),
-                 "ends": [items[0].rel, items[-1].rel] if items else []}
+                 "part": [part, num_parts], "items": len(items), "listing": _listing_digest(items)}
     journals = _resume_state(out, signature) if resume else []
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped = [], bytearray(), []
@@ -639,10 +654,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                          name=os.path.basename(out))
     unreadable = getattr(source, "unreadable", []) if part == 0 else []
     special = getattr(source, "special", []) if part == 0 else []
-    report = report_opening(src, out, classes, roots, ignored=ignored, skipped=skipped, unreadable=unreadable,
-                            special=special)
-    if num_parts > 1:
-        report["part"] = {"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
+    report = report_opening(src, out, classes, roots,
+                            {"ignored": ignored, "skipped": skipped, "unreadable": unreadable, "special": special},
+                            part={"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
+                            if num_parts > 1 else None)
     jobs = (_job(source, item, options) for item in items[done:])
     labels = {item.rel: item.label for item in items}
     task = getattr(source, "task", "classify")

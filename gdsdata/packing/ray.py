@@ -233,8 +233,8 @@ class _JoinedReport:
     def __call__(self, meta, shards):
         reports, counts = self.reports, meta["counts"]
         report = report_opening(self.src, self.out, meta["classes"], self.roots,
-                                **{key: [entry for part in reports for entry in part.get(key) or []]
-                                   for key in ("ignored", "skipped", "unreadable", "special")})
+                                {key: [entry for part in reports for entry in part.get(key) or []]
+                                 for key in ("ignored", "skipped", "unreadable", "special")})
         if any("labels" in part for part in reports):  # the labels' report of the whole source: part 0's
             report["labels"] = reports[0].get("labels")
         report_complete(report, meta["classes"], counts["per_class"], shards, time.perf_counter() - self.started,
