@@ -382,8 +382,8 @@ def test_a_yaml_path_two_places_would_satisfy_is_refused(tmp_path, monkeypatch):
     data = yolo_tree(str(tmp_path / "one"), {"a": "0 0.5 0.5 0.2 0.2\n"})
     yolo_tree(str(tmp_path / "two"), {"b": "1 0.5 0.5 0.2 0.2\n"})
     monkeypatch.chdir(tmp_path / "two")
-    with pytest.raises(SourceError, match=r"holds split 'train' both in .*one and in .*two .*give path: as an "
-                                          r"absolute folder"):
+    with pytest.raises(SourceError, match=r"makes split 'train' other files in .*one than in .*two .*give path: "
+                                          r"as an absolute folder"):
         pack(data, str(tmp_path / "ds"), format="yolo", workers=1)
     assert not os.path.exists(tmp_path / "ds")
     monkeypatch.chdir(tmp_path / "one")  # the same folder both ways: no doubt
@@ -404,3 +404,78 @@ def test_a_split_packs_in_ultralytics_order(tmp_path):
     listed = _yaml(os.path.join(root, "list.yaml"), "train: train.txt\nnames: [a, b]\n")
     _yaml(os.path.join(root, "train.txt"), "".join(f"./{p}\n" for p in reversed(expected)))
     assert _sources(pack(listed, str(tmp_path / "list"), format="yolo", workers=1).out) == expected
+
+
+def test_absolute_split_entries_are_no_doubt_whatever_the_path(tmp_path, monkeypatch):
+    """Ultralytics joins path and entry, an absolute entry wins: every candidate place of a relative
+    path: gives the same files, so there is nothing to refuse."""
+    yolo_tree(str(tmp_path / "data"), {"a": "0 0.5 0.5 0.2 0.2\n"})
+    (tmp_path / "datasets" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for path in (".", "mine", "../datasets/coco8"):
+        data = _yaml(str(tmp_path / "cfg" / "d.yaml"),
+                     f"path: {path}\ntrain: {tmp_path / 'data' / 'images' / 'train'}\nnames: [a, b]\n")
+        assert pack(data, str(tmp_path / "ds"), format="yolo", workers=1, overwrite=True).packed == 1, path
+
+
+@pytest.mark.parametrize("value", ["[a]", "{a: 1}", "true", "2.5"])
+def test_a_yaml_path_that_is_no_folder_name_is_one_line(tmp_path, value, capsys):
+    data = yolo_tree(str(tmp_path / "set"), {"a": "0 0.5 0.5 0.2 0.2\n"})
+    _yaml(data, f"path: {value}\ntrain: images/train\nnames: [a, b]\n")
+    assert cli(["pack", "--format", "yolo", data, str(tmp_path / "ds"), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "path: must be a folder" in err and "Traceback" not in err
+
+
+def test_a_yaml_folder_named_by_a_number_is_a_folder(tmp_path, monkeypatch):
+    yolo_tree(str(tmp_path / "2024"), {"a": "0 0.5 0.5 0.2 0.2\n"})
+    data = _yaml(str(tmp_path / "d.yaml"), "path: 2024\ntrain: images/train\nnames: [a, b]\n")
+    assert pack(data, str(tmp_path / "ds"), format="yolo", workers=1).packed == 1
+
+
+def test_hidden_files_and_folders_are_not_images_of_a_split(tmp_path):
+    """Ultralytics' glob("**/*.*") skips them: a notebook's checkpoint copies, macOS' ._ files."""
+    root = str(tmp_path / "set")
+    yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n"})
+    hidden = os.path.join(root, "images", "train", ".ipynb_checkpoints")
+    os.makedirs(hidden)
+    Image.new("RGB", (40, 30)).save(os.path.join(hidden, "a-checkpoint.jpg"))
+    with open(os.path.join(root, "images", "train", "._a.jpg"), "wb") as f:
+        f.write(b"\x00\x05\x16\x07 AppleDouble")
+    result = pack(root, str(tmp_path / "ds"), format="yolo", workers=1)
+    assert _sources(result.out) == ["images/train/a.jpg"] and result.skipped == []
+
+
+def test_a_yaml_with_nc_only_or_a_validation_key_reads_as_ultralytics_does(tmp_path):
+    root = str(tmp_path / "set")
+    yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n", "b": "2 0.5 0.5 0.2 0.2\n"})
+    data = _yaml(os.path.join(root, "nc.yaml"), "validation: images/train\nnc: 3\n")
+    result = pack(data, str(tmp_path / "ds"), format="yolo", split="val", workers=1)
+    assert gdsdata.GDSDataset(result.out).classes == ["class_0", "class_1", "class_2"] and result.packed == 2
+    _yaml(data, "train: images/train\nnc: 3\nnames: [a, b]\n")
+    with pytest.raises(SourceError, match="names holds 2 classes, nc says 3"):
+        pack(data, str(tmp_path / "ds2"), format="yolo", workers=1)
+
+
+def test_negatives_in_the_report_are_the_images_kept_without_boxes(tmp_path):
+    """An image listed without labels whose bytes do not decode is skipped: it is no negative kept."""
+    root = str(tmp_path / "set")
+    yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n", "b": None, "c": None})
+    with open(os.path.join(root, "images", "train", "c.jpg"), "wb") as f:
+        f.write(b"\xff\xd8\xff nothing")
+    result = pack(root, str(tmp_path / "ds"), format="yolo", workers=1)
+    assert result.packed == 2 and len(result.skipped) == 1
+    assert result.labels["negatives"] == 1 == gdsdata.GDSDataset(result.out).meta["detection"]["negatives"]
+
+
+def test_a_txt_list_sorts_its_lines_as_ultralytics_holds_them(tmp_path, monkeypatch):
+    """A relative line that is not ./ stays as written in Ultralytics' list, so it sorts before the
+    absolute paths the ./ lines become."""
+    root = str(tmp_path / "set")
+    yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n"})
+    yolo_tree(str(tmp_path / "other"), {"z": "1 0.5 0.5 0.2 0.2\n"})
+    _yaml(os.path.join(root, "train.txt"), "./images/train/a.jpg\n../other/images/train/z.jpg\n")
+    data = _yaml(os.path.join(root, "d.yaml"), "train: train.txt\nnames: [a, b]\n")
+    monkeypatch.chdir(root)
+    names = [os.path.basename(p) for p in _sources(pack(data, str(tmp_path / "ds"), format="yolo", workers=1).out)]
+    assert names == ["z.jpg", "a.jpg"]

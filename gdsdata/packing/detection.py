@@ -5,9 +5,11 @@ it found wrong in the labels, in the words of the file and line it found it in.
 YOLO (``--format yolo``), as Ultralytics reads it:
 - SRC is a data YAML (``path``, ``train``/``val``/``test``, ``names``), a dataset folder holding
   ``images/<split>/``, or an images folder itself. A relative ``path`` is looked for from the YAML's
-  folder and where Ultralytics looks (the current folder, then its ``datasets_dir`` setting): the one
-  that holds the split is the dataset (two different ones: refused); no ``path``: the YAML's folder.
-  A split's images are in Ultralytics' order (their paths sorted). A split is a folder of images (searched
+  folder and where Ultralytics looks (the current folder, then its ``datasets_dir`` setting): a place
+  that holds the split is the dataset, and two that would make it other files are refused; no
+  ``path``: the YAML's folder. ``nc`` alone names the classes ``class_0``...; ``validation`` stands
+  for ``val``. A split's images are in Ultralytics' order (their paths sorted as text), hidden files
+  and folders left out. A split is a folder of images (searched
   recursively), a ``.txt`` list of image paths, or a list of either. In a ``.txt`` list (UTF-8, a
   byte-order mark allowed) a line starting with ``./`` is relative to the list's own folder (COCO's
   ``train2017.txt`` beside ``images/``), other relative lines to the current folder, as Ultralytics'
@@ -45,9 +47,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gdsdata.args import is_integer
 from gdsdata.errors import SourceError
 from gdsdata.format import layout as fmt
-from gdsdata.packing.sources import IMAGE_EXTENSIONS, Item, display, unnamed_label_problem
+from gdsdata.packing.sources import IMAGE_EXTENSIONS, UNNAMED_LABELS, Item, display, unnamed_label_problem
 
 _NOT_NORMALISED = 2.0  # YOLO coordinates above this are pixels, not fractions: the label file is refused
 _SLACK = 1e-4  # a corner this far outside the image is the rounding of the label text: clipped without a word
@@ -189,6 +192,20 @@ def _names(raw, where) -> list:
     raise SourceError(f"{where}: no class names (names: a list, or a mapping from id to name)")
 
 
+def _yaml_names(data, where) -> list:
+    """A data YAML's class names: ``names``; with only ``nc``, Ultralytics' ``class_0``, ``class_1``...
+    Both given, their counts must agree (Ultralytics refuses them otherwise)."""
+    nc = data.get("nc")
+    if nc is not None and (not is_integer(nc) or isinstance(nc, bool) or not 0 < nc < UNNAMED_LABELS):
+        raise SourceError(f"{where}: nc must be a class count from 1 to {UNNAMED_LABELS - 1}, not {nc!r}")
+    if data.get("names") is None and nc is not None:
+        return [f"class_{k}" for k in range(nc)]
+    names = _names(data.get("names"), where)
+    if nc is not None and nc != len(names):
+        raise SourceError(f"{where}: names holds {len(names)} classes, nc says {nc}")
+    return names
+
+
 def _ultralytics_datasets_dir() -> str:
     """Ultralytics' ``datasets_dir`` setting, read from its settings file (importing Ultralytics would
     write one); without the file, its default: ``datasets`` in the current folder."""
@@ -224,6 +241,10 @@ def _dataset_root(yaml_path, path, split, entries):
     folder, then its ``datasets_dir``); the root is the one place that holds the split, and a YAML that
     two different places would satisfy is refused rather than packed from a guess."""
     here = os.path.dirname(os.path.abspath(yaml_path))
+    if isinstance(path, int) and not isinstance(path, bool):
+        path = str(path)  # (a folder named 2024)
+    if path is not None and not isinstance(path, str):
+        raise SourceError(f"{display(yaml_path)}: path: must be a folder, not {type(path).__name__} {path!r}")
     if not path:
         candidates = [here]  # no path: the YAML's folder, for Ultralytics too
     elif os.path.isabs(path):
@@ -231,15 +252,15 @@ def _dataset_root(yaml_path, path, split, entries):
     else:
         candidates = [os.path.join(here, path), os.path.abspath(path),
                       os.path.join(_ultralytics_datasets_dir(), path)]
-    found = {}
+    found = {}  # what the split is (its entries' real paths) -> (root, entries): the same files are no doubt
     for root in candidates:
         placed = _split_entries(os.path.normpath(root), entries)
         if placed is not None:
-            found.setdefault(os.path.realpath(root), (os.path.normpath(root), placed))
+            found.setdefault(tuple(os.path.realpath(p) for p in placed), (os.path.normpath(root), placed))
     if len(found) > 1:
         first, second = (display(root) for root, _ in list(found.values())[:2])
-        raise SourceError(f"{display(yaml_path)}: path: {path!r} holds split {split!r} both in {first} and in "
-                          f"{second} (from the YAML's folder, and where Ultralytics looks); give path: as an "
+        raise SourceError(f"{display(yaml_path)}: path: {path!r} makes split {split!r} other files in {first} than "
+                          f"in {second} (from the YAML's folder, and where Ultralytics looks); give path: as an "
                           f"absolute folder")
     if not found:
         tried = ", ".join(dict.fromkeys(display(os.path.normpath(root)) for root in candidates))
@@ -249,10 +270,15 @@ def _dataset_root(yaml_path, path, split, entries):
 
 
 def _images_under(top) -> list:
-    found = []
+    """(sort key, path) of each image under ``top``, as Ultralytics' ``glob("**/*.*")`` finds them:
+    hidden files and folders (``.ipynb_checkpoints``, macOS' ``._x.jpg``) left out; the key is the
+    path from the folder's real path, as Ultralytics sorts them."""
+    found, real = [], os.path.realpath(top)
     for folder, dirs, files in os.walk(top, followlinks=True):
-        dirs.sort()
-        found.extend(os.path.join(folder, n) for n in sorted(files) if n.lower().endswith(IMAGE_EXTENSIONS))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        key = os.path.join(real, os.path.relpath(folder, top))
+        found.extend((os.path.normpath(os.path.join(key, n)), os.path.join(folder, n)) for n in sorted(files)
+                     if not n.startswith(".") and n.lower().endswith(IMAGE_EXTENSIONS))
     return found
 
 
@@ -270,18 +296,20 @@ class YoloSource(DetectionSource):
             if not src.endswith((".yaml", ".yml")):
                 raise SourceError(f"{display(src)}: --format yolo takes a data YAML or a folder")
             data = _load_yaml(src)
+            if split == "val" and data.get("val") in (None, "") and data.get("validation"):
+                data["val"] = data["validation"]  # (Ultralytics renames the key)
             if data.get(split) in (None, ""):
                 known = [k for k in ("train", "val", "test") if data.get(k)]
                 raise SourceError(f"{display(src)}: no split {split!r} (the YAML has {', '.join(known) or 'none'}; "
                                   f"--split chooses)")
-            names = _names(data.get("names"), display(src))
+            names = _yaml_names(data, display(src))
             entries = data[split] if isinstance(data[split], list) else [data[split]]
             if not all(isinstance(entry, str) and entry for entry in entries):
                 raise SourceError(f"{display(src)}: split {split!r} must be a path or a list of paths")
             base, entries = _dataset_root(src, data.get("path"), split, entries)
-            images = []
+            listed = []
             for entry in entries:
-                images += self._split(entry)
+                listed += self._split(entry)
             if strict and self.unreadable:
                 raise SourceError(f"{self.unreadable[0]['path']}: {self.unreadable[0]['reason']} (--strict)")
             self.root = os.path.abspath(base)
@@ -289,10 +317,10 @@ class YoloSource(DetectionSource):
             folder = os.path.join(src, "images", split) if os.path.isdir(os.path.join(src, "images")) else src
             if not os.path.isdir(folder):
                 raise SourceError(f"{display(src)}: no images/{split} folder (--split chooses the split)")
-            images = self._split(folder)
+            listed = self._split(folder)
             names = self._classes_txt(src, folder)
             self.root = os.path.abspath(src)
-        images.sort()  # Ultralytics' get_img_files order: the split's paths sorted as text
+        images = [path for _, path in sorted(listed)]  # Ultralytics' get_img_files order: its paths sorted as text
         if not images:
             raise SourceError(f"{display(src)}: no image files in split {split!r} (extensions: "
                               f"{' '.join(IMAGE_EXTENSIONS)})")
@@ -335,7 +363,8 @@ class YoloSource(DetectionSource):
     def _listed(self, entry) -> list:
         """The images a ``.txt`` list names, resolved as Ultralytics' ``get_img_files`` does: ``./x`` from
         the folder of the list (its real path: ``Path.resolve``), other relative lines from the current
-        folder; images that are not there are reported (``unreadable``)."""
+        folder; images that are not there are reported (``unreadable``). Each with its sort key: the
+        line as Ultralytics holds it (``./`` made the list's folder, other lines as written)."""
         parent = os.path.dirname(os.path.realpath(entry))
         try:
             with open(entry, encoding="utf-8-sig") as f:
@@ -348,9 +377,10 @@ class YoloSource(DetectionSource):
             line = line.strip()
             if not line.lower().endswith(IMAGE_EXTENSIONS):
                 continue
-            path = os.path.normpath(parent + os.sep + line[2:] if line.startswith("./") else os.path.abspath(line))
+            key = parent + os.sep + line[2:] if line.startswith("./") else line
+            path = os.path.normpath(key if line.startswith("./") else os.path.abspath(line))
             if os.path.isfile(path):
-                images.append(path)
+                images.append((key, path))
                 continue
             where = "" if line.startswith("./") or os.path.isabs(line) else (
                 " (a relative line not starting with ./ names a file of the current folder, as in Ultralytics)")

@@ -744,6 +744,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             box_args = annotate(meta, classes, source.format, source.category_ids, per_sample)
             per_class = meta["counts"]["per_class"]  # boxes per class, not samples
             report["labels"] = source.report.as_dict() if part == 0 or num_parts == 1 else None
+            if num_parts == 1:  # the images kept without boxes: not those that were then skipped
+                report["labels"]["negatives"] = meta["detection"]["negatives"]
         total = int(shard_table["size"].sum())
         if append:
             report["appended"] = len(samples) - len(base)

@@ -235,8 +235,11 @@ class _JoinedReport:
         report = report_opening(self.src, self.out, meta["classes"], self.roots,
                                 {key: [entry for part in reports for entry in part.get(key) or []]
                                  for key in ("ignored", "skipped", "unreadable", "special")})
-        if any("labels" in part for part in reports):  # the labels' report of the whole source: part 0's
-            report["labels"] = reports[0].get("labels")
+        if any("labels" in part for part in reports):  # the labels' report of the whole source: part 0's,
+            labels = reports[0].get("labels")  # with the negatives the dataset kept
+            if labels is not None and "detection" in meta:
+                labels = {**labels, "negatives": meta["detection"]["negatives"]}
+            report["labels"] = labels
         report_complete(report, meta["classes"], counts["per_class"], shards, time.perf_counter() - self.started,
                         packed=int(counts["packed"]), converted=int(counts["converted"]),
                         resized=int(counts["resized"]),
