@@ -146,17 +146,20 @@ def test_a_tar_label_that_is_not_an_integer_is_named_with_the_reason(tmp_path):
                                "reason": "a label that is not an integer (b'dog'): its sample skipped unopened"}]
 
 
-def test_a_tar_sample_labelled_twice_is_named_not_packed_with_either_label(tmp_path):
-    """Extracting the tar keeps the last .cls, WebDataset refuses the shard: neither is a label to
-    trust, so the sample is left out with the reason."""
+def test_a_tar_sample_with_a_member_twice_is_named_not_packed(tmp_path):
+    """Extracting the tar keeps the last of two .cls (or two a.jpg), WebDataset refuses the shard:
+    neither is the one to trust, so the sample is left out with the reason. Suffixes are compared in
+    lower case, as WebDataset's keys are."""
     jpg = jpeg_bytes(photo(7))
     shard = write_tar(tmp_path / "train-0.tar", [("a.jpg", jpg), ("a.cls", b"0"), ("b.jpg", jpg), ("b.cls", b"1"),
-                                                 ("b.cls", b"2")])
+                                                 ("b.cls", b"2"), ("c.jpg", jpg), ("c.JPG", jpg), ("c.cls", b"1"),
+                                                 ("d.jpg", jpg), ("d.CLS", b"1")])
     result = pack(shard, str(tmp_path / "ds"), workers=1)
-    assert result.packed == 1 and result.ignored == []
-    assert sorted(packed(result.out)[1]) == [b"train-0.tar/a.jpg"]
-    assert result.special == [{"path": "train-0.tar/b.cls",
-                               "reason": "sample b has 2 labels (.cls members): skipped unopened"}]
+    assert result.packed == 2 and result.ignored == []
+    assert sorted(packed(result.out)[1]) == [b"train-0.tar/a.jpg", b"train-0.tar/d.jpg"]  # (.CLS: WebDataset's .cls)
+    assert result.special == [
+        {"path": "train-0.tar/b", "reason": "sample b has more than one .cls member: skipped unopened"},
+        {"path": "train-0.tar/c", "reason": "sample c has more than one .jpg member: skipped unopened"}]
 
 
 @pytest.mark.parametrize("name", ["train-0.tar.gz", "train-0.tgz"])

@@ -16,7 +16,8 @@ Label conventions:
   sample. Class names are the labels as text. A sample's further image members (``x.png`` beside
   ``x.jpg``, a mask ``x.seg.png``) are skipped unopened, each named with the reason (``special``):
   the packed one is the first in the tar whose extension is an image extension alone, else the first.
-  A sample with a ``.cls`` that is not an integer, or with two ``.cls`` members, is skipped and named.
+  A sample with a ``.cls`` that is not an integer, or with a member twice (suffixes in lower case, as
+  WebDataset's keys), is skipped and named.
 - Without class names (tar, an LMDB without ``__classes__``) every id up to the largest becomes a
   class named by its number, so labels must be ``0 <= label < UNNAMED_LABELS`` (2**20): a stray
   huge id would otherwise make hundreds of millions of classes.
@@ -259,7 +260,7 @@ class TarSource:
         if not paths:
             raise SourceError(f"{display(src)}: no tar shards ({' '.join(TAR_EXTENSIONS)})")
         self.tars = {}
-        samples = {}  # (tar, key) -> {"images": [member, ...], "cls": [member, ...]}
+        samples = {}  # (tar, key) -> {"images": [member, ...], "cls": [member, ...], "suffixes": {suffix: count}}
         self.ignored, self.special = [], []
         for path in paths:
             try:
@@ -273,10 +274,12 @@ class TarSource:
                     continue
                 folder, name = os.path.split(member.name)
                 key, _, ext = name.partition(".")
-                entry = samples.setdefault((path, os.path.join(folder, key)), {"images": [], "cls": []})
-                if ("." + ext.lower()).endswith(IMAGE_EXTENSIONS):
+                entry = samples.setdefault((path, os.path.join(folder, key)), {"images": [], "cls": [], "suffixes": {}})
+                suffix = ext.lower()  # (WebDataset's keys: lower case)
+                entry["suffixes"][suffix] = entry["suffixes"].get(suffix, 0) + 1
+                if ("." + suffix).endswith(IMAGE_EXTENSIONS):
                     entry["images"].append(member)
-                elif ext == "cls":
+                elif suffix == "cls":
                     entry["cls"].append(member)
         self.items, labels = [], set()
         for (path, key), entry in samples.items():
@@ -284,10 +287,12 @@ class TarSource:
             if not entry["images"] or not entry["cls"]:
                 self.ignored.append(display(rel))
                 continue
-            if len(entry["cls"]) > 1:  # (WebDataset refuses a tar with a name twice; extracting keeps the last)
-                self.special.append({"path": display(f"{os.path.basename(path)}/{entry['cls'][-1].name}"),
-                                     "reason": f"sample {display(os.path.basename(key))} has {len(entry['cls'])} "
-                                               f"labels (.cls members): skipped unopened"})
+            repeated = [suffix for suffix, count in entry["suffixes"].items() if count > 1]
+            if repeated:  # (WebDataset refuses a tar with a member twice; extracting keeps the last one)
+                self.special.append({"path": display(rel),
+                                     "reason": f"sample {display(os.path.basename(key))} has more than one "
+                                               f"{' and more than one '.join('.' + r for r in repeated)} member: "
+                                               f"skipped unopened"})
                 continue
             # the first image whose extension is an image extension alone ("jpg", not "seg.png"), else the first
             image = min(entry["images"], key=lambda member: "." in os.path.basename(member.name).partition(".")[2])
