@@ -234,3 +234,19 @@ print("ok")
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_cpu_lookup_table_normalises_to_the_bit(dtype, layout):
+    """On the CPU each image is converted and normalised through a table of its 256 levels: the
+    same values, bit for bit, as converting the uint8 batch and normalising it with torch."""
+    images, buffer, offsets, heights, widths, chans = _images()  # one of them gray
+    t = gdsdata.RandomResizedCrop(40, seed=2, dtype=dtype, layout=layout)
+    p = t.params(heights, widths, [0, 1, 2, 3])
+    got = T.apply(t, buffer, offsets, heights, widths, chans, p)
+    levels = T.apply(gdsdata.RandomResizedCrop(40, seed=2, dtype="uint8"), buffer, offsets, heights, widths, chans, p)
+    ref = levels.to(getattr(torch, dtype)).mul_(torch.tensor([1 / s for s in t.std], dtype=getattr(torch, dtype))
+                                                .view(1, 3, 1, 1))
+    ref = ref.add_(torch.tensor([-m / s for m, s in zip(t.mean, t.std)], dtype=getattr(torch, dtype)).view(1, 3, 1, 1))
+    assert torch.equal(got, ref if layout == "NCHW" else ref.permute(0, 2, 3, 1))
