@@ -238,8 +238,8 @@ print("ok")
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_the_cpu_lookup_table_normalises_to_the_bit(dtype, layout):
-    """On the CPU each image is converted and normalised through a table of its 256 levels: the
+def test_the_cpu_normalisation_image_by_image_is_torch_s_to_the_bit(dtype, layout):
+    """float32 on the CPU is converted and normalised an image at a time on the CPU threads: the
     same values, bit for bit, as converting the uint8 batch and normalising it with torch."""
     images, buffer, offsets, heights, widths, chans = _images()  # one of them gray
     t = gdsdata.RandomResizedCrop(40, seed=2, dtype=dtype, layout=layout)

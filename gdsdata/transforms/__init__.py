@@ -316,26 +316,19 @@ def _normalise(values: torch.Tensor, dtype, scale, shift) -> torch.Tensor:
     return out
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype's values as raw bits
-
-
-def _lookup_table(dtype, scale, shift) -> np.ndarray:
-    """Each channel's 256 output values, as the raw bits of ``dtype``: computed by ``_normalise`` itself
-    (the same operations on the same values), so a lookup gives its results to the bit."""
-    levels = torch.arange(256, dtype=torch.uint8).view(1, 1, 256).expand(1, 3, 256).contiguous()
-    return _normalise(levels, dtype, scale, shift)[0].view(_BITS[dtype.itemsize]).numpy()
-
-
 def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
     """Per image, on uint8: crop, ``interpolate(bilinear, align_corners=False, antialias)`` (torch's
     own kernel, torchvision v2's ``resized_crop``), flip; the images on the CPU threads in parallel
-    (torch's kernels release the GIL). On the CPU each image then goes to ``dtype`` normalised
-    through a lookup table of its 256 levels (numpy's ``take``, off the GIL, one pass), on a GPU the
-    whole batch at once."""
+    (torch's kernels release the GIL). float32 on the CPU: each image converted and normalised there
+    too, by numpy (its multiply and add release the GIL: the same float32 operations as torch's, to
+    the bit); else the whole batch at once."""
     n = len(meta)
-    table = None if buffer.is_cuda or dtype == torch.uint8 else _lookup_table(dtype, scale, shift)
-    resized = torch.empty((n, 3, *size), dtype=torch.uint8 if table is None else dtype, device=buffer.device)
-    raw = None if table is None else resized.view(_BITS[dtype.itemsize]).numpy()
+    direct = dtype == torch.float32 and not buffer.is_cuda
+    resized = torch.empty((n, 3, *size), dtype=dtype if direct else torch.uint8, device=buffer.device)
+    if direct:
+        target = resized.numpy()
+        factors = [(np.float32(a), np.float32(b)) for a, b in zip(scale, shift)]
+        plain = scale == (1.0, 1.0, 1.0) and shift == (0.0, 0.0, 0.0)
     rows = meta.tolist()  # Python ints once: numpy scalars a field at a time held the GIL per image
     buffer = buffer.contiguous()  # (a copy only of a strided buffer: the crops below assume unit steps)
     base = buffer.storage_offset()  # (as_strided counts from the storage's start, not the view's)
@@ -353,16 +346,19 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
                                                     antialias=antialias)[0]
         if flip:
             value = value.flip(-1)
-        if table is None:
+        if not direct:
             resized[k] = value  # a gray image's one channel fills all three
-        else:
-            levels = value.numpy()
-            for c in range(3):
-                np.take(table[c], levels[c if chans == 3 else 0], out=raw[k, c])
+            return
+        levels = value.numpy()
+        for c, (factor, offset) in enumerate(factors):
+            np.copyto(target[k, c], levels[c if chans == 3 else 0], casting="unsafe")
+            if not plain:
+                np.multiply(target[k, c], factor, out=target[k, c])
+                np.add(target[k, c], offset, out=target[k, c])
 
     with torch.no_grad():
         each_image(one, n, buffer)
-        out = resized if table is not None or dtype == torch.uint8 else _normalise(resized, dtype, scale, shift)
+        out = resized if direct or dtype == torch.uint8 else _normalise(resized, dtype, scale, shift)
     return out if nchw else out.permute(0, 2, 3, 1).contiguous()
 
 
