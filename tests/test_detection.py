@@ -367,10 +367,11 @@ def test_a_relative_yaml_path_is_found_where_ultralytics_looks(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path / "work")
     assert pack(data, str(tmp_path / "ds1"), format="yolo", workers=1).packed == 1
     monkeypatch.chdir(tmp_path)  # now only Ultralytics' datasets_dir holds it
-    config = tmp_path / "config"
-    _yaml(str(config / "settings.json"), json.dumps({"datasets_dir": str(tmp_path / "work")}))
-    monkeypatch.setenv("YOLO_CONFIG_DIR", str(config))
-    assert pack(data, str(tmp_path / "ds2"), format="yolo", workers=1).packed == 1
+    for k, layout in enumerate(("Ultralytics/settings.json", "settings.json")):  # Ultralytics 8.4's, and before
+        config = tmp_path / f"config{k}"
+        _yaml(str(config / layout), json.dumps({"datasets_dir": str(tmp_path / "work")}))
+        monkeypatch.setenv("YOLO_CONFIG_DIR", str(config))
+        assert pack(data, str(tmp_path / f"ds2-{k}"), format="yolo", workers=1).packed == 1
     monkeypatch.setenv("YOLO_CONFIG_DIR", str(tmp_path / "none"))
     with pytest.raises(SourceError, match=r"mini.yaml: split 'train' \(images/train\) is not under any of "):
         pack(data, str(tmp_path / "ds3"), format="yolo", workers=1)
@@ -449,7 +450,7 @@ def test_hidden_files_and_folders_are_not_images_of_a_split(tmp_path):
 def test_a_yaml_with_nc_only_or_a_validation_key_reads_as_ultralytics_does(tmp_path):
     root = str(tmp_path / "set")
     yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n", "b": "2 0.5 0.5 0.2 0.2\n"})
-    data = _yaml(os.path.join(root, "nc.yaml"), "validation: images/train\nnc: 3\n")
+    data = _yaml(os.path.join(root, "nc.yaml"), "validation: images/train\nnc: '3'\n")  # (a string, as a number)
     result = pack(data, str(tmp_path / "ds"), format="yolo", split="val", workers=1)
     assert gdsdata.GDSDataset(result.out).classes == ["class_0", "class_1", "class_2"] and result.packed == 2
     _yaml(data, "train: images/train\nnc: 3\nnames: [a, b]\n")
@@ -460,12 +461,16 @@ def test_a_yaml_with_nc_only_or_a_validation_key_reads_as_ultralytics_does(tmp_p
 def test_negatives_in_the_report_are_the_images_kept_without_boxes(tmp_path):
     """An image listed without labels whose bytes do not decode is skipped: it is no negative kept."""
     root = str(tmp_path / "set")
-    yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n", "b": None, "c": None})
+    data = yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n", "b": None, "c": None})
     with open(os.path.join(root, "images", "train", "c.jpg"), "wb") as f:
         f.write(b"\xff\xd8\xff nothing")
-    result = pack(root, str(tmp_path / "ds"), format="yolo", workers=1)
+    result = pack(data, str(tmp_path / "ds"), format="yolo", workers=1)
     assert result.packed == 2 and len(result.skipped) == 1
     assert result.labels["negatives"] == 1 == gdsdata.GDSDataset(result.out).meta["detection"]["negatives"]
+    more = str(tmp_path / "more")  # an append's report speaks of its own source, the dataset's meta of all
+    appended = pack(yolo_tree(more, {"d": None, "e": "1 0.5 0.5 0.2 0.2\n"}), result.out, format="yolo", workers=1,
+                    append=True)
+    assert appended.labels["negatives"] == 1 and gdsdata.GDSDataset(result.out).meta["detection"]["negatives"] == 2
 
 
 def test_a_txt_list_sorts_its_lines_as_ultralytics_holds_them(tmp_path, monkeypatch):

@@ -183,6 +183,30 @@ def test_a_part_given_through_a_link_is_locked_under_its_own_name(halves, tmp_pa
     assert verify(str(tmp_path / "m")) == []
 
 
+def test_resume_of_a_pack_begun_by_an_earlier_version_says_so(bigger, tmp_path):
+    """Journals without the listing's digest (gdsdata before 2026-12-05) cannot show that the listing
+    is the same: refused, saying why, not blamed on other sources or options."""
+    import json
+
+    out = str(tmp_path / "ds")
+    proc = subprocess.Popen(_pack_cmd(bigger[0], out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_journals(out, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
+        pytest.skip("the pack finished before it was killed")
+    for name in os.listdir(out):
+        if name.endswith(fmt.JOURNAL_SUFFIX):
+            with open(os.path.join(out, name)) as f:
+                journal = json.load(f)
+            del journal["signature"]["listing"]
+            journal["signature"]["ends"] = ["class0/a.jpg", "class3/z.jpg"]
+            with open(os.path.join(out, name), "w") as f:
+                json.dump(journal, f)
+    with pytest.raises(SourceError, match="begun by an earlier gdsdata.*pack again with --overwrite"):
+        pack(bigger[0], out, resume=True, shard_size=SHARD)
+
+
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "overwrite"])
 def test_a_part_rewritten_where_the_lock_does_not_reach_fails_the_merge(halves, tmp_path, monkeypatch, existing):
     """A part packed again after the merge read its index (on another host, or where flock is not

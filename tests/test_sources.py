@@ -153,7 +153,7 @@ def test_a_tar_sample_with_a_member_twice_is_named_not_packed(tmp_path):
     jpg = jpeg_bytes(photo(7))
     shard = write_tar(tmp_path / "train-0.tar", [("a.jpg", jpg), ("a.cls", b"0"), ("b.jpg", jpg), ("b.cls", b"1"),
                                                  ("b.cls", b"2"), ("c.jpg", jpg), ("c.JPG", jpg), ("c.cls", b"1"),
-                                                 ("d.jpg", jpg), ("d.CLS", b"1")])
+                                                 ("d.jpg", jpg), ("d.CLS", b"1"), ("d", b"x"), ("d", b"y")])
     result = pack(shard, str(tmp_path / "ds"), workers=1)
     assert result.packed == 2 and result.ignored == []
     assert sorted(packed(result.out)[1]) == [b"train-0.tar/a.jpg", b"train-0.tar/d.jpg"]  # (.CLS: WebDataset's .cls)

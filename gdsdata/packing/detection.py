@@ -43,6 +43,7 @@ What the labels may get wrong, and what packing does (each case named in ``pack_
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,6 +197,11 @@ def _yaml_names(data, where) -> list:
     """A data YAML's class names: ``names``; with only ``nc``, Ultralytics' ``class_0``, ``class_1``...
     Both given, their counts must agree (Ultralytics refuses them otherwise)."""
     nc = data.get("nc")
+    if isinstance(nc, (str, float)) and not isinstance(nc, bool):  # "2" and 2.0 count, as Ultralytics takes them
+        try:
+            nc = int(nc) if float(nc) == int(float(nc)) else nc
+        except (ValueError, OverflowError):
+            pass
     if nc is not None and (not is_integer(nc) or isinstance(nc, bool) or not 0 < nc < UNNAMED_LABELS):
         raise SourceError(f"{where}: nc must be a class count from 1 to {UNNAMED_LABELS - 1}, not {nc!r}")
     if data.get("names") is None and nc is not None:
@@ -208,16 +214,24 @@ def _yaml_names(data, where) -> list:
 
 def _ultralytics_datasets_dir() -> str:
     """Ultralytics' ``datasets_dir`` setting, read from its settings file (importing Ultralytics would
-    write one); without the file, its default: ``datasets`` in the current folder."""
-    config = os.environ.get("YOLO_CONFIG_DIR") or os.path.join(
-        os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser(os.path.join("~", ".config")), "Ultralytics")
-    try:
-        with open(os.path.join(config, "settings.json"), encoding="utf-8") as f:
-            folder = json.load(f).get("datasets_dir")
-        if isinstance(folder, str) and folder:
-            return folder
-    except (OSError, ValueError, AttributeError):
-        pass
+    write one): ``$YOLO_CONFIG_DIR/Ultralytics`` (8.4; the folder itself before), else the user's
+    config folder; without the file, its default: ``datasets`` in the current folder."""
+    configured = os.environ.get("YOLO_CONFIG_DIR")
+    if configured:
+        folders = [os.path.join(os.path.expanduser(configured), "Ultralytics"), os.path.expanduser(configured)]
+    elif sys.platform == "darwin":
+        folders = [os.path.expanduser(os.path.join("~", "Library", "Application Support", "Ultralytics"))]
+    else:
+        folders = [os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser(os.path.join("~", ".config")),
+                                "Ultralytics")]
+    for folder in folders:
+        try:
+            with open(os.path.join(folder, "settings.json"), encoding="utf-8") as f:
+                found = json.load(f).get("datasets_dir")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, str) and found:
+            return found
     return os.path.abspath("datasets")
 
 

@@ -371,7 +371,12 @@ def _resume_state(out, signature):
                 journal = json.load(f)
         except (OSError, ValueError):
             break
-        if journal.get("signature") != signature:
+        theirs = journal.get("signature") or {}
+        if "listing" not in theirs and "ends" in theirs:  # (journals of gdsdata before 2026-12-05)
+            raise SourceError(f"{out}: the interrupted pack was begun by an earlier gdsdata, whose journals do not "
+                              f"record the whole listing (and YOLO splits are listed in another order now): it "
+                              f"cannot be resumed safely; pack again with --overwrite")
+        if theirs != signature:
             raise SourceError(f"{out}: the interrupted pack used other sources or options; resume it with "
                               f"the same command, or pack again with --overwrite")
         size, _, _, crc = journal["shard"][:4]
@@ -744,8 +749,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             box_args = annotate(meta, classes, source.format, source.category_ids, per_sample)
             per_class = meta["counts"]["per_class"]  # boxes per class, not samples
             report["labels"] = source.report.as_dict() if part == 0 or num_parts == 1 else None
-            if num_parts == 1:  # the images kept without boxes: not those that were then skipped
-                report["labels"]["negatives"] = meta["detection"]["negatives"]
+            if num_parts == 1:  # the source's images kept without boxes (not those then skipped, nor a base's)
+                report["labels"]["negatives"] = sum(1 for boxes in per_sample[len(base) if append else 0:]
+                                                    if not len(boxes))
         total = int(shard_table["size"].sum())
         if append:
             report["appended"] = len(samples) - len(base)

@@ -275,8 +275,9 @@ class TarSource:
                 folder, name = os.path.split(member.name)
                 key, _, ext = name.partition(".")
                 entry = samples.setdefault((path, os.path.join(folder, key)), {"images": [], "cls": [], "suffixes": {}})
-                suffix = ext.lower()  # (WebDataset's keys: lower case)
-                entry["suffixes"][suffix] = entry["suffixes"].get(suffix, 0) + 1
+                suffix = ext.lower()  # (WebDataset's keys: lower case; a member without one is none of a sample's)
+                if suffix:
+                    entry["suffixes"][suffix] = entry["suffixes"].get(suffix, 0) + 1
                 if ("." + suffix).endswith(IMAGE_EXTENSIONS):
                     entry["images"].append(member)
                 elif suffix == "cls":
@@ -288,7 +289,7 @@ class TarSource:
                 self.ignored.append(display(rel))
                 continue
             repeated = [suffix for suffix, count in entry["suffixes"].items() if count > 1]
-            if repeated:  # (WebDataset refuses a tar with a member twice; extracting keeps the last one)
+            if repeated:  # (WebDataset fails on a sample with a member twice; extracting keeps the last one)
                 self.special.append({"path": display(rel),
                                      "reason": f"sample {display(os.path.basename(key))} has more than one "
                                                f"{' and more than one '.join('.' + r for r in repeated)} member: "

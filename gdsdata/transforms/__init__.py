@@ -8,9 +8,10 @@ index): the same sample gets the same crop and flip on any device, in any batch,
 The pixels are resampled as torchvision v2's ``resized_crop`` does: the crop box, then bilinear
 ``interpolate(align_corners=False)``, antialiased by default (``antialias=False``: plain bilinear with
 half-pixel centres clamped to the box). On the GPU one Triton kernel does the whole batch
-(``transforms_triton``). On the CPU each image is cropped and resized on uint8 by torch's own kernel,
-the images of a batch in parallel on the CPU threads (``settings`` cpu_threads), then the batch is
-flipped, converted and normalised at once; that is also the reference the GPU is tested against.
+(``kernels``). On the CPU each image is cropped and resized on uint8 by torch's own kernel and
+flipped, the images of a batch in parallel on the CPU threads (``settings`` cpu_threads); float32 is
+converted and normalised there too, image by image (other dtypes: the batch at once, after). That
+is also the reference the GPU is tested against.
 
 ``dtype=None`` gives float16 on the GPU and float32 on the CPU (what a model there takes).
 """
@@ -327,7 +328,8 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
     resized = torch.empty((n, 3, *size), dtype=dtype if direct else torch.uint8, device=buffer.device)
     if direct:
         target = resized.numpy()
-        factors = [(np.float32(a), np.float32(b)) for a, b in zip(scale, shift)]
+        with np.errstate(all="ignore"):
+            factors = [(np.float32(a), np.float32(b)) for a, b in zip(scale, shift)]
         plain = scale == (1.0, 1.0, 1.0) and shift == (0.0, 0.0, 0.0)
     rows = meta.tolist()  # Python ints once: numpy scalars a field at a time held the GIL per image
     buffer = buffer.contiguous()  # (a copy only of a strided buffer: the crops below assume unit steps)
@@ -350,11 +352,12 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
             resized[k] = value  # a gray image's one channel fills all three
             return
         levels = value.numpy()
-        for c, (factor, offset) in enumerate(factors):
-            np.copyto(target[k, c], levels[c if chans == 3 else 0], casting="unsafe")
-            if not plain:
-                np.multiply(target[k, c], factor, out=target[k, c])
-                np.add(target[k, c], offset, out=target[k, c])
+        with np.errstate(all="ignore"):  # (an absurd mean or std overflows to inf, as in torch, without a warning)
+            for c, (factor, offset) in enumerate(factors):
+                np.copyto(target[k, c], levels[c if chans == 3 else 0], casting="unsafe")
+                if not plain:
+                    np.multiply(target[k, c], factor, out=target[k, c])
+                    np.add(target[k, c], offset, out=target[k, c])
 
     with torch.no_grad():
         each_image(one, n, buffer)
