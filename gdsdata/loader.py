@@ -70,7 +70,8 @@ class Loader:
         False); "block": locality-friendly runs of ``block_size`` samples shuffled within windows of
         ``window`` blocks (``sampler``); False or None: dataset order.
     seed : int
-        The epoch orders, crops and flips are functions of (seed, epoch, sample).
+        The epoch orders are functions of (seed, epoch); the crops and flips are functions of the
+        transform's own ``seed``, the epoch and the sample (``RandomResizedCrop(seed=)``).
     drop_last : bool
         Drop the uneven tail (per rank, and the last partial batch) instead of padding it.
     transform : RandomResizedCrop or CenterCrop, optional
@@ -105,6 +106,7 @@ class Loader:
                  drop_last: bool = False, transform=None, batch_transform: Callable | None = None,
                  indices: Sequence[int] | None = None, prefetch: int = 2, rank: int | None = None,
                  world_size: int | None = None, block_size: int = 64, window: int = 16, pixels: bool = False):
+        self.dataset = dataset  # as given (a Subset stays one: len(loader.dataset) counts its samples)
         dataset, self._indices = _source(dataset, indices)
         _no_sample_transforms(dataset)
         batch_size = count("batch_size", batch_size)
@@ -121,34 +123,14 @@ class Loader:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if not isinstance(drop_last, (bool, np.bool_)):
             raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
-        self.dataset = dataset
+        self._data = dataset  # the GDSDataset read
         size = len(dataset) if self._indices is None else len(self._indices)
         self.spec = ShardSpec(size, world_size, rank, batch_size, bool(drop_last), _shuffle(shuffle), seed,
                               count("block_size", block_size), count("window", window))
-        detect = getattr(dataset, "task", "classify") == "detect"
-        if detect and not isinstance(transform, DETECTION_TRANSFORMS):
-            raise TypeError(f"{getattr(dataset, 'root', 'this dataset')} is a detection dataset: the Loader builds "
-                            f"its batches with transform=gdsdata.YoloAugment(...) (training) or "
-                            f"gdsdata.Letterbox(...) (evaluation), got {type(transform).__name__}")
-        if detect and (batch_transform is not None or pixels):
-            raise ValueError("a detection Loader takes no batch_transform or pixels=True")
-        if not detect and isinstance(transform, DETECTION_TRANSFORMS):
-            raise TypeError(f"{type(transform).__name__} builds detection batches; "
-                            f"{getattr(dataset, 'root', 'this dataset')} is a classification dataset")
-        if not detect and transform is not None and not isinstance(transform, (T.RandomResizedCrop, T.CenterCrop)):
-            raise TypeError(
-                f"transform= takes gdsdata.RandomResizedCrop or gdsdata.CenterCrop (the crop done inside the "
-                f"pipeline), got {type(transform).__name__}; pass torchvision v2 transforms and other callables as "
-                f"batch_transform=(images, labels) -> (images, labels), after the crop, or per sample as "
-                f"GDSDataset(..., transform=) with torch's DataLoader")
-        if batch_transform is not None and not callable(batch_transform):
-            raise TypeError(f"batch_transform must be a callable (images, labels) -> (images, labels), got "
-                            f"{type(batch_transform).__name__}")
-        self.transform = transform
+        _check_transforms(dataset, transform, batch_transform, pixels)
+        self.transform = transform  # (may be set between epochs: the next pass takes it)
         self.batch_transform = batch_transform
         self.pixels = bool(pixels)
-        if self.pixels and (transform is not None or batch_transform is not None):
-            raise ValueError("pixels=True hands on decoded pixels; it takes no transform or batch_transform")
         self.prefetch = count("prefetch", prefetch)
         self.epoch = 0
         self._consumed = None  # mask of samples delivered by earlier segments of this epoch
@@ -169,7 +151,7 @@ class Loader:
         Parameters
         ----------
         epoch : int
-            The epoch number (0 or more): with the seed it fixes the order, crops and flips.
+            The epoch number (0 or more): with the seeds it fixes the order, crops and flips.
         """
         self._next_epoch = count("epoch", epoch, minimum=0)
         active = self._active() if self._active is not None else None
@@ -187,6 +169,16 @@ class Loader:
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
         return batches_per_epoch(self.spec)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch (torch's ``DataLoader.batch_size``)."""
+        return self.spec.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether the uneven tail is dropped (torch's ``DataLoader.drop_last``)."""
+        return self.spec.drop_last
 
     def batches_left(self) -> int:
         """Batches the pass being iterated (or, after ``load_state_dict``, the next one) still delivers."""
@@ -206,7 +198,7 @@ class Loader:
             shuffle, world size, batch size); plain Python values, so ``torch.save`` and ``json``
             take it.
         """
-        consumed = None if self._consumed is None else np.packbits(self._consumed).tobytes()
+        consumed = None if self._consumed is None else np.packbits(self._consumed).tobytes().hex()  # (json takes str)
         return {"version": _STATE_VERSION, "dataset": self._dataset_fingerprint(), "epoch": self.epoch,
                 "batches_done": self._done, "consumed": consumed, "size": self.spec.size,
                 "seed": self.spec.seed, "shuffle": self.spec.shuffle, "block_size": self.spec.block_size,
@@ -251,9 +243,9 @@ class Loader:
         """What a state is valid for: the dataset's identity and the samples this loader reads
         (``legacy``: as states saved before ids were read whole have it)."""
         if legacy:
-            return self._digest(getattr(self.dataset, "legacy_fingerprint", self.dataset.fingerprint))
+            return self._digest(getattr(self._data, "legacy_fingerprint", self._data.fingerprint))
         if self._fingerprint is None:
-            self._fingerprint = self._digest(self.dataset.fingerprint)
+            self._fingerprint = self._digest(self._data.fingerprint)
         return self._fingerprint
 
     def _digest(self, identity: str) -> str:
@@ -280,13 +272,18 @@ class Loader:
             self._consumed, self._done = None, 0
         self._resume = False
         carry = self._carry
-        if carry is not None and carry.epoch == self.epoch and not self._done and self._consumed is None:
+        if carry is not None and carry.epoch == self.epoch and not self._done and self._consumed is None and \
+                carry.threads is not None and carry.maker.transform is self.transform and \
+                carry.maker.batch_transform is self.batch_transform:
+            # (a pass stopped by GDSDataset.close(), or made with a transform the loop has replaced since,
+            # is not carried on: the epoch starts afresh with what the Loader holds now)
             self._carry = None
             self._active = weakref.ref(carry)  # the pipeline runs on into this epoch
             self._last_stats = carry.stats
             return carry
         self._end_passes("a new iter(loader) replaced it: a Loader runs one pass at a time, and each iter() "
                          "starts the epoch again; peek before the loop, or with a second Loader")
+        _check_transforms(self._data, self.transform, self.batch_transform, self.pixels)  # (perhaps set since)
         active = _Prefetcher(self, self.epoch, rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
         self._last_stats = active.stats  # kept after the pass is gone
@@ -326,6 +323,32 @@ class Loader:
                 f"samples={self.spec.size}, rank={self.spec.rank}/{self.spec.world_size})")
 
 
+def _check_transforms(dataset, transform, batch_transform, pixels):
+    """Refuse what the Loader cannot build ``dataset``'s batches with: at construction, and at each
+    pass (``transform`` and ``batch_transform`` may be set between epochs)."""
+    detect = getattr(dataset, "task", "classify") == "detect"
+    if detect and not isinstance(transform, DETECTION_TRANSFORMS):
+        raise TypeError(f"{getattr(dataset, 'root', 'this dataset')} is a detection dataset: the Loader builds "
+                        f"its batches with transform=gdsdata.YoloAugment(...) (training) or "
+                        f"gdsdata.Letterbox(...) (evaluation), got {type(transform).__name__}")
+    if detect and (batch_transform is not None or pixels):
+        raise ValueError("a detection Loader takes no batch_transform or pixels=True")
+    if not detect and isinstance(transform, DETECTION_TRANSFORMS):
+        raise TypeError(f"{type(transform).__name__} builds detection batches; "
+                        f"{getattr(dataset, 'root', 'this dataset')} is a classification dataset")
+    if not detect and transform is not None and not isinstance(transform, (T.RandomResizedCrop, T.CenterCrop)):
+        raise TypeError(
+            f"transform= takes gdsdata.RandomResizedCrop or gdsdata.CenterCrop (the crop done inside the "
+            f"pipeline), got {type(transform).__name__}; pass torchvision v2 transforms and other callables as "
+            f"batch_transform=(images, labels) -> (images, labels), after the crop, or per sample as "
+            f"GDSDataset(..., transform=) with torch's DataLoader")
+    if batch_transform is not None and not callable(batch_transform):
+        raise TypeError(f"batch_transform must be a callable (images, labels) -> (images, labels), got "
+                        f"{type(batch_transform).__name__}")
+    if pixels and (transform is not None or batch_transform is not None):
+        raise ValueError("pixels=True hands on decoded pixels; it takes no transform or batch_transform")
+
+
 _STATE_VERSION = 2
 _MAX_RANKS = 1 << 16  # a saved world size beyond this (and the samples) is taken for a damaged state
 _STATE_KEYS = {"epoch": int, "batches_done": int, "size": int, "seed": int, "block_size": int, "window": int,
@@ -354,6 +377,12 @@ def _checked_state(state, spec, fingerprints) -> dict:
             raise ValueError(f"cannot resume: the saved loader had {key}={state[key]!r}, this one has "
                              f"{getattr(spec, key)!r}")
     consumed = state["consumed"]
+    if isinstance(consumed, str):  # hex (bytes in states saved before 2026-12-05)
+        try:
+            consumed = bytes.fromhex(consumed)
+        except ValueError:
+            consumed = b""  # (not hex: refused just below, as a mask that does not fit)
+        state = {**state, "consumed": consumed}
     if consumed is not None and (not isinstance(consumed, (bytes, bytearray)) or len(consumed) != -(-spec.size // 8)):
         raise ValueError(f"cannot resume: the state's mask of delivered samples does not fit {spec.size} samples")
     if state["world_size"] == 0 or state["batch_size"] == 0:
@@ -451,11 +480,11 @@ class _BatchMaker:
     alive)."""
 
     def __init__(self, loader):
-        self.dataset, self.transform, self.pixels = loader.dataset, loader.transform, loader.pixels
+        self.dataset, self.transform, self.pixels = loader._data, loader.transform, loader.pixels
         self.batch_transform = loader.batch_transform
         self.detect = isinstance(loader.transform, DETECTION_TRANSFORMS)
         # the mosaic partners of a batch under 4 images are drawn from the samples the Loader reads
-        self.population = (np.arange(len(loader.dataset)) if loader._indices is None else loader._indices) \
+        self.population = (np.arange(len(loader._data)) if loader._indices is None else loader._indices) \
             if self.detect else None
 
     def sources(self, indices, epoch):
@@ -851,8 +880,8 @@ class _Prefetcher:
         # collector happened to run. The threads hold neither.
         self._loader = weakref.ref(loader)
         self.epoch = epoch  # the epoch whose batches come next
-        self.cuda = loader.dataset.device.type == "cuda"
-        self.device = loader.dataset.device
+        self.cuda = loader._data.device.type == "cuda"
+        self.device = loader._data.device
         self.whole_dict = (isinstance(loader.transform, DETECTION_TRANSFORMS)
                            and loader.transform.targets == "ultralytics")  # the batch is one dict
         self.queue = queue.Queue(maxsize=loader.prefetch)
@@ -867,31 +896,31 @@ class _Prefetcher:
         self.replaced = None  # why the Loader ended this pass for another (a new iter(), a loaded state)
         self.stats = PipelineStats()
         # The threads hold no reference to this object, so dropping the iterator stops them.
-        self.dataset = loader.dataset
-        maker = _BatchMaker(loader)
+        self.dataset = loader._data
+        self.maker = maker = _BatchMaker(loader)
         # what each thread works on, for the stall watchdog (``stall.stalled``)
         self.activities = [stall.Activity(name) for name in ("read", _DECODE[0], _TRANSFORM[0])]
-        overlap = _read_overlap(loader.dataset, loader.spec.batch_size)
-        windowed = not maker.detect and _windowed(loader.dataset, loader.spec)  # (mosaic partners: anywhere)
+        overlap = _read_overlap(loader._data, loader.spec.batch_size)
+        windowed = not maker.detect and _windowed(loader._data, loader.spec)  # (mosaic partners: anywhere)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
-                             args=(loader.dataset, _epochs(loader.spec, epoch, batches, loader._indices), self.staged,
+                             args=(loader._data, _epochs(loader.spec, epoch, batches, loader._indices), self.staged,
                                    self.stop, self.stats, self.activities[0], maker.sources, overlap,
                                    loader.spec if windowed else None)),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
-                              args=(step, work, loader.dataset, in_q, out_q, self.stop, stream, self.device,
+                              args=(step, work, loader._data, in_q, out_q, self.stop, stream, self.device,
                                     self.stats, activity))
              for step, work, in_q, out_q, stream, activity in zip(
                  (_DECODE, _TRANSFORM), (maker.decode, maker.finish), (self.staged, self.decoded),
                  (self.decoded, self.queue), self.streams, self.activities[1:])]
         for thread, activity in zip(self.threads, self.activities):
             activity.thread = thread
-        reserve = getattr(loader.dataset, "reserve_staging", None)
+        reserve = getattr(loader._data, "reserve_staging", None)
         if reserve is not None:  # staged batches this pass can hold at once: in flight, queued for decode,
             # decoding, queued for the transform, transforming (and with pixels=True those handed on)
             reserve(overlap + self.staged.maxsize + 1 + self.decoded.maxsize + 1
                     + (self.queue.maxsize + 1 if loader.pixels else 0))
-        register = getattr(loader.dataset, "register_pass", None)  # GDSDataset.close() stops its passes
+        register = getattr(loader._data, "register_pass", None)  # GDSDataset.close() stops its passes
         if register is not None:
             register(self)
         _LIVE.add(self)

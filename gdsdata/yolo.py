@@ -71,7 +71,7 @@ class _DatasetView:
 
     @property
     def _ds(self):
-        return self._batches.loader.dataset
+        return self._batches.loader._data
 
     def __len__(self):
         return len(self._ds)
@@ -129,7 +129,7 @@ class Batches:
 
     def close(self):
         self.loader.close()
-        self.loader.dataset.close()
+        self.loader._data.close()
 
 
 class DetectionValidator(_UltralyticsValidator):

@@ -135,7 +135,9 @@ def test_subsets_read_only_their_samples(ds, how):
         picked = list(val.indices)
         loader = gdsdata.Loader(val, 4, shuffle=False)
     assert sum(labels_of(loader), []) == [ds.targets[i] for i in picked]
-    assert len(loader) == -(-len(picked) // 4)
+    assert len(loader) == -(-len(picked) // 4) and loader.batch_size == 4 and loader.drop_last is False
+    if how != "indices":  # what it was given, as torch's DataLoader.dataset: len() counts the split's samples
+        assert len(loader.dataset) == len(picked)
     planned = np.concatenate(loader.indices()).tolist()
     assert planned == picked
 
@@ -256,6 +258,7 @@ def test_other_datasets_are_pointed_to_the_dataloader():
     (lambda s: {**s, "batches_done": 1000}, "delivered, but it has"),
     (lambda s: {**s, "epoch": "1"}, "not int"),
     (lambda s: {**s, "consumed": b"\x00"}, "mask"),
+    (lambda s: {**s, "consumed": "not hex"}, "mask"),
     (lambda s: {**s, "dataset": "another"}, "fingerprint"),
     (lambda s: [1, 2], "takes the dict"),
 ])
@@ -337,3 +340,49 @@ def test_transforms_take_torch_dtypes_as_well_as_their_names():
         assert make(32, dtype=torch.uint8).dtype == "uint8"
         with pytest.raises(ValueError, match="dtype must be"):
             make(32, dtype=torch.int32)
+
+
+def test_a_state_goes_through_json_also_after_a_resume_with_another_batch_size(ds):
+    """state_dict() is plain values (the mask of delivered samples as hex): json takes it."""
+    import json
+
+    loader = gdsdata.Loader(ds, 8, seed=3)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    loader.close()
+    other = gdsdata.Loader(ds, 4, seed=3)
+    other.load_state_dict(json.loads(json.dumps(state)))
+    it = iter(other)
+    next(it)
+    again = json.loads(json.dumps(other.state_dict()))
+    other.close()
+    rest = gdsdata.Loader(ds, 4, seed=3)
+    rest.load_state_dict(again)
+    seen = [i for batch in rest.indices() for i in batch]
+    assert len(seen) == len(ds) - 12 and len(set(seen)) == len(seen)
+
+
+def test_a_transform_set_between_epochs_is_the_next_epoch_s(ds):
+    """Progressive resizing, MixUp switched off late: the pass already reading the next epoch was made
+    with the old transform, so it gives way to one with the new."""
+    loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32, dtype="uint8"))
+    assert {tuple(x.shape[-2:]) for x, _ in loader} == {(32, 32)}
+    loader.transform = gdsdata.RandomResizedCrop(16, dtype="uint8")
+    loader.batch_transform = lambda x, y: (x * 0, y)
+    batches = list(loader)
+    assert {tuple(x.shape[-2:]) for x, _ in batches} == {(16, 16)} and not any(x.any() for x, _ in batches)
+    loader.transform = "not a transform"
+    with pytest.raises(TypeError, match="transform= takes gdsdata.RandomResizedCrop"):
+        iter(loader)
+    loader.close()
+
+
+def test_closing_the_dataset_between_epochs_leaves_the_next_epoch_whole(ds):
+    """GDSDataset.close() stops the pass that was reading the next epoch ahead: the next iter() reads
+    that epoch afresh (closing under a running loop still raises)."""
+    loader = gdsdata.Loader(ds, 8, seed=2)
+    first = labels_of(loader)
+    ds.close()
+    assert len(labels_of(loader)) == len(first)
+    loader.close()
