@@ -340,6 +340,9 @@ def test_transforms_take_torch_dtypes_as_well_as_their_names():
         assert make(32, dtype=torch.uint8).dtype == "uint8"
         with pytest.raises(ValueError, match="dtype must be"):
             make(32, dtype=torch.int32)
+        assert make([32]).output_size == (32, 32) == make((32, 32)).output_size  # a one-element size, as torchvision
+        with pytest.raises(TypeError, match="size must be"):
+            make([32, 32, 3])
 
 
 def test_a_state_goes_through_json_also_after_a_resume_with_another_batch_size(ds):

@@ -225,9 +225,9 @@ class CenterCrop:
 def _pair(size) -> tuple:
     if is_integer(size):
         return int(size), int(size)
-    if isinstance(size, (tuple, list)) and len(size) == 2 and all(is_integer(v) for v in size):
-        return int(size[0]), int(size[1])
-    raise TypeError(f"size must be an int or a (height, width) pair of ints, got {size!r}")
+    if isinstance(size, (tuple, list)) and len(size) in (1, 2) and all(is_integer(v) for v in size):
+        return int(size[0]), int(size[-1])  # ([224]: a square, as torchvision takes it)
+    raise TypeError(f"size must be an int, a (height, width) pair of ints or [size], got {size!r}")
 
 
 def _validate(t):
