@@ -106,7 +106,8 @@ class Loader:
                  drop_last: bool = False, transform=None, batch_transform: Callable | None = None,
                  indices: Sequence[int] | None = None, prefetch: int = 2, rank: int | None = None,
                  world_size: int | None = None, block_size: int = 64, window: int = 16, pixels: bool = False):
-        self.dataset = dataset  # as given (a Subset stays one: len(loader.dataset) counts its samples)
+        self._given = dataset  # ``dataset``: as given (a Subset stays one: len(loader.dataset) counts its samples)
+        self._version = 0  # counts assignments of transform, batch_transform, pixels, prefetch
         dataset, self._indices = _source(dataset, indices)
         _no_sample_transforms(dataset)
         batch_size = count("batch_size", batch_size)
@@ -128,10 +129,8 @@ class Loader:
         self.spec = ShardSpec(size, world_size, rank, batch_size, bool(drop_last), _shuffle(shuffle), seed,
                               count("block_size", block_size), count("window", window))
         _check_transforms(dataset, transform, batch_transform, pixels)
-        self.transform = transform  # (may be set between epochs: the next pass takes it)
-        self.batch_transform = batch_transform
-        self.pixels = bool(pixels)
-        self.prefetch = count("prefetch", prefetch)
+        self._transform, self._batch_transform, self._pixels = transform, batch_transform, bool(pixels)
+        self._prefetch = count("prefetch", prefetch)
         self.epoch = 0
         self._consumed = None  # mask of samples delivered by earlier segments of this epoch
         self._done = 0  # batches delivered in the current segment
@@ -169,6 +168,54 @@ class Loader:
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
         return batches_per_epoch(self.spec)
+
+    # what the next pass is built with; each may be set between epochs (a pass reading ahead made with
+    # what was there before gives way): reassign a transform changed in place (loader.batch_transform = m)
+    @property
+    def transform(self):
+        """The crop done inside the pipeline (``RandomResizedCrop``, ``CenterCrop``; detection: ``YoloAugment``,
+        ``Letterbox``)."""
+        return self._transform
+
+    @transform.setter
+    def transform(self, value):
+        self._transform, self._version = value, self._version + 1
+
+    @property
+    def batch_transform(self):
+        """``(images, labels) -> (images, labels)`` on each batch after the crop."""
+        return self._batch_transform
+
+    @batch_transform.setter
+    def batch_transform(self, value):
+        self._batch_transform, self._version = value, self._version + 1
+
+    @property
+    def pixels(self) -> bool:
+        """Whether batches are the decoded ``PixelBatch`` itself."""
+        return self._pixels
+
+    @pixels.setter
+    def pixels(self, value):
+        self._pixels, self._version = bool(value), self._version + 1
+
+    @property
+    def prefetch(self) -> int:
+        """Batches prepared ahead of the training loop."""
+        return self._prefetch
+
+    @prefetch.setter
+    def prefetch(self, value):
+        self._prefetch, self._version = count("prefetch", value), self._version + 1
+
+    @property
+    def dataset(self):
+        """The dataset the Loader was given (a Subset stays one), as torch's ``DataLoader.dataset``."""
+        return self._given
+
+    @dataset.setter
+    def dataset(self, value):
+        raise ValueError("a Loader's dataset is set when it is made: make a new Loader for another dataset")
 
     @property
     def batch_size(self) -> int:
@@ -267,23 +314,22 @@ class Loader:
 
     # --- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator:
+        _check_transforms(self._data, self.transform, self.batch_transform, self.pixels)  # (perhaps set since)
         self._take_next_epoch()
         if not self._resume:  # a new pass starts its epoch from the beginning
             self._consumed, self._done = None, 0
         self._resume = False
         carry = self._carry
         if carry is not None and carry.epoch == self.epoch and not self._done and self._consumed is None and \
-                carry.threads is not None and carry.maker.transform is self.transform and \
-                carry.maker.batch_transform is self.batch_transform:
-            # (a pass stopped by GDSDataset.close(), or made with a transform the loop has replaced since,
-            # is not carried on: the epoch starts afresh with what the Loader holds now)
+                carry.threads is not None and carry.version == self._version:
+            # (a pass stopped by GDSDataset.close(), or made before a transform, batch_transform, pixels or
+            # prefetch was set, is not carried on: the epoch starts afresh with what the Loader holds now)
             self._carry = None
             self._active = weakref.ref(carry)  # the pipeline runs on into this epoch
             self._last_stats = carry.stats
             return carry
         self._end_passes("a new iter(loader) replaced it: a Loader runs one pass at a time, and each iter() "
                          "starts the epoch again; peek before the loop, or with a second Loader")
-        _check_transforms(self._data, self.transform, self.batch_transform, self.pixels)  # (perhaps set since)
         active = _Prefetcher(self, self.epoch, rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
         self._last_stats = active.stats  # kept after the pass is gone
@@ -319,8 +365,9 @@ class Loader:
             self._done += 1
 
     def __repr__(self):
-        return (f"Loader({self.dataset!r}, batch_size={self.spec.batch_size}, shuffle={self.spec.shuffle!r}, "
-                f"samples={self.spec.size}, rank={self.spec.rank}/{self.spec.world_size})")
+        of = "" if self._indices is None else f" of {len(self._data)}"  # (a Subset's)
+        return (f"Loader({self._data!r}, batch_size={self.spec.batch_size}, shuffle={self.spec.shuffle!r}, "
+                f"samples={self.spec.size}{of}, rank={self.spec.rank}/{self.spec.world_size})")
 
 
 def _check_transforms(dataset, transform, batch_transform, pixels):
@@ -879,6 +926,7 @@ class _Prefetcher:
         # keep a dropped Loader's threads reading (and holding staging buffers) until the garbage
         # collector happened to run. The threads hold neither.
         self._loader = weakref.ref(loader)
+        self.version = loader._version  # the Loader's settings it was built with
         self.epoch = epoch  # the epoch whose batches come next
         self.cuda = loader._data.device.type == "cuda"
         self.device = loader._data.device
@@ -897,7 +945,7 @@ class _Prefetcher:
         self.stats = PipelineStats()
         # The threads hold no reference to this object, so dropping the iterator stops them.
         self.dataset = loader._data
-        self.maker = maker = _BatchMaker(loader)
+        maker = _BatchMaker(loader)
         # what each thread works on, for the stall watchdog (``stall.stalled``)
         self.activities = [stall.Activity(name) for name in ("read", _DECODE[0], _TRANSFORM[0])]
         overlap = _read_overlap(loader._data, loader.spec.batch_size)

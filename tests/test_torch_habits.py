@@ -375,9 +375,33 @@ def test_a_transform_set_between_epochs_is_the_next_epoch_s(ds):
     loader.batch_transform = lambda x, y: (x * 0, y)
     batches = list(loader)
     assert {tuple(x.shape[-2:]) for x, _ in batches} == {(16, 16)} and not any(x.any() for x, _ in batches)
+    class Scale:  # a batch_transform switched off in place (timm's mixup_enabled = False), then reassigned
+        k = 1
+
+        def __call__(self, x, y):
+            return x * self.k, y
+
+    scale = loader.batch_transform = Scale()
+    list(loader)
+    scale.k = 0
+    loader.batch_transform = scale  # the same object: the assignment says it changed
+    assert not any(x.any() for x, _ in loader)
+    loader.pixels = True
+    loader.transform = loader.batch_transform = None
+    assert all(isinstance(b[0], gdsdata.PixelBatch) for b in loader)
+    loader.pixels = False
+    state = None
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    loader.load_state_dict(state)
     loader.transform = "not a transform"
     with pytest.raises(TypeError, match="transform= takes gdsdata.RandomResizedCrop"):
         iter(loader)
+    assert loader.batches_left() == len(loader) - 3  # the refused pass kept the loaded state
+    with pytest.raises(ValueError, match="make a new Loader"):
+        loader.dataset = ds
     loader.close()
 
 

@@ -238,6 +238,8 @@ def _validate(t):
     if t.layout not in ("NCHW", "NHWC"):
         raise ValueError(f"layout must be NCHW or NHWC, got {t.layout!r}")
     height, width = _pair(t.size)
+    if isinstance(t.size, list):  # a tuple, as torchvision keeps it: hashable, not changed in place
+        object.__setattr__(t, "size", tuple(int(v) for v in t.size))
     if height <= 0 or width <= 0:
         raise ValueError(f"size must be positive, got {t.size}")
     if not isinstance(t.antialias, bool):
