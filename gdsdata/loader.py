@@ -53,6 +53,25 @@ def _distributed_rank():
     return 0, 1
 
 
+class _PassSetting:
+    """A Loader attribute the next pass is built with: every assignment (of the same object too, a
+    transform changed in place) counts in the Loader's ``_version``, so that the pass already reading
+    the next epoch, built before it, gives way (``Loader.__iter__``)."""
+
+    def __init__(self, doc, convert=None):
+        self.__doc__, self._convert = doc, convert
+
+    def __set_name__(self, owner, name):
+        self._slot = "_" + name
+
+    def __get__(self, loader, owner=None):
+        return self if loader is None else getattr(loader, self._slot)
+
+    def __set__(self, loader, value):
+        setattr(loader, self._slot, value if self._convert is None else self._convert(value))
+        loader._version += 1
+
+
 class Loader:
     """Iterates ``(images, labels)`` over a ``GDSDataset`` on its device, as torch's DataLoader does
     (with torchdata ``StatefulDataLoader``'s resume).
@@ -129,8 +148,7 @@ class Loader:
         self.spec = ShardSpec(size, world_size, rank, batch_size, bool(drop_last), _shuffle(shuffle), seed,
                               count("block_size", block_size), count("window", window))
         _check_transforms(dataset, transform, batch_transform, pixels)
-        self._transform, self._batch_transform, self._pixels = transform, batch_transform, bool(pixels)
-        self._prefetch = count("prefetch", prefetch)
+        self.transform, self.batch_transform, self.pixels, self.prefetch = transform, batch_transform, pixels, prefetch
         self.epoch = 0
         self._consumed = None  # mask of samples delivered by earlier segments of this epoch
         self._done = 0  # batches delivered in the current segment
@@ -171,42 +189,11 @@ class Loader:
 
     # what the next pass is built with; each may be set between epochs (a pass reading ahead made with
     # what was there before gives way): reassign a transform changed in place (loader.batch_transform = m)
-    @property
-    def transform(self):
-        """The crop done inside the pipeline (``RandomResizedCrop``, ``CenterCrop``; detection: ``YoloAugment``,
-        ``Letterbox``)."""
-        return self._transform
-
-    @transform.setter
-    def transform(self, value):
-        self._transform, self._version = value, self._version + 1
-
-    @property
-    def batch_transform(self):
-        """``(images, labels) -> (images, labels)`` on each batch after the crop."""
-        return self._batch_transform
-
-    @batch_transform.setter
-    def batch_transform(self, value):
-        self._batch_transform, self._version = value, self._version + 1
-
-    @property
-    def pixels(self) -> bool:
-        """Whether batches are the decoded ``PixelBatch`` itself."""
-        return self._pixels
-
-    @pixels.setter
-    def pixels(self, value):
-        self._pixels, self._version = bool(value), self._version + 1
-
-    @property
-    def prefetch(self) -> int:
-        """Batches prepared ahead of the training loop."""
-        return self._prefetch
-
-    @prefetch.setter
-    def prefetch(self, value):
-        self._prefetch, self._version = count("prefetch", value), self._version + 1
+    transform = _PassSetting("The crop done inside the pipeline (``RandomResizedCrop``, ``CenterCrop``; "
+                             "detection: ``YoloAugment``, ``Letterbox``).")
+    batch_transform = _PassSetting("``(images, labels) -> (images, labels)`` on each batch after the crop.")
+    pixels = _PassSetting("Whether batches are the decoded ``PixelBatch`` itself.", bool)
+    prefetch = _PassSetting("Batches prepared ahead of the training loop.", lambda value: count("prefetch", value))
 
     @property
     def dataset(self):

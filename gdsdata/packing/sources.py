@@ -260,7 +260,7 @@ class TarSource:
         if not paths:
             raise SourceError(f"{display(src)}: no tar shards ({' '.join(TAR_EXTENSIONS)})")
         self.tars = {}
-        samples = {}  # (tar, key) -> {"images": [member, ...], "cls": [member, ...], "suffixes": {suffix: count}}
+        samples = {}  # (tar, key) -> {"images": [member, ...], "cls": member, "suffixes": {suffix: count}}
         self.ignored, self.special = [], []
         for path in paths:
             try:
@@ -274,18 +274,18 @@ class TarSource:
                     continue
                 folder, name = os.path.split(member.name)
                 key, _, ext = name.partition(".")
-                entry = samples.setdefault((path, os.path.join(folder, key)), {"images": [], "cls": [], "suffixes": {}})
+                entry = samples.setdefault((path, os.path.join(folder, key)), {"images": [], "suffixes": {}})
                 suffix = ext.lower()  # (WebDataset's keys: lower case; a member without one is none of a sample's)
                 if suffix:
                     entry["suffixes"][suffix] = entry["suffixes"].get(suffix, 0) + 1
                 if ("." + suffix).endswith(IMAGE_EXTENSIONS):
                     entry["images"].append(member)
                 elif suffix == "cls":
-                    entry["cls"].append(member)
+                    entry["cls"] = member  # (a second one: the sample is refused below, as a suffix seen twice)
         self.items, labels = [], set()
         for (path, key), entry in samples.items():
             rel = f"{os.path.basename(path)}/{key}"
-            if not entry["images"] or not entry["cls"]:
+            if not entry["images"] or "cls" not in entry:
                 self.ignored.append(display(rel))
                 continue
             repeated = [suffix for suffix, count in entry["suffixes"].items() if count > 1]
@@ -303,7 +303,7 @@ class TarSource:
                                          "reason": f"a second image of sample {display(os.path.basename(key))} "
                                                    f"({display(os.path.basename(image.name))} is packed): "
                                                    f"skipped unopened"})
-            [cls] = entry["cls"]
+            cls = entry["cls"]
             text = self.tars[path].extractfile(cls).read()
             try:
                 label = int(text.decode().strip())
