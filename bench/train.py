@@ -13,8 +13,7 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
               gdsdata:direct streams from storage (io_engine=direct: the page cache dropped, or the
               pack's files evicted, before the row; every epoch then comes from the drive),
               gdsdata:direct_block the same with shuffle="block" (each shuffle window's whole blocks
-              read at once), gdsdata:cpuNN decodes the last NN % of each batch on the CPU pool
-              beside nvJPEG (cpu_decode_share=0.NN)
+              read at once)
   raw         the same over a raw-pixel pack of the images (shorter side 256), each sample's CRC-32
               checked where it lands in GPU staging (the GPU kernel, by default); raw:nocrc without
               (what the checksums cost)
@@ -187,14 +186,11 @@ def _dataloader(src, workers):
 
 def _variant(name):
     """The settings of a ``gdsdata:NAME`` input: an nvJPEG backend by nvJPEG's name, ``nocrc`` (no
-    checksums), ``direct`` (streaming reads past the page cache) or ``cpuNN`` (NN % of each batch
-    decoded on the CPU pool)."""
+    checksums) or ``direct`` (streaming reads past the page cache)."""
     if name == "nocrc":
         return {"verify_checksums": False}
     if name in ("direct", "direct_block"):
         return {"io_engine": "direct"}
-    if name.startswith("cpu") and name[3:].isdigit():
-        return {"cpu_decode_share": int(name[3:]) / 100}
     device = name.endswith("_device")
     return {"decode_backend": name.removesuffix("_device"), "staging": "device" if device else "host"}
 

@@ -33,9 +33,6 @@ made) and ``stall_timeout`` is read as each Loader pass starts.
 | max_read | GDSDATA_MAX_READ | 67108864 | largest single coalesced read (bytes) |
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 1 | check every sample's CRC-32 where its bytes are: in host |
 | | | | memory (CPU path, pinned staging), or GPU staging (a CRC-32 kernel; needs Triton); 0: never |
-| cpu_decode_share | GDSDATA_CPU_DECODE_SHARE | 0 | GPU path, JPEG from pinned staging: the fraction (0 to 0.5) of |
-| | | | each batch (its last samples) decoded on the cpu_threads pool with libjpeg-turbo while nvJPEG |
-| | | | decodes the rest, and uploaded in one copy |
 | stall_timeout | GDSDATA_STALL_TIMEOUT | 60 | seconds a Loader stage may spend on one batch before the |
 | | | | training loop gets a ``StallError`` naming the stage, the batch and the call it is stuck in |
 
@@ -61,7 +58,6 @@ _DEFAULTS = {
     "staging": "auto",
     "decode_backend": "auto",
     "verify_checksums": True,
-    "cpu_decode_share": 0.0,
     "stall_timeout": 60.0,
 }
 _CHOICES = {
@@ -103,14 +99,6 @@ def _parse(name, value):
                 raise ValueError(f"setting {name}: expected a boolean, got {value!r}")
             return lowered in ("1", "true", "on", "yes")
         return bool(value)
-    if name == "cpu_decode_share":
-        try:
-            share = float(value)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"setting {name}: expected a fraction from 0 to 0.5, got {value!r}") from e
-        if not 0 <= share <= 0.5:
-            raise ValueError(f"setting {name}: must be from 0 to 0.5, got {value!r}")
-        return share
     if isinstance(default, float):
         try:
             number = float(value)

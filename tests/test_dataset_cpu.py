@@ -500,26 +500,3 @@ def test_the_cpu_pool_runs_each_item_once_waits_for_all_and_raises_a_failure():
         worker.join(30)
         assert not worker.is_alive(), "run_parallel inside the pool waited on the pool"
         assert sorted(nested) == [(k, j) for k in range(8) for j in range(3)]
-
-
-def test_work_started_on_the_cpu_pool_runs_while_the_caller_goes_on_and_its_wait_is_bounded():
-    """``start_parallel`` (the GPU path's CPU decode share): the caller goes on while the pool
-    works; ``wait`` returns once all has run, or raises ``StallError`` after the stall_timeout."""
-    import threading
-
-    from gdsdata.decode.cpu import start_parallel
-    from gdsdata.errors import StallError
-
-    release, seen = threading.Event(), []
-    with settings.set(cpu_threads=2, stall_timeout=0.3):
-        runs = start_parallel(lambda k: release.wait(10) and seen.append(k), 6)
-        assert not seen  # started, not waited for
-        with pytest.raises(StallError, match="CPU pool.*stall_timeout"):
-            runs.wait()
-        release.set()
-        runs.wait()
-        assert sorted(seen) == list(range(6))
-        failing = start_parallel(lambda k: 1 / (k - 3), 6)
-        with pytest.raises(ZeroDivisionError):
-            failing.wait()
-        failing.wait(raise_errors=False)

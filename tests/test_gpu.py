@@ -290,52 +290,6 @@ def test_bad_sample_on_the_gpu(photos_dataset, tmp_path, staging, verify):
         assert skipping.skipped == 1 and batch[1][1] == ds.targets[8]
 
 
-@pytest.mark.parametrize("share", [0.25, 0.5])
-def test_a_cpu_share_decodes_the_last_samples_of_a_batch_with_libjpeg_turbo(photos_dataset, share):
-    """cpu_decode_share: the first samples of a batch are nvJPEG's pixels, the last int(n * share)
-    libjpeg-turbo's, each exactly as the GPU path alone and the CPU path decode them."""
-    out = photos_dataset[2]
-    picked = list(range(len(gdsdata.GDSDataset(out))))[::-1][:37]
-    head = len(picked) - int(len(picked) * share)
-    with settings.set(decode_backend="hardware", staging="host"):
-        alone = gdsdata.GDSDataset(out, device="cuda").__getitems__(picked)
-        with settings.set(cpu_decode_share=share):
-            ds = gdsdata.GDSDataset(out, device="cuda")
-            assert f"+libjpeg-turbo:{share:.0%}" in ds.load_path.describe()
-            both = ds.__getitems__(picked)
-    on_cpu = gdsdata.GDSDataset(out).__getitems__(picked)
-    for k, (image, label) in enumerate(both):
-        expected = alone[k] if k < head else on_cpu[k]
-        assert image.is_cuda and torch.equal(image.cpu(), expected[0].cpu()) and label == expected[1], k
-
-
-def test_a_cpu_share_names_a_bad_sample_and_leaves_device_staging_alone(photos_dataset, tmp_path):
-    out = damaged_copy(photos_dataset[2], str(tmp_path / "ds"), 7, 2, b"\x00" * 600)
-    with settings.set(decode_backend="hardware", staging="host", cpu_decode_share=0.5):
-        ds = gdsdata.GDSDataset(out, device="cuda", verify_checksums=False)
-        with pytest.raises(CorruptSampleError, match=r"sample 7 \(.*JPEG decoding failed"):
-            ds.__getitems__([6, 8, 7, 9])  # positions 2 and 3 on the CPU
-        skipping = gdsdata.GDSDataset(out, device="cuda", verify_checksums=False, on_error="skip")
-        assert len(skipping.__getitems__([6, 8, 7, 9])) == 4 and skipping.skipped == 1
-        with settings.set(staging="device"):
-            device = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
-            assert device.load_path.cpu_share == 0 and "libjpeg-turbo" not in device.load_path.describe()
-
-
-def test_a_loader_trains_on_batches_with_a_cpu_share(photos_dataset):
-    """A Loader pass over a dataset with a CPU share: every sample once an epoch, float batches on the GPU."""
-    with settings.set(cpu_decode_share=0.3):
-        ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
-    loader = gdsdata.Loader(ds, 16, shuffle=True, transform=gdsdata.RandomResizedCrop(64, dtype="float16"))
-    for epoch in range(2):
-        loader.set_epoch(epoch)
-        labels = []
-        for images, batch_labels in loader:
-            assert images.is_cuda and images.shape[1:] == (3, 64, 64) and torch.isfinite(images).all()
-            labels.append(batch_labels.cpu())
-        assert len(torch.cat(labels)) == len(ds)
-
-
 def test_checksums_on_the_gpu_for_device_staging_by_default(raw_dataset, tmp_path):
     """Raw samples the GPU's copy engines move into GPU staging never pass a CPU: by default the
     CRC-32 kernel checks them there, every good sample passes and one damaged byte is named."""

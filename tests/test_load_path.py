@@ -151,13 +151,3 @@ def test_a_dataset_keeps_the_settings_it_was_built_with(photos_dataset):
     with pytest.raises(TypeError):
         ds._backend.reader.config["max_gap"] = 1  # read-only
     ds.close()
-
-
-def test_a_cpu_decode_share_applies_to_jpeg_from_pinned_staging_only():
-    p = path(cpu_decode_share=0.2)
-    assert p.cpu_share == 0.2 and "decode=nvJPEG:hardware+libjpeg-turbo:20% " in p.describe()
-    assert any("cpu_decode_share" in line for line in p.why)
-    assert path().cpu_share == 0 and "libjpeg-turbo" not in path().describe()
-    assert path(raw=True, cpu_decode_share=0.2).cpu_share == 0  # raw pixels: nothing to decode
-    on_device = path(GDS, cpu_decode_share=0.2)  # bitstreams in GPU memory: nothing for the CPU to read
-    assert on_device.cpu_share == 0 and any("left unused" in line for line in on_device.why)

@@ -23,11 +23,6 @@ def test_invalid_values_are_refused():
         settings.set(colour="blue")
     with pytest.raises(ValueError, match="positive"):
         settings.set(cpu_threads=0)
-    for share in (0.6, -0.1, "half"):
-        with pytest.raises(ValueError, match="cpu_decode_share"):
-            settings.set(cpu_decode_share=share)
-    with settings.set(cpu_decode_share="0.25"):
-        assert settings.get("cpu_decode_share") == 0.25
 
 
 def test_environment_variables_are_read():

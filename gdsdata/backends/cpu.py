@@ -6,7 +6,8 @@ import torch
 
 from gdsdata import stall
 from gdsdata.batch import PixelBatch, Staged
-from gdsdata.decode.cpu import check_batch, decode_work, run_parallel
+from gdsdata.decode.cpu import check_batch, decode, run_parallel
+from gdsdata.errors import CorruptSampleError
 from gdsdata.io.cpu import CpuReader
 from gdsdata.io.path import cpu_path
 
@@ -45,10 +46,21 @@ class CpuBackend:
         np.cumsum(sizes[:-1], out=offsets[1:])
         arena = np.empty(int(sizes.sum()), np.uint8)
         errors = dict(staged.failed)  # checksums that failed as the batch was read
-        work = decode_work(self.index, buffer, plan.sample_offsets.tolist(), plan.sample_lengths.tolist(), indices,
-                           arena, offsets.tolist(), errors, skip=staged.failed)
+        starts, lengths = plan.sample_offsets.tolist(), plan.sample_lengths.tolist()
+        ends = (offsets + sizes).tolist()
+        begins = offsets.tolist()
+
+        def decode_one(k):
+            if k in staged.failed:
+                return
+            try:
+                decode(buffer[starts[k]:starts[k] + lengths[k]], records[k], lambda: self.index.describe(indices[k]),
+                       out=arena[begins[k]:ends[k]])
+            except CorruptSampleError as e:
+                errors[k] = e
+
         with stall.native("CPU decode (libjpeg-turbo) on the cpu_threads pool"):
-            run_parallel(work, len(indices))
+            run_parallel(decode_one, len(indices))
         return PixelBatch(torch.from_numpy(arena), offsets, heights, widths, np.full(len(indices), 3),
                           errors, owned=True)
 

@@ -37,7 +37,7 @@ class GpuBackend:
         self.verify = {"gpu": "always", "host": True, "none": False}[self.path.checksums]
         self.reader = GpuReader(index, device, self.path.reads, config, copy=self.path.copy,
                                 fallback=self.path.fallback or None)
-        self.decoder = GpuDecoder(index, device, self.path.backend, self.path.cpu_share)
+        self.decoder = GpuDecoder(index, device, self.path.backend)
         self._slots = SlotPool(self.path.staging, device)
         self._check_stream = None  # the GPU checksums' stream (device staging)
         self._kernel_failed = False  # the CRC-32 kernel could not run here: checked through the host

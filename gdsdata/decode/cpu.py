@@ -13,7 +13,7 @@ import simplejpeg
 
 from gdsdata.format import layout as fmt
 from gdsdata import settings
-from gdsdata.errors import CorruptSampleError, StallError
+from gdsdata.errors import CorruptSampleError
 
 _pool = {"executor": None, "pid": None, "size": None}
 _pool_lock = threading.Lock()
@@ -32,48 +32,27 @@ def cpu_pool() -> ThreadPoolExecutor:
         return _pool["executor"]
 
 
-class Runs:
-    """Work started on the CPU pool by ``start_parallel``; ``wait`` for its end."""
-
-    def __init__(self, futures):
-        self.futures = futures
-
-    def wait(self, bounded: bool = True, raise_errors: bool = True):
-        """Return when every run has ended, raising the exception of the first run that failed (in
-        run order; ``raise_errors``); ``bounded``: ``StallError`` if they have not ended within the
-        stall_timeout setting."""
-        timeout = settings.get("stall_timeout") if bounded else None
-        _, pending = wait(self.futures, timeout=timeout)
-        if pending:
-            raise StallError(f"gdsdata: work on the CPU pool (cpu_threads) did not finish within {timeout:g} s "
-                             f"(the stall_timeout setting, GDSDATA_STALL_TIMEOUT)")
-        for future in self.futures if raise_errors else ():
-            future.result()
-
-
-def start_parallel(work, count: int) -> Runs:
-    """Start ``work(k)`` for each k in ``range(count)`` on the CPU pool, the k in a few contiguous
-    runs a thread (a task, a future, per image held the GIL for as long as the image's own Python
-    did, and the training thread of the same process waits for the GIL); a run stops at its first
-    exception. Called from a thread of the pool itself (work that nests) it runs the work in place
-    before returning: waiting there for the pool could wait forever."""
+def run_parallel(work, count: int):
+    """``work(k)`` for each k in ``range(count)`` on the CPU pool, the k in a few contiguous runs a
+    thread: a task (a future) per image held the GIL for as long as the image's own Python did, and
+    the training thread of the same process waits for the GIL. Returns when every run has ended
+    (nothing runs on after it); a run stops at its first exception, and the exception of the first
+    run that failed (in run order) is raised then. Called from a thread of the pool itself (work
+    that nests) it runs the work in place: waiting there for the pool could wait forever."""
     if count <= 1 or threading.current_thread().name.startswith(_PREFIX):
         for k in range(count):
             work(k)
-        return Runs([])
+        return
     runs = min(count, 4 * settings.get("cpu_threads"))  # a few runs a thread: images differ in cost
 
     def run(r):
         for k in range(r * count // runs, (r + 1) * count // runs):
             work(k)
 
-    return Runs([cpu_pool().submit(run, r) for r in range(runs)])
-
-
-def run_parallel(work, count: int):
-    """``work(k)`` for each k in ``range(count)`` on the CPU pool (``start_parallel``); returns when
-    every run has ended (nothing runs on after it), raising the first failed run's exception."""
-    start_parallel(work, count).wait(bounded=False)
+    futures = [cpu_pool().submit(run, r) for r in range(runs)]
+    wait(futures)
+    for future in futures:
+        future.result()
 
 
 try:  # Intel ISA-L's CRC-32 (the same polynomial as zlib's), faster than zlib's
@@ -136,24 +115,3 @@ def decode(payload, record, name, out=None) -> np.ndarray:
         raise CorruptSampleError(f"{_named(name)}: decoded {pixels.shape[1]}x{pixels.shape[0]}, the index "
                                  f"records {width}x{height}")
     return pixels
-
-
-def decode_work(index, buffer, starts, lengths, indices, arena, begins, errors, skip=()):
-    """``work(k)`` for ``start_parallel``: the k-th sample's payload ``buffer[starts[k]:][:lengths[k]]``
-    decoded into ``arena`` from ``begins[k]`` (room for height x width x 3 bytes), the sample
-    being ``indices[k]`` of ``index``; a sample that fails goes into ``errors`` (position ->
-    ``CorruptSampleError``), those in ``skip`` are left alone."""
-    records = index.samples[np.asarray(indices, dtype=np.int64)]
-    ends = (np.asarray(begins, np.int64) + records["height"].astype(np.int64) * records["width"] * 3).tolist()
-    starts, lengths, begins = list(starts), list(lengths), list(begins)
-
-    def work(k):
-        if k in skip:
-            return
-        try:
-            decode(buffer[starts[k]:starts[k] + lengths[k]], records[k], lambda: index.describe(indices[k]),
-                   out=arena[begins[k]:ends[k]])
-        except CorruptSampleError as e:
-            errors[k] = e
-
-    return work

@@ -19,7 +19,6 @@ from gdsdata import stall
 from gdsdata.batch import PixelBatch
 from gdsdata.errors import CorruptSampleError
 from gdsdata._native.nvjpeg import BatchedDecoder, NvjpegError
-from gdsdata.decode.cpu import decode_work, start_parallel
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +106,10 @@ def close_idle():
 
 
 class GpuDecoder:
-    """JPEG batches through the process's shared nvJPEG decoder; with ``cpu_share`` (the
-    cpu_decode_share setting) the last ``int(n * cpu_share)`` samples of a batch of n from pinned
-    staging decode on the CPU pool (libjpeg-turbo) while nvJPEG decodes the rest, and go to the
-    GPU in one copy: fewer images on the engines and fewer of nvJPEG's per-image kernels beside a
-    train step. Which samples those are depends on the batch alone, not on timing."""
-
-    def __init__(self, index, device: torch.device, backend: str, cpu_share: float = 0.0):
+    def __init__(self, index, device: torch.device, backend: str):
         self.index = index
         self.device = device
         self.backend = backend
-        self.cpu_share = cpu_share
         self._shared = None  # taken at the first decode, handed back by close()
         self._lock = threading.Lock()
 
@@ -163,57 +155,29 @@ class GpuDecoder:
         arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
         outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
         errors = {}
-        n = len(job.indices)
-        head = n if staging.is_cuda else n - int(n * self.cpu_share)  # nvJPEG's samples: the rest go to the CPU
-        on_cpu = self._start_on_cpu(staging, job, head, arena.numel()) if head < n else None
-        try:
-            shared = self.shared
-            with shared.lock:
-                nvjpeg = shared.nvjpeg
-                if staging.is_cuda != nvjpeg.device_bitstreams:
-                    raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
-                                     f"{'GPU' if staging.is_cuda else 'host'} memory")
-                if shared.last is not None and shared.last[0] != stream:
-                    stream.wait_event(shared.last[1])
-                try:
-                    nvjpeg.decode(job.data[:head], job.lengths[:head], outs[:head], job.pitches[:head],
-                                  stream.cuda_stream)
-                except NvjpegError as batch_error:
-                    log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
-                    for k in range(head):
-                        try:
-                            nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
-                                          job.pitches[k:k + 1], stream.cuda_stream)
-                        except NvjpegError as e:
-                            errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
-                                                           f"decoding failed ({e})")
-                event = torch.cuda.Event()
-                event.record(stream)
-                shared.last = (stream, event)
-        except BaseException:
-            if on_cpu is not None:  # its threads read the staging slot, which the caller hands back now
-                on_cpu[0].wait(raise_errors=False)
-            raise
-        if on_cpu is not None:
-            runs, host, failed = on_cpu
-            with stall.native("CPU decode share (libjpeg-turbo) on the cpu_threads pool"):
-                runs.wait()
-            errors.update({head + k: e for k, e in failed.items()})
-            with torch.cuda.stream(stream):  # the pinned buffer is reused once this copy is done
-                arena[int(job.offsets[head]):].copy_(host, non_blocking=True)
+        shared = self.shared
+        with shared.lock:
+            nvjpeg = shared.nvjpeg
+            if staging.is_cuda != nvjpeg.device_bitstreams:
+                raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
+                                 f"{'GPU' if staging.is_cuda else 'host'} memory")
+            if shared.last is not None and shared.last[0] != stream:
+                stream.wait_event(shared.last[1])
+            try:
+                nvjpeg.decode(job.data, job.lengths, outs, job.pitches, stream.cuda_stream)
+            except NvjpegError as batch_error:
+                log.warning("batch decode failed (%s); retrying image by image to find the bad sample", batch_error)
+                for k in range(len(job.indices)):
+                    try:
+                        nvjpeg.decode(job.data[k:k + 1], job.lengths[k:k + 1], outs[k:k + 1],
+                                      job.pitches[k:k + 1], stream.cuda_stream)
+                    except NvjpegError as e:
+                        errors[k] = CorruptSampleError(f"{self.index.describe(job.indices[k])}: GPU JPEG "
+                                                       f"decoding failed ({e})")
+            event = torch.cuda.Event()
+            event.record(stream)
+            shared.last = (stream, event)
         return PixelBatch(arena, job.offsets, job.heights, job.widths, job.channels, errors, owned=True)
-
-    def _start_on_cpu(self, staging, job, head, size):
-        """Start decoding the job's samples from ``head`` on the CPU pool into one pinned buffer (the
-        arena's bytes from the first of them, ``size`` the arena's): (the runs, the buffer, the
-        failures by position from ``head``)."""
-        begin = int(job.offsets[head])
-        host = torch.empty(size - begin, dtype=torch.uint8, pin_memory=True)
-        starts = (job.data[head:] - np.uint64(staging.data_ptr())).astype(np.int64).tolist()
-        tail = {}  # position from head -> CorruptSampleError
-        work = decode_work(self.index, staging.numpy(), starts, job.lengths[head:].astype(np.int64).tolist(),
-                           job.indices[head:], host.numpy(), (job.offsets[head:] - begin).tolist(), tail)
-        return start_parallel(work, len(job.indices) - head), host, tail
 
     def _raw(self, staging, job, stream):
         if staging.is_cuda:

@@ -124,9 +124,6 @@ class LoadPath:
         The engine that takes over if CUDA cannot register the shards of an automatic ``mapped``.
     why : tuple of str
         One line per decision, in the order taken.
-    cpu_share : float
-        The fraction of each JPEG batch (its last samples) decoded on the CPU pool with
-        libjpeg-turbo beside nvJPEG (the cpu_decode_share setting; 0: none).
     past_cache : bool
         (A property.) Whether the reads bypass the page cache: ``direct``, or cuFile with GDS.
     """
@@ -141,7 +138,6 @@ class LoadPath:
     copy: str = ""
     fallback: str = ""
     why: tuple = field(default=(), compare=False)
-    cpu_share: float = 0.0
 
     @property
     def backend(self) -> str:
@@ -158,8 +154,8 @@ class LoadPath:
         """The path in one line, as the bench and ``doctor`` print it, e.g.
         ``io=compat reads=mixed staging=host decode=nvJPEG:hardware checksums=host``."""
         reads = f"{self.reads}:{self.copy}" if self.copy else self.reads
-        decode = self.decoder.replace(" ", ":") + (f"+libjpeg-turbo:{self.cpu_share:.0%}" if self.cpu_share else "")
-        return f"io={self.io_mode} reads={reads} staging={self.staging} decode={decode} checksums={self.checksums}"
+        return (f"io={self.io_mode} reads={reads} staging={self.staging} "
+                f"decode={self.decoder.replace(' ', ':')} checksums={self.checksums}")
 
 
 def host_memory() -> int:
@@ -304,13 +300,6 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
             raise GpuUnavailableError("decode_backend=hardware: this GPU has no JPEG hardware engines")
         why.append(f"decode: {family}: the decode_backend setting (GDSDATA_DECODE_BACKEND)")
     backend = family + ("_device" if staging == "device" else "")
-    share = 0.0 if all_raw else config.get("cpu_decode_share", 0.0)
-    if share and staging == "host":
-        why.append(f"decode: the last {share:.0%} of each batch on the CPU pool (libjpeg-turbo), the rest on nvJPEG: "
-                   f"the cpu_decode_share setting (GDSDATA_CPU_DECODE_SHARE)")
-    elif share:
-        why.append("decode: cpu_decode_share left unused: the bitstreams are in GPU memory (staging device)")
-        share = 0.0
 
     if verify and staging == "host":
         checksums = "host"
@@ -324,4 +313,4 @@ def resolve(machine: Machine, config, *, all_raw: bool, shard_bytes: int, verify
             why.append("checksums: none on GPU staging (Triton is not installed, and the bytes never pass "
                        "a CPU; GDSDataset(verify_checksums=True) checks them through a copy to the host)")
     return LoadPath(machine.device, machine.io_mode, machine.io_reason, engine, staging, f"nvJPEG {backend}",
-                    checksums, copy, fallback, tuple(why), share)
+                    checksums, copy, fallback, tuple(why))
