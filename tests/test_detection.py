@@ -5,6 +5,7 @@ docs/format.md, and a detection dataset reads through torch's DataLoader or the 
 detection transform (tests/test_detection_augment.py)."""
 
 import json
+import importlib.util
 import os
 import shutil
 import sys
@@ -445,6 +446,30 @@ def test_hidden_files_and_folders_are_not_images_of_a_split(tmp_path):
         f.write(b"\x00\x05\x16\x07 AppleDouble")
     result = pack(root, str(tmp_path / "ds"), format="yolo", workers=1)
     assert _sources(result.out) == ["images/train/a.jpg"] and result.skipped == []
+
+
+def test_a_yolo_split_takes_the_image_formats_ultralytics_takes(tmp_path):
+    """Ultralytics' IMG_FORMATS: an .mpo (its first picture), .avif and .jp2 are images of the split,
+    a .ppm is not; a .heic that PIL cannot open without pillow-heif is skipped, naming the plugin."""
+    root = str(tmp_path / "set")
+    data = yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n"})
+    images = os.path.join(root, "images", "train")
+    first, second = Image.new("RGB", (80, 60), (200, 30, 30)), Image.new("RGB", (80, 60), (30, 200, 30))
+    first.save(os.path.join(images, "m.mpo"), "MPO", save_all=True, append_images=[second])
+    Image.new("RGB", (80, 60), (10, 20, 30)).save(os.path.join(images, "v.avif"))
+    Image.new("RGB", (80, 60), (10, 20, 30)).save(os.path.join(images, "j.jp2"))
+    Image.new("RGB", (80, 60)).save(os.path.join(images, "p.ppm"))
+    with open(os.path.join(images, "h.heic"), "wb") as f:
+        f.write(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64))
+    result = pack(data, str(tmp_path / "ds"), format="yolo", workers=1)
+    assert _sources(result.out) == ["images/train/a.jpg", "images/train/j.jp2", "images/train/m.mpo",
+                                    "images/train/v.avif"]
+    ds = gdsdata.GDSDataset(result.out)
+    mpo = ds[_sources(result.out).index("images/train/m.mpo")][0]
+    assert mpo.shape == (3, 60, 80) and abs(mpo[:, 30, 40].int() - torch.tensor([200, 30, 30])).max() <= 3
+    if importlib.util.find_spec("pillow_heif") is None:
+        assert result.skipped == [{"path": os.path.join("images", "train", "h.heic"), "reason": (
+            "a HEIC/HEIF image: PIL reads it with the pillow-heif plugin (pip install pillow-heif), not installed")}]
 
 
 def test_a_yaml_with_nc_only_or_a_validation_key_reads_as_ultralytics_does(tmp_path):

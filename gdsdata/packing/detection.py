@@ -8,8 +8,9 @@ YOLO (``--format yolo``), as Ultralytics reads it:
   folder and where Ultralytics looks (the current folder, then its ``datasets_dir`` setting): a place
   that holds the split is the dataset, and two that would make it other files are refused; no
   ``path``: the YAML's folder. ``nc`` alone names the classes ``class_0``...; ``validation`` stands
-  for ``val``. A split's images are in Ultralytics' order (their paths sorted as text), hidden files
-  and folders left out. A split is a folder of images (searched
+  for ``val``. A split's images are the files with Ultralytics' image extensions
+  (``YOLO_IMAGE_EXTENSIONS``), in Ultralytics' order (their paths sorted as text), hidden files and
+  folders left out. A split is a folder of images (searched
   recursively), a ``.txt`` list of image paths, or a list of either. In a ``.txt`` list (UTF-8, a
   byte-order mark allowed) a line starting with ``./`` is relative to the list's own folder (COCO's
   ``train2017.txt`` beside ``images/``), other relative lines to the current folder, as Ultralytics'
@@ -51,7 +52,7 @@ import numpy as np
 from gdsdata.args import is_integer
 from gdsdata.errors import SourceError
 from gdsdata.format import layout as fmt
-from gdsdata.packing.sources import IMAGE_EXTENSIONS, UNNAMED_LABELS, Item, display, unnamed_label_problem
+from gdsdata.packing.sources import YOLO_IMAGE_EXTENSIONS, UNNAMED_LABELS, Item, display, unnamed_label_problem
 
 _NOT_NORMALISED = 2.0  # YOLO coordinates above this are pixels, not fractions: the label file is refused
 _SLACK = 1e-4  # a corner this far outside the image is the rounding of the label text: clipped without a word
@@ -292,7 +293,7 @@ def _images_under(top) -> list:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         key = os.path.join(real, os.path.relpath(folder, top))
         found.extend((os.path.normpath(os.path.join(key, n)), os.path.join(folder, n)) for n in sorted(files)
-                     if not n.startswith(".") and n.lower().endswith(IMAGE_EXTENSIONS))
+                     if not n.startswith(".") and n.lower().endswith(YOLO_IMAGE_EXTENSIONS))
     return found
 
 
@@ -337,7 +338,7 @@ class YoloSource(DetectionSource):
         images = [path for _, path in sorted(listed)]  # Ultralytics' get_img_files order: its paths sorted as text
         if not images:
             raise SourceError(f"{display(src)}: no image files in split {split!r} (extensions: "
-                              f"{' '.join(IMAGE_EXTENSIONS)})")
+                              f"{' '.join(YOLO_IMAGE_EXTENSIONS)})")
         labels_of = {image: label_path(image) for image in images}
         parsed = {image: self._labels(labels_of[image]) for image in images}
         if names is None:  # the ids as names, up to the largest id used; a stray huge id leaves its image out
@@ -389,7 +390,7 @@ class YoloSource(DetectionSource):
         images = []
         for number, line in enumerate(lines, 1):
             line = line.strip()
-            if not line.lower().endswith(IMAGE_EXTENSIONS):
+            if not line.lower().endswith(YOLO_IMAGE_EXTENSIONS):
                 continue
             key = parent + os.sep + line[2:] if line.startswith("./") else line
             path = os.path.normpath(key if line.startswith("./") else os.path.abspath(line))
@@ -469,7 +470,7 @@ class YoloSource(DetectionSource):
                 continue
             try:
                 stems = {os.path.splitext(n)[0] for n in os.listdir(_images_folder(folder))
-                         if n.lower().endswith(IMAGE_EXTENSIONS)}
+                         if n.lower().endswith(YOLO_IMAGE_EXTENSIONS)}
             except OSError:
                 stems = set()
             for name in names:

@@ -83,6 +83,11 @@ def _open(data: bytes, options) -> Image.Image:
     except BadImageError:
         raise
     except Image.UnidentifiedImageError as e:
+        if _heif(data) and _register_heif():
+            return _open(data, options)
+        if _heif(data) and ".heic" not in Image.registered_extensions():
+            raise BadImageError("a HEIC/HEIF image: PIL reads it with the pillow-heif plugin (pip install "
+                                "pillow-heif), not installed") from e
         raise BadImageError("not an image PIL can identify") from e
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise BadImageError(f"too many pixels ({e})") from e
@@ -93,6 +98,27 @@ def _open(data: bytes, options) -> Image.Image:
     if image.width == 0 or image.height == 0:
         raise BadImageError("image has no pixels")
     return image
+
+
+_HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"hevm", b"hevs", b"mif1", b"msf1")
+
+
+def _heif(data: bytes) -> bool:
+    """Whether the bytes are an ISO-BMFF file of a HEIF brand (what iPhones save as .heic)."""
+    return data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS
+
+
+def _register_heif() -> bool:
+    """Let PIL open HEIF files through pillow-heif where it is installed: whether this call did
+    (False where it is not installed, or PIL had the opener already)."""
+    if ".heic" in Image.registered_extensions():
+        return False
+    try:
+        import pillow_heif
+    except ImportError:
+        return False
+    pillow_heif.register_heif_opener()
+    return ".heic" in Image.registered_extensions()
 
 
 def _target_size(width, height, options):

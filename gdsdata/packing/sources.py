@@ -36,6 +36,10 @@ from gdsdata.errors import BadImageError, SourceError
 
 # The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# The extensions Ultralytics takes as images of a YOLO split (its IMG_FORMATS, 8.4); the rest are ignored as
+# Ultralytics ignores them. PIL reads all but HEIC/HEIF, which need the pillow-heif plugin (as in Ultralytics).
+YOLO_IMAGE_EXTENSIONS = (".avif", ".bmp", ".dng", ".heic", ".heif", ".jp2", ".jpeg", ".jpg", ".mpo", ".png", ".tif",
+                         ".tiff", ".webp")
 TAR_EXTENSIONS = (".tar", ".tar.gz", ".tgz")  # WebDataset shards, plain or gzipped
 
 # Labels without class names become the classes 0..largest, named by their numbers: the bound keeps a
