@@ -465,8 +465,15 @@ def test_a_yolo_split_takes_the_image_formats_ultralytics_takes(tmp_path):
     assert _sources(result.out) == ["images/train/a.jpg", "images/train/j.jp2", "images/train/m.mpo",
                                     "images/train/v.avif"]
     ds = gdsdata.GDSDataset(result.out)
-    mpo = ds[_sources(result.out).index("images/train/m.mpo")][0]
-    assert mpo.shape == (3, 60, 80) and abs(mpo[:, 30, 40].int() - torch.tensor([200, 30, 30])).max() <= 3
+    mpo = _sources(result.out).index("images/train/m.mpo")
+    assert ds[mpo][0].shape == (3, 60, 80) and abs(ds[mpo][0][:, 30, 40].int() - torch.tensor([200, 30, 30])).max() <= 3
+    record = ds.index.samples[mpo]
+    with open(ds.index.shard_path(int(record["shard"])), "rb") as f:
+        f.seek(int(record["offset"]))
+        stored = f.read(int(record["length"]))
+    with open(os.path.join(images, "m.mpo"), "rb") as f:  # its first picture, stored as it is
+        whole = f.read()
+    assert len(stored) < len(whole) and whole.startswith(stored) and stored.endswith(b"\xff\xd9")
     if importlib.util.find_spec("pillow_heif") is None:
         assert result.skipped == [{"path": os.path.join("images", "train", "h.heic"), "reason": (
             "a HEIC/HEIF image: PIL reads it with the pillow-heif plugin (pip install pillow-heif), not installed")}]

@@ -173,10 +173,25 @@ def _oriented(data: bytes) -> bool:
         return False
 
 
+def _first_picture(data: bytes) -> bytes:
+    """A multi-picture JPEG's (``.mpo``: a camera's stereo pair or previews) first picture, the one
+    PIL and OpenCV read, without the pictures after it; other bytes as they are."""
+    if b"MPF\x00" not in data[:65536]:
+        return data
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            size = int(image.mpinfo[0xB002][0]["Size"]) if image.format == "MPO" else 0
+    except Exception:  # noqa: BLE001 - not a readable MPO: the bytes go on as they are, and fail or pass there
+        return data
+    return data[:size] if 0 < size < len(data) and data[size - 2:size] == b"\xff\xd9" else data
+
+
 def prepare(data: bytes, options: PackOptions) -> Prepared:
     """Validate one image file's bytes and return what to store; raises ``BadImageError``."""
     if len(data) == 0:
         raise BadImageError("empty file")
+    if is_jpeg(data):
+        data = _first_picture(data)
     turned = options.exif_transpose and _oriented(data)
     if options.codec == "jpeg" and is_jpeg(data) and not turned:
         stored = _as_is(data, options)
