@@ -168,7 +168,7 @@ def test_yolo_bad_labels_are_reported_as_the_module_says(tmp_path):
     src = str(tmp_path / "src")
     yaml_path = yolo_tree(src, {
         "good": "0 0.5 0.5 0.2 0.2\n1 0.25 0.25 0.1 0.1\n0 0.5 0.5 0.2 0.2\n",  # the last line repeats the first
-        "edge": "1 0.95 0.5 0.2 0.2\n0 1.5 0.5 0.2 0.2\n0 0.5 0.5 0 0.3\n",  # clipped, outside, degenerate
+        "edge": "1 0.95 0.5 0.2 0.2\n0 1.01 0.5 0.005 0.2\n0 0.5 0.5 0 0.3\n",  # clipped, outside, degenerate
         "polygon": "1 0.1 0.1 0.3 0.1 0.3 0.4\n",  # a polygon: its bounding box
         "negative": "",
         "unlabelled": None,
@@ -196,7 +196,7 @@ def test_yolo_bad_labels_are_reported_as_the_module_says(tmp_path):
     bad = {d["path"]: d["reason"] for d in labels["bad_labels"]}
     assert "not numbers" in bad[os.path.join("images", "train", "words.jpg")]
     assert "class id 7 is not in the 2 names" in bad[os.path.join("images", "train", "class.jpg")]
-    assert "not normalised" in bad[os.path.join("images", "train", "pixels.jpg")]
+    assert "coordinates up to 320, beyond the image" in bad[os.path.join("images", "train", "pixels.jpg")]
     assert labels["orphans"] == [{"label": os.path.join("labels", "train", "lost.txt"),
                                   "reason": "a label file without an image"}]
     with pytest.raises(SourceError, match="class id 7 is not in the 2 names .*--strict"):
@@ -477,6 +477,58 @@ def test_a_yolo_split_takes_the_image_formats_ultralytics_takes(tmp_path):
     if importlib.util.find_spec("pillow_heif") is None:
         assert result.skipped == [{"path": os.path.join("images", "train", "h.heic"), "reason": (
             "a HEIC/HEIF image: PIL reads it with the pillow-heif plugin (pip install pillow-heif), not installed")}]
+
+
+YOLO_CASES = {  # name -> (label text, image size): the images Ultralytics keeps and leaves out
+    "fine": ("0 0.5 0.5 0.2 0.2\n", (80, 60)),
+    "negative": ("0 -0.05 0.5 0.2 0.2\n", (80, 60)),
+    "slightly_negative": ("0 -0.005 0.5 0.2 0.2\n", (80, 60)),  # a centre within Ultralytics' -0.01
+    "negative_width": ("0 0.5 0.5 -0.005 0.2\n", (80, 60)),
+    "beyond": ("0 1.05 0.5 0.2 0.2\n", (80, 60)),
+    "slightly_beyond": ("0 1.005 0.5 0.2 0.2\n", (80, 60)),  # within its 1.01
+    "corner_beyond": ("0 0.95 0.5 0.2 0.2\n", (80, 60)),  # the box reaches out, its numbers do not
+    "mixed": ("0 0.5 0.5 0.2 0.2\n1 0.1 0.1 0.3 0.1 0.3 0.4\n", (80, 60)),
+    "polygon": ("1 0.1 0.1 0.3 0.1 0.3 0.4\n", (80, 60)),
+    "tiny": ("0 0.5 0.5 0.2 0.2\n", (8, 8)),
+    "thin": ("0 0.5 0.5 0.2 0.2\n", (40, 9)),
+    "small": ("0 0.5 0.5 0.2 0.2\n", (10, 10)),
+}
+YOLO_KEPT = {"fine", "slightly_negative", "slightly_beyond", "corner_beyond", "polygon", "small"}
+
+
+def test_yolo_images_are_kept_and_left_out_as_ultralytics_does(tmp_path):
+    root = str(tmp_path / "set")
+    data = yolo_tree(root, {name: text for name, (text, _) in YOLO_CASES.items()},
+                     sizes={name: size for name, (_, size) in YOLO_CASES.items()})
+    result = pack(data, str(tmp_path / "ds"), format="yolo", workers=1)
+    kept = {os.path.splitext(os.path.basename(p))[0] for p in _sources(result.out)}
+    assert kept == YOLO_KEPT
+    why = {os.path.splitext(os.path.basename(d["path"]))[0]: d["reason"]
+           for d in result.labels["bad_labels"] + result.skipped}
+    assert "negative coordinates (down to -0.05" in why["negative"] and "negative coordinates" in why["negative_width"]
+    assert "coordinates up to 1.05, beyond the image" in why["beyond"]
+    assert "boxes and polygons mixed" in why["mixed"]
+    assert why["tiny"] == "the image is 8x8, under 10 pixels a side (Ultralytics leaves such an image out)"
+    assert "40x9" in why["thin"]
+    ds = gdsdata.GDSDataset(result.out)
+    boxes = {os.path.splitext(os.path.basename(ds.source(i)))[0]: ds.target(i)["boxes"] for i in range(len(ds))}
+    assert torch.allclose(boxes["slightly_negative"], torch.tensor([[0.0, 24, 7.6, 36]]), atol=1e-3)  # clipped
+    assert torch.allclose(boxes["corner_beyond"], torch.tensor([[68.0, 24, 80, 36]]), atol=1e-3)
+
+
+def test_yolo_images_kept_are_those_ultralytics_verifies(tmp_path):
+    """The same cases through Ultralytics' own check of an image and its labels (the reference)."""
+    utils = pytest.importorskip("ultralytics.data.utils")
+    root = str(tmp_path / "set")
+    yolo_tree(root, {name: text for name, (text, _) in YOLO_CASES.items()},
+              sizes={name: size for name, (_, size) in YOLO_CASES.items()})
+    kept = set()
+    for name in YOLO_CASES:
+        image = os.path.join(root, "images", "train", name + ".jpg")
+        label = os.path.join(root, "labels", "train", name + ".txt")
+        if utils.verify_image_label((image, label, "", False, 2, 0, 0, False))[0] is not None:
+            kept.add(name)
+    assert kept == YOLO_KEPT
 
 
 def test_a_yaml_with_nc_only_or_a_validation_key_reads_as_ultralytics_does(tmp_path):

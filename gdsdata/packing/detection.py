@@ -35,9 +35,10 @@ What the labels may get wrong, and what packing does (each case named in ``pack_
 - a box that reaches outside the image: clipped to it (``clipped``); one with no area left inside
   it, or with no width or height to begin with: dropped with the reason (``dropped``);
 - the same object twice (identical rows): kept once (``duplicates``);
-- a line that is not numbers, a class id that is not in the names, coordinates that are not
-  normalised (YOLO): the image is left out with the reason (``bad_labels``), as Ultralytics
-  ignores such an image;
+- a line that is not numbers, a class id that is not in the names, YOLO coordinates outside
+  Ultralytics' bounds (above 1.01, or below 0 beyond its -0.01 allowance for a centre), boxes and
+  polygons mixed in one file: the image is left out with the reason (``bad_labels``), as
+  Ultralytics ignores such an image; so is a YOLO image under 10 pixels a side (``skipped``);
 - labels without an image (YOLO label files, COCO annotations of unknown images): reported
   (``orphans``); images without labels: kept as negatives (``negatives``).
 """
@@ -54,7 +55,10 @@ from gdsdata.errors import SourceError
 from gdsdata.format import layout as fmt
 from gdsdata.packing.sources import YOLO_IMAGE_EXTENSIONS, UNNAMED_LABELS, Item, display, unnamed_label_problem
 
-_NOT_NORMALISED = 2.0  # YOLO coordinates above this are pixels, not fractions: the label file is refused
+# Ultralytics' bounds for a YOLO row's cx cy w h (verify_image_label): at most 1.01, at least 0 (-0.01 for the
+# centre where the width and height are not negative); an image with a row outside them is left out.
+_MOST, _LEAST = 1.01, -0.01
+YOLO_MIN_SIDE = 10  # Ultralytics leaves out images under 10 pixels a side
 _SLACK = 1e-4  # a corner this far outside the image is the rounding of the label text: clipped without a word
 
 
@@ -72,6 +76,17 @@ class LabelReport:
     def as_dict(self) -> dict:
         return {"negatives": self.negatives, "clipped": self.clipped, "dropped": self.dropped,
                 "duplicates": self.duplicates, "bad_labels": self.bad_labels, "orphans": self.orphans}
+
+
+def _coordinates_problem(row) -> str:
+    """Why Ultralytics would ignore the image of this ``class cx cy w h`` row, or ""."""
+    values = np.asarray(row[1:], np.float64)
+    if values.max() > _MOST:
+        return (f"coordinates up to {values.max():.4g}, beyond the image: YOLO labels are fractions of its "
+                f"width and height (at most {_MOST}, as Ultralytics allows)")
+    if values.min() < 0 and (values.min() < _LEAST or values[2:].min() < 0):
+        return f"negative coordinates (down to {values.min():.4g}; Ultralytics allows {_LEAST} for a centre)"
+    return ""
 
 
 def boxes_from_xyxy(xyxy, labels, flags, where, report) -> np.ndarray:
@@ -299,6 +314,7 @@ def _images_under(top) -> list:
 
 class YoloSource(DetectionSource):
     format = "yolo"
+    min_side = YOLO_MIN_SIDE
 
     def __init__(self, src, split="train", strict=False):
         super().__init__()
@@ -425,7 +441,7 @@ class YoloSource(DetectionSource):
             return None, None
         except (OSError, UnicodeDecodeError) as e:
             return None, f"cannot read the label file ({getattr(e, 'strerror', None) or e})"
-        rows = []
+        rows, kinds = [], set()
         for number, line in enumerate(lines, 1):
             parts = line.split()
             if not parts:
@@ -446,9 +462,12 @@ class YoloSource(DetectionSource):
                 rows.append([values[0], (x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0])
             else:
                 return None, f"line {number}: {len(values)} values (class cx cy w h, or class and a polygon)"
-            if max(rows[-1][1:]) > _NOT_NORMALISED:
-                return None, (f"line {number}: coordinates are not normalised to the image (values up to "
-                              f"{max(rows[-1][1:]):.4g}; YOLO labels are fractions of the width and height)")
+            kinds.add(len(values) == 5)
+            if len(kinds) > 1:
+                return None, f"line {number}: boxes and polygons mixed in one file (Ultralytics ignores such an image)"
+            problem = _coordinates_problem(rows[-1])
+            if problem:
+                return None, f"line {number}: {problem}"
         return np.array(rows, np.float64).reshape(-1, 5), None
 
     def _boxes(self, rows, where):
