@@ -13,7 +13,7 @@ run's hyper-parameters (``mosaic``, ``degrees``, ``translate``, ``scale``, ``she
 closes it (``close_mosaic``); validation batches are ``Letterbox`` batches (square, where
 Ultralytics validates on rectangular batches: mAP differs slightly). Arguments these batches do not
 follow (``perspective``, ``mixup``, ``cutmix``, ``copy_paste``, ``bgr``, ``single_cls``,
-``fraction``, ``classes``) are refused unless at their defaults, and so is AutoBatch. The class
+``fraction``, ``classes``, ``rect``) are refused unless at their defaults, and so is AutoBatch. The class
 names come from the packed dataset, so ``data`` is not needed.
 Ultralytics' own DDP (it re-launches the trainer from its module path with its own arguments) is not
 offered: one process per run. Needs the ``ultralytics`` package.
@@ -40,7 +40,7 @@ except ImportError as e:  # pragma: no cover - exercised without ultralytics
 _HYP = ("mosaic", "degrees", "translate", "scale", "shear", "fliplr", "flipud", "hsv_h", "hsv_s", "hsv_v", "seed")
 # Ultralytics arguments these batches do not follow: refused unless at the value they follow
 _UNSUPPORTED = {"perspective": 0.0, "mixup": 0.0, "cutmix": 0.0, "copy_paste": 0.0, "bgr": 0.0,
-                "single_cls": False, "fraction": 1.0, "classes": None}
+                "single_cls": False, "fraction": 1.0, "classes": None, "rect": False}
 
 
 class _Samples:
@@ -159,11 +159,14 @@ class DetectionTrainer(_UltralyticsTrainer):
 
     def __init__(self, train, val, cfg=DEFAULT_CFG, overrides=None, _callbacks=None):
         self.gds_roots = {"train": str(train), "val": str(val)}
-        probe = GDSDataset(self.gds_roots["train"])
-        if probe.task != "detect":
-            raise TypeError(f"{train} is a classification dataset; DetectionTrainer trains on detection datasets")
-        self._names = dict(enumerate(probe.classes))
-        probe.close()
+        for mode, root in self.gds_roots.items():
+            probe = GDSDataset(root)
+            if probe.task != "detect":
+                raise TypeError(f"{root} (the {mode} dataset) is a classification dataset; DetectionTrainer trains "
+                                f"and validates on detection datasets")
+            if mode == "train":
+                self._names = dict(enumerate(probe.classes))
+            probe.close()
         self._gds_batches = {}
         overrides = dict(overrides or {})
         overrides.setdefault("data", self.gds_roots["train"])

@@ -60,7 +60,7 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
     assert trainer.data["names"] == dict(enumerate(gdsdata.GDSDataset(train).classes))
 
 
-def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path):
+def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos_dataset):
     os.environ.setdefault("YOLO_OFFLINE", "1")
     opener = Image.open
     pytest.importorskip("ultralytics")
@@ -70,5 +70,9 @@ def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path):
     common = {"model": "yolov8n.yaml", "imgsz": 64, "device": "cpu", "project": str(tmp_path), "name": "r"}
     with pytest.raises(ValueError, match="mixup=0.5"):
         DetectionTrainer(*packed, overrides={**common, "mixup": 0.5})
+    with pytest.raises(ValueError, match="rect=True"):  # square mosaic batches, not rectangular ones
+        DetectionTrainer(*packed, overrides={**common, "rect": True})
+    with pytest.raises(TypeError, match="the val dataset.*classification"):  # at once, not after the model is built
+        DetectionTrainer(packed[0], photos_dataset[2], overrides=common)
     with pytest.raises(ValueError, match="AutoBatch"):
         DetectionTrainer(*packed, overrides={**common, "batch": -1})
