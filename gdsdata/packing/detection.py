@@ -294,8 +294,8 @@ def _dataset_root(yaml_path, path, split, entries):
                           f"absolute folder")
     if not found:
         tried = ", ".join(dict.fromkeys(display(os.path.normpath(root)) for root in candidates))
-        raise SourceError(f"{display(yaml_path)}: split {split!r} ({', '.join(entries)}) is not under "
-                          f"{'any of ' if len(candidates) > 1 else ''}{tried}")
+        raise SourceError(f"{display(yaml_path)}: split {split!r} ({', '.join(entries)}): no such folder or file "
+                          f"under {'any of ' if len(candidates) > 1 else ''}{tried}")
     return next(iter(found.values()))
 
 
