@@ -138,6 +138,7 @@ def main(argv=None):
     t0, seen = time.perf_counter(), 0
     while train.epoch < args.epochs and not (args.max_steps and step >= args.max_steps):
         epoch = train.epoch  # after a full epoch the loader is at the next one; a resume sets it too
+        train.set_epoch(epoch)  # as with DistributedSampler (here a no-op: the epoch it holds, a resume kept)
         done = steps_per_epoch - train.batches_left()  # the share of the epoch already trained, in these batches
         for images, labels in train:
             for group in optimizer.param_groups:

@@ -215,7 +215,10 @@ class Loader:
         return self.spec.drop_last
 
     def batches_left(self) -> int:
-        """Batches the pass being iterated (or, after ``load_state_dict``, the next one) still delivers."""
+        """Batches the pass being iterated (or, after ``load_state_dict``, the next one) still delivers;
+        with no pass under way (none yet, or the loop broke out of it), the next pass's: a whole
+        epoch, since each ``iter()`` starts the epoch again (``state_dict`` keeps where the broken
+        pass stood)."""
         active = self._active() if self._active is not None else None
         if active is None and not self._resume:
             return len(self)
