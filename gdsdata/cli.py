@@ -230,8 +230,15 @@ class _Defaults:
 PACK_DEFAULTS = _Defaults()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line, as every other error of the CLI (exit status 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(prog="gdsdata", description="Pack images into GPU-ready shards, "
+    parser = _Parser(prog="gdsdata", description="Pack images into GPU-ready shards, "
                                      "merge, inspect and verify them, and check what this machine's GPU path is.")
     parser.add_argument("--version", action="version", version=f"gdsdata {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")

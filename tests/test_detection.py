@@ -374,7 +374,8 @@ def test_a_relative_yaml_path_is_found_where_ultralytics_looks(tmp_path, monkeyp
         monkeypatch.setenv("YOLO_CONFIG_DIR", str(config))
         assert pack(data, str(tmp_path / f"ds2-{k}"), format="yolo", workers=1).packed == 1
     monkeypatch.setenv("YOLO_CONFIG_DIR", str(tmp_path / "none"))
-    with pytest.raises(SourceError, match=r"mini.yaml: split 'train' \(images/train\): no such folder or file under any of "):
+    with pytest.raises(SourceError, match=r"mini.yaml: split 'train' \(images/train\): no such folder or file under "
+                                          r"any of "):
         pack(data, str(tmp_path / "ds3"), format="yolo", workers=1)
 
 
