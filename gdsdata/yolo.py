@@ -166,6 +166,9 @@ class DetectionTrainer(_UltralyticsTrainer):
                                 f"and validates on detection datasets")
             if mode == "train":
                 self._names = dict(enumerate(probe.classes))
+            elif list(self._names.values()) != list(probe.classes):  # mAP per class would compare other classes
+                raise ValueError(f"{root} (the val dataset) has the classes {probe.classes[:5]}..., the train dataset "
+                                 f"{list(self._names.values())[:5]}...: pack both from the same names")
             probe.close()
         self._gds_batches = {}
         overrides = dict(overrides or {})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import mean_abs_diff, pil_reference
-from PIL import Image
+from PIL import Image, features
 
 import gdsdata
 from gdsdata.cli import main as cli
@@ -23,6 +23,7 @@ from gdsdata.format import index as index_io
 from gdsdata.format import layout as fmt
 from gdsdata.packing.detection import label_path
 from gdsdata.packing.packer import pack
+from gdsdata.packing.prepare import PackOptions
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 from make_detection import generate  # noqa: E402
@@ -457,14 +458,25 @@ def test_a_yolo_split_takes_the_image_formats_ultralytics_takes(tmp_path):
     images = os.path.join(root, "images", "train")
     first, second = Image.new("RGB", (80, 60), (200, 30, 30)), Image.new("RGB", (80, 60), (30, 200, 30))
     first.save(os.path.join(images, "m.mpo"), "MPO", save_all=True, append_images=[second])
-    Image.new("RGB", (80, 60), (10, 20, 30)).save(os.path.join(images, "v.avif"))
+    avif = features.check("avif")  # (a Pillow built with AVIF: 11.3 on)
+    if avif:
+        Image.new("RGB", (80, 60), (10, 20, 30)).save(os.path.join(images, "v.avif"))
     Image.new("RGB", (80, 60), (10, 20, 30)).save(os.path.join(images, "j.jp2"))
     Image.new("RGB", (80, 60)).save(os.path.join(images, "p.ppm"))
+    with open(os.path.join(root, "labels", "train", "p.txt"), "w") as f:
+        f.write("0 0.5 0.5 0.2 0.2\n")
+    Image.new("RGB", (80, 60)).save(os.path.join(images, "g.jpg"), "GIF")  # a GIF by its content
     with open(os.path.join(images, "h.heic"), "wb") as f:
         f.write(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64))
     result = pack(data, str(tmp_path / "ds"), format="yolo", workers=1)
-    assert _sources(result.out) == ["images/train/a.jpg", "images/train/j.jp2", "images/train/m.mpo",
-                                    "images/train/v.avif"]
+    assert _sources(result.out) == ["images/train/a.jpg", "images/train/j.jp2", "images/train/m.mpo"] + (
+        ["images/train/v.avif"] if avif else [])
+    assert result.ignored == [os.path.join("images", "train", "p.ppm")]
+    assert result.labels["orphans"] == [{"label": os.path.join("labels", "train", "p.txt"), "reason": (
+        "its image p.ppm has no image extension of Ultralytics' (ignored)")}]
+    skipped = {d["path"]: d["reason"] for d in result.skipped}
+    assert skipped[os.path.join("images", "train", "g.jpg")] == (
+        "a GIF image by its content, not one of Ultralytics' image formats (it leaves such an image out)")
     ds = gdsdata.GDSDataset(result.out)
     mpo = _sources(result.out).index("images/train/m.mpo")
     assert ds[mpo][0].shape == (3, 60, 80) and abs(ds[mpo][0][:, 30, 40].int() - torch.tensor([200, 30, 30])).max() <= 3
@@ -475,9 +487,10 @@ def test_a_yolo_split_takes_the_image_formats_ultralytics_takes(tmp_path):
     with open(os.path.join(images, "m.mpo"), "rb") as f:  # its first picture, stored as it is
         whole = f.read()
     assert len(stored) < len(whole) and whole.startswith(stored) and stored.endswith(b"\xff\xd9")
-    if importlib.util.find_spec("pillow_heif") is None:
-        assert result.skipped == [{"path": os.path.join("images", "train", "h.heic"), "reason": (
-            "a HEIC/HEIF image: PIL reads it with the pillow-heif plugin (pip install pillow-heif), not installed")}]
+    if importlib.util.find_spec("pillow_heif") is None and importlib.util.find_spec("pi_heif") is None:
+        assert skipped[os.path.join("images", "train", "h.heic")] == (
+            "a HEIC/HEIF image: PIL reads it with the pillow-heif or pi-heif plugin (pip install pi-heif), neither "
+            "installed")
 
 
 YOLO_CASES = {  # name -> (label text, image size): the images Ultralytics keeps and leaves out
@@ -493,8 +506,14 @@ YOLO_CASES = {  # name -> (label text, image size): the images Ultralytics keeps
     "tiny": ("0 0.5 0.5 0.2 0.2\n", (8, 8)),
     "thin": ("0 0.5 0.5 0.2 0.2\n", (40, 9)),
     "small": ("0 0.5 0.5 0.2 0.2\n", (10, 10)),
+    "bom": ("\ufeff0 0.5 0.5 0.2 0.2\n", (80, 60)),  # UTF-8 with a byte-order mark
+    "float32_bound": ("0 1.01000001 0.5 0.2 0.2\n", (80, 60)),  # 1.01 in float32, as Ultralytics holds it
+    "point_among_polygons": ("0 0.1 0.1 0.3 0.1 0.3 0.4\n1 0.5 0.5\n", (80, 60)),  # a one-point polygon
+    "six_values": ("0 0.5 0.5 0.2 0.2 0.1\n", (80, 60)),
+    "even_polygon": ("0 0.1 0.1 0.3 0.1 0.3 0.4 0.5\n", (80, 60)),
 }
-YOLO_KEPT = {"fine", "slightly_negative", "slightly_beyond", "corner_beyond", "polygon", "small"}
+YOLO_KEPT = {"fine", "slightly_negative", "slightly_beyond", "corner_beyond", "polygon", "small", "bom",
+             "float32_bound", "point_among_polygons"}
 
 
 def test_yolo_images_are_kept_and_left_out_as_ultralytics_does(tmp_path):
@@ -515,6 +534,42 @@ def test_yolo_images_are_kept_and_left_out_as_ultralytics_does(tmp_path):
     boxes = {os.path.splitext(os.path.basename(ds.source(i)))[0]: ds.target(i)["boxes"] for i in range(len(ds))}
     assert torch.allclose(boxes["slightly_negative"], torch.tensor([[0.0, 24, 7.6, 36]]), atol=1e-3)  # clipped
     assert torch.allclose(boxes["corner_beyond"], torch.tensor([[68.0, 24, 80, 36]]), atol=1e-3)
+
+
+def test_yolo_size_rule_judges_the_source_not_the_downscaled_image(tmp_path):
+    """Under 10 pixels a side in the file is left out also when --max-side or --size would shrink it."""
+    root = str(tmp_path / "set")
+    data = yolo_tree(root, {"thin": "0 0.5 0.5 0.2 0.2\n", "wide": "0 0.5 0.5 0.2 0.2\n"},
+                     sizes={"thin": (3000, 8), "wide": (3000, 12)})
+    result = pack(data, str(tmp_path / "ds"), format="yolo", workers=1, options=PackOptions(max_side=1000))
+    assert _sources(result.out) == ["images/train/wide.jpg"]  # stored 1000x4, from 3000x12
+    assert result.skipped[0]["reason"].startswith("the image is 3000x8, under 10 pixels a side")
+
+
+def test_pose_labels_pack_their_boxes_as_ultralytics_detection_reads_them(tmp_path):
+    root = str(tmp_path / "set")
+    keypoints = " ".join(["0.5 0.5 2"] * 17)
+    data = yolo_tree(root, {"person": f"0 0.5 0.5 0.2 0.2 {keypoints}\n"})
+    with open(data, "a") as f:
+        f.write("kpt_shape: [17, 3]\n")
+    result = pack(data, str(tmp_path / "ds"), format="yolo", workers=1)
+    boxes = gdsdata.GDSDataset(result.out).target(0)["boxes"]
+    assert torch.allclose(boxes, torch.tensor([[32.0, 24, 48, 36]]), atol=1e-3)
+    _yaml(data, "path: .\ntrain: images/train\nnames: [a, b]\nkpt_shape: 17\n")
+    with pytest.raises(SourceError, match="kpt_shape: must be"):
+        pack(data, str(tmp_path / "ds2"), format="yolo", workers=1)
+
+
+def test_yolo_sources_name_a_missing_split_entry_and_an_unreadable_classes_txt(tmp_path):
+    root = str(tmp_path / "set")
+    data = yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n"})
+    _yaml(data, "path: .\ntrain: [images/train, images/gone]\nnames: [a, b]\n")
+    with pytest.raises(SourceError, match=r"split 'train' \(images/gone\): no such folder or file under"):
+        pack(data, str(tmp_path / "ds"), format="yolo", workers=1)
+    with open(os.path.join(root, "classes.txt"), "wb") as f:
+        f.write(b"caf\xe9\n")
+    with pytest.raises(SourceError, match=r"classes.txt: cannot read the class names"):
+        pack(root, str(tmp_path / "ds2"), format="yolo", workers=1)
 
 
 def test_yolo_images_kept_are_those_ultralytics_verifies(tmp_path):

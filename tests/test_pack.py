@@ -243,3 +243,45 @@ def test_public_pack_is_the_function():
     import gdsdata.packing.packer  # noqa: F401 - importing the module must not shadow the function
 
     assert callable(gdsdata.pack) and gdsdata.pack is gdsdata.packing.packer.pack
+
+
+def test_a_multi_picture_jpeg_packs_its_first_picture_and_appends_beside_it(tmp_path):
+    """A phone's .jpg holding a second picture (MPF): its first picture is stored (flagged as not the
+    file byte for byte), and an append over the same folder takes it as the image it packed."""
+    from PIL import Image
+
+    src = tmp_path / "src"
+    for name in ("cat", "dog"):
+        (src / name).mkdir(parents=True)
+    first, second = Image.new("RGB", (80, 60), (200, 30, 30)), Image.new("RGB", (80, 60), (30, 200, 30))
+    first.save(src / "cat" / "phone.jpg", "MPO", save_all=True, append_images=[second])
+    Image.new("RGB", (80, 60), (9, 9, 9)).save(src / "dog" / "a.jpg")
+    out = str(tmp_path / "ds")
+    pack(str(src), out, workers=1)
+    ds = GDSDataset(out)
+    k = [ds.source(i) for i in range(len(ds))].index(os.path.join("cat", "phone.jpg"))
+    assert ds.index.samples[k]["flags"] & fmt.FLAG_CONVERTED
+    assert int(ds.index.samples[k]["length"]) < os.path.getsize(src / "cat" / "phone.jpg")
+    Image.new("RGB", (80, 60), (1, 2, 3)).save(src / "dog" / "b.jpg")
+    assert pack(str(src), out, workers=1, append=True).new == 1 and len(GDSDataset(out)) == 3
+
+
+def test_a_file_that_is_no_image_is_one_reason_also_after_ultralytics_is_imported(monkeypatch):
+    """Ultralytics replaces PIL's Image.open, process-wide, with one that pip-installs a HEIF plugin
+    when a file is no image: packing uses PIL's own and fetches nothing."""
+    pytest.importorskip("ultralytics")
+    from PIL import Image
+
+    from gdsdata.packing.prepare import prepare
+
+    original = Image.open
+    try:
+        import ultralytics.utils.checks as checks
+        import ultralytics.utils.patches as patches
+
+        Image.open = patches.image_open  # as importing it left it (a test may have put PIL's back since)
+        monkeypatch.setattr(checks, "check_requirements", lambda *a, **k: pytest.fail("fetched a package"))
+        with pytest.raises(BadImageError, match="not an image PIL can identify"):
+            prepare(b"plain text, no image", PackOptions())
+    finally:
+        Image.open = original

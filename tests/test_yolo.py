@@ -74,5 +74,11 @@ def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos
         DetectionTrainer(*packed, overrides={**common, "rect": True})
     with pytest.raises(TypeError, match="the val dataset.*classification"):  # at once, not after the model is built
         DetectionTrainer(packed[0], photos_dataset[2], overrides=common)
+    root = str(tmp_path / "other")
+    generate(root, 4, classes=2, seed=5, val=0.5)  # other class names: mAP per class would mean nothing
+    other = pack(os.path.join(root, "yolo", "data.yaml"), str(tmp_path / "other.gds"), format="yolo", split="val",
+                 workers=1).out
+    with pytest.raises(ValueError, match="the val dataset\\) has the classes"):
+        DetectionTrainer(packed[0], other, overrides=common)
     with pytest.raises(ValueError, match="AutoBatch"):
         DetectionTrainer(*packed, overrides={**common, "batch": -1})

@@ -35,10 +35,11 @@ What the labels may get wrong, and what packing does (each case named in ``pack_
 - a box that reaches outside the image: clipped to it (``clipped``); one with no area left inside
   it, or with no width or height to begin with: dropped with the reason (``dropped``);
 - the same object twice (identical rows): kept once (``duplicates``);
-- a line that is not numbers, a class id that is not in the names, YOLO coordinates outside
-  Ultralytics' bounds (above 1.01, or below 0 beyond its -0.01 allowance for a centre), boxes and
-  polygons mixed in one file: the image is left out with the reason (``bad_labels``), as
-  Ultralytics ignores such an image; so is a YOLO image under 10 pixels a side (``skipped``);
+- a line that is not numbers, a class id that is not in the names, a YOLO row whose cx cy w h (a
+  polygon's: its box's) fall outside Ultralytics' bounds (above 1.01, or below 0 beyond its -0.01
+  allowance for a centre), boxes and polygons mixed in one file: the image is left out with the
+  reason (``bad_labels``), as Ultralytics ignores such an image; so is a YOLO image under 10 pixels
+  a side, or whose content is not one of Ultralytics' formats (``skipped``);
 - labels without an image (YOLO label files, COCO annotations of unknown images): reported
   (``orphans``); images without labels: kept as negatives (``negatives``).
 """
@@ -53,7 +54,8 @@ import numpy as np
 from gdsdata.args import is_integer
 from gdsdata.errors import SourceError
 from gdsdata.format import layout as fmt
-from gdsdata.packing.sources import YOLO_IMAGE_EXTENSIONS, UNNAMED_LABELS, Item, display, unnamed_label_problem
+from gdsdata.packing.sources import (UNNAMED_LABELS, YOLO_IMAGE_EXTENSIONS, YOLO_IMAGE_FORMATS, Item, display,
+                                     unnamed_label_problem)
 
 # Ultralytics' bounds for a YOLO row's cx cy w h (verify_image_label): at most 1.01, at least 0 (-0.01 for the
 # centre where the width and height are not negative); an image with a row outside them is left out.
@@ -80,11 +82,11 @@ class LabelReport:
 
 def _coordinates_problem(row) -> str:
     """Why Ultralytics would ignore the image of this ``class cx cy w h`` row, or ""."""
-    values = np.asarray(row[1:], np.float64)
-    if values.max() > _MOST:
+    values = np.asarray(row[1:], np.float32)  # (compared in float32, as Ultralytics holds them)
+    if values.max() > np.float32(_MOST):
         return (f"coordinates up to {values.max():.4g}, beyond the image: YOLO labels are fractions of its "
                 f"width and height (at most {_MOST}, as Ultralytics allows)")
-    if values.min() < 0 and (values.min() < _LEAST or values[2:].min() < 0):
+    if values.min() < 0 and (values.min() < np.float32(_LEAST) or values[2:].min() < 0):
         return f"negative coordinates (down to {values.min():.4g}; Ultralytics allows {_LEAST} for a centre)"
     return ""
 
@@ -265,6 +267,17 @@ def _split_entries(root, entries) -> list:
     return placed
 
 
+def _kpt_shape(data, where):
+    """A pose YAML's ``kpt_shape`` (keypoints, values per keypoint), or None: its label rows are read
+    for their boxes, as Ultralytics' detection training reads them."""
+    shape = data.get("kpt_shape")
+    if shape is None:
+        return None
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) and v > 0 for v in shape)):
+        raise SourceError(f"{where}: kpt_shape: must be [keypoints, 2 or 3], got {shape!r}")
+    return tuple(shape)
+
+
 def _dataset_root(yaml_path, path, split, entries):
     """(dataset root, the split's entries as paths) for a data YAML whose ``path`` is ``path``. A
     relative ``path`` is tried from the YAML's folder, then where Ultralytics looks (the current
@@ -294,27 +307,33 @@ def _dataset_root(yaml_path, path, split, entries):
                           f"absolute folder")
     if not found:
         tried = ", ".join(dict.fromkeys(display(os.path.normpath(root)) for root in candidates))
-        raise SourceError(f"{display(yaml_path)}: split {split!r} ({', '.join(entries)}): no such folder or file "
-                          f"under {'any of ' if len(candidates) > 1 else ''}{tried}")
+        missing = [e for e in entries if all(_split_entries(os.path.normpath(r), [e]) is None for r in candidates)]
+        raise SourceError(f"{display(yaml_path)}: split {split!r} ({', '.join(missing or entries)}): no such folder "
+                          f"or file under {'any of ' if len(candidates) > 1 else ''}{tried}")
     return next(iter(found.values()))
 
 
-def _images_under(top) -> list:
+def _images_under(top, others) -> list:
     """(sort key, path) of each image under ``top``, as Ultralytics' ``glob("**/*.*")`` finds them:
     hidden files and folders (``.ipynb_checkpoints``, macOS' ``._x.jpg``) left out; the key is the
-    path from the folder's real path, as Ultralytics sorts them."""
+    path from the folder's real path, as Ultralytics sorts them. The other files' paths go to
+    ``others``."""
     found, real = [], os.path.realpath(top)
     for folder, dirs, files in os.walk(top, followlinks=True):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         key = os.path.join(real, os.path.relpath(folder, top))
-        found.extend((os.path.normpath(os.path.join(key, n)), os.path.join(folder, n)) for n in sorted(files)
-                     if not n.startswith(".") and n.lower().endswith(YOLO_IMAGE_EXTENSIONS))
+        for name in sorted(n for n in files if not n.startswith(".")):
+            if name.lower().endswith(YOLO_IMAGE_EXTENSIONS):
+                found.append((os.path.normpath(os.path.join(key, name)), os.path.join(folder, name)))
+            else:
+                others.append(os.path.join(folder, name))
     return found
 
 
 class YoloSource(DetectionSource):
     format = "yolo"
     min_side = YOLO_MIN_SIDE
+    image_formats = YOLO_IMAGE_FORMATS
 
     def __init__(self, src, split="train", strict=False):
         super().__init__()
@@ -322,7 +341,7 @@ class YoloSource(DetectionSource):
         self.root = src
         if not os.path.exists(src):
             raise SourceError(f"{display(src)}: no such file or folder")
-        names = None
+        names, keypoints, self._others = None, None, []
         if os.path.isfile(src):
             if not src.endswith((".yaml", ".yml")):
                 raise SourceError(f"{display(src)}: --format yolo takes a data YAML or a folder")
@@ -334,6 +353,7 @@ class YoloSource(DetectionSource):
                 raise SourceError(f"{display(src)}: no split {split!r} (the YAML has {', '.join(known) or 'none'}; "
                                   f"--split chooses)")
             names = _yaml_names(data, display(src))
+            keypoints = _kpt_shape(data, display(src))
             entries = data[split] if isinstance(data[split], list) else [data[split]]
             if not all(isinstance(entry, str) and entry for entry in entries):
                 raise SourceError(f"{display(src)}: split {split!r} must be a path or a list of paths")
@@ -356,7 +376,7 @@ class YoloSource(DetectionSource):
             raise SourceError(f"{display(src)}: no image files in split {split!r} (extensions: "
                               f"{' '.join(YOLO_IMAGE_EXTENSIONS)})")
         labels_of = {image: label_path(image) for image in images}
-        parsed = {image: self._labels(labels_of[image]) for image in images}
+        parsed = {image: self._labels(labels_of[image], keypoints) for image in images}
         if names is None:  # the ids as names, up to the largest id used; a stray huge id leaves its image out
             for image, (rows, problem) in parsed.items():
                 if problem is None and rows is not None and len(rows):
@@ -382,11 +402,12 @@ class YoloSource(DetectionSource):
             boxes = self._boxes(rows, os.path.relpath(labels_of[image], self.root))
             self.report.negatives += not len(boxes)
             self.items.append(Item(rel, 0, path=image, boxes=boxes))
+        self.ignored = [display(os.path.relpath(path, self.root)) for path in self._others]
         self._orphans(set(labels_of.values()))
 
     def _split(self, entry) -> list:
         if os.path.isdir(entry):
-            return _images_under(entry)
+            return _images_under(entry, self._others)
         if os.path.isfile(entry) and entry.endswith(".txt"):
             return self._listed(entry)
         raise SourceError(f"{display(entry)}: a split is a folder of images or a .txt list of them")
@@ -424,24 +445,30 @@ class YoloSource(DetectionSource):
         for candidate in (os.path.join(src, "classes.txt"), os.path.join(src, "labels", "classes.txt"),
                           os.path.join(os.path.dirname(label_path(os.path.join(folder, "x.jpg"))), "classes.txt")):
             if os.path.isfile(candidate):
-                with open(candidate, encoding="utf-8") as f:
-                    names = [line.strip() for line in f if line.strip()]
+                try:
+                    with open(candidate, encoding="utf-8-sig") as f:
+                        names = [line.strip() for line in f if line.strip()]
+                except (OSError, UnicodeDecodeError) as e:
+                    raise SourceError(f"{display(candidate)}: cannot read the class names "
+                                      f"({getattr(e, 'strerror', None) or e})") from e
                 if names:
                     return names
         return None
 
     @staticmethod
-    def _labels(path):
+    def _labels(path, keypoints=None):
         """(rows as an N x 5 array of class, cx, cy, w, h, or None without a label file; the reason
-        the file is unusable, or None)."""
+        the file is unusable, or None), read as Ultralytics' ``verify_image_label`` reads a file:
+        UTF-8 with or without a byte-order mark; a pose row (``keypoints``: the YAML's ``kpt_shape``)
+        its box; a file with a row of more than 6 values all polygons (each its bounding box)."""
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:
                 lines = f.read().splitlines()
         except FileNotFoundError:
             return None, None
         except (OSError, UnicodeDecodeError) as e:
             return None, f"cannot read the label file ({getattr(e, 'strerror', None) or e})"
-        rows, kinds = [], set()
+        numbered = []
         for number, line in enumerate(lines, 1):
             parts = line.split()
             if not parts:
@@ -454,17 +481,22 @@ class YoloSource(DetectionSource):
                 return None, f"line {number}: a value that is not finite"
             if values[0] != int(values[0]) or values[0] < 0:
                 return None, f"line {number}: class id {parts[0]} is not a non-negative integer"
-            if len(values) == 5:
-                rows.append(values)
-            elif len(values) >= 7 and len(values) % 2 == 1:  # a polygon: its bounding box
+            if keypoints and len(values) == 5 + keypoints[0] * keypoints[1]:
+                values = values[:5]  # a pose row: its box
+            numbered.append((number, values))
+        polygons = any(len(values) > 6 for _, values in numbered)
+        rows = []
+        for number, values in numbered:
+            if polygons and len(values) == 5:
+                return None, f"line {number}: boxes and polygons mixed in one file (Ultralytics ignores such an image)"
+            if polygons and len(values) % 2 == 1:  # a polygon: its bounding box
                 xs, ys = values[1::2], values[2::2]
                 x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
                 rows.append([values[0], (x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0])
+            elif len(values) == 5 and not polygons:
+                rows.append(values)
             else:
                 return None, f"line {number}: {len(values)} values (class cx cy w h, or class and a polygon)"
-            kinds.add(len(values) == 5)
-            if len(kinds) > 1:
-                return None, f"line {number}: boxes and polygons mixed in one file (Ultralytics ignores such an image)"
             problem = _coordinates_problem(rows[-1])
             if problem:
                 return None, f"line {number}: {problem}"
@@ -488,16 +520,17 @@ class YoloSource(DetectionSource):
             except OSError:
                 continue
             try:
-                stems = {os.path.splitext(n)[0] for n in os.listdir(_images_folder(folder))
-                         if n.lower().endswith(YOLO_IMAGE_EXTENSIONS)}
+                beside = os.listdir(_images_folder(folder))
             except OSError:
-                stems = set()
+                beside = []
+            stems = {os.path.splitext(n)[0] for n in beside if n.lower().endswith(YOLO_IMAGE_EXTENSIONS)}
+            others = {os.path.splitext(n)[0]: n for n in beside if not n.lower().endswith(YOLO_IMAGE_EXTENSIONS)}
             for name in names:
-                path = os.path.join(folder, name)
-                if name.endswith(".txt") and name != "classes.txt" and path not in wanted and \
-                        os.path.splitext(name)[0] not in stems:
-                    self.report.orphans.append({"label": display(os.path.relpath(path, self.root)),
-                                                "reason": "a label file without an image"})
+                path, stem = os.path.join(folder, name), os.path.splitext(name)[0]
+                if name.endswith(".txt") and name != "classes.txt" and path not in wanted and stem not in stems:
+                    reason = "a label file without an image" if stem not in others else (
+                        f"its image {display(others[stem])} has no image extension of Ultralytics' (ignored)")
+                    self.report.orphans.append({"label": display(os.path.relpath(path, self.root)), "reason": reason})
 
 
 # --- COCO ---------------------------------------------------------------------------------------

@@ -667,7 +667,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     labels = {item.rel: item.label for item in items}
     task = getattr(source, "task", "classify")
     sizes = {item.rel: item.size for item in items if item.size is not None}
-    min_side = getattr(source, "min_side", 0)  # YOLO: Ultralytics leaves out images under 10 pixels a side
+    min_side = getattr(source, "min_side", 0)  # YOLO: Ultralytics leaves out images under 10 pixels a side,
+    formats = getattr(source, "image_formats", None)  # and those whose content is not one of its formats
     try:
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
@@ -680,10 +681,12 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                         (prepared.width, prepared.height) != declared:
                     prepared, reason = None, (f"the image is {prepared.width}x{prepared.height}, its annotations "
                                               f"were made for {declared[0]}x{declared[1]}")
-                if prepared is not None and min(prepared.width, prepared.height) < min_side and \
-                        not prepared.flags & fmt.FLAG_RESIZED:
-                    prepared, reason = None, (f"the image is {prepared.width}x{prepared.height}, under {min_side} "
-                                              f"pixels a side (Ultralytics leaves such an image out)")
+                if prepared is not None and min_side and min(prepared.source_size) < min_side:
+                    prepared, reason = None, (f"the image is {prepared.source_size[0]}x{prepared.source_size[1]}, "
+                                              f"under {min_side} pixels a side (Ultralytics leaves such an image out)")
+                if prepared is not None and formats is not None and prepared.source_format not in formats:
+                    prepared, reason = None, (f"a {prepared.source_format.upper() or 'unnamed'} image by its content, "
+                                              f"not one of Ultralytics' image formats (it leaves such an image out)")
                 if prepared is None:
                     if strict:
                         raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")

@@ -12,8 +12,9 @@ rest as YCbCr. A file that cannot be decoded raises ``BadImageError`` with the r
 """
 
 import io
+import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import simplejpeg
 from PIL import Image, ImageOps
@@ -65,6 +66,17 @@ class Prepared:
     components: int
     subsampling: int
     flags: int
+    source_size: tuple = None  # (width, height) of the source as read (EXIF-turned), before any downscale
+    source_format: str = ""  # what PIL calls the source's format, lower case ("jpeg", "png", "mpo" ...)
+
+
+def _pil_open():
+    """PIL's own ``Image.open``. Importing Ultralytics replaces it, process-wide, with one that on a
+    file PIL cannot identify pip-installs pi-heif and raises when it cannot: a non-image would then
+    fetch a package at run time, or read as a missing module."""
+    patches = sys.modules.get("ultralytics.utils.patches")
+    original = getattr(patches, "_image_open", None)
+    return original if original is not None and Image.open is getattr(patches, "image_open", None) else Image.open
 
 
 def _open(data: bytes, options) -> Image.Image:
@@ -75,19 +87,19 @@ def _open(data: bytes, options) -> Image.Image:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is ours
             previous, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
             try:
-                image = Image.open(io.BytesIO(data))
+                image = _pil_open()(io.BytesIO(data))
                 _check_pixels(image.width, image.height, options)
                 image.load()
             finally:
                 Image.MAX_IMAGE_PIXELS = previous
     except BadImageError:
         raise
-    except Image.UnidentifiedImageError as e:
+    except (Image.UnidentifiedImageError, ImportError) as e:  # (ImportError: a patched Image.open's plugin)
         if _heif(data) and _register_heif():
             return _open(data, options)
         if _heif(data) and ".heic" not in Image.registered_extensions():
-            raise BadImageError("a HEIC/HEIF image: PIL reads it with the pillow-heif plugin (pip install "
-                                "pillow-heif), not installed") from e
+            raise BadImageError("a HEIC/HEIF image: PIL reads it with the pillow-heif or pi-heif plugin (pip "
+                                "install pi-heif), neither installed") from e
         raise BadImageError("not an image PIL can identify") from e
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise BadImageError(f"too many pixels ({e})") from e
@@ -109,15 +121,17 @@ def _heif(data: bytes) -> bool:
 
 
 def _register_heif() -> bool:
-    """Let PIL open HEIF files through pillow-heif where it is installed: whether this call did
-    (False where it is not installed, or PIL had the opener already)."""
+    """Let PIL open HEIF files through pillow-heif or pi-heif where one is installed: whether this
+    call did (False where neither is, or PIL had the opener already)."""
     if ".heic" in Image.registered_extensions():
         return False
-    try:
-        import pillow_heif
-    except ImportError:
-        return False
-    pillow_heif.register_heif_opener()
+    for plugin in ("pillow_heif", "pi_heif"):  # (pi-heif: its decoder alone, what Ultralytics installs)
+        try:
+            module = __import__(plugin)
+        except ImportError:
+            continue
+        module.register_heif_opener()
+        break
     return ".heic" in Image.registered_extensions()
 
 
@@ -161,45 +175,56 @@ def _as_is(data: bytes, options: PackOptions):
         return None  # PIL decides whether it is readable at all, and conversion cleans it
     if pixels.shape[:2] != (info.height, info.width):
         return None
-    return Prepared(data, fmt.CODEC_JPEG, info.width, info.height, info.components, info.subsampling, 0)
+    return Prepared(data, fmt.CODEC_JPEG, info.width, info.height, info.components, info.subsampling, 0,
+                    (info.width, info.height), "jpeg")
 
 
 def _oriented(data: bytes) -> bool:
     """Whether the image carries an EXIF orientation other than 'as stored' (1)."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with _pil_open()(io.BytesIO(data)) as image:
             return image.getexif().get(0x0112, 1) not in (0, 1)
     except Exception:  # noqa: BLE001 - an unreadable file fails later, with its reason
         return False
 
 
 def _first_picture(data: bytes) -> bytes:
-    """A multi-picture JPEG's (``.mpo``: a camera's stereo pair or previews) first picture, the one
-    PIL and OpenCV read, without the pictures after it; other bytes as they are."""
+    """A multi-picture JPEG's (``.mpo``, or a phone's ``.jpg`` holding a gain or depth map) first
+    picture, the one PIL and OpenCV read, without the pictures after it; other bytes as they are
+    (also where the first picture's size entry does not cut out an image of the same size)."""
     if b"MPF\x00" not in data[:65536]:
         return data
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            size = int(image.mpinfo[0xB002][0]["Size"]) if image.format == "MPO" else 0
+        with _pil_open()(io.BytesIO(data)) as image:
+            if image.format != "MPO":
+                return data
+            size, whole = int(image.mpinfo[0xB002][0]["Size"]), image.size
+        first = data[:size]
+        if not 0 < size < len(data) or first[-2:] != b"\xff\xd9":
+            return data
+        info = probe(first)
     except Exception:  # noqa: BLE001 - not a readable MPO: the bytes go on as they are, and fail or pass there
         return data
-    return data[:size] if 0 < size < len(data) and data[size - 2:size] == b"\xff\xd9" else data
+    return first if (info.width, info.height) == whole else data
 
 
 def prepare(data: bytes, options: PackOptions) -> Prepared:
     """Validate one image file's bytes and return what to store; raises ``BadImageError``."""
     if len(data) == 0:
         raise BadImageError("empty file")
+    whole = len(data)
     if is_jpeg(data):
         data = _first_picture(data)
     turned = options.exif_transpose and _oriented(data)
     if options.codec == "jpeg" and is_jpeg(data) and not turned:
         stored = _as_is(data, options)
-        if stored is not None:
-            return stored
+        if stored is not None:  # (a multi-picture file's first picture: not the file byte for byte)
+            return stored if len(data) == whole else replace(stored, flags=stored.flags | fmt.FLAG_CONVERTED)
     image = _open(data, options)
+    source_format = (image.format or "").lower()
     if turned:
         image = ImageOps.exif_transpose(image)
+    source_size = image.size
     size = _target_size(image.width, image.height, options)
     gray = image.mode in _GRAY_MODES
     rgb = _to_rgb(image)
@@ -210,8 +235,8 @@ def prepare(data: bytes, options: PackOptions) -> Prepared:
     stored = rgb.getchannel("R") if gray else rgb
     if options.codec == "raw":
         return Prepared(stored.tobytes(), fmt.CODEC_RAW, stored.width, stored.height,
-                        1 if gray else 3, fmt.SUBSAMPLING_NONE, flags)
+                        1 if gray else 3, fmt.SUBSAMPLING_NONE, flags, source_size, source_format)
     payload = _encode_jpeg(stored, options.quality)
     check = probe(payload)
     return Prepared(payload, fmt.CODEC_JPEG, check.width, check.height, check.components,
-                    check.subsampling, flags)
+                    check.subsampling, flags, source_size, source_format)

@@ -36,10 +36,13 @@ from gdsdata.errors import BadImageError, SourceError
 
 # The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-# The extensions Ultralytics takes as images of a YOLO split (its IMG_FORMATS, 8.4); the rest are ignored as
-# Ultralytics ignores them. PIL reads all but HEIC/HEIF, which need the pillow-heif plugin (as in Ultralytics).
+# The extensions Ultralytics takes as images of a YOLO split (its IMG_FORMATS, 8.4), and the formats it accepts
+# by their content (PIL's names, lower case): files with other extensions are no images of the split, files of
+# other formats are left out with the reason. HEIC/HEIF need the pillow-heif or pi-heif plugin, AVIF a Pillow
+# built with it (11.3 on).
 YOLO_IMAGE_EXTENSIONS = (".avif", ".bmp", ".dng", ".heic", ".heif", ".jp2", ".jpeg", ".jpg", ".mpo", ".png", ".tif",
                          ".tiff", ".webp")
+YOLO_IMAGE_FORMATS = frozenset(e[1:] for e in YOLO_IMAGE_EXTENSIONS) | {"jpeg2000"}
 TAR_EXTENSIONS = (".tar", ".tar.gz", ".tgz")  # WebDataset shards, plain or gzipped
 
 # Labels without class names become the classes 0..largest, named by their numbers: the bound keeps a
