@@ -97,6 +97,8 @@ def test_usage_errors_exit_2_in_one_line():
     assert rc == 2 and err.strip().count("\n") == 0 and "required" in err and "gdsdata pack --help" in err
     rc, _, err = run("pack", "a", "b", "--shard-size", "lots")
     assert rc == 2 and err.strip().count("\n") == 0 and "not a size" in err
+    rc, _, err = run("pack", "a", "b", "--bogus")  # said by the command it was given to
+    assert rc == 2 and err.strip() == "gdsdata pack: error: unrecognized arguments: --bogus (see gdsdata pack --help)"
 
 
 def test_doctor_reports_the_cpu_path():
