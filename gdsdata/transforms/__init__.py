@@ -309,10 +309,15 @@ def each_image(work, n: int, buffer):
             run_parallel(work, n)
 
 
+def _unnormalised(scale, shift) -> bool:
+    """Whether v * scale + shift leaves the values as they are."""
+    return scale == (1.0, 1.0, 1.0) and shift == (0.0, 0.0, 0.0)
+
+
 def _normalise(values: torch.Tensor, dtype, scale, shift) -> torch.Tensor:
     """uint8 ``values`` (N x 3 x ...) converted to ``dtype`` and normalised: v * scale + shift."""
     out = values.to(dtype)
-    if scale != (1.0, 1.0, 1.0) or shift != (0.0, 0.0, 0.0):
+    if not _unnormalised(scale, shift):
         shape = (1, 3) + (1,) * (values.dim() - 2)
         out = out.mul_(torch.tensor(scale, dtype=dtype, device=values.device).view(shape))
         out = out.add_(torch.tensor(shift, dtype=dtype, device=values.device).view(shape))
@@ -332,7 +337,7 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
         target = resized.numpy()
         with np.errstate(all="ignore"):
             factors = [(np.float32(a), np.float32(b)) for a, b in zip(scale, shift)]
-        plain = scale == (1.0, 1.0, 1.0) and shift == (0.0, 0.0, 0.0)
+        plain = _unnormalised(scale, shift)
     rows = meta.tolist()  # Python ints once: numpy scalars a field at a time held the GIL per image
     buffer = buffer.contiguous()  # (a copy only of a strided buffer: the crops below assume unit steps)
     base = buffer.storage_offset()  # (as_strided counts from the storage's start, not the view's)
