@@ -82,7 +82,7 @@ def _cmd_pack(args):
 def _print_left_out(skipped, ignored, unreadable, special):
     """What a pack left out, as its report lists it: each list's first ten, with the reasons."""
     if skipped:
-        _print_entries(f"  skipped {len(skipped)} file(s) that cannot be decoded:", skipped)
+        _print_entries(f"  skipped {len(skipped)} file(s), each with its reason:", skipped)
     if ignored:
         print(f"  ignored {len(ignored)} non-image file(s)")
     for what, entries in (("could not read", unreadable), ("skipped unopened", special)):

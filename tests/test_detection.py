@@ -123,6 +123,46 @@ def test_coco_ids_crowds_and_bad_annotations(tmp_path):
     assert report["labels"]["duplicates"] == labels["duplicates"]
 
 
+def test_coco_ids_as_its_api_matches_them_and_each_bad_annotation_with_its_own_reason(tmp_path):
+    """An image id listed twice: the last record (COCO's API keeps it, and torchvision); an id that is
+    text or not whole is no id; each annotation without a box says what it lacks, naming its image;
+    a crowd region over an object is no repeat of it; --strict stops at a bad annotation."""
+    ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (64, 48), "d.jpg": (64, 48),
+                                                     "e.jpg": (64, 48)}, [
+        {"image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10]},
+        {"image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10], "iscrowd": 1},  # a crowd region there too
+        {"image_id": 2, "category_id": 1, "segmentation": [[1, 1, 9, 1, 9, 9]]},  # no bbox
+        {"image_id": "2", "category_id": 1, "bbox": [2, 2, 5, 5]},  # text: names no image 2
+        {"image_id": 2, "category_id": 1, "bbox": [1, 2, 3]}], [(1, "x")])
+    data = json.load(open(ann))
+    data["images"][2]["id"] = 1  # d.jpg also claims id 1, after a.jpg: it is the one kept
+    data["images"][3]["id"] = 4.5
+    json.dump(data, open(ann, "w"))
+    result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
+    ds = gdsdata.GDSDataset(result.out)
+    assert [ds.index.path(k) for k in range(len(ds))] == ["d.jpg", "b.jpg"]
+    assert ds.target(0)["iscrowd"].tolist() == [0, 1]  # (d.jpg holds image 1's annotations)
+    bad = {d["path"]: d["reason"] for d in result.labels["bad_labels"]}
+    assert "image id 1 is listed again (for d.jpg)" in bad["a.jpg"] and "4.5 is not an integer" in bad["e.jpg"]
+    dropped = {d["label"]: d["reason"] for d in result.labels["dropped"]}
+    assert dropped["annotation 3 (b.jpg)"] == "no bbox (a segmentation alone: gdsdata packs boxes)"
+    assert dropped["annotation 4"] == "image_id: id '2' is not an integer"
+    assert dropped["annotation 5 (b.jpg)"].startswith("bbox is not [x, y, w, h] numbers: [1, 2, 3]")
+    with pytest.raises(SourceError, match=r"annotation 3 \(b.jpg\): no bbox .*\(--strict\)"):
+        pack(images, str(tmp_path / "ds2"), format="coco", annotations=ann, workers=1, strict=True)
+
+
+def test_a_box_thinner_than_float32_tells_apart_is_dropped_and_the_pack_opens(tmp_path):
+    ann, images = write_coco(str(tmp_path / "src"), {"w.jpg": (1000, 20)}, [
+        {"image_id": 1, "category_id": 1, "bbox": [999.99999, 1, 5, 5]},
+        {"image_id": 1, "category_id": 1, "bbox": [500, 1, 1e-5, 5]},
+        {"image_id": 1, "category_id": 1, "bbox": [10, 1, 5, 5]}], [(1, "x")])
+    result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
+    ds = gdsdata.GDSDataset(result.out)  # (a stored box of no width made the index refuse to open)
+    assert torch.allclose(ds.target(0)["boxes"], torch.tensor([[10.0, 1, 15, 6]]), atol=1e-3)
+    assert sum("float32" in d["reason"] for d in result.labels["dropped"]) == 2
+
+
 def test_a_coco_image_listed_twice_keeps_its_first_record_s_boxes_and_reports_the_second(tmp_path):
     ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (64, 48)}, [
         {"image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10]},
@@ -147,7 +187,9 @@ def test_coco_image_of_another_size_than_annotated_is_left_out(tmp_path):
     Image.new("RGB", (48, 64)).save(os.path.join(images, "b.jpg"))  # turned since annotated
     result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
     assert result.packed == 1
-    assert result.skipped == [{"path": "b.jpg", "reason": "the image is 48x64, its annotations were made for 64x48"}]
+    assert result.skipped == [{"path": "b.jpg", "reason": (
+        "the image is 48x64, its annotations were made for 64x48 (the same turned a quarter: COCO images are packed "
+        "as stored, no EXIF orientation applied, as torchvision reads them)")}]
 
 
 def yolo_tree(root, labels: dict, names=("a", "b"), sizes=None):

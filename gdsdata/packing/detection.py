@@ -105,18 +105,21 @@ def boxes_from_xyxy(xyxy, labels, flags, where, report) -> np.ndarray:
                                                             f"{_coords(xyxy[k])}"})
             continue
         clipped = np.clip(xyxy[k], 0.0, 1.0)
-        if not (clipped[2] > clipped[0] and clipped[3] > clipped[1]):
-            report.dropped.append({"label": where(k), "reason": f"box outside the image: {_coords(xyxy[k])}"})
+        stored = np.float32(clipped)  # as the index holds it: a box thinner than float32 tells apart has no width
+        if not (stored[2] > stored[0] and stored[3] > stored[1]):
+            reason = "box outside the image" if not (clipped[2] > clipped[0] and clipped[3] > clipped[1]) else \
+                "box narrower than a float32 fraction of the image tells apart"
+            report.dropped.append({"label": where(k), "reason": f"{reason}: {_coords(xyxy[k])}"})
             continue
         if np.abs(clipped - xyxy[k]).max() > _SLACK:
             report.clipped.append({"label": where(k), "reason": f"box reaches outside the image: {_coords(xyxy[k])} "
                                                             f"clipped to {_coords(clipped)}"})
-        key = (int(labels[k]), *np.float32(clipped).tolist())
+        key = (int(labels[k]), int(flags[k]), *stored.tolist())  # (a crowd region is not the object again)
         if key in seen:
             report.duplicates.append({"label": where(k), "reason": "the same box and class again: kept once"})
             continue
         seen.add(key)
-        keep.append((*np.float32(clipped).tolist(), int(labels[k]), int(flags[k])))
+        keep.append((*stored.tolist(), int(labels[k]), int(flags[k])))
     return np.array(keep, dtype=fmt.BOX_RECORD)
 
 
@@ -554,46 +557,59 @@ class CocoSource(DetectionSource):
         if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "categories")):
             raise SourceError(f"{where}: not COCO instances (needs lists 'images', 'annotations', 'categories')")
         try:
-            categories = sorted(data["categories"], key=lambda c: int(c["id"]))
-            self.category_ids = [int(c["id"]) for c in categories]
+            categories = sorted(data["categories"], key=lambda c: _coco_id(c["id"]))
+            self.category_ids = [_coco_id(c["id"]) for c in categories]
             self.classes = [str(c["name"]) for c in categories]
             label = {cid: k for k, cid in enumerate(self.category_ids)}
-            records = sorted(data["images"], key=lambda r: int(r["id"]))
-            by_image = {int(r["id"]): [] for r in records}
         except (KeyError, TypeError, ValueError) as e:
-            raise SourceError(f"{where}: an image or category without a usable id or name ({e!r})") from e
+            raise SourceError(f"{where}: a category without a usable id or name ({e})") from e
         if not self.classes:
             raise SourceError(f"{where}: no categories")
-        if len(set(self.category_ids)) != len(self.category_ids):
-            raise SourceError(f"{where}: category ids repeat")
+        repeated = sorted({c for c in self.category_ids if self.category_ids.count(c) > 1})
+        if repeated:
+            raise SourceError(f"{where}: category ids repeat ({', '.join(map(str, repeated))})")
+        records = {}  # image id -> its record: the last one listed, as COCO's API (and torchvision) keep it
+        for k, record in enumerate(data["images"]):
+            try:
+                image_id = _coco_id(record["id"])
+            except (KeyError, TypeError, ValueError) as e:
+                self.report.bad_labels.append({"path": str(record.get("file_name", f"images[{k}]"))
+                                               if isinstance(record, dict) else f"images[{k}]",
+                                               "reason": f"an image record without a usable id ({e})"})
+                continue
+            if image_id in records:
+                self.report.bad_labels.append({"path": str(records[image_id].get("file_name")), "reason": (
+                    f"image id {image_id} is listed again (for {record.get('file_name')}): COCO's API keeps the "
+                    f"last record of an id, so this one is left out")})
+            records[image_id] = record
+        records = [records[i] for i in sorted(records)]
+        files = {_coco_id(r["id"]): str(r.get("file_name")) for r in records}
+        by_image = {image_id: [] for image_id in files}
         for k, ann in enumerate(data.get("annotations") or []):
             name = f"annotation {ann.get('id', k)}" if isinstance(ann, dict) else f"annotation #{k}"
-            try:
-                image_id, cid = int(ann["image_id"]), int(ann["category_id"])
-                x, y, w, h = (float(v) for v in ann["bbox"])
-            except (KeyError, TypeError, ValueError):
-                self.report.dropped.append({"label": name, "reason": "no usable image_id, category_id or "
-                                                                     "bbox [x, y, w, h]"})
+            problem, image_id = _annotation_problem(ann, files, label)
+            if problem is not None:
+                named = f"{name} ({files[image_id]})" if image_id in files else name
+                (self.report.orphans if problem.startswith("image id") else self.report.dropped).append(
+                    {"label": named, "reason": problem})
+                if strict:
+                    raise SourceError(f"{where}: {named}: {problem} (--strict)")
                 continue
-            if image_id not in by_image:
-                self.report.orphans.append({"label": name, "reason": f"image id {image_id} is not in 'images'"})
-                continue
-            if cid not in label:
-                self.report.dropped.append({"label": name, "reason": f"category id {cid} is not in 'categories'"})
-                continue
-            by_image[image_id].append((name, x, y, w, h, label[cid], fmt.BOX_CROWD if ann.get("iscrowd") else 0))
+            x, y, w, h = (float(v) for v in ann["bbox"])
+            by_image[image_id].append((name, x, y, w, h, label[_coco_id(ann["category_id"])],
+                                       fmt.BOX_CROWD if ann.get("iscrowd") else 0))
         listed = {}  # file name -> the image id that named it first
         for record in records:
             try:
                 file_name, width, height = str(record["file_name"]), int(record["width"]), int(record["height"])
             except (KeyError, TypeError, ValueError):
-                self.report.bad_labels.append({"path": str(record.get("file_name", record.get("id"))),
-                                               "reason": "an image record without file_name, width and height"})
+                self.report.bad_labels.append({"path": str(record.get("file_name", record.get("id"))), "reason": (
+                    "an image record without file_name, width and height (the size its boxes were drawn on)")})
                 continue
             if width <= 0 or height <= 0:
                 self.report.bad_labels.append({"path": file_name, "reason": f"declared size {width}x{height}"})
                 continue
-            anns = by_image[int(record["id"])]
+            anns = by_image[_coco_id(record["id"])]
             if file_name in listed:  # one sample a file: the first record's (torchvision would make two samples)
                 self.report.bad_labels.append({"path": file_name, "reason": (
                     f"listed again as image id {record['id']} (first as image id {listed[file_name]}): this "
@@ -617,6 +633,43 @@ class CocoSource(DetectionSource):
                               f"(--strict)")
         if not self.items:
             raise SourceError(f"{where}: none of its {len(records)} images is in {display(images)}")
+
+
+def _coco_id(value) -> int:
+    """A COCO id: an integer (a JSON number with no fraction). Text is refused: COCO's API matches
+    ids as they are given, so "4" names no image 4."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"id {value!r} is not an integer")
+    return int(value)
+
+
+def _annotation_problem(ann, files, label):
+    """(why a COCO annotation gives no box, or None; its image id where it has one)."""
+    if not isinstance(ann, dict):
+        return "not an object", None
+    try:
+        image_id = _coco_id(ann["image_id"])
+    except KeyError:
+        return "no image_id", None
+    except ValueError as e:
+        return f"image_id: {e}", None
+    if image_id not in files:
+        return f"image id {image_id} is not in 'images'", image_id
+    try:
+        cid = _coco_id(ann["category_id"])
+    except KeyError:
+        return "no category_id", image_id
+    except ValueError as e:
+        return f"category_id: {e}", image_id
+    if cid not in label:
+        return f"category id {cid} is not in 'categories'", image_id
+    bbox = ann.get("bbox")
+    if bbox is None:
+        return "no bbox (a segmentation alone: gdsdata packs boxes)", image_id
+    if not (isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                             and np.isfinite(v) for v in bbox)):
+        return f"bbox is not [x, y, w, h] numbers: {json.dumps(bbox)[:60]}", image_id
+    return None, image_id
 
 
 def open_detection(format, src, *, split="train", annotations=None, strict=False):

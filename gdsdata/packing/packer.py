@@ -679,8 +679,12 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 declared = sizes.get(rel)
                 if prepared is not None and declared and not prepared.flags & fmt.FLAG_RESIZED and \
                         (prepared.width, prepared.height) != declared:
+                    turned = (prepared.height, prepared.width) == tuple(declared)
                     prepared, reason = None, (f"the image is {prepared.width}x{prepared.height}, its annotations "
-                                              f"were made for {declared[0]}x{declared[1]}")
+                                              f"were made for {declared[0]}x{declared[1]}" + (
+                                                  " (the same turned a quarter: COCO images are packed as stored, "
+                                                  "no EXIF orientation applied, as torchvision reads them)"
+                                                  if turned else ""))
                 if prepared is not None and min_side and min(prepared.source_size) < min_side:
                     prepared, reason = None, (f"the image is {prepared.source_size[0]}x{prepared.source_size[1]}, "
                                               f"under {min_side} pixels a side (Ultralytics leaves such an image out)")
