@@ -72,11 +72,24 @@ def _cmd_pack(args):
     if result.labels is not None:
         _print_labels(result)
     _print_left_out(result.skipped, result.ignored, result.unreadable, result.special)
+    empty = _empty_classes(result.report_path)
+    if empty:
+        print(f"  {len(empty)} class(es) hold no sample, their files skipped or unreadable: "
+              f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}")
     if result.report_path:
         print(f"  report: {result.report_path}")
     elif not (args.append and not result.new):
         print("  report: none (it could not be written: is the disk full?); the dataset is complete")
     return 0
+
+
+def _empty_classes(report_path) -> list:
+    """The classes without samples a pack's report names (none without a report)."""
+    try:
+        with open(report_path) as f:
+            return list(json.load(f).get("empty_classes") or [])
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 def _print_left_out(skipped, ignored, unreadable, special):

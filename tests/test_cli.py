@@ -180,3 +180,15 @@ def test_doctor_shows_how_a_dataset_loads(small_src, tmp_path):
     code, printed, _ = run("doctor", out, "--device", "cpu")
     assert code == 0
     assert "reads: preadv" in printed and "decoder: libjpeg-turbo" in printed and "checksums: host" in printed
+
+
+def test_a_class_left_without_samples_is_said(tmp_path):
+    """Every file of a class skipped: the pack goes on (each file named), and the summary says the class
+    holds no sample."""
+    src = tmp_path / "src"
+    write_photos(str(src), 2, classes=1, start_seed=950)
+    (src / "broken").mkdir()
+    (src / "broken" / "a.jpg").write_bytes(b"\xff\xd8\xff not a JPEG")
+    rc, stdout, err = run("pack", str(src), str(tmp_path / "ds"), "-q")
+    assert rc == 0 and "skipped 1 file(s)" in stdout, err
+    assert "1 class(es) hold no sample, their files skipped or unreadable: broken" in stdout

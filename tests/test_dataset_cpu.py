@@ -150,6 +150,28 @@ def test_verify_reports_every_bad_sample(corrupted):
     assert any("shard checksum mismatch" in p for p in problems)
 
 
+def test_verify_goes_on_past_a_shard_cut_short_and_a_missing_one(tmp_path):
+    """Every problem listed: a shard cut short and a missing one each said once, the samples of the
+    other shards still checked (verify had stopped at the first bad shard)."""
+    from conftest import write_photos
+
+    from gdsdata.format.index import load
+    from gdsdata.packing.packer import pack
+
+    write_photos(str(tmp_path / "src"), 24, classes=2, start_seed=700)
+    out = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1, shard_size=120_000).out
+    index = load(out)
+    assert len(index.shards) >= 3
+    with open(index.shard_path(0), "r+b") as f:
+        f.truncate(os.path.getsize(index.shard_path(0)) - 5000)
+    os.unlink(index.shard_path(len(index.shards) - 1))
+    problems = verify(out)
+    assert sum("shard-00000.gds" in p for p in problems) == 1 and "its samples are not checked" in problems[0]
+    last = os.path.basename(index.shard_path(len(index.shards) - 1))
+    assert any(f"{last}: shard file missing" in p and p.endswith("its samples are not checked") for p in problems)
+    assert len(problems) == 2  # the shards between are sound, and were read
+
+
 def test_verify_passes_a_sound_dataset(photos_dataset):
     assert verify(photos_dataset[2]) == []
 

@@ -524,6 +524,16 @@ def test_a_link_loop_neither_repeats_nor_mislabels(tmp_path):
     assert any("link loop" in item["reason"] for item in result.unreadable)
 
 
+def test_two_class_names_for_one_folder_are_refused(tmp_path):
+    """A class folder that is a link to another class's folder: ImageFolder would label its images
+    both ways; the pack stops naming both (it had kept the second as a class without samples)."""
+    src = tmp_path / "src"
+    write_photos(str(src), 2, classes=1, start_seed=85)
+    os.symlink("class0", src / "alias")
+    with pytest.raises(SourceError, match=r"class0: the same folder as class alias \(a link\)"):
+        pack(str(src), str(tmp_path / "ds"), workers=1)
+
+
 def test_special_files_named_like_images_are_skipped_unopened(tmp_path):
     src = tmp_path / "src"
     write_photos(str(src), 4, classes=1, start_seed=90)

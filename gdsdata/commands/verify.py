@@ -22,12 +22,28 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
     list of str
         One line per problem found, naming the shard or sample; empty when the dataset is sound.
     """
-    index = index_io.load(root)
+    index = index_io.load(root, shards=False)  # each shard checked below, a bad one said and the rest checked
     problems = []
+
+    def shard_crc(shard):
+        """(the shard's CRC-32 or None, what made it unreadable)."""
+        try:
+            index_io.check_shard(index, shard)
+            return data_crc32(index.shard_path(shard), index.alignment), None
+        except FileNotFoundError:
+            return None, "missing"
+        except (OSError, GdsDataError) as e:
+            return None, str(e).removeprefix(f"{index.shard_path(shard)}: ") if isinstance(e, GdsDataError) else \
+                f"cannot be read ({e.strerror or e})"
+
     with ThreadPoolExecutor(settings.get("cpu_threads")) as pool:
-        shard_crcs = pool.map(lambda s: data_crc32(index.shard_path(s), index.alignment), range(len(index.shards)))
-        for shard, (record, crc) in enumerate(zip(index.shards, shard_crcs)):
-            if crc != int(record["crc32"]):
+        unreadable = set()  # shards every sample of which is left unchecked (said once, for the shard)
+        for shard, (record, (crc, problem)) in enumerate(zip(index.shards, pool.map(shard_crc,
+                                                                                    range(len(index.shards))))):
+            if problem is not None:
+                unreadable.add(shard)
+                problems.append(f"{index.shard_path(shard)}: {problem}: its samples are not checked")
+            elif crc != int(record["crc32"]):
                 problems.append(f"{index.shard_path(shard)}: shard checksum mismatch")
         reader = CpuReader(index)
 
@@ -47,13 +63,32 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
         bar = tqdm(total=len(index), unit="img", desc="verify", disable=not progress, file=sys.stderr)
         with bar:
             for first in range(0, len(index), batch):
-                indices = list(range(first, min(first + batch, len(index))))
-                buffer, plan = reader.read(indices)
-                jobs = [(buffer, int(o), int(n), i)
-                        for o, n, i in zip(plan.sample_offsets, plan.sample_lengths, indices)]
-                problems.extend(p for found in pool.map(check, jobs) for p in found)
-                bar.update(len(indices))
+                everything = range(first, min(first + batch, len(index)))
+                indices = [i for i in everything if int(index.samples[i]["shard"]) not in unreadable]
+                for buffer, plan, ids in _readable(reader, indices, problems, index):
+                    jobs = [(buffer, int(o), int(n), i)
+                            for o, n, i in zip(plan.sample_offsets, plan.sample_lengths, ids)]
+                    problems.extend(p for found in pool.map(check, jobs) for p in found)
+                bar.update(len(everything))
         reader.close()
     return problems
 
 
+
+
+def _readable(reader, indices, problems, index):
+    """(buffer, plan, indices) for the samples ``indices`` that can be read: all at once, or where that
+    fails (a shard cut short), one by one, each that cannot be read a line of ``problems``."""
+    if not indices:
+        return []
+    try:
+        return [(*reader.read(indices), indices)]
+    except (OSError, GdsDataError):
+        pass
+    parts = []
+    for i in indices:
+        try:
+            parts.append((*reader.read([i]), [i]))
+        except (OSError, GdsDataError) as e:
+            problems.append(f"{index.describe(i)}: cannot be read ({getattr(e, 'strerror', None) or e})")
+    return parts

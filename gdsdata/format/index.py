@@ -162,8 +162,9 @@ def stamp(root):
     return info.st_ino, info.st_mtime_ns, info.st_size
 
 
-def load(root) -> Index:
-    """Read and check a dataset's index and shard headers; raises ``FormatError`` naming the file."""
+def load(root, shards: bool = True) -> Index:
+    """Read and check a dataset's index and (``shards``) its shard files' headers and sizes; raises
+    ``FormatError`` naming the file. ``gdsdata verify`` checks the shards itself, each in turn."""
     root = os.fspath(root)
     path = os.path.join(root, fmt.INDEX_NAME)
     if not os.path.isdir(root):
@@ -224,7 +225,7 @@ def load(root) -> Index:
                   np.frombuffer(shards_raw, fmt.SHARD_RECORD).copy(),
                   np.frombuffer(samples_raw, fmt.SAMPLE_RECORD).copy(), strings, meta, int(header["body_crc32"]),
                   box_start, boxes, int(header["version"]))
-    _check(index, path)
+    _check(index, path, shards)
     return index
 
 
@@ -258,8 +259,8 @@ def _check_layout(sections, file_size: int, path: str):
         raise FormatError(f"{path}: corrupt index header (its sections end at byte {at}, the file at {file_size})")
 
 
-def _check(index: Index, path: str):
-    """Cross-check the tables against each other and against the shard files on disk."""
+def _check(index: Index, path: str, shards_too: bool = True):
+    """Cross-check the tables against each other and (``shards_too``) against the shard files on disk."""
     samples, shards = index.samples, index.shards
     if int(shards["num_samples"].sum()) != len(samples):  # (a damaged count in the header: see _check_layout)
         raise FormatError(f"{path}: corrupt index header ({len(samples)} samples, its shards hold "
@@ -271,28 +272,35 @@ def _check(index: Index, path: str):
     if len(samples) and int(samples["label"].max()) >= len(index.meta["classes"]):
         bad = int(np.argmax(samples["label"] >= len(index.meta["classes"])))
         raise FormatError(f"{path}: sample {bad} has label {samples['label'][bad]} beyond the class list")
-    ends = samples["offset"] + samples["length"]
     path_ends = samples["path_offset"] + samples["path_length"]
     if len(samples) and int(path_ends.max()) > len(index.strings):
         raise FormatError(f"{path}: a source path lies outside the strings section")
-    for shard, record in enumerate(shards):
-        shard_path = index.shard_path(shard)
-        read_header(shard_path, int(record["origin_index"]), fmt.ident(record["origin_id"]), index.alignment)
-        size = os.path.getsize(shard_path)
-        if size != int(record["size"]):
-            raise FormatError(f"{shard_path}: {size} bytes on disk, the index records {record['size']} "
-                              f"(truncated or replaced shard)")
-        mine = samples["shard"] == shard
-        if mine.any() and int(ends[mine].max()) > size:
-            bad = int(np.flatnonzero(mine)[np.argmax(ends[mine])])
-            raise FormatError(f"{path}: {index.describe(bad)} ends at byte {int(ends[bad])}, past the end "
-                              f"of its shard ({size} bytes)")
+    for shard in range(len(shards)) if shards_too else ():
+        check_shard(index, shard)
     if index.boxes is not None:
         _check_boxes(index, path)
     unaligned = samples["offset"] % index.alignment != 0
     if unaligned.any():
         raise FormatError(f"{path}: {index.describe(int(np.argmax(unaligned)))} is not aligned to "
                           f"{index.alignment} bytes")
+
+
+def check_shard(index: Index, shard: int):
+    """Shard ``shard``'s file against the index: its header, its size, and that its samples lie inside
+    it; raises ``FormatError`` naming it (``FileNotFoundError`` where it is missing)."""
+    record, samples = index.shards[shard], index.samples
+    shard_path = index.shard_path(shard)
+    read_header(shard_path, int(record["origin_index"]), fmt.ident(record["origin_id"]), index.alignment)
+    size = os.path.getsize(shard_path)
+    if size != int(record["size"]):
+        raise FormatError(f"{shard_path}: {size} bytes on disk, the index records {record['size']} "
+                          f"(truncated or replaced shard)")
+    mine = samples["shard"] == shard
+    ends = samples["offset"] + samples["length"]
+    if mine.any() and int(ends[mine].max()) > size:
+        bad = int(np.flatnonzero(mine)[np.argmax(ends[mine])])
+        raise FormatError(f"{os.path.join(index.root, fmt.INDEX_NAME)}: {index.describe(bad)} ends at byte "
+                          f"{int(ends[bad])}, past the end of its shard ({size} bytes)")
 
 
 def _check_boxes(index: Index, path: str):

@@ -322,7 +322,8 @@ def _clear_journals(out: str):
         except OSError:
             pass
     if stale:
-        log.warning("%s: removed %d journal(s) a writer killed after writing the index left", out, len(stale))
+        log.warning("%s: removed %d journal(s) a killed writer left beside the finished dataset (its index "
+                    "says what the dataset holds)", out, len(stale))
 
 
 def swap_in(new: str, out: str, old_id: "bytes | None" = None):

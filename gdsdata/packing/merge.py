@@ -147,8 +147,9 @@ def _check_parts(parts, indexes):
     first = indexes[0]
     for part, index in zip(parts, indexes):
         if index.classes != first.classes:
-            raise SourceError(f"{part}: its class list differs from {parts[0]}'s; parts must be packed from "
-                              f"the same source (pack --num-parts N --part K)")
+            raise SourceError(f"{part}: its class list differs from {parts[0]}'s; a merge joins datasets of the "
+                              f"same classes (parts of one pack --num-parts N, or whole packs of one class list): "
+                              f"to add classes, pack --append")
         if index.meta.get("options") != first.meta.get("options"):  # (the source path may differ per machine)
             raise SourceError(f"{part}: packed with other options than {parts[0]} ({index.meta.get('options')!r} "
                               f"against {first.meta.get('options')!r}); its parts must come from one pack command")

@@ -102,6 +102,17 @@ class FolderSource:
         self.classes = [entry.name for entry in entries if _is_dir(entry)]
         if not self.classes:
             raise SourceError(f"{display(src)}: no class subfolders (expected the ImageFolder layout SRC/CLASS/IMAGE)")
+        tops = {}
+        for name in self.classes:  # two class names for one folder: ImageFolder would label its images twice
+            try:
+                info = os.stat(os.path.join(src, name))
+            except OSError:
+                continue
+            first = tops.setdefault((info.st_dev, info.st_ino), name)
+            if first != name:
+                raise SourceError(f"{display(os.path.join(src, name))}: the same folder as class {display(first)} "
+                                  f"(a link): a class twice, whose images torchvision's ImageFolder would label "
+                                  f"both ways; remove one of them")
         seen = {}
         for label, name in enumerate(self.classes):
             before, unreadable = len(self.items), len(self.unreadable)
