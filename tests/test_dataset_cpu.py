@@ -522,3 +522,24 @@ def test_the_cpu_pool_runs_each_item_once_waits_for_all_and_raises_a_failure():
         worker.join(30)
         assert not worker.is_alive(), "run_parallel inside the pool waited on the pool"
         assert sorted(nested) == [(k, j) for k in range(8) for j in range(3)]
+
+
+def test_a_shard_header_with_another_sample_count_is_named(photos_dataset, tmp_path):
+    """The count in a shard's header (outside its checksum) is checked against the index's."""
+    import shutil
+
+    import numpy as np
+
+    from gdsdata.errors import FormatError
+    from gdsdata.format import layout as fmt
+    from gdsdata.format.index import load
+
+    out = str(tmp_path / "ds")
+    shutil.copytree(photos_dataset[2], out)
+    path = load(out).shard_path(0)
+    with open(path, "r+b") as f:
+        f.seek(fmt.SHARD_HEADER.fields["num_samples"][1])
+        f.write(np.uint32(7).tobytes())
+    with pytest.raises(FormatError, match="shard-00000.gds: shard header says 7 samples, the index records"):
+        GDSDataset(out)
+    assert any("shard header says 7 samples" in p for p in verify(out))

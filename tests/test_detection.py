@@ -152,6 +152,18 @@ def test_coco_ids_as_its_api_matches_them_and_each_bad_annotation_with_its_own_r
         pack(images, str(tmp_path / "ds2"), format="coco", annotations=ann, workers=1, strict=True)
 
 
+def test_a_coco_file_name_that_is_no_path_or_a_folder_is_said_so(tmp_path):
+    ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48)}, [], [(1, "x")])
+    data = json.load(open(ann))
+    data["images"] += [{"id": 2, "file_name": None, "width": 64, "height": 48},
+                       {"id": 3, "file_name": "sub", "width": 64, "height": 48}]
+    json.dump(data, open(ann, "w"))
+    os.makedirs(os.path.join(images, "sub"))
+    result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
+    assert result.labels["bad_labels"] == [{"path": "image id 2", "reason": "file_name null is not a path"}]
+    assert result.unreadable == [{"path": "sub", "reason": "listed in the annotations, a folder, not an image file"}]
+
+
 def test_a_box_thinner_than_float32_tells_apart_is_dropped_and_the_pack_opens(tmp_path):
     ann, images = write_coco(str(tmp_path / "src"), {"w.jpg": (1000, 20)}, [
         {"image_id": 1, "category_id": 1, "bbox": [999.99999, 1, 5, 5]},

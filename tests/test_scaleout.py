@@ -130,8 +130,8 @@ def _when_loaded(monkeypatch, part, action):
 
     load = merging.index_io.load
 
-    def load_then_act(root):
-        index = load(root)
+    def load_then_act(root, **options):
+        index = load(root, **options)
         if os.fspath(root) == part:
             action()
         return index

@@ -290,7 +290,8 @@ def check_shard(index: Index, shard: int):
     it; raises ``FormatError`` naming it (``FileNotFoundError`` where it is missing)."""
     record, samples = index.shards[shard], index.samples
     shard_path = index.shard_path(shard)
-    read_header(shard_path, int(record["origin_index"]), fmt.ident(record["origin_id"]), index.alignment)
+    read_header(shard_path, int(record["origin_index"]), fmt.ident(record["origin_id"]), index.alignment,
+                int(record["num_samples"]))
     size = os.path.getsize(shard_path)
     if size != int(record["size"]):
         raise FormatError(f"{shard_path}: {size} bytes on disk, the index records {record['size']} "

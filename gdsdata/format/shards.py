@@ -193,8 +193,9 @@ def _read_head(path, nbytes: int) -> bytes:
         os.close(fd)
 
 
-def read_header(path, expected_index: int, dataset_id: bytes, alignment: int):
-    """Check one shard's header against the index; raises ``FormatError`` naming the file."""
+def read_header(path, expected_index: int, dataset_id: bytes, alignment: int, num_samples: int = None):
+    """Check one shard's header against the index (``num_samples``: the count the index records for
+    it, where known); raises ``FormatError`` naming the file."""
     try:
         raw = _read_head(path, fmt.SHARD_HEADER.itemsize)
     except FileNotFoundError as e:
@@ -213,6 +214,9 @@ def read_header(path, expected_index: int, dataset_id: bytes, alignment: int):
     if header["shard_index"] != expected_index or header["alignment"] != alignment:
         raise FormatError(f"{path}: shard header says index {header['shard_index']}, alignment "
                           f"{header['alignment']}; the index expects {expected_index}, {alignment}")
+    if num_samples is not None and int(header["num_samples"]) != num_samples:
+        raise FormatError(f"{path}: shard header says {header['num_samples']} samples, the index records "
+                          f"{num_samples} (a damaged header)")
     return header
 
 

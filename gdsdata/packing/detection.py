@@ -600,8 +600,12 @@ class CocoSource(DetectionSource):
                                        fmt.BOX_CROWD if ann.get("iscrowd") else 0))
         listed = {}  # file name -> the image id that named it first
         for record in records:
+            if not isinstance(record.get("file_name"), str) or not record["file_name"]:
+                self.report.bad_labels.append({"path": f"image id {record['id']}", "reason": (
+                    f"file_name {json.dumps(record.get('file_name'))} is not a path")})
+                continue
             try:
-                file_name, width, height = str(record["file_name"]), int(record["width"]), int(record["height"])
+                file_name, width, height = record["file_name"], int(record["width"]), int(record["height"])
             except (KeyError, TypeError, ValueError):
                 self.report.bad_labels.append({"path": str(record.get("file_name", record.get("id"))), "reason": (
                     "an image record without file_name, width and height (the size its boxes were drawn on)")})
@@ -621,8 +625,8 @@ class CocoSource(DetectionSource):
                                     lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report)
             path = os.path.join(images, file_name)
             if not os.path.isfile(path):
-                self.unreadable.append({"path": display(file_name), "reason": "listed in the annotations, no such "
-                                                                              "file"})
+                self.unreadable.append({"path": display(file_name), "reason": "listed in the annotations, " + (
+                    "a folder, not an image file" if os.path.isdir(path) else "no such file")})
                 if strict:
                     raise SourceError(f"{display(path)}: listed in {where}, no such file (--strict)")
                 continue
