@@ -192,7 +192,8 @@ def _cmd_inspect(args):
         small, medium, large = detect["small_medium_large"]
         print(f"  detection ({detect['format']}): {detect['boxes']} boxes, per image min/mean/max {per_image['min']}/"
               f"{per_image['mean']}/{per_image['max']}, {detect['negatives']} image(s) without objects, "
-              f"{detect['crowd']} crowd region(s); small/medium/large (COCO's 32 and 96 px): {small}/{medium}/{large}")
+              f"{detect['crowd']} crowd region(s); boxes small/medium/large by box area (COCO's 32 and 96 px; "
+              f"COCOeval uses the annotations' area): {small}/{medium}/{large}")
     return 0
 
 

@@ -90,7 +90,8 @@ def info(root) -> dict:
         boxes = index.boxes
         width = (boxes["x1"] - boxes["x0"]) * samples["width"].repeat(per_image)
         height = (boxes["y1"] - boxes["y0"]) * samples["height"].repeat(per_image)
-        area = width * height  # COCO's size classes, in pixels of the stored images
+        area = width * height  # COCO's size classes by box area, in pixels of the stored images (COCOeval: the
+        # annotations' own area, a mask's for a segmentation, which the pack does not keep)
         out["per_class"] = {name: int(n) for name, n in zip(
             index.classes, np.bincount(boxes["label"], minlength=len(index.classes)))}
         out["detection"] = {
