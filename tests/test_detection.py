@@ -626,6 +626,30 @@ def test_yolo_sources_name_a_missing_split_entry_and_an_unreadable_classes_txt(t
         pack(root, str(tmp_path / "ds2"), format="yolo", workers=1)
 
 
+def test_yolo_repeats_are_rows_repeated_as_ultralytics_compares_them(tmp_path):
+    """Two distinct polygons sharing a class and a box are two objects (Ultralytics keeps both); a
+    box row written twice is one; labels beside their images are no ignored files."""
+    root = str(tmp_path / "set")
+    os.makedirs(os.path.join(root, "data"))
+    Image.new("RGB", (80, 60)).save(os.path.join(root, "data", "p.jpg"))
+    Image.new("RGB", (80, 60)).save(os.path.join(root, "data", "b.jpg"))
+    rows = {"p": "0 0.1 0.1 0.5 0.1 0.5 0.5\n0 0.1 0.1 0.5 0.5 0.1 0.5\n",
+            "b": "0 0.5 0.5 0.2 0.2\n0 0.5 0.5 0.2 0.2\n"}
+    for name, text in rows.items():
+        with open(os.path.join(root, "data", name + ".txt"), "w") as f:
+            f.write(text)
+    data = _yaml(os.path.join(root, "d.yaml"), "train: data\nnames: [a]\n")
+    result = pack(data, str(tmp_path / "ds"), format="yolo", workers=1)
+    ds = gdsdata.GDSDataset(result.out)
+    counts = {os.path.basename(ds.source(i)): len(ds.target(i)["boxes"]) for i in range(len(ds))}
+    assert counts == {"p.jpg": 2, "b.jpg": 1} and len(result.labels["duplicates"]) == 1
+    assert result.ignored == [] and result.labels["orphans"] == []
+    utils = pytest.importorskip("ultralytics.data.utils")
+    for name, count in (("p", 2), ("b", 1)):
+        image, label = (os.path.join(root, "data", name + ext) for ext in (".jpg", ".txt"))
+        assert len(utils.verify_image_label((image, label, "", False, 1, 0, 0, False))[1]) == count
+
+
 def test_yolo_images_kept_are_those_ultralytics_verifies(tmp_path):
     """The same cases through Ultralytics' own check of an image and its labels (the reference)."""
     utils = pytest.importorskip("ultralytics.data.utils")

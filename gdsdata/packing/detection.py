@@ -91,10 +91,11 @@ def _coordinates_problem(row) -> str:
     return ""
 
 
-def boxes_from_xyxy(xyxy, labels, flags, where, report) -> np.ndarray:
+def boxes_from_xyxy(xyxy, labels, flags, where, report, keys=None) -> np.ndarray:
     """``BOX_RECORD`` rows from corners as fractions (N x 4): clipped to the image, degenerate and
     duplicate boxes out, each change noted in ``report`` under ``where`` (a file and line, or an
-    annotation id)."""
+    annotation id). ``keys``: what makes a row a repeat of another (YOLO: its numbers as written,
+    as Ultralytics compares them), else its class, crowd flag and clipped box."""
     xyxy = np.asarray(xyxy, np.float64).reshape(-1, 4)
     labels, flags = np.asarray(labels, np.int64), np.asarray(flags, np.int64)
     keep, seen = [], set()
@@ -114,7 +115,7 @@ def boxes_from_xyxy(xyxy, labels, flags, where, report) -> np.ndarray:
         if np.abs(clipped - xyxy[k]).max() > _SLACK:
             report.clipped.append({"label": where(k), "reason": f"box reaches outside the image: {_coords(xyxy[k])} "
                                                             f"clipped to {_coords(clipped)}"})
-        key = (int(labels[k]), int(flags[k]), *stored.tolist())  # (a crowd region is not the object again)
+        key = keys[k] if keys is not None else (int(labels[k]), int(flags[k]), *stored.tolist())  # (crowd: not again)
         if key in seen:
             report.duplicates.append({"label": where(k), "reason": "the same box and class again: kept once"})
             continue
@@ -328,7 +329,7 @@ def _images_under(top, others) -> list:
         for name in sorted(n for n in files if not n.startswith(".")):
             if name.lower().endswith(YOLO_IMAGE_EXTENSIONS):
                 found.append((os.path.normpath(os.path.join(key, name)), os.path.join(folder, name)))
-            else:
+            elif not name.endswith(".txt"):  # (labels may lie beside their images)
                 others.append(os.path.join(folder, name))
     return found
 
@@ -381,18 +382,19 @@ class YoloSource(DetectionSource):
         labels_of = {image: label_path(image) for image in images}
         parsed = {image: self._labels(labels_of[image], keypoints) for image in images}
         if names is None:  # the ids as names, up to the largest id used; a stray huge id leaves its image out
-            for image, (rows, problem) in parsed.items():
+            for image, (rows, problem, keys) in parsed.items():
                 if problem is None and rows is not None and len(rows):
                     problem = unnamed_label_problem(int(rows[:, 0].max()), "class id")
                     if problem is not None:
-                        parsed[image] = (None, f"{problem}; give the class names in a data YAML or classes.txt")
-            top = max((int(rows[:, 0].max()) for rows, _ in parsed.values() if rows is not None and len(rows)),
+                        parsed[image] = (None, f"{problem}; give the class names in a data YAML or classes.txt",
+                                         None)
+            top = max((int(rows[:, 0].max()) for rows, _, _ in parsed.values() if rows is not None and len(rows)),
                       default=0)
             names = [str(k) for k in range(top + 1)]
         self.classes = names
         for image in images:
             rel = os.path.relpath(image, self.root)
-            rows, problem = parsed[image]
+            rows, problem, keys = parsed[image]
             if problem is None and rows is not None and len(rows) and (rows[:, 0].max() >= len(names)):
                 bad = int(rows[:, 0].max())
                 problem = f"class id {bad} is not in the {len(names)} names (0..{len(names) - 1})"
@@ -402,7 +404,7 @@ class YoloSource(DetectionSource):
                 label_file = display(os.path.relpath(labels_of[image], self.root))
                 self.report.bad_labels.append({"path": display(rel), "reason": f"{label_file}: {problem}"})
                 continue
-            boxes = self._boxes(rows, os.path.relpath(labels_of[image], self.root))
+            boxes = self._boxes(rows, keys, os.path.relpath(labels_of[image], self.root))
             self.report.negatives += not len(boxes)
             self.items.append(Item(rel, 0, path=image, boxes=boxes))
         self.ignored = [display(os.path.relpath(path, self.root)) for path in self._others]
@@ -458,19 +460,26 @@ class YoloSource(DetectionSource):
                     return names
         return None
 
+    @classmethod
+    def _labels(cls, path, keypoints=None):
+        """``_label_rows``, always three values (rows, problem, keys)."""
+        found = cls._label_rows(path, keypoints)
+        return found if len(found) == 3 else (*found, None)
+
     @staticmethod
-    def _labels(path, keypoints=None):
+    def _label_rows(path, keypoints=None):
         """(rows as an N x 5 array of class, cx, cy, w, h, or None without a label file; the reason
-        the file is unusable, or None), read as Ultralytics' ``verify_image_label`` reads a file:
+        the file is unusable, or None; what tells each row apart from a repeat: its numbers in
+        float32, a polygon's its points), read as Ultralytics' ``verify_image_label`` reads a file:
         UTF-8 with or without a byte-order mark; a pose row (``keypoints``: the YAML's ``kpt_shape``)
         its box; a file with a row of more than 6 values all polygons (each its bounding box)."""
         try:
             with open(path, encoding="utf-8-sig") as f:
                 lines = f.read().splitlines()
         except FileNotFoundError:
-            return None, None
+            return None, None, None
         except (OSError, UnicodeDecodeError) as e:
-            return None, f"cannot read the label file ({getattr(e, 'strerror', None) or e})"
+            return None, f"cannot read the label file ({getattr(e, 'strerror', None) or e})", None
         numbered = []
         for number, line in enumerate(lines, 1):
             parts = line.split()
@@ -488,7 +497,7 @@ class YoloSource(DetectionSource):
                 values = values[:5]  # a pose row: its box
             numbered.append((number, values))
         polygons = any(len(values) > 6 for _, values in numbered)
-        rows = []
+        rows, keys = [], []
         for number, values in numbered:
             if polygons and len(values) == 5:
                 return None, f"line {number}: boxes and polygons mixed in one file (Ultralytics ignores such an image)"
@@ -496,22 +505,24 @@ class YoloSource(DetectionSource):
                 xs, ys = values[1::2], values[2::2]
                 x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
                 rows.append([values[0], (x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0])
+                keys.append(("polygon", *np.float32(values).tolist()))  # (distinct polygons may share a box)
             elif len(values) == 5 and not polygons:
                 rows.append(values)
+                keys.append(("box", *np.float32(values).tolist()))
             else:
                 return None, f"line {number}: {len(values)} values (class cx cy w h, or class and a polygon)"
             problem = _coordinates_problem(rows[-1])
             if problem:
                 return None, f"line {number}: {problem}"
-        return np.array(rows, np.float64).reshape(-1, 5), None
+        return np.array(rows, np.float64).reshape(-1, 5), None, keys
 
-    def _boxes(self, rows, where):
+    def _boxes(self, rows, keys, where):
         if rows is None or not len(rows):
             return np.zeros(0, fmt.BOX_RECORD)
         cx, cy, w, h = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4]
         xyxy = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], axis=1)
         return boxes_from_xyxy(xyxy, rows[:, 0], np.zeros(len(rows)), lambda k: f"{display(where)}:{k + 1}",
-                               self.report)
+                               self.report, keys)
 
     def _orphans(self, wanted):
         """Label files beside this split's with no image of their name at all (an image of another
@@ -527,7 +538,8 @@ class YoloSource(DetectionSource):
             except OSError:
                 beside = []
             stems = {os.path.splitext(n)[0] for n in beside if n.lower().endswith(YOLO_IMAGE_EXTENSIONS)}
-            others = {os.path.splitext(n)[0]: n for n in beside if not n.lower().endswith(YOLO_IMAGE_EXTENSIONS)}
+            others = {os.path.splitext(n)[0]: n for n in beside
+                      if not n.lower().endswith(YOLO_IMAGE_EXTENSIONS) and not n.endswith(".txt")}
             for name in names:
                 path, stem = os.path.join(folder, name), os.path.splitext(name)[0]
                 if name.endswith(".txt") and name != "classes.txt" and path not in wanted and stem not in stems:
@@ -642,7 +654,8 @@ class CocoSource(DetectionSource):
 def _coco_id(value) -> int:
     """A COCO id: an integer (a JSON number with no fraction). Text is refused: COCO's API matches
     ids as they are given, so "4" names no image 4."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or \
+            value != int(value):
         raise ValueError(f"id {value!r} is not an integer")
     return int(value)
 
