@@ -72,10 +72,9 @@ def _cmd_pack(args):
     if result.labels is not None:
         _print_labels(result)
     _print_left_out(result.skipped, result.ignored, result.unreadable, result.special)
-    empty = _empty_classes(result.report_path)
+    empty = _empty_classes(result.report_path) if result.labels is None else []  # (detection: boxes per class)
     if empty:
-        print(f"  {len(empty)} class(es) hold no sample, their files skipped or unreadable: "
-              f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}")
+        print(f"  {len(empty)} class(es) hold no sample: {', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}")
     if result.report_path:
         print(f"  report: {result.report_path}")
     elif not (args.append and not result.new):
@@ -252,10 +251,14 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         """As argparse's, an option no command knows said by the command it was given to."""
-        parsed, extra = self.parse_known_args(args, namespace)
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, extra = self.parse_known_args(argv, namespace)
         if extra:
             commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
-            commands.get(getattr(parsed, "command", None), self).error(f"unrecognized arguments: {' '.join(extra)}")
+            command = getattr(parsed, "command", None)
+            before = command in argv and argv.index(extra[0]) < argv.index(command) if extra[0] in argv else False
+            parser = self if before else commands.get(command, self)
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed
 
 

@@ -99,6 +99,8 @@ def test_usage_errors_exit_2_in_one_line():
     assert rc == 2 and err.strip().count("\n") == 0 and "not a size" in err
     rc, _, err = run("pack", "a", "b", "--bogus")  # said by the command it was given to
     assert rc == 2 and err.strip() == "gdsdata pack: error: unrecognized arguments: --bogus (see gdsdata pack --help)"
+    rc, _, err = run("--bogus", "pack", "a", "b")  # given to gdsdata itself
+    assert rc == 2 and err.strip() == "gdsdata: error: unrecognized arguments: --bogus (see gdsdata --help)"
 
 
 def test_doctor_reports_the_cpu_path():
@@ -191,4 +193,4 @@ def test_a_class_left_without_samples_is_said(tmp_path):
     (src / "broken" / "a.jpg").write_bytes(b"\xff\xd8\xff not a JPEG")
     rc, stdout, err = run("pack", str(src), str(tmp_path / "ds"), "-q")
     assert rc == 0 and "skipped 1 file(s)" in stdout, err
-    assert "1 class(es) hold no sample, their files skipped or unreadable: broken" in stdout
+    assert "1 class(es) hold no sample: broken" in stdout

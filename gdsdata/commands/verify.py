@@ -31,10 +31,11 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
             index_io.check_shard(index, shard)
             return data_crc32(index.shard_path(shard), index.alignment), None
         except FileNotFoundError:
-            return None, "missing"
-        except (OSError, GdsDataError) as e:
-            return None, str(e).removeprefix(f"{index.shard_path(shard)}: ") if isinstance(e, GdsDataError) else \
-                f"cannot be read ({e.strerror or e})"
+            return None, f"{index.shard_path(shard)}: missing"
+        except GdsDataError as e:
+            return None, str(e)  # (it names the file)
+        except OSError as e:
+            return None, f"{index.shard_path(shard)}: cannot be read ({e.strerror or e})"
 
     with ThreadPoolExecutor(settings.get("cpu_threads")) as pool:
         unreadable = set()  # shards every sample of which is left unchecked (said once, for the shard)
@@ -42,7 +43,7 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
                                                                                     range(len(index.shards))))):
             if problem is not None:
                 unreadable.add(shard)
-                problems.append(f"{index.shard_path(shard)}: {problem}: its samples are not checked")
+                problems.append(f"{problem}: its samples are not checked")
             elif crc != int(record["crc32"]):
                 problems.append(f"{index.shard_path(shard)}: shard checksum mismatch")
         reader = CpuReader(index)

@@ -275,8 +275,11 @@ def _check(index: Index, path: str, shards_too: bool = True):
     path_ends = samples["path_offset"] + samples["path_length"]
     if len(samples) and int(path_ends.max()) > len(index.strings):
         raise FormatError(f"{path}: a source path lies outside the strings section")
-    for shard in range(len(shards)) if shards_too else ():
-        check_shard(index, shard)
+    if shards_too:
+        last = np.zeros(len(shards), np.int64)  # where each shard's last sample ends (once, not per shard)
+        np.maximum.at(last, samples["shard"].astype(np.int64), (samples["offset"] + samples["length"]).astype(np.int64))
+        for shard in range(len(shards)):
+            check_shard(index, shard, int(last[shard]))
     if index.boxes is not None:
         _check_boxes(index, path)
     unaligned = samples["offset"] % index.alignment != 0
@@ -285,9 +288,9 @@ def _check(index: Index, path: str, shards_too: bool = True):
                           f"{index.alignment} bytes")
 
 
-def check_shard(index: Index, shard: int):
+def check_shard(index: Index, shard: int, last_end: int = None):
     """Shard ``shard``'s file against the index: its header, its size, and that its samples lie inside
-    it; raises ``FormatError`` naming it (``FileNotFoundError`` where it is missing)."""
+    it (``last_end``: where its last sample ends, if known); raises ``FormatError`` naming it."""
     record, samples = index.shards[shard], index.samples
     shard_path = index.shard_path(shard)
     read_header(shard_path, int(record["origin_index"]), fmt.ident(record["origin_id"]), index.alignment,
@@ -296,9 +299,12 @@ def check_shard(index: Index, shard: int):
     if size != int(record["size"]):
         raise FormatError(f"{shard_path}: {size} bytes on disk, the index records {record['size']} "
                           f"(truncated or replaced shard)")
-    mine = samples["shard"] == shard
-    ends = samples["offset"] + samples["length"]
-    if mine.any() and int(ends[mine].max()) > size:
+    if last_end is None:
+        mine = samples["shard"] == shard
+        last_end = int((samples["offset"][mine] + samples["length"][mine]).max()) if mine.any() else 0
+    if last_end > size:
+        mine = samples["shard"] == shard
+        ends = samples["offset"] + samples["length"]
         bad = int(np.flatnonzero(mine)[np.argmax(ends[mine])])
         raise FormatError(f"{os.path.join(index.root, fmt.INDEX_NAME)}: {index.describe(bad)} ends at byte "
                           f"{int(ends[bad])}, past the end of its shard ({size} bytes)")

@@ -110,9 +110,10 @@ class FolderSource:
                 continue
             first = tops.setdefault((info.st_dev, info.st_ino), name)
             if first != name:
-                raise SourceError(f"{display(os.path.join(src, name))}: the same folder as class {display(first)} "
-                                  f"(a link): a class twice, whose images torchvision's ImageFolder would label "
-                                  f"both ways; remove one of them")
+                link, other = (first, name) if os.path.islink(os.path.join(src, first)) else (name, first)
+                raise SourceError(f"{display(os.path.join(src, link))}: a link to class {display(other)}'s folder: "
+                                  f"a class twice, whose images torchvision's ImageFolder would label both ways; "
+                                  f"remove one of them")
         seen = {}
         for label, name in enumerate(self.classes):
             before, unreadable = len(self.items), len(self.unreadable)
