@@ -660,24 +660,28 @@ def _coco_id(value) -> int:
     return int(value)
 
 
+def _field_id(ann, key):
+    """(the id ``ann[key]`` holds, None; or None, why it holds none)."""
+    try:
+        return _coco_id(ann[key]), None
+    except KeyError:
+        return None, f"no {key}"
+    except ValueError as e:
+        return None, f"{key}: {e}"
+
+
 def _annotation_problem(ann, files, label):
     """(why a COCO annotation gives no box, or None; its image id where it has one)."""
     if not isinstance(ann, dict):
         return "not an object", None
-    try:
-        image_id = _coco_id(ann["image_id"])
-    except KeyError:
-        return "no image_id", None
-    except ValueError as e:
-        return f"image_id: {e}", None
+    image_id, problem = _field_id(ann, "image_id")
+    if problem is not None:
+        return problem, None
     if image_id not in files:
         return f"image id {image_id} is not in 'images'", image_id
-    try:
-        cid = _coco_id(ann["category_id"])
-    except KeyError:
-        return "no category_id", image_id
-    except ValueError as e:
-        return f"category_id: {e}", image_id
+    cid, problem = _field_id(ann, "category_id")
+    if problem is not None:
+        return problem, image_id
     if cid not in label:
         return f"category id {cid} is not in 'categories'", image_id
     bbox = ann.get("bbox")
