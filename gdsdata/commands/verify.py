@@ -75,11 +75,10 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
     return problems
 
 
-
-
 def _readable(reader, indices, problems, index):
     """(buffer, plan, indices) for the samples ``indices`` that can be read: all at once, or where that
-    fails (a shard cut short), one by one, each that cannot be read a line of ``problems``."""
+    fails (a read error: shards cut short or missing were said before), one by one, each that cannot
+    be read a line of ``problems``."""
     if not indices:
         return []
     try:

@@ -299,15 +299,14 @@ def check_shard(index: Index, shard: int, last_end: int = None):
     if size != int(record["size"]):
         raise FormatError(f"{shard_path}: {size} bytes on disk, the index records {record['size']} "
                           f"(truncated or replaced shard)")
-    if last_end is None:
-        mine = samples["shard"] == shard
-        last_end = int((samples["offset"][mine] + samples["length"][mine]).max()) if mine.any() else 0
-    if last_end > size:
-        mine = samples["shard"] == shard
-        ends = samples["offset"] + samples["length"]
-        bad = int(np.flatnonzero(mine)[np.argmax(ends[mine])])
+    if last_end is not None and last_end <= size:
+        return
+    mine = np.flatnonzero(samples["shard"] == shard)
+    ends = samples["offset"][mine] + samples["length"][mine]
+    if len(mine) and int(ends.max()) > size:
+        bad = int(mine[np.argmax(ends)])
         raise FormatError(f"{os.path.join(index.root, fmt.INDEX_NAME)}: {index.describe(bad)} ends at byte "
-                          f"{int(ends[bad])}, past the end of its shard ({size} bytes)")
+                          f"{int(ends.max())}, past the end of its shard ({size} bytes)")
 
 
 def _check_boxes(index: Index, path: str):

@@ -460,14 +460,8 @@ class YoloSource(DetectionSource):
                     return names
         return None
 
-    @classmethod
-    def _labels(cls, path, keypoints=None):
-        """``_label_rows``, always three values (rows, problem, keys)."""
-        found = cls._label_rows(path, keypoints)
-        return found if len(found) == 3 else (*found, None)
-
     @staticmethod
-    def _label_rows(path, keypoints=None):
+    def _labels(path, keypoints=None):
         """(rows as an N x 5 array of class, cx, cy, w, h, or None without a label file; the reason
         the file is unusable, or None; what tells each row apart from a repeat: its numbers in
         float32, a polygon's its points), read as Ultralytics' ``verify_image_label`` reads a file:
@@ -488,11 +482,11 @@ class YoloSource(DetectionSource):
             try:
                 values = [float(v) for v in parts]
             except ValueError:
-                return None, f"line {number}: not numbers: {line.strip()[:60]!r}"
+                return None, f"line {number}: not numbers: {line.strip()[:60]!r}", None
             if not np.isfinite(values).all():
-                return None, f"line {number}: a value that is not finite"
+                return None, f"line {number}: a value that is not finite", None
             if values[0] != int(values[0]) or values[0] < 0:
-                return None, f"line {number}: class id {parts[0]} is not a non-negative integer"
+                return None, f"line {number}: class id {parts[0]} is not a non-negative integer", None
             if keypoints and len(values) == 5 + keypoints[0] * keypoints[1]:
                 values = values[:5]  # a pose row: its box
             numbered.append((number, values))
@@ -500,7 +494,8 @@ class YoloSource(DetectionSource):
         rows, keys = [], []
         for number, values in numbered:
             if polygons and len(values) == 5:
-                return None, f"line {number}: boxes and polygons mixed in one file (Ultralytics ignores such an image)"
+                return None, (f"line {number}: boxes and polygons mixed in one file (Ultralytics ignores such an "
+                              f"image)"), None
             if polygons and len(values) % 2 == 1:  # a polygon: its bounding box
                 xs, ys = values[1::2], values[2::2]
                 x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
@@ -510,10 +505,10 @@ class YoloSource(DetectionSource):
                 rows.append(values)
                 keys.append(("box", *np.float32(values).tolist()))
             else:
-                return None, f"line {number}: {len(values)} values (class cx cy w h, or class and a polygon)"
+                return None, f"line {number}: {len(values)} values (class cx cy w h, or class and a polygon)", None
             problem = _coordinates_problem(rows[-1])
             if problem:
-                return None, f"line {number}: {problem}"
+                return None, f"line {number}: {problem}", None
         return np.array(rows, np.float64).reshape(-1, 5), None, keys
 
     def _boxes(self, rows, keys, where):
@@ -594,12 +589,11 @@ class CocoSource(DetectionSource):
                     f"image id {image_id} is listed again (for {record.get('file_name')}): COCO's API keeps the "
                     f"last record of an id, so this one is left out")})
             records[image_id] = record
-        records = [records[i] for i in sorted(records)]
-        files = {_coco_id(r["id"]): str(r.get("file_name")) for r in records}
+        files = {image_id: str(records[image_id].get("file_name")) for image_id in sorted(records)}
         by_image = {image_id: [] for image_id in files}
         for k, ann in enumerate(data.get("annotations") or []):
             name = f"annotation {ann.get('id', k)}" if isinstance(ann, dict) else f"annotation #{k}"
-            problem, image_id = _annotation_problem(ann, files, label)
+            problem, image_id, box = _annotation(ann, files, label)
             if problem is not None:
                 named = f"{name} ({files[image_id]})" if image_id in files else name
                 (self.report.orphans if problem.startswith("image id") else self.report.dropped).append(
@@ -607,11 +601,9 @@ class CocoSource(DetectionSource):
                 if strict:
                     raise SourceError(f"{where}: {named}: {problem} (--strict)")
                 continue
-            x, y, w, h = (float(v) for v in ann["bbox"])
-            by_image[image_id].append((name, x, y, w, h, label[_coco_id(ann["category_id"])],
-                                       fmt.BOX_CROWD if ann.get("iscrowd") else 0))
+            by_image[image_id].append((name, *box))
         listed = {}  # file name -> the image id that named it first
-        for record in records:
+        for image_id, record in sorted(records.items()):
             if not isinstance(record.get("file_name"), str) or not record["file_name"]:
                 self.report.bad_labels.append({"path": f"image id {record['id']}", "reason": (
                     f"file_name {json.dumps(record.get('file_name'))} is not a path")})
@@ -625,7 +617,7 @@ class CocoSource(DetectionSource):
             if width <= 0 or height <= 0:
                 self.report.bad_labels.append({"path": file_name, "reason": f"declared size {width}x{height}"})
                 continue
-            anns = by_image[_coco_id(record["id"])]
+            anns = by_image[image_id]
             if file_name in listed:  # one sample a file: the first record's (torchvision would make two samples)
                 self.report.bad_labels.append({"path": file_name, "reason": (
                     f"listed again as image id {record['id']} (first as image id {listed[file_name]}): this "
@@ -670,27 +662,28 @@ def _field_id(ann, key):
         return None, f"{key}: {e}"
 
 
-def _annotation_problem(ann, files, label):
-    """(why a COCO annotation gives no box, or None; its image id where it has one)."""
+def _annotation(ann, files, label):
+    """A COCO annotation read: (why it gives no box, or None; its image id where it has one; its box
+    as (x, y, w, h, class label, flags), or None)."""
     if not isinstance(ann, dict):
-        return "not an object", None
+        return "not an object", None, None
     image_id, problem = _field_id(ann, "image_id")
     if problem is not None:
-        return problem, None
+        return problem, None, None
     if image_id not in files:
-        return f"image id {image_id} is not in 'images'", image_id
+        return f"image id {image_id} is not in 'images'", image_id, None
     cid, problem = _field_id(ann, "category_id")
     if problem is not None:
-        return problem, image_id
+        return problem, image_id, None
     if cid not in label:
-        return f"category id {cid} is not in 'categories'", image_id
+        return f"category id {cid} is not in 'categories'", image_id, None
     bbox = ann.get("bbox")
     if bbox is None:
-        return "no bbox (a segmentation alone: gdsdata packs boxes)", image_id
+        return "no bbox (a segmentation alone: gdsdata packs boxes)", image_id, None
     if not (isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                              and np.isfinite(v) for v in bbox)):
-        return f"bbox is not [x, y, w, h] numbers: {json.dumps(bbox)[:60]}", image_id
-    return None, image_id
+        return f"bbox is not [x, y, w, h] numbers: {json.dumps(bbox)[:60]}", image_id, None
+    return None, image_id, (*(float(v) for v in bbox), label[cid], fmt.BOX_CROWD if ann.get("iscrowd") else 0)
 
 
 def open_detection(format, src, *, split="train", annotations=None, strict=False):
