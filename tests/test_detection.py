@@ -193,6 +193,29 @@ def test_a_coco_image_listed_twice_keeps_its_first_record_s_boxes_and_reports_th
                                                                        "left out"}]
 
 
+def test_a_coco_record_without_a_size_takes_the_file_s_own(tmp_path):
+    anns = [{"image_id": k, "category_id": 1, "bbox": [8, 6, 20, 10]} for k in (1, 2, 3, 4)]
+    ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (64, 48), "c.jpg": (64, 48),
+                                                     "d.jpg": (64, 48)}, anns, [(1, "x")])
+    data = json.load(open(ann))
+    for record in data["images"][1:]:
+        del record["width"], record["height"]  # b: no size (COCO's API and torchvision need none)
+    data["images"][2]["width"] = 64  # c: a width alone
+    json.dump(data, open(ann, "w"))
+    with open(os.path.join(images, "d.jpg"), "wb") as f:
+        f.write(b"not an image")
+    result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
+    ds = gdsdata.GDSDataset(result.out)
+    assert [ds.index.path(k) for k in range(len(ds))] == ["a.jpg", "b.jpg"]
+    for k in range(2):  # the same boxes as the record that gives its size
+        assert torch.allclose(ds.target(k)["boxes"], torch.tensor([[8.0, 6, 28, 16]]), atol=1e-3)
+    reasons = {r["path"]: r["reason"] for r in result.labels["bad_labels"]}
+    assert reasons["c.jpg"] == ("its record gives width 64 and height null: two sizes in pixels, or neither "
+                                "(the file's own size is then taken)")
+    assert reasons["d.jpg"].startswith("no width and height in its record, and the file's own size cannot be read")
+    assert len(reasons) == 2
+
+
 def test_coco_image_of_another_size_than_annotated_is_left_out(tmp_path):
     ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (64, 48)},
                              [{"image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10]}], [(1, "x")])

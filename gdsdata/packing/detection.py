@@ -54,6 +54,7 @@ import numpy as np
 from gdsdata.args import is_integer
 from gdsdata.errors import SourceError
 from gdsdata.format import layout as fmt
+from gdsdata.packing.prepare import pil_open
 from gdsdata.packing.sources import (UNNAMED_LABELS, YOLO_IMAGE_EXTENSIONS, YOLO_IMAGE_FORMATS, Item, display,
                                      unnamed_label_problem)
 
@@ -608,25 +609,13 @@ class CocoSource(DetectionSource):
                 self.report.bad_labels.append({"path": f"image id {record['id']}", "reason": (
                     f"file_name {json.dumps(record.get('file_name'))} is not a path")})
                 continue
-            try:
-                file_name, width, height = record["file_name"], int(record["width"]), int(record["height"])
-            except (KeyError, TypeError, ValueError):
-                self.report.bad_labels.append({"path": str(record.get("file_name", record.get("id"))), "reason": (
-                    "an image record without file_name, width and height (the size its boxes were drawn on)")})
-                continue
-            if width <= 0 or height <= 0:
-                self.report.bad_labels.append({"path": file_name, "reason": f"declared size {width}x{height}"})
-                continue
-            anns = by_image[image_id]
+            file_name, anns = record["file_name"], by_image[image_id]
             if file_name in listed:  # one sample a file: the first record's (torchvision would make two samples)
                 self.report.bad_labels.append({"path": file_name, "reason": (
                     f"listed again as image id {record['id']} (first as image id {listed[file_name]}): this "
                     f"record and its {len(anns)} annotation(s) left out")})
                 continue
             listed[file_name] = record["id"]
-            xyxy = [(x / width, y / height, (x + w) / width, (y + h) / height) for _, x, y, w, h, _, _ in anns]
-            boxes = boxes_from_xyxy(xyxy, [a[5] for a in anns], [a[6] for a in anns],
-                                    lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report)
             path = os.path.join(images, file_name)
             if not os.path.isfile(path):
                 self.unreadable.append({"path": display(file_name), "reason": "listed in the annotations, " + (
@@ -634,6 +623,14 @@ class CocoSource(DetectionSource):
                 if strict:
                     raise SourceError(f"{display(path)}: listed in {where}, no such file (--strict)")
                 continue
+            size, problem = _record_size(record, path)
+            if problem is not None:
+                self.report.bad_labels.append({"path": file_name, "reason": problem})
+                continue
+            width, height = size
+            xyxy = [(x / width, y / height, (x + w) / width, (y + h) / height) for _, x, y, w, h, _, _ in anns]
+            boxes = boxes_from_xyxy(xyxy, [a[5] for a in anns], [a[6] for a in anns],
+                                    lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report)
             self.report.negatives += not len(boxes)
             self.items.append(Item(file_name, 0, path=path, boxes=boxes, size=(width, height)))
         if strict and self.report.bad_labels:
@@ -641,6 +638,27 @@ class CocoSource(DetectionSource):
                               f"(--strict)")
         if not self.items:
             raise SourceError(f"{where}: none of its {len(records)} images is in {display(images)}")
+
+
+def _record_size(record, path):
+    """((width, height) the boxes of a COCO image record were drawn on, None; or None, why there is
+    none). A record without both is given the file's own size, as stored (COCO's API and torchvision's
+    ``CocoDetection`` need none: their boxes are in the pixels of the file as it is read)."""
+    width, height = record.get("width"), record.get("height")
+    if width is None and height is None:
+        try:
+            with pil_open()(path) as image:
+                return image.size, None
+        except Exception as e:  # noqa: BLE001 - whatever PIL makes of a bad file is its reason
+            return None, f"no width and height in its record, and the file's own size cannot be read ({e})"
+    try:
+        width, height = int(width), int(height)
+    except (TypeError, ValueError):
+        return None, (f"its record gives width {json.dumps(width)} and height {json.dumps(height)}: two sizes in "
+                      f"pixels, or neither (the file's own size is then taken)")
+    if width <= 0 or height <= 0:
+        return None, f"declared size {width}x{height}"
+    return (width, height), None
 
 
 def _coco_id(value) -> int:

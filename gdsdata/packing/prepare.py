@@ -70,7 +70,7 @@ class Prepared:
     source_format: str = ""  # what PIL calls the source's format, lower case ("jpeg", "png", "mpo" ...)
 
 
-def _pil_open():
+def pil_open():
     """PIL's own ``Image.open``. Importing Ultralytics replaces it, process-wide, with one that on a
     file PIL cannot identify pip-installs pi-heif and raises when it cannot: a non-image would then
     fetch a package at run time, or read as a missing module."""
@@ -87,7 +87,7 @@ def _open(data: bytes, options) -> Image.Image:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is ours
             previous, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
             try:
-                image = _pil_open()(io.BytesIO(data))
+                image = pil_open()(io.BytesIO(data))
                 _check_pixels(image.width, image.height, options)
                 image.load()
             finally:
@@ -182,7 +182,7 @@ def _as_is(data: bytes, options: PackOptions):
 def _oriented(data: bytes) -> bool:
     """Whether the image carries an EXIF orientation other than 'as stored' (1)."""
     try:
-        with _pil_open()(io.BytesIO(data)) as image:
+        with pil_open()(io.BytesIO(data)) as image:
             return image.getexif().get(0x0112, 1) not in (0, 1)
     except Exception:  # noqa: BLE001 - an unreadable file fails later, with its reason
         return False
@@ -195,7 +195,7 @@ def _first_picture(data: bytes) -> bytes:
     if b"MPF\x00" not in data[:65536]:
         return data
     try:
-        with _pil_open()(io.BytesIO(data)) as image:
+        with pil_open()(io.BytesIO(data)) as image:
             if image.format != "MPO":
                 return data
             size, whole = int(image.mpinfo[0xB002][0]["Size"]), image.size
