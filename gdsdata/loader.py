@@ -354,6 +354,14 @@ class Loader:
         else:
             self._done += 1
 
+    def __getstate__(self):
+        """What ``pickle`` and ``copy.deepcopy`` take: the settings and where the epoch stands, not a
+        pass's threads (as torch's DataLoader leaves its iterator out: the copy's next ``iter()``
+        starts a pass of its own)."""
+        state = self.__dict__.copy()
+        state["_active"] = state["_carry"] = None
+        return state
+
     def __repr__(self):
         of = "" if self._indices is None else f" of {len(self._data)}"  # (a Subset's)
         return (f"Loader({self._data!r}, batch_size={self.spec.batch_size}, shuffle={self.spec.shuffle!r}, "

@@ -413,3 +413,21 @@ def test_closing_the_dataset_between_epochs_leaves_the_next_epoch_whole(ds):
     ds.close()
     assert len(labels_of(loader)) == len(first)
     loader.close()
+
+
+@pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
+def test_a_loader_copies_at_any_point_as_a_dataloader_does(ds, copier):
+    import copy
+    import pickle
+    copied = (lambda x: pickle.loads(pickle.dumps(x))) if copier == "pickle" else copy.deepcopy
+    epochs = gdsdata.Loader(ds, 8, seed=2)
+    reference = [labels_of(epochs), labels_of(epochs)]  # epochs 0 and 1
+    loader = gdsdata.Loader(ds, 8, seed=2, transform=gdsdata.CenterCrop(16))
+    assert labels_of(copied(loader)) == reference[0]  # before any pass
+    assert labels_of(loader) == reference[0]  # the Loader now holds a pass already reading epoch 1
+    after = copied(loader)
+    assert after.epoch == 1 and labels_of(after) == reference[1]
+    it = iter(loader)
+    next(it)  # mid-epoch: the copy's iter() starts the epoch, as any new pass does; the original reads on
+    assert labels_of(copied(loader)) == reference[1]
+    assert [labels.tolist() for _, labels in it] == reference[1][1:]
