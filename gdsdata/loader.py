@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 
 import numpy as np
 import torch
@@ -56,7 +56,9 @@ def _distributed_rank():
 class _PassSetting:
     """A Loader attribute the next pass is built with: every assignment (of the same object too, a
     transform changed in place) counts in the Loader's ``_version``, so that the pass already reading
-    the next epoch, built before it, gives way (``Loader.__iter__``)."""
+    the next epoch, built before it, gives way (``Loader.__iter__``); but a new object equal to the one
+    held that cannot change in place (gdsdata's own transforms, frozen; a bool, a number) does not: a
+    loop that makes its transform afresh each epoch keeps the read-ahead."""
 
     def __init__(self, doc, convert=None):
         self.__doc__, self._convert = doc, convert
@@ -68,8 +70,20 @@ class _PassSetting:
         return self if loader is None else getattr(loader, self._slot)
 
     def __set__(self, loader, value):
-        setattr(loader, self._slot, value if self._convert is None else self._convert(value))
-        loader._version += 1
+        value = value if self._convert is None else self._convert(value)
+        held = getattr(loader, self._slot, _UNSET)
+        setattr(loader, self._slot, value)
+        if not (held is not value and type(held) is type(value) and _immutable(value) and held == value):
+            loader._version += 1
+
+
+_UNSET = object()
+
+
+def _immutable(value) -> bool:
+    """Whether ``value`` cannot change in place, so that an equal one builds the same pass."""
+    return value is None or isinstance(value, (bool, int, float, str)) or \
+        (is_dataclass(value) and type(value).__dataclass_params__.frozen)
 
 
 class Loader:

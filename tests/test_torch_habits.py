@@ -386,6 +386,10 @@ def test_a_transform_set_between_epochs_is_the_next_epoch_s(ds):
     scale.k = 0
     loader.batch_transform = scale  # the same object: the assignment says it changed
     assert not any(x.any() for x, _ in loader)
+    loader.transform = gdsdata.RandomResizedCrop(16, dtype="uint8")  # an equal one, as a loop makes it each epoch
+    carried = loader._carry  # the pass already reading the next epoch ...
+    assert carried is not None and iter(loader) is carried  # ... carries on
+    list(carried)
     loader.pixels = True
     loader.transform = loader.batch_transform = None
     assert all(isinstance(b[0], gdsdata.PixelBatch) for b in loader)
