@@ -49,8 +49,16 @@ class GDSDataset(torch.utils.data.Dataset):
         torchvision datasets do: torchvision v2 transforms and other callables; for torch's
         ``DataLoader``. ``gdsdata.Loader`` refuses a dataset opened with one (it applies its own
         ``transform=`` and ``batch_transform=`` to whole batches).
+        A detection dataset refuses it (``ValueError``): a flip or crop of the image alone would leave
+        its boxes where they were; pass ``transforms=``.
     target_transform : callable, optional
         Applied to each label, likewise by ``ds[i]`` and not by ``gdsdata.Loader``.
+    transforms : callable, optional
+        ``(image, target) -> (image, target)``, as torchvision datasets' ``transforms``: torchvision
+        v2 transforms move a detection target's boxes with the image. For a detection dataset
+        ``ds[i]`` hands it the image as a ``tv_tensors.Image`` and the boxes as
+        ``tv_tensors.BoundingBoxes`` (XYXY, the image's size; torchvision needed). Not with
+        ``transform=`` or ``target_transform=``; ``gdsdata.Loader`` refuses it too.
     on_error : str
         "raise" (default): a bad sample raises ``CorruptSampleError`` naming it, its shard, offset and
         source path; "skip": it is replaced by the next good one, deterministically, and counted in
@@ -74,16 +82,26 @@ class GDSDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, root: str | os.PathLike, device: str | torch.device = "cpu", *,
-                 transform: Callable | None = None, target_transform: Callable | None = None, on_error: str = "raise",
-                 verify_checksums: bool | None = None):
+                 transform: Callable | None = None, target_transform: Callable | None = None,
+                 transforms: Callable | None = None, on_error: str = "raise", verify_checksums: bool | None = None):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
-        for name, value in (("transform", transform), ("target_transform", target_transform)):
+        for name, value in (("transform", transform), ("target_transform", target_transform),
+                            ("transforms", transforms)):
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be a callable, got {type(value).__name__}")
-        self.transform, self.target_transform = transform, target_transform
+        if transforms is not None and (transform is not None or target_transform is not None):
+            raise ValueError("pass transforms= (image, target together) or transform=/target_transform=, not both "
+                             "(as torchvision datasets take them)")
+        self.transform, self.target_transform, self.transforms = transform, target_transform, transforms
         self.root = os.fspath(root)
         self.index = index_io.load(self.root)
+        if transform is not None and self.index.task == "detect":
+            raise ValueError(f"{self.root} is a detection dataset: transform= changes the image alone, so a flip, "
+                             f"crop or resize would leave its boxes where they were; pass transforms=, which takes "
+                             f"(image, target) and moves the boxes with the image (torchvision v2 transforms do)")
+        if transforms is not None and self.index.task == "detect":
+            _tv_tensors(self.root)  # torchvision is needed: said now, not at the first sample
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -212,6 +230,10 @@ class GDSDataset(torch.utils.data.Dataset):
         detect = self.task == "detect"
         for image, i in zip(images, indices):
             label = self.target(i) if detect else int(self._labels[i])
+            if self.transforms is not None:
+                if detect:
+                    image, label = _as_tv_tensors(image, label, self.root)
+                image, label = self.transforms(image, label)
             if self.transform is not None:
                 image = self.transform(image)
             if self.target_transform is not None:
@@ -392,6 +414,7 @@ class GDSDataset(torch.utils.data.Dataset):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("transforms", None)  # (pickled before transforms= was taken)
         self.settings = types.MappingProxyType(state.get("settings") or dict(settings.snapshot()))
         self._passes = weakref.WeakSet()
         self._book = threading.Lock()
@@ -406,3 +429,22 @@ class GDSDataset(torch.utils.data.Dataset):
     def __repr__(self):
         return (f"GDSDataset({self.root!r}, device={str(self.device)!r}, samples={len(self)}, "
                 f"classes={len(self.classes)})")
+
+
+def _tv_tensors(root):
+    """torchvision's ``tv_tensors``, which a detection dataset's ``transforms=`` is handed."""
+    try:
+        from torchvision import tv_tensors
+    except ImportError:
+        raise ImportError(f"{root}: transforms= on a detection dataset hands it tv_tensors.BoundingBoxes, "
+                          f"which need torchvision 0.16 or newer (pip install torchvision)") from None
+    return tv_tensors
+
+
+def _as_tv_tensors(image, target, root):
+    """The image and target as torchvision v2 transforms move them together: the image a
+    ``tv_tensors.Image``, the boxes ``tv_tensors.BoundingBoxes`` (XYXY on the image's size)."""
+    tv_tensors = _tv_tensors(root)
+    boxes = tv_tensors.BoundingBoxes(target["boxes"], format="XYXY", canvas_size=tuple(image.shape[-2:]))
+    return tv_tensors.Image(image), {**target, "boxes": boxes}
+

@@ -94,8 +94,9 @@ class Loader:
     ----------
     dataset : GDSDataset or torch.utils.data.Subset of one
         What to read; a Subset (``random_split`` gives those) reads only its samples. A dataset
-        opened with ``transform=`` or ``target_transform=`` (applied per sample by ``ds[i]``) is
-        refused with ``ValueError``: the Loader's own ``transform`` and ``batch_transform`` apply.
+        opened with ``transform=``, ``target_transform=`` or ``transforms=`` (applied per sample by
+        ``ds[i]``) is refused with ``ValueError``: the Loader's own ``transform`` and
+        ``batch_transform`` apply.
     batch_size : int
         Samples per batch.
     shuffle : bool or str
@@ -493,7 +494,8 @@ def _source(dataset, indices):
 def _no_sample_transforms(dataset):
     """A dataset opened with per-sample transforms is refused: ``ds[i]`` applies them, the Loader's
     pipeline does not, and training on untransformed batches would go unnoticed."""
-    given = [name for name in ("transform", "target_transform") if getattr(dataset, name, None) is not None]
+    given = [name for name in ("transform", "target_transform", "transforms")
+             if getattr(dataset, name, None) is not None]
     if given:
         raise ValueError(
             f"{getattr(dataset, 'root', 'the dataset')} was opened with GDSDataset(..., {'=, '.join(given)}=), which "

@@ -353,6 +353,45 @@ def test_a_detection_dataset_needs_a_detection_transform_and_reads_through_the_d
         gdsdata.GDSDataset(os.path.join(os.path.dirname(__file__), "data", "golden", "ds")).target(0)
 
 
+def test_torchvision_v2_transforms_move_the_boxes_with_the_image(synthetic, tmp_path):
+    """transforms= takes (image, target) as torchvision datasets' does, the boxes as BoundingBoxes, so
+    that v2 transforms move them; transform= (the image alone) is refused on a detection dataset."""
+    from torchvision import tv_tensors
+    from torchvision.transforms import v2
+
+    out = pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "ds"), format="yolo", workers=1).out
+    plain = gdsdata.GDSDataset(out)
+    flips = gdsdata.GDSDataset(out, transforms=v2.RandomHorizontalFlip(p=1.0))
+    crops = gdsdata.GDSDataset(out, transforms=v2.Compose([v2.RandomIoUCrop(trials=1000), v2.Resize((96, 128)),
+                                                           v2.SanitizeBoundingBoxes()]))
+    for i in range(4):
+        image, target = plain[i]
+        flipped, moved = flips[i]
+        w = image.shape[-1]
+        assert isinstance(flipped, tv_tensors.Image) and isinstance(moved["boxes"], tv_tensors.BoundingBoxes)
+        assert torch.equal(flipped, image.flip(-1))
+        assert torch.allclose(moved["boxes"], torch.stack([w - target["boxes"][:, 2], target["boxes"][:, 1],
+                                                           w - target["boxes"][:, 0], target["boxes"][:, 3]], 1))
+        assert torch.equal(moved["labels"], target["labels"])
+        torch.manual_seed(i)
+        cropped, kept = crops[i]  # the same draws on the same image and boxes as torchvision's own pipeline
+        torch.manual_seed(i)
+        reference = v2.Compose(crops.transforms.transforms)(tv_tensors.Image(image), {**target, "boxes": (
+            tv_tensors.BoundingBoxes(target["boxes"], format="XYXY", canvas_size=tuple(image.shape[-2:])))})
+        assert cropped.shape[-2:] == (96, 128) and torch.equal(cropped, reference[0])
+        assert torch.equal(kept["boxes"], reference[1]["boxes"]) and torch.equal(kept["labels"], reference[1]["labels"])
+        assert kept["boxes"].canvas_size == (96, 128)
+    images, targets = next(iter(torch.utils.data.DataLoader(flips, 4, collate_fn=gdsdata.collate)))
+    assert len(images) == 4 and all(isinstance(t["boxes"], tv_tensors.BoundingBoxes) for t in targets)
+    with pytest.raises(ValueError, match=r"is a detection dataset: transform= changes the image alone, so a flip, "
+                                         r"crop or resize would leave its boxes where they were; pass transforms="):
+        gdsdata.GDSDataset(out, transform=v2.RandomHorizontalFlip(p=1.0))
+    with pytest.raises(ValueError, match="pass transforms= .* or transform=/target_transform=, not both"):
+        gdsdata.GDSDataset(out, transforms=v2.RandomHorizontalFlip(), target_transform=lambda t: t)
+    with pytest.raises(ValueError, match=r"GDSDataset\(\.\.\., transforms=\)"):
+        gdsdata.Loader(flips, 4, transform=gdsdata.YoloAugment(imgsz=64))
+
+
 def test_the_command_line(synthetic, tmp_path, capsys):
     coco = os.path.join(synthetic, "coco")
     assert cli(["pack", "--format", "coco", os.path.join(coco, "annotations", "instances_train.json"),

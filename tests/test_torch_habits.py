@@ -216,7 +216,8 @@ def test_unusable_transforms_get_one_clear_error(ds):
 
 
 @pytest.mark.parametrize("given", [dict(transform=lambda im: im[:, :10, :10]),
-                                   dict(target_transform=lambda y: y + 100)])
+                                   dict(target_transform=lambda y: y + 100),
+                                   dict(transforms=lambda im, y: (im, y + 100))])
 def test_a_dataset_with_per_sample_transforms_is_refused(photos_dataset, given):
     """The Loader builds batches with its own transform= and batch_transform=: a dataset whose
     transform= or target_transform= ds[i] applies would otherwise give untransformed batches."""
@@ -321,6 +322,10 @@ def test_dataset_transforms_and_indices(photos_dataset):
         ds[60]
     with pytest.raises(TypeError, match="transform must be a callable"):
         gdsdata.GDSDataset(photos_dataset[2], transform="resize")
+    joint = gdsdata.GDSDataset(photos_dataset[2], transforms=lambda im, y: (im[:, :5, :5], y + 20))
+    image, label = joint[3]  # (image, label) together, as torchvision datasets' transforms=
+    assert torch.equal(image, gdsdata.GDSDataset(photos_dataset[2])[3][0][:, :5, :5])
+    assert label == ds.targets[3] + 20
 
 
 def test_python_dash_m_and_help_for_every_command():
