@@ -136,10 +136,12 @@ class Loader:
     picks an epoch explicitly.
     """
 
-    def __init__(self, dataset, batch_size: int = 1, *, shuffle: bool | str | None = True, seed: int = 0,
+    def __init__(self, dataset, batch_size: int = 1, shuffle: bool | str | None = True, *, seed: int = 0,
                  drop_last: bool = False, transform=None, batch_transform: Callable | None = None,
                  indices: Sequence[int] | None = None, prefetch: int = 2, rank: int | None = None,
-                 world_size: int | None = None, block_size: int = 64, window: int = 16, pixels: bool = False):
+                 world_size: int | None = None, block_size: int = 64, window: int = 16, pixels: bool = False,
+                 **dataloader_arguments):
+        _no_dataloader_arguments(dataloader_arguments)
         self._given = dataset  # ``dataset``: as given (a Subset stays one: len(loader.dataset) counts its samples)
         self._version = 0  # counts assignments of transform, batch_transform, pixels, prefetch
         dataset, self._indices = _source(dataset, indices)
@@ -489,6 +491,39 @@ def _source(dataset, indices):
         if not len(picked):
             raise ValueError("indices is empty: a Loader needs at least one sample")
     return dataset, picked
+
+
+# torch DataLoader arguments a Loader has no use for, and what it does instead
+_DATALOADER_ONLY = {
+    "num_workers": "its own I/O, decode and transform threads do the work of DataLoader workers",
+    "persistent_workers": "its threads run on from one epoch into the next by themselves",
+    "worker_init_fn": "it starts no worker processes",
+    "multiprocessing_context": "it starts no worker processes",
+    "pin_memory": "batches come on the dataset's device: GDSDataset(root, device='cuda')",
+    "pin_memory_device": "batches come on the dataset's device: GDSDataset(root, device='cuda')",
+    "prefetch_factor": "prefetch= sets the batches ready ahead (default 2)",
+    "timeout": "every wait is bounded by the stall_timeout setting (GDSDATA_STALL_TIMEOUT)",
+    "in_order": "batches always come in order",
+    "generator": "seed= and the epoch fix the order, crops and flips",
+    "sampler": "shuffle= and seed= set the order, indices= (or a Subset) the samples, and DDP ranks are found "
+               "in torch.distributed; a sampler that draws anew each epoch (WeightedRandomSampler) needs torch's "
+               "DataLoader over the GDSDataset",
+    "batch_sampler": "batch_size=, drop_last= and shuffle= make the batches",
+    "collate_fn": "batches come stacked (transform=) or as lists of images; batch_transform=(images, labels) -> "
+                  "(images, labels) changes them",
+}
+
+
+def _no_dataloader_arguments(given: dict):
+    """A torch DataLoader argument gets one line saying what the Loader does instead; any other
+    unknown keyword, Python's own TypeError."""
+    for name in given:
+        if name not in _DATALOADER_ONLY:
+            raise TypeError(f"Loader.__init__() got an unexpected keyword argument {name!r}")
+    if given:
+        name = next(iter(given))
+        raise TypeError(f"Loader takes no {name}= (a torch DataLoader argument): {_DATALOADER_ONLY[name]}; "
+                        f"docs/usage.md, 'torch habit -> gdsdata'")
 
 
 def _no_sample_transforms(dataset):

@@ -21,6 +21,7 @@ def labels_of(loader):
 
 def test_shuffle_takes_booleans(ds):
     on = labels_of(gdsdata.Loader(ds, 8, shuffle=True, seed=3))
+    assert on == labels_of(gdsdata.Loader(ds, 8, True, seed=3))  # third positional, as DataLoader's
     assert on == labels_of(gdsdata.Loader(ds, 8, shuffle="full", seed=3))
     off = labels_of(gdsdata.Loader(ds, 8, shuffle=False))
     assert off == labels_of(gdsdata.Loader(ds, 8, shuffle=None))
@@ -242,6 +243,11 @@ def test_a_dataset_with_per_sample_transforms_is_refused(photos_dataset, given):
     (dict(batch_size=4, indices=[0, 99]), IndexError, "99, out of range for 60"),
     (dict(batch_size=4, indices=[]), ValueError, "empty"),
     (dict(batch_size=4, indices=[0.5]), TypeError, "indices must be a 1-D sequence of integers"),
+    (dict(batch_size=4, num_workers=8, pin_memory=True), TypeError,
+     r"Loader takes no num_workers= \(a torch DataLoader argument\): its own I/O, decode and transform threads"),
+    (dict(batch_size=4, pin_memory=True), TypeError, "batches come on the dataset's device"),
+    (dict(batch_size=4, sampler=range(4)), TypeError, r"WeightedRandomSampler\) needs torch's DataLoader"),
+    (dict(batch_size=4, shufle=True), TypeError, "got an unexpected keyword argument 'shufle'"),
 ])
 def test_arguments_are_checked_in_one_line(ds, kwargs, error, match):
     with pytest.raises(error, match=match):
