@@ -120,7 +120,9 @@ class Loader:
     prefetch : int
         Batches prepared ahead of the training loop.
     rank, world_size : int, optional
-        This process's share under DDP; by default from ``torch.distributed`` when initialised.
+        This process's share under DDP; by default from ``torch.distributed`` when initialised
+        (then a Loader reads its rank's share: for an evaluation on one rank that should see
+        every sample, pass ``rank=0, world_size=1``).
     pixels : bool
         Hand on the decoded ``PixelBatch`` itself (every image's pixels in one buffer), for custom
         GPU transforms; valid until the next batch is asked for.
