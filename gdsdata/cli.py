@@ -23,6 +23,22 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _integer(low: int, high: int | None = None):
+    """An argparse type: an integer in low..high, else a usage error (exit status 2) saying the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}" if high is not None else
+                                             f"{value} is below {low}")
+        return value
+
+    parse.__name__ = "integer"  # (argparse names the type in its message: "invalid integer value")
+    return parse
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -47,7 +63,7 @@ def _cmd_pack(args):
         return _pack_on_ray(args, options)
     result = pack(args.src, args.out, options=options, shard_size=args.shard_size,
                   alignment=args.alignment, workers=args.workers, strict=args.strict,
-                  overwrite=args.overwrite, progress=not args.quiet, num_parts=args.num_parts,
+                  overwrite=args.overwrite, progress=_progress(args), num_parts=args.num_parts,
                   part=args.part, resume=args.resume, append=args.append,
                   allow_empty_classes=args.allow_empty_classes, format=args.format, split=args.split,
                   annotations=args.annotations, shard_roots=args.shard_root)
@@ -58,6 +74,8 @@ def _cmd_pack(args):
         print(f"nothing to append: {args.out} holds {held} of {args.src} already ({whole}; unchanged)")
     elif args.append:
         print(f"appended {result.new} images in {result.seconds:.1f} s ({rate}): {args.out} now holds {whole}")
+    elif result.resumed_shards:  # (the time and rate are the images packed by this run)
+        print(f"packed {whole}: {result.new} of them by this run, in {result.seconds:.1f} s ({rate})")
     else:
         print(f"packed {whole} in {result.seconds:.1f} s ({rate})")
     print(f"  stored as is: {result.packed - result.converted}, converted: {result.converted}, "
@@ -131,7 +149,7 @@ def _pack_on_ray(args, options):
     summary = pack_on_ray(args.src, args.out, address=args.ray or None,
                           num_parts=args.num_parts if args.num_parts > 1 else 0, options=options,
                           shard_size=args.shard_size, alignment=args.alignment, strict=args.strict,
-                          overwrite=args.overwrite, progress=not args.quiet,
+                          overwrite=args.overwrite, progress=_progress(args),
                           allow_empty_classes=args.allow_empty_classes, format=args.format, split=args.split,
                           annotations=args.annotations, shard_roots=args.shard_root)
     print(f"packed {summary['samples']} images in {summary['parts']} part(s) on Ray ({summary['cpus']} CPUs), "
@@ -142,10 +160,15 @@ def _pack_on_ray(args, options):
     return 0
 
 
+def _progress(args) -> bool:
+    """A progress bar where stderr is a terminal and --quiet was not given (none in a log file)."""
+    return not args.quiet and sys.stderr.isatty()
+
+
 def _cmd_merge(args):
     from gdsdata.packing.merge import merge
 
-    summary = merge(args.parts, args.out, copy=args.copy, overwrite=args.overwrite, progress=not args.quiet)
+    summary = merge(args.parts, args.out, copy=args.copy, overwrite=args.overwrite, progress=_progress(args))
     print(f"merged {summary['parts']} part(s) into {summary['out']}: {summary['samples']} samples, "
           f"{summary['shards']} shard(s) {'/'.join(summary['shards_placed'])}")
     return 0
@@ -157,7 +180,7 @@ def _cmd_inspect(args):
     info = describe(args.dataset)
     if args.json:
         print(json.dumps(info, indent=2))
-        return 0
+        return 1 if info["problems"] else 0  # (the problems are in it)
     print(f"{info['path']}: {info['samples']} samples, {info['classes']} classes, {info['shards']} shard(s)")
     print(f"  format version {info['format_version']}, created {info['created']} by gdsdata "
           f"{info['gdsdata_version']}")
@@ -193,13 +216,19 @@ def _cmd_inspect(args):
               f"{per_image['mean']}/{per_image['max']}, {detect['negatives']} image(s) without objects, "
               f"{detect['crowd']} crowd region(s); boxes small/medium/large by box area (COCO's 32 and 96 px; "
               f"COCOeval uses the annotations' area): {small}/{medium}/{large}")
+    for line in info["problems"]:
+        print(f"bad: {line}", file=sys.stderr)
+    if info["problems"]:
+        print(f"gdsdata: {len(info['problems'])} shard(s) of {args.dataset} are damaged, so it does not open "
+              f"(gdsdata verify checks every sample)", file=sys.stderr)
+        return 1
     return 0
 
 
 def _cmd_verify(args):
     from gdsdata.commands.verify import verify
 
-    problems = verify(args.dataset, decode_samples=not args.checksums_only, progress=not args.quiet)
+    problems = verify(args.dataset, decode_samples=not args.checksums_only, progress=_progress(args))
     for line in problems:
         print(f"bad: {line}", file=sys.stderr)
     if problems:
@@ -290,18 +319,18 @@ def build_parser():
                         "the index and a link to each shard")
     p.add_argument("--alignment", type=_size, default=4096, metavar="BYTES",
                    help="payload alignment, a power of two (default 4096)")
-    p.add_argument("--workers", type=int, default=0, help="processes (default: all cores)")
+    p.add_argument("--workers", type=_integer(0), default=0, help="processes (default: all cores)")
     p.add_argument("--codec", choices=("jpeg", "raw"), default="jpeg",
                    help="jpeg (default) or raw decoded pixels")
-    p.add_argument("--quality", type=int, default=95,
+    p.add_argument("--quality", type=_integer(1, 100), default=95,
                    help="JPEG quality for re-encoded images, 4:4:4 chroma (default 95)")
-    p.add_argument("--max-side", type=int, default=0, metavar="PX",
+    p.add_argument("--max-side", type=_integer(0), default=0, metavar="PX",
                    help="downscale images whose longer side exceeds PX (default: keep)")
-    p.add_argument("--size", type=int, default=0, metavar="PX",
+    p.add_argument("--size", type=_integer(0), default=0, metavar="PX",
                    help="raw codec: downscale so the shorter side is PX (default: keep)")
     p.add_argument("--strict", action="store_true",
                    help="stop at the first bad or unreadable file or folder instead of skipping it")
-    p.add_argument("--max-pixels", type=int, default=PACK_DEFAULTS.max_pixels, metavar="N",
+    p.add_argument("--max-pixels", type=_integer(0), default=PACK_DEFAULTS.max_pixels, metavar="N",
                    help=f"refuse images that declare more pixels, before decoding them "
                         f"(default {PACK_DEFAULTS.max_pixels:,}, Pillow's; 0: no limit)")
     p.add_argument("--allow-empty-classes", action="store_true",
@@ -311,14 +340,15 @@ def build_parser():
                    help="finish an interrupted pack into OUT, keeping its finished shards (same options)")
     p.add_argument("--append", action="store_true",
                    help="add the images (and classes) of SRC that OUT does not hold yet, as new shards")
-    p.add_argument("--num-parts", type=int, default=1, metavar="N",
+    p.add_argument("--num-parts", type=_integer(1), default=1, metavar="N",
                    help="split the source into N contiguous parts (for packing on many machines) ...")
-    p.add_argument("--part", type=int, default=0, metavar="K", help="... and pack part K (0-based); join with merge")
+    p.add_argument("--part", type=_integer(0), default=0, metavar="K",
+                   help="... and pack part K (0-based); join with merge")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="pack the parts as Ray tasks (retried when they fail), then merge them: on the cluster at "
                         "ADDRESS, or a local Ray without one; --num-parts overrides the part count chosen from the "
                         "source size and the cluster's CPUs. OUT must be on a filesystem every node sees")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
     p.set_defaults(run=_cmd_pack)
 
     p = sub.add_parser("merge", help="join datasets packed as parts into one",
@@ -328,7 +358,7 @@ def build_parser():
     p.add_argument("out", help="merged dataset folder to create")
     p.add_argument("--copy", action="store_true", help="copy shard data instead of linking it")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
     p.set_defaults(run=_cmd_merge)
 
     p = sub.add_parser("inspect", help="show what a dataset holds",
@@ -345,7 +375,7 @@ def build_parser():
                        "status is 1 when any is found.")
     p.add_argument("dataset", help="a packed dataset folder")
     p.add_argument("--checksums-only", action="store_true", help="skip decoding")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("doctor", help="show GPU, driver, kvikio/GDS and nvJPEG status",

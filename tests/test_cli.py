@@ -17,6 +17,38 @@ def run(*args):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+def run_on_a_terminal(*args):
+    """run(), with stderr a terminal (a pseudo-terminal read as it is written)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (no columns: an empty bar)
+    chunks = []
+
+    def drain():
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # (the terminal closed: all was read)
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    proc = subprocess.run([sys.executable, "-m", "gdsdata.cli", *args], stdout=subprocess.PIPE, stderr=slave,
+                          text=True, timeout=300)
+    os.close(slave)
+    reader.join(30)
+    os.close(master)
+    return proc.returncode, proc.stdout, b"".join(chunks).decode(errors="replace")
+
+
 def assert_one_line_error(rc, err, *needles):
     assert rc == 1
     assert "Traceback" not in err
@@ -74,8 +106,11 @@ def test_errors_are_one_line(small_src, tmp_path):
     assert_one_line_error(*run("pack", small_src, str(tmp_path / "s"), "--strict", "-q")[::2], "broken.jpg")
     assert_one_line_error(*run("inspect", small_src)[::2], "not a finished gdsdata dataset")
     assert_one_line_error(*run("inspect", os.path.join(out, fmt.shard_name(0)))[::2], "a file, not a dataset folder")
-    assert_one_line_error(*run("pack", small_src, str(tmp_path / "q"), "--quality", "0")[::2], "quality")
-    assert_one_line_error(*run("pack", small_src, str(tmp_path / "w"), "--workers", "-3")[::2], "workers")
+    for option, value, said in (("--quality", "0", "0 is outside 1..100"), ("--workers", "-3", "-3 is below 0"),
+                                ("--num-parts", "0", "0 is below 1"), ("--max-side", "x", "'x' is not an integer")):
+        rc, _, err = run("pack", small_src, str(tmp_path / "q"), option, value)  # a usage error, as argparse's
+        assert rc == 2 and err == f"gdsdata pack: error: argument {option}: {said} (see gdsdata pack --help)\n"
+    assert not os.path.exists(tmp_path / "q")
     with open(os.path.join(out, fmt.INDEX_NAME), "r+b") as f:
         f.truncate(100)
     assert_one_line_error(*run("verify", out)[::2], "truncated index")
@@ -90,6 +125,14 @@ def test_verify_names_bad_samples(small_src, tmp_path):
     rc, _, err = run("verify", out, "-q")
     assert rc == 1 and "Traceback" not in err
     assert "bad: " in err and "sample 0 (class0/" in err and "problem(s)" in err
+    shard = os.path.join(out, fmt.shard_name(0))
+    os.truncate(shard, 5000)  # cut short: inspect still says what the index holds, and which shard is damaged
+    rc, stdout, err = run("inspect", out)
+    assert rc == 1 and stdout.startswith(f"{os.path.abspath(out)}: 9 samples, ") and "Traceback" not in err
+    first, last = err.splitlines()
+    assert first.startswith(f"bad: {shard}: 5000 bytes on disk, the index records ") and first.endswith(
+        "(truncated or replaced shard)")
+    assert last == f"gdsdata: 1 shard(s) of {out} are damaged, so it does not open (gdsdata verify checks every sample)"
 
 
 def test_usage_errors_exit_2_in_one_line():
@@ -126,9 +169,11 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
         rc, stdout, err = run("pack", small_src, part, "--num-parts", "2", "--part", str(k), "-q")
         assert rc == 0, err
     merged = str(tmp_path / "merged")
-    rc, stdout, err = run("merge", *parts, merged)
+    rc, stdout, err = run_on_a_terminal("merge", *parts, merged)
     assert rc == 0 and "merged 2 part(s)" in stdout and "9 samples" in stdout, err
-    assert "link: 100%" in err  # the progress bar on stderr (copying may take long); -q hides it
+    assert "link: 100%" in err  # the progress bar on a terminal (copying may take long); -q hides it
+    rc, stdout, err = run("merge", *parts, str(tmp_path / "logged"))
+    assert rc == 0 and "merged 2 part(s)" in stdout and err == "", err  # none in a log file
     rc, stdout, err = run("merge", *parts, str(tmp_path / "copied"), "--copy", "-q")
     assert rc == 0 and "merged 2 part(s)" in stdout and err == "", err
     assert "merged from 2 part(s)" in run("inspect", merged)[1]

@@ -29,7 +29,7 @@ def _shard_folders(index) -> dict:
         folders[folder] = folders.get(folder, 0) + 1
         try:
             devices.add(os.stat(path).st_dev)
-        except OSError:  # a missing shard: the dataset refuses to open; this only reports
+        except OSError:  # a missing shard: said in "problems"
             pass
     return {"folders": folders, "devices": len(devices)}
 
@@ -49,8 +49,10 @@ def info(root) -> dict:
     dict
         Plain values (``json.dumps`` takes it); ``gdsdata inspect --json`` prints the same.
     """
-    index = index_io.load(root)
+    index = index_io.load(root, shards=False)  # a damaged shard is said below ("problems"), not fatal here
     samples, shards = index.samples, index.shards
+    problems = [problem for shard, last_end in enumerate(index_io.last_sample_ends(index))
+                if (problem := index_io.shard_problem(index, shard, int(last_end))) is not None]
     converted, resized = index.flag_counts()
     payload = int(samples["length"].sum())
     stored = int(shards["size"].sum())
@@ -84,6 +86,7 @@ def info(root) -> dict:
         "appended": meta.get("appended", []),
         "task": index.task,
         "shard_folders": _shard_folders(index),
+        "problems": problems,  # shard files missing, cut short or not the index's: the dataset does not open
     }
     if index.task == "detect":
         per_image = np.diff(index.box_start.astype(np.int64))

@@ -25,15 +25,15 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
     index = index_io.load(root, shards=False)  # each shard checked below, a bad one said and the rest checked
     problems = []
 
+    last_ends = index_io.last_sample_ends(index)
+
     def shard_crc(shard):
         """(the shard's CRC-32 or None, what made it unreadable)."""
+        problem = index_io.shard_problem(index, shard, int(last_ends[shard]))
+        if problem is not None:
+            return None, problem
         try:
-            index_io.check_shard(index, shard)
             return data_crc32(index.shard_path(shard), index.alignment), None
-        except FileNotFoundError:
-            return None, f"{index.shard_path(shard)}: missing"
-        except GdsDataError as e:
-            return None, str(e)  # (it names the file)
         except OSError as e:
             return None, f"{index.shard_path(shard)}: cannot be read ({e.strerror or e})"
 

@@ -276,16 +276,35 @@ def _check(index: Index, path: str, shards_too: bool = True):
     if len(samples) and int(path_ends.max()) > len(index.strings):
         raise FormatError(f"{path}: a source path lies outside the strings section")
     if shards_too:
-        last = np.zeros(len(shards), np.int64)  # where each shard's last sample ends (once, not per shard)
-        np.maximum.at(last, samples["shard"].astype(np.int64), (samples["offset"] + samples["length"]).astype(np.int64))
-        for shard in range(len(shards)):
-            check_shard(index, shard, int(last[shard]))
+        for shard, last_end in enumerate(last_sample_ends(index)):
+            check_shard(index, shard, int(last_end))
     if index.boxes is not None:
         _check_boxes(index, path)
     unaligned = samples["offset"] % index.alignment != 0
     if unaligned.any():
         raise FormatError(f"{path}: {index.describe(int(np.argmax(unaligned)))} is not aligned to "
                           f"{index.alignment} bytes")
+
+
+def last_sample_ends(index: Index) -> np.ndarray:
+    """Where each shard's last sample ends (0 for one without samples), found for every shard at once."""
+    samples = index.samples
+    last = np.zeros(len(index.shards), np.int64)
+    np.maximum.at(last, samples["shard"].astype(np.int64), (samples["offset"] + samples["length"]).astype(np.int64))
+    return last
+
+
+def shard_problem(index: Index, shard: int, last_end: int = None) -> str | None:
+    """What ``check_shard`` finds wrong with a shard file, as one line naming it; None when sound."""
+    try:
+        check_shard(index, shard, last_end)
+    except FileNotFoundError:
+        return f"{index.shard_path(shard)}: missing"
+    except FormatError as e:
+        return str(e)  # (it names the file)
+    except OSError as e:
+        return f"{index.shard_path(shard)}: cannot be read ({e.strerror or e})"
+    return None
 
 
 def check_shard(index: Index, shard: int, last_end: int = None):
