@@ -14,13 +14,17 @@ closes it (``close_mosaic``); validation batches are ``Letterbox`` batches (squa
 Ultralytics validates on rectangular batches: mAP differs slightly). Arguments these batches do not
 follow (``perspective``, ``mixup``, ``cutmix``, ``copy_paste``, ``bgr``, ``single_cls``,
 ``fraction``, ``classes``, ``rect``) are refused unless at their defaults, and so is AutoBatch. The class
-names come from the packed dataset, so ``data`` is not needed.
+names come from the packed dataset, so ``data`` is not needed; the checkpoints record as their ``data``
+the data YAML both packs were made from (where it still exists), so that Ultralytics'
+``YOLO("best.pt").val()`` validates on that YAML's val split with its own pipeline (else give it
+``data=``).
 Ultralytics' own DDP (it re-launches the trainer from its module path with its own arguments) is not
 offered: one process per run. Needs the ``ultralytics`` package.
 """
 
 import copy
 import dataclasses
+import os
 
 import numpy as np
 import torch
@@ -152,6 +156,18 @@ class DetectionValidator(_UltralyticsValidator):
             _validator_module.check_det_dataset = check
 
 
+def _usable_yaml(source):
+    """``source`` where it is a data YAML whose splits Ultralytics finds as it stands (its own check,
+    nothing downloaded), else None."""
+    if not str(source).endswith((".yaml", ".yml")) or not os.path.isfile(source):
+        return None
+    try:
+        _validator_module.check_det_dataset(source, autodownload=False)
+    except Exception:  # noqa: BLE001 - whatever Ultralytics makes of it, the packs are what trains
+        return None
+    return source
+
+
 class DetectionTrainer(_UltralyticsTrainer):
     """Ultralytics' ``DetectionTrainer`` with batches from the packed datasets ``train`` and ``val``
     (``gdsdata pack --format yolo|coco``). ``overrides``: Ultralytics' arguments (``model``,
@@ -159,8 +175,10 @@ class DetectionTrainer(_UltralyticsTrainer):
 
     def __init__(self, train, val, cfg=DEFAULT_CFG, overrides=None, _callbacks=None):
         self.gds_roots = {"train": str(train), "val": str(val)}
+        sources = []
         for mode, root in self.gds_roots.items():
             probe = GDSDataset(root)
+            sources.append(probe.meta.get("source"))
             if probe.task != "detect":
                 raise TypeError(f"{root} (the {mode} dataset) is a classification dataset; DetectionTrainer trains "
                                 f"and validates on detection datasets")
@@ -172,7 +190,11 @@ class DetectionTrainer(_UltralyticsTrainer):
             probe.close()
         self._gds_batches = {}
         overrides = dict(overrides or {})
-        overrides.setdefault("data", self.gds_roots["train"])
+        # what the checkpoints record as their data: the data YAML both packs came from, where Ultralytics still
+        # finds its splits, so that its own YOLO("best.pt").val() validates on the val split; else the train pack
+        if "data" not in overrides:
+            usable = _usable_yaml(sources[0]) if sources[0] == sources[1] else None
+            overrides["data"] = usable or self.gds_roots["train"]
         super().__init__(cfg, overrides, _callbacks)
         odd = {name: getattr(self.args, name) for name, value in _UNSUPPORTED.items()
                if getattr(self.args, name, value) not in (value,)}

@@ -24,6 +24,10 @@ def packed(tmp_path_factory):
     generate(root, 12, classes=3, seed=21, val=0.34)
     out = tmp_path_factory.mktemp("yolo")
     data = os.path.join(root, "yolo", "data.yaml")
+    with open(data) as f:  # the dataset's own folder, as Ultralytics finds it from any working folder
+        text = f.read().replace("path: .", f"path: {os.path.dirname(data)}")
+    with open(data, "w") as f:
+        f.write(text)
     return (pack(data, str(out / "train"), format="yolo", workers=1).out,
             pack(data, str(out / "val"), format="yolo", split="val", workers=1).out)
 
@@ -58,6 +62,14 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
     assert trainer.train_loader.loader.transform.mosaic == 0.0  # closed by Ultralytics for the last epoch
     assert list(trainer.train_loader.sampler) and len(trainer.train_loader.dataset.labels) == 8
     assert trainer.data["names"] == dict(enumerate(gdsdata.GDSDataset(train).classes))
+    if device == "cpu":  # the checkpoint names the packs' data YAML: Ultralytics' own val() finds the val split
+        from ultralytics import YOLO
+
+        assert trainer.args.data == gdsdata.GDSDataset(val).meta["source"]
+        metrics = YOLO(str(tmp_path / "run" / "weights" / "best.pt")).val(imgsz=64, batch=4, device="cpu",
+                                                                           plots=False, project=str(tmp_path))
+        assert "metrics/mAP50-95(B)" in metrics.results_dict
+        Image.open = opener
 
 
 def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos_dataset):
