@@ -361,7 +361,7 @@ def build_parser():
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
     p.set_defaults(run=_cmd_merge)
 
-    p = sub.add_parser("inspect", help="show what a dataset holds",
+    p = sub.add_parser("inspect", aliases=["info"], help="show what a dataset holds",
                        description="Show what DATASET holds: samples and classes, shards, payload and alignment "
                        "overhead, image sizes, codecs and chroma subsampling, what was converted at pack time, "
                        "where it came from (parts, merges, appends) and the count per class.")

@@ -127,7 +127,7 @@ def test_verify_names_bad_samples(small_src, tmp_path):
     assert "bad: " in err and "sample 0 (class0/" in err and "problem(s)" in err
     shard = os.path.join(out, fmt.shard_name(0))
     os.truncate(shard, 5000)  # cut short: inspect still says what the index holds, and which shard is damaged
-    rc, stdout, err = run("inspect", out)
+    rc, stdout, err = run("info", out)  # (inspect's other name)
     assert rc == 1 and stdout.startswith(f"{os.path.abspath(out)}: 9 samples, ") and "Traceback" not in err
     first, last = err.splitlines()
     assert first.startswith(f"bad: {shard}: 5000 bytes on disk, the index records ") and first.endswith(
