@@ -413,7 +413,7 @@ def _check_transforms(dataset, transform, batch_transform, pixels):
         raise ValueError("pixels=True hands on decoded pixels; it takes no transform or batch_transform")
 
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3  # 3: the mask of delivered samples as hex (2: bytes, still read)
 _MAX_RANKS = 1 << 16  # a saved world size beyond this (and the samples) is taken for a damaged state
 _STATE_KEYS = {"epoch": int, "batches_done": int, "size": int, "seed": int, "block_size": int, "window": int,
                "world_size": int, "batch_size": int, "drop_last": bool}
@@ -427,6 +427,10 @@ def _checked_state(state, spec, fingerprints) -> dict:
     missing = [k for k in (*_STATE_KEYS, "shuffle", "consumed") if k not in state]
     if missing:
         raise ValueError(f"cannot resume: the state lacks {', '.join(missing)} (not a gdsdata Loader state)")
+    version = state.get("version", 1)
+    if not is_integer(version) or version > _STATE_VERSION:
+        raise ValueError(f"cannot resume: the state has version {version!r}, this gdsdata reads states up to version "
+                         f"{_STATE_VERSION} (saved by a newer gdsdata? upgrade it)")
     for key, kind in _STATE_KEYS.items():
         value = state[key]
         if not (isinstance(value, (bool, np.bool_)) if kind is bool else is_integer(value)):

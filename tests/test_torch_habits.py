@@ -267,6 +267,7 @@ def test_other_datasets_are_pointed_to_the_dataloader():
     (lambda s: {**s, "consumed": b"\x00"}, "mask"),
     (lambda s: {**s, "consumed": "not hex"}, "mask"),
     (lambda s: {**s, "dataset": "another"}, "fingerprint"),
+    (lambda s: {**s, "version": 4}, "version 4, this gdsdata reads states up to version 3"),
     (lambda s: [1, 2], "takes the dict"),
 ])
 def test_corrupted_or_foreign_states_are_refused(ds, change, match):
