@@ -18,9 +18,12 @@ from gdsdata.settings import parse_size
 def _size(text: str) -> int:
     """Parse '512M', '1G', '4096' into bytes."""
     try:
-        return parse_size(text)
+        size = parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size (at least 1 byte)")
+    return size
 
 
 def _integer(low: int, high: int | None = None):
@@ -51,10 +54,6 @@ def _cmd_pack(args):
     from gdsdata.packing.prepare import PackOptions
     from gdsdata.packing.packer import pack
 
-    wanted = 3 if args.format == "coco" else 2
-    if len(args.paths) != wanted:
-        raise ValueError("--format coco takes ANNOTATIONS.json IMAGES OUT" if args.format == "coco" else
-                         f"pack takes SRC OUT (got {len(args.paths)} paths; --format coco takes three)")
     args.annotations = args.paths[0] if args.format == "coco" else None
     args.src, args.out = args.paths[-2:]
     options = PackOptions(codec=args.codec, quality=args.quality, max_side=args.max_side,
@@ -86,7 +85,7 @@ def _cmd_pack(args):
               f"of the dataset got a new label ({names}); models trained on its old labels do not match them")
     if result.resumed_shards:
         print(f"  resumed: kept {result.resumed_shards} shard(s) ({result.packed - result.new} images) of the "
-              f"interrupted pack; packed {result.new} more")
+              f"interrupted pack")
     if result.labels is not None:
         _print_labels(result)
     _print_left_out(result.skipped, result.ignored, result.unreadable, result.special)
@@ -163,6 +162,17 @@ def _pack_on_ray(args, options):
 def _progress(args) -> bool:
     """A progress bar where stderr is a terminal and --quiet was not given (none in a log file)."""
     return not args.quiet and sys.stderr.isatty()
+
+
+def _pack_usage(args) -> str | None:
+    """What is wrong with how pack was called (a usage error, exit status 2), or None."""
+    wanted = 3 if args.format == "coco" else 2
+    if len(args.paths) != wanted:
+        return ("--format coco takes ANNOTATIONS.json IMAGES OUT" if args.format == "coco" else
+                f"pack takes SRC OUT (got {len(args.paths)} paths; --format coco takes three)")
+    if args.part >= args.num_parts:
+        return f"--part {args.part} is not one of the {args.num_parts} part(s) (0..{args.num_parts - 1})"
+    return None
 
 
 def _cmd_merge(args):
@@ -288,6 +298,10 @@ class _Parser(argparse.ArgumentParser):
             before = command in argv and argv.index(extra[0]) < argv.index(command) if extra[0] in argv else False
             parser = self if before else commands.get(command, self)
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        problem = getattr(parsed, "usage", lambda args: None)(parsed)
+        if problem is not None:
+            commands = next(a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction))
+            commands[parsed.command].error(problem)
         return parsed
 
 
@@ -319,7 +333,7 @@ def build_parser():
                         "the index and a link to each shard")
     p.add_argument("--alignment", type=_size, default=4096, metavar="BYTES",
                    help="payload alignment, a power of two (default 4096)")
-    p.add_argument("--workers", type=_integer(0), default=0, help="processes (default: all cores)")
+    p.add_argument("--workers", type=_integer(0, 4096), default=0, help="processes (default: all cores)")
     p.add_argument("--codec", choices=("jpeg", "raw"), default="jpeg",
                    help="jpeg (default) or raw decoded pixels")
     p.add_argument("--quality", type=_integer(1, 100), default=95,
@@ -349,7 +363,7 @@ def build_parser():
                         "ADDRESS, or a local Ray without one; --num-parts overrides the part count chosen from the "
                         "source size and the cluster's CPUs. OUT must be on a filesystem every node sees")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
-    p.set_defaults(run=_cmd_pack)
+    p.set_defaults(run=_cmd_pack, usage=_pack_usage)
 
     p = sub.add_parser("merge", help="join datasets packed as parts into one",
                        description="Join PARTS (in this order) into OUT without copying shard data "

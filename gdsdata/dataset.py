@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
+SAMPLE_TRANSFORMS = ("transform", "target_transform", "transforms")  # what ds[i] applies, the Loader does not
 
 
 class GDSDataset(torch.utils.data.Dataset):
@@ -57,8 +58,10 @@ class GDSDataset(torch.utils.data.Dataset):
         ``(image, target) -> (image, target)``, as torchvision datasets' ``transforms``: torchvision
         v2 transforms move a detection target's boxes with the image. For a detection dataset
         ``ds[i]`` hands it the image as a ``tv_tensors.Image`` and the boxes as
-        ``tv_tensors.BoundingBoxes`` (XYXY, the image's size; torchvision needed). Not with
-        ``transform=`` or ``target_transform=``; ``gdsdata.Loader`` refuses it too.
+        ``tv_tensors.BoundingBoxes`` (XYXY, the image's size; torchvision needed) beside their
+        ``labels`` (``iscrowd`` left out, as torchvision's ``wrap_dataset_for_transforms_v2`` does:
+        ``target(i)`` has it). Not with ``transform=`` or ``target_transform=``;
+        ``gdsdata.Loader`` refuses it too.
     on_error : str
         "raise" (default): a bad sample raises ``CorruptSampleError`` naming it, its shard, offset and
         source path; "skip": it is replaced by the next good one, deterministically, and counted in
@@ -86,8 +89,7 @@ class GDSDataset(torch.utils.data.Dataset):
                  transforms: Callable | None = None, on_error: str = "raise", verify_checksums: bool | None = None):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
-        for name, value in (("transform", transform), ("target_transform", target_transform),
-                            ("transforms", transforms)):
+        for name, value in zip(SAMPLE_TRANSFORMS, (transform, target_transform, transforms)):
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be a callable, got {type(value).__name__}")
         if transforms is not None and (transform is not None or target_transform is not None):
@@ -443,8 +445,10 @@ def _tv_tensors(root):
 
 def _as_tv_tensors(image, target, root):
     """The image and target as torchvision v2 transforms move them together: the image a
-    ``tv_tensors.Image``, the boxes ``tv_tensors.BoundingBoxes`` (XYXY on the image's size)."""
+    ``tv_tensors.Image``, the boxes ``tv_tensors.BoundingBoxes`` (XYXY on the image's size) and their
+    labels; not ``iscrowd``, which ``SanitizeBoundingBoxes`` would leave unfiltered beside them (as
+    torchvision's ``wrap_dataset_for_transforms_v2`` leaves it out)."""
     tv_tensors = _tv_tensors(root)
     boxes = tv_tensors.BoundingBoxes(target["boxes"], format="XYXY", canvas_size=tuple(image.shape[-2:]))
-    return tv_tensors.Image(image), {**target, "boxes": boxes}
+    return tv_tensors.Image(image), {"boxes": boxes, "labels": target["labels"]}
 

@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -36,11 +36,13 @@ from gdsdata.args import count, is_integer
 from gdsdata import stall
 from gdsdata import transforms as T
 from gdsdata.batch import PixelBatch, upload
+from gdsdata.dataset import SAMPLE_TRANSFORMS
 from gdsdata.errors import GdsDataError
 from gdsdata.transforms import detection as D
 from gdsdata.sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches, window_numbers
 
 DETECTION_TRANSFORMS = (D.YoloAugment, D.Letterbox)
+_OWN_TRANSFORMS = (T.RandomResizedCrop, T.CenterCrop, *DETECTION_TRANSFORMS)
 
 log = logging.getLogger(__name__)
 _STOP_POLL_S = 0.1
@@ -56,9 +58,9 @@ def _distributed_rank():
 class _PassSetting:
     """A Loader attribute the next pass is built with: every assignment (of the same object too, a
     transform changed in place) counts in the Loader's ``_version``, so that the pass already reading
-    the next epoch, built before it, gives way (``Loader.__iter__``); but a new object equal to the one
-    held that cannot change in place (gdsdata's own transforms, frozen; a bool, a number) does not: a
-    loop that makes its transform afresh each epoch keeps the read-ahead."""
+    the next epoch, built before it, gives way (``Loader.__iter__``); but an equal value that cannot
+    change in place (``_same_pass``: gdsdata's own transforms, None, a bool, a number) does not: a loop
+    that makes its transform afresh each epoch keeps the read-ahead."""
 
     def __init__(self, doc, convert=None):
         self.__doc__, self._convert = doc, convert
@@ -73,17 +75,25 @@ class _PassSetting:
         value = value if self._convert is None else self._convert(value)
         held = getattr(loader, self._slot, _UNSET)
         setattr(loader, self._slot, value)
-        if not (held is not value and type(held) is type(value) and _immutable(value) and held == value):
+        if not _same_pass(held, value):
             loader._version += 1
 
 
 _UNSET = object()
 
 
-def _immutable(value) -> bool:
-    """Whether ``value`` cannot change in place, so that an equal one builds the same pass."""
-    return value is None or isinstance(value, (bool, int, float, str)) or \
-        (is_dataclass(value) and type(value).__dataclass_params__.frozen)
+def _same_pass(held, value) -> bool:
+    """Whether ``value`` builds the same pass as ``held``: an equal None, bool, number or string, or
+    an equal gdsdata transform (frozen: it cannot change in place). Any other object, the held one
+    too (changed in place, then assigned again), builds a new pass."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(held) is type(value) and held == value
+    if held is value or type(held) is not type(value) or not isinstance(value, _OWN_TRANSFORMS):
+        return False
+    try:
+        return bool(held == value)
+    except Exception:  # noqa: BLE001 - fields that do not compare (an array given as scale=): a new pass
+        return False
 
 
 class Loader:
@@ -376,7 +386,7 @@ class Loader:
     def __getstate__(self):
         """What ``pickle`` and ``copy.deepcopy`` take: the settings and where the epoch stands, not a
         pass's threads (as torch's DataLoader leaves its iterator out: the copy's next ``iter()``
-        starts a pass of its own)."""
+        starts a pass of its own). A GPU dataset is not copied (``TypeError``), nor a Loader over it."""
         state = self.__dict__.copy()
         state["_active"] = state["_carry"] = None
         return state
@@ -535,8 +545,7 @@ def _no_dataloader_arguments(given: dict):
 def _no_sample_transforms(dataset):
     """A dataset opened with per-sample transforms is refused: ``ds[i]`` applies them, the Loader's
     pipeline does not, and training on untransformed batches would go unnoticed."""
-    given = [name for name in ("transform", "target_transform", "transforms")
-             if getattr(dataset, name, None) is not None]
+    given = [name for name in SAMPLE_TRANSFORMS if getattr(dataset, name, None) is not None]
     if given:
         raise ValueError(
             f"{getattr(dataset, 'root', 'the dataset')} was opened with GDSDataset(..., {'=, '.join(given)}=), which "

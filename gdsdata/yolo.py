@@ -157,14 +157,19 @@ class DetectionValidator(_UltralyticsValidator):
 
 
 def _usable_yaml(source):
-    """``source`` where it is a data YAML whose splits Ultralytics finds as it stands (its own check,
-    nothing downloaded), else None."""
+    """``source`` where it is a data YAML whose splits Ultralytics finds from here as it stands (its
+    own check, with nothing downloaded: neither the dataset nor the font the check fetches), else None."""
     if not str(source).endswith((".yaml", ".yml")) or not os.path.isfile(source):
         return None
+    from ultralytics.data import utils
+
+    font, utils.check_font = utils.check_font, lambda *args, **kwargs: None
     try:
-        _validator_module.check_det_dataset(source, autodownload=False)
+        utils.check_det_dataset(source, autodownload=False)
     except Exception:  # noqa: BLE001 - whatever Ultralytics makes of it, the packs are what trains
         return None
+    finally:
+        utils.check_font = font
     return source
 
 

@@ -214,6 +214,20 @@ def test_a_coco_record_without_a_size_takes_the_file_s_own(tmp_path):
                                 "(the file's own size is then taken)")
     assert reasons["d.jpg"].startswith("no width and height in its record, and the file's own size cannot be read")
     assert len(reasons) == 2
+    # a file declaring more pixels than PIL's bomb limit: its size is read (the pack's own limit then says why)
+    import struct
+    import zlib
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    with open(os.path.join(images, "d.jpg"), "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    result = pack(images, str(tmp_path / "ds2"), format="coco", annotations=ann, workers=1)
+    assert [r["path"] for r in result.labels["bad_labels"]] == ["c.jpg"]
+    assert [r["path"] for r in result.skipped] == ["d.jpg"]
+    assert result.skipped[0]["reason"].startswith("declares 20000x20000 = 400,000,000 pixels, over the limit")
 
 
 def test_coco_image_of_another_size_than_annotated_is_left_out(tmp_path):
@@ -372,12 +386,12 @@ def test_torchvision_v2_transforms_move_the_boxes_with_the_image(synthetic, tmp_
         assert torch.equal(flipped, image.flip(-1))
         assert torch.allclose(moved["boxes"], torch.stack([w - target["boxes"][:, 2], target["boxes"][:, 1],
                                                            w - target["boxes"][:, 0], target["boxes"][:, 3]], 1))
-        assert torch.equal(moved["labels"], target["labels"])
+        assert torch.equal(moved["labels"], target["labels"]) and set(moved) == {"boxes", "labels"}
         torch.manual_seed(i)
         cropped, kept = crops[i]  # the same draws on the same image and boxes as torchvision's own pipeline
         torch.manual_seed(i)
-        reference = v2.Compose(crops.transforms.transforms)(tv_tensors.Image(image), {**target, "boxes": (
-            tv_tensors.BoundingBoxes(target["boxes"], format="XYXY", canvas_size=tuple(image.shape[-2:])))})
+        reference = v2.Compose(crops.transforms.transforms)(tv_tensors.Image(image), {"labels": target["labels"],
+            "boxes": tv_tensors.BoundingBoxes(target["boxes"], format="XYXY", canvas_size=tuple(image.shape[-2:]))})
         assert cropped.shape[-2:] == (96, 128) and torch.equal(cropped, reference[0])
         assert torch.equal(kept["boxes"], reference[1]["boxes"]) and torch.equal(kept["labels"], reference[1]["labels"])
         assert kept["boxes"].canvas_size == (96, 128)
@@ -399,8 +413,9 @@ def test_the_command_line(synthetic, tmp_path, capsys):
     assert "boxes:" in capsys.readouterr().out
     assert cli(["inspect", str(tmp_path / "c")]) == 0
     assert "detection (coco):" in capsys.readouterr().out
-    assert cli(["pack", "--format", "coco", os.path.join(coco, "train"), str(tmp_path / "x"), "-q"]) != 0
-    assert "--format coco takes ANNOTATIONS.json IMAGES OUT" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # a usage error, as argparse's (exit status 2)
+        cli(["pack", "--format", "coco", os.path.join(coco, "train"), str(tmp_path / "x"), "-q"])
+    assert usage.value.code == 2 and "--format coco takes ANNOTATIONS.json IMAGES OUT" in capsys.readouterr().err
     assert cli(["pack", "--format", "yolo", "--split", "test", os.path.join(synthetic, "yolo", "data.yaml"),
                 str(tmp_path / "y"), "-q"]) != 0
     err = capsys.readouterr().err

@@ -399,9 +399,13 @@ def test_a_transform_set_between_epochs_is_the_next_epoch_s(ds):
     loader.batch_transform = scale  # the same object: the assignment says it changed
     assert not any(x.any() for x, _ in loader)
     loader.transform = gdsdata.RandomResizedCrop(16, dtype="uint8")  # an equal one, as a loop makes it each epoch
+    loader.prefetch, loader.pixels = 2, False  # the values held: as good as not assigned
     carried = loader._carry  # the pass already reading the next epoch ...
     assert carried is not None and iter(loader) is carried  # ... carries on
     list(carried)
+    loader.transform = gdsdata.RandomResizedCrop(16, dtype="uint8", scale=np.array([0.5, 1.0]))  # (fields that
+    loader.transform = gdsdata.RandomResizedCrop(16, dtype="uint8", scale=np.array([0.5, 1.0]))  # do not compare)
+    assert {tuple(x.shape[-2:]) for x, _ in loader} == {(16, 16)}
     loader.pixels = True
     loader.transform = loader.batch_transform = None
     assert all(isinstance(b[0], gdsdata.PixelBatch) for b in loader)

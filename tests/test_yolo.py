@@ -66,13 +66,15 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
         from ultralytics import YOLO
 
         assert trainer.args.data == gdsdata.GDSDataset(val).meta["source"]
-        metrics = YOLO(str(tmp_path / "run" / "weights" / "best.pt")).val(imgsz=64, batch=4, device="cpu",
-                                                                           plots=False, project=str(tmp_path))
+        try:
+            metrics = YOLO(str(tmp_path / "run" / "weights" / "best.pt")).val(imgsz=64, batch=4, device="cpu",
+                                                                               plots=False, project=str(tmp_path))
+        finally:
+            Image.open = opener
         assert "metrics/mAP50-95(B)" in metrics.results_dict
-        Image.open = opener
 
 
-def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos_dataset):
+def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos_dataset, monkeypatch):
     os.environ.setdefault("YOLO_OFFLINE", "1")
     opener = Image.open
     pytest.importorskip("ultralytics")
@@ -92,5 +94,14 @@ def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos
                  workers=1).out
     with pytest.raises(ValueError, match="the val dataset\\) has the classes"):
         DetectionTrainer(packed[0], other, overrides=common)
+    from ultralytics.data import utils
+
+    fetched = []  # Ultralytics' dataset check fetches a font: not while the trainer looks at the YAML
+    monkeypatch.setattr(utils, "check_font", lambda *args, **kwargs: fetched.append(args))
+    assert DetectionTrainer(*packed, overrides=common).args.data == gdsdata.GDSDataset(packed[0]).meta["source"]
+    assert not fetched
+    unfound = pack(os.path.join(root, "yolo", "data.yaml"), str(tmp_path / "other-train.gds"), format="yolo",
+                   workers=1).out  # its YAML's "path: ." is not where Ultralytics looks from here: the pack is data
+    assert DetectionTrainer(unfound, other, overrides=common).args.data == unfound
     with pytest.raises(ValueError, match="AutoBatch"):
         DetectionTrainer(*packed, overrides={**common, "batch": -1})

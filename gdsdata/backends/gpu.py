@@ -142,7 +142,9 @@ class GpuBackend:
 
     def __getstate__(self):
         raise TypeError("a GPU GDSDataset cannot be sent to DataLoader worker processes; use it in the "
-                        "main process (num_workers=0) or gdsdata.Loader")
+                        "main process (num_workers=0) or gdsdata.Loader (its staging buffers and decoder are this "
+                        "process's: neither it nor a Loader over it is pickled or copied; make another Loader "
+                        "over the same dataset instead)")
 
 
 def confirm_mismatches(index, staging: torch.Tensor, plan, indices, positions) -> dict:

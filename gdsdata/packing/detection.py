@@ -54,7 +54,7 @@ import numpy as np
 from gdsdata.args import is_integer
 from gdsdata.errors import SourceError
 from gdsdata.format import layout as fmt
-from gdsdata.packing.prepare import pil_open
+from gdsdata.packing.prepare import stored_size
 from gdsdata.packing.sources import (UNNAMED_LABELS, YOLO_IMAGE_EXTENSIONS, YOLO_IMAGE_FORMATS, Item, display,
                                      unnamed_label_problem)
 
@@ -647,8 +647,7 @@ def _record_size(record, path):
     width, height = record.get("width"), record.get("height")
     if width is None and height is None:
         try:
-            with pil_open()(path) as image:
-                return image.size, None
+            return stored_size(path), None
         except Exception as e:  # noqa: BLE001 - whatever PIL makes of a bad file is its reason
             return None, f"no width and height in its record, and the file's own size cannot be read ({e})"
     try:

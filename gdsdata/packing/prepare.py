@@ -11,6 +11,7 @@ difference near 2.5 where 4:2:0 at quality 90 gave 4); single-channel sources as
 rest as YCbCr. A file that cannot be decoded raises ``BadImageError`` with the reason.
 """
 
+import contextlib
 import io
 import sys
 import warnings
@@ -79,19 +80,37 @@ def pil_open():
     return original if original is not None and Image.open is getattr(patches, "image_open", None) else Image.open
 
 
+@contextlib.contextmanager
+def _no_pixel_limit():
+    """PIL's decompression-bomb limit off: the limit is ours (``--max-pixels``, ``_check_pixels``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        previous, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            yield
+        finally:
+            Image.MAX_IMAGE_PIXELS = previous
+
+
+def stored_size(path) -> tuple[int, int]:
+    """An image file's (width, height) as stored (no EXIF turn), from its header, opened as the pack
+    opens files (HEIF through its plugin where one is installed; the pixel limit applied when the
+    pack decodes it, not here). Raises what PIL raises for a file it cannot open."""
+    with open(path, "rb") as f:
+        if _heif(f.read(16)):
+            _register_heif()
+    with _no_pixel_limit(), pil_open()(path) as image:
+        return image.size
+
+
 def _open(data: bytes, options) -> Image.Image:
     """Decode fully with PIL, after checking the declared size, turning every failure into a
     one-line reason."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is ours
-            previous, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-            try:
-                image = pil_open()(io.BytesIO(data))
-                _check_pixels(image.width, image.height, options)
-                image.load()
-            finally:
-                Image.MAX_IMAGE_PIXELS = previous
+        with _no_pixel_limit():
+            image = pil_open()(io.BytesIO(data))
+            _check_pixels(image.width, image.height, options)
+            image.load()
     except BadImageError:
         raise
     except (Image.UnidentifiedImageError, ImportError) as e:  # (ImportError: a patched Image.open's plugin)
