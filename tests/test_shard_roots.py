@@ -163,6 +163,20 @@ def test_an_overwrite_removes_the_old_shards_from_the_roots(src, tmp_path):
     assert remote_files(drives) == [] and gdsdata.verify(out) == []
 
 
+def test_parts_spread_their_shards_over_the_roots_once_merged(src, tmp_path):
+    """Each part starts at a root of its own: parts of one shard each (pack --ray's) still use every
+    drive once merged, where each part's first shard had gone to the first root."""
+    drives = roots(tmp_path, 2)
+    parts = [str(tmp_path / f"part{k}") for k in range(4)]
+    for k, part in enumerate(parts):
+        assert pack(src, part, workers=1, shard_roots=drives, num_parts=4, part=k).shards == 1
+    merged = str(tmp_path / "merged")
+    gdsdata.merge(parts, merged)
+    from gdsdata.commands.info import info
+    assert sorted(info(merged)["shard_folders"]["folders"].values()) == [2, 2]
+    assert gdsdata.verify(merged) == []
+
+
 def test_a_merge_and_its_parts_own_their_shards_apart(src, tmp_path):
     """A merge gives each part's shard a name of its own (a hard link) in the merged dataset's folders
     on the same drive: overwriting the parts leaves the merged dataset whole, overwriting the merged

@@ -656,7 +656,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 remove_shard(os.path.join(folder, name), dataset_id)
     writer = ShardWriter(folder, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
                          first_sample=len(records), on_close=write_journal, roots=roots,
-                         name=os.path.basename(out))
+                         name=os.path.basename(out), root_offset=part)
     unreadable = getattr(source, "unreadable", []) if part == 0 else []
     special = getattr(source, "special", []) if part == 0 else []
     report = report_opening(src, out, classes, roots,
