@@ -170,8 +170,16 @@ def _pack_usage(args) -> str | None:
     if len(args.paths) != wanted:
         return ("--format coco takes ANNOTATIONS.json IMAGES OUT" if args.format == "coco" else
                 f"pack takes SRC OUT (got {len(args.paths)} paths; --format coco takes three)")
+    if args.part and args.num_parts == 1:
+        return "--part goes with --num-parts N (the source split into N parts)"
     if args.part >= args.num_parts:
         return f"--part {args.part} is not one of the {args.num_parts} part(s) (0..{args.num_parts - 1})"
+    if args.alignment < 64 or args.alignment & (args.alignment - 1):
+        return f"--alignment {args.alignment} is not a power of two of at least 64"
+    if args.shard_size < 2 * args.alignment:
+        return f"--shard-size {args.shard_size} is under twice the alignment ({2 * args.alignment} bytes)"
+    if args.size and args.codec != "raw":
+        return "--size (the shorter side of raw pixels) goes with --codec raw; JPEGs are downscaled with --max-side"
     return None
 
 
