@@ -39,7 +39,7 @@ def main(argv=None):
     step, total = 0, len(loader) * args.epochs
     for epoch in range(args.epochs):
         model.train()
-        t0 = time.perf_counter()
+        t0, seen = time.perf_counter(), 0
         for images, targets in loader:
             targets = [{"boxes": t["boxes"], "labels": t["labels"] + 1} for t in targets]
             losses = model(list(images), targets)
@@ -47,11 +47,11 @@ def main(argv=None):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            step += 1
+            step, seen = step + 1, seen + len(images)
             print(f"epoch {epoch} step {step}/{total} loss {loss.item():.3f}", flush=True)
             if args.max_steps and step >= args.max_steps:
                 break
-        print(f"epoch {epoch}: {len(loader) * args.batch_size / (time.perf_counter() - t0):.0f} images/s")
+        print(f"epoch {epoch}: {seen / (time.perf_counter() - t0):.0f} images/s")
         if args.max_steps and step >= args.max_steps:
             break
     if args.val:

@@ -71,20 +71,24 @@ def lr_at(progress, step, epochs, warmup, base):
     return 0.5 * base * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / max(step, epochs - warmup))))
 
 
-def evaluate(model, loader, device, world):
+def evaluate(model, loader, size, device, world):
+    """Top-1 accuracy over every sample once: each rank marks its samples by dataset index (a rank's
+    share is padded with repeats where the ranks do not divide the samples: they count once)."""
     model.eval()
-    correct = torch.zeros((), device=device)
-    seen = torch.zeros((), device=device)
+    correct = torch.zeros(size, device=device)
+    seen = torch.zeros(size, device=device)
+    batches = loader.indices()  # this rank's batches, as dataset indices (asked before the pass starts)
     with torch.no_grad(), torch.autocast(device.type, torch.bfloat16):
-        for images, labels in loader:
+        for (images, labels), indices in zip(loader, batches, strict=True):
             logits = model(images.contiguous(memory_format=torch.channels_last))
-            correct += (logits.argmax(1) == labels).sum()
-            seen += labels.numel()
+            at = torch.as_tensor(indices, device=device)
+            correct[at] = (logits.argmax(1) == labels).float()
+            seen[at] = 1
     if world > 1:
-        dist.all_reduce(correct)
-        dist.all_reduce(seen)
+        dist.all_reduce(correct, op=dist.ReduceOp.MAX)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
     model.train()
-    return (correct / seen.clamp(min=1)).item()
+    return (correct.sum() / seen.sum().clamp(min=1)).item()
 
 
 def main(argv=None):
@@ -161,7 +165,7 @@ def main(argv=None):
             if args.max_steps and step >= args.max_steps:
                 break
         if val is not None and not (args.max_steps and step >= args.max_steps):
-            top1 = evaluate(model, val, device, world)
+            top1 = evaluate(model, val, len(val_ds), device, world)
             if rank == 0:
                 print(f"epoch {epoch}: validation top-1 {top1 * 100:.2f} %", flush=True)
     if args.checkpoint:

@@ -16,6 +16,7 @@ as key=value (e.g. -- mosaic=0.5 lr0=0.02).
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("YOLO_OFFLINE", "1")  # no update checks or downloads while training
 
@@ -35,13 +36,19 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from gdsdata.yolo import DetectionTrainer
 
+    if args.model.endswith(".pt") and not os.path.isfile(args.model):  # (Ultralytics would download it)
+        parser.error(f"--model {args.model}: no such file; a model YAML (yolo11n.yaml) trains from scratch, "
+                     f"a .pt must be one you have")
     overrides = {"model": args.model, "epochs": args.epochs, "imgsz": args.imgsz, "batch": args.batch,
                  "device": args.device, "project": args.project, "name": args.name, "exist_ok": True,
                  "workers": 0, "plots": False, "pretrained": args.model.endswith(".pt")}
     for item in args.extra:
         key, _, value = item.partition("=")
         overrides[key] = _value(value)
-    trainer = DetectionTrainer(args.train, args.val, overrides=overrides)
+    try:
+        trainer = DetectionTrainer(args.train, args.val, overrides=overrides)
+    except (ValueError, TypeError, OSError) as e:  # a setting the batches do not follow, a pack of another kind
+        sys.exit(f"train_yolo.py: error: {e}")
     trainer.train()
     print(f"best weights: {trainer.best}; metrics: "
           + ", ".join(f"{k} {v:.4f}" for k, v in trainer.metrics.items() if k.startswith("metrics/")))

@@ -24,6 +24,7 @@ offered: one process per run. Needs the ``ultralytics`` package.
 
 import copy
 import dataclasses
+import logging
 import os
 
 import numpy as np
@@ -41,6 +42,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised without ultralytics
     raise ImportError("gdsdata.yolo needs Ultralytics: pip install ultralytics") from e
 
+log = logging.getLogger(__name__)
 _HYP = ("mosaic", "degrees", "translate", "scale", "shear", "fliplr", "flipud", "hsv_h", "hsv_s", "hsv_v", "seed")
 # Ultralytics arguments these batches do not follow: refused unless at the value they follow
 _UNSUPPORTED = {"perspective": 0.0, "mixup": 0.0, "cutmix": 0.0, "copy_paste": 0.0, "bgr": 0.0,
@@ -156,6 +158,15 @@ class DetectionValidator(_UltralyticsValidator):
             _validator_module.check_det_dataset = check
 
 
+def _amp_unchecked(model) -> bool:
+    """In place of Ultralytics' ``check_amp``: AMP on a GPU, as that check answers when it passes
+    (off on the CPU, as it answers there), without the model it downloads to check."""
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if on_gpu:
+        log.info("Ultralytics' AMP check skipped (it downloads a YOLO model); AMP on, amp=False turns it off")
+    return on_gpu
+
+
 def _usable_yaml(source):
     """``source`` where it is a data YAML whose splits Ultralytics finds from here as it stands (its
     own check, with nothing downloaded: neither the dataset nor the font the check fetches), else None."""
@@ -200,6 +211,10 @@ class DetectionTrainer(_UltralyticsTrainer):
         if "data" not in overrides:
             usable = _usable_yaml(sources[0]) if sources[0] == sources[1] else None
             overrides["data"] = usable or self.gds_roots["train"]
+            if usable is None and sources[0] == sources[1] and str(sources[0]).endswith((".yaml", ".yml")):
+                log.warning("the checkpoints name %s as their data: Ultralytics does not find the splits of %s "
+                            "from here (a relative path: is read from the current folder), so validating them "
+                            "with YOLO(...).val() needs data=", self.gds_roots["train"], sources[0])
         super().__init__(cfg, overrides, _callbacks)
         odd = {name: getattr(self.args, name) for name, value in _UNSUPPORTED.items()
                if getattr(self.args, name, value) not in (value,)}
@@ -209,6 +224,18 @@ class DetectionTrainer(_UltralyticsTrainer):
         if self.batch_size < 1:
             raise ValueError(f"batch={self.args.batch}: Ultralytics' AutoBatch sizes its own dataset; "
                              f"give a batch size")
+
+    def _setup_train(self, *args, **kwargs):
+        """Ultralytics' set-up, without its AMP check: that check downloads a YOLO model to compare
+        its outputs in float32 and AMP, and gdsdata fetches nothing at run time. AMP is then on
+        wherever the model is on a GPU and ``amp`` is on (``amp=False`` turns it off)."""
+        from ultralytics.engine import trainer as module
+
+        check, module.check_amp = module.check_amp, _amp_unchecked
+        try:
+            return super()._setup_train(*args, **kwargs)
+        finally:
+            module.check_amp = check
 
     def get_dataset(self):
         return {"train": self.gds_roots["train"], "val": self.gds_roots["val"], "names": self._names,

@@ -53,7 +53,12 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
         return original(batch)
 
     monkeypatch.setattr(trainer, "preprocess_batch", preprocess)
+    from ultralytics.engine import trainer as module
+
+    amp_checks = []  # Ultralytics' AMP check downloads a model: not called
+    monkeypatch.setattr(module, "check_amp", lambda model: amp_checks.append(model) or False)
     trainer.train()
+    assert not amp_checks
     assert (tmp_path / "run" / "weights" / "best.pt").exists()
     assert set(trainer.metrics) >= {"metrics/mAP50(B)", "metrics/mAP50-95(B)"}
     assert len(seen) == 2 * 2  # 8 training images, batch 4, two epochs
@@ -74,7 +79,7 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
         assert "metrics/mAP50-95(B)" in metrics.results_dict
 
 
-def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos_dataset, monkeypatch):
+def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos_dataset, monkeypatch, caplog):
     os.environ.setdefault("YOLO_OFFLINE", "1")
     opener = Image.open
     pytest.importorskip("ultralytics")
@@ -102,6 +107,8 @@ def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos
     assert not fetched
     unfound = pack(os.path.join(root, "yolo", "data.yaml"), str(tmp_path / "other-train.gds"), format="yolo",
                    workers=1).out  # its YAML's "path: ." is not where Ultralytics looks from here: the pack is data
-    assert DetectionTrainer(unfound, other, overrides=common).args.data == unfound
+    with caplog.at_level("WARNING", logger="gdsdata.yolo"):
+        assert DetectionTrainer(unfound, other, overrides=common).args.data == unfound
+    assert "Ultralytics does not find the splits of" in caplog.text and "needs data=" in caplog.text
     with pytest.raises(ValueError, match="AutoBatch"):
         DetectionTrainer(*packed, overrides={**common, "batch": -1})
