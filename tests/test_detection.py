@@ -406,6 +406,12 @@ def test_torchvision_v2_transforms_move_the_boxes_with_the_image(synthetic, tmp_
         gdsdata.Loader(flips, 4, transform=gdsdata.YoloAugment(imgsz=64))
 
 
+def test_a_detection_source_given_as_a_url_is_said_to_be_local_only(tmp_path):
+    for args in (dict(format="yolo"), dict(format="coco", annotations="s3://bucket/det/instances.json")):
+        with pytest.raises(SourceError, match=f"s3://bucket/det.*: --format {args['format']} packs from local files"):
+            pack("s3://bucket/det", str(tmp_path / "ds"), workers=1, **args)
+
+
 def test_the_command_line(synthetic, tmp_path, capsys):
     coco = os.path.join(synthetic, "coco")
     assert cli(["pack", "--format", "coco", os.path.join(coco, "annotations", "instances_train.json"),

@@ -56,7 +56,7 @@ from gdsdata.errors import SourceError
 from gdsdata.format import layout as fmt
 from gdsdata.packing.prepare import stored_size
 from gdsdata.packing.sources import (UNNAMED_LABELS, YOLO_IMAGE_EXTENSIONS, YOLO_IMAGE_FORMATS, Item, display,
-                                     unnamed_label_problem)
+                                     is_url, unnamed_label_problem)
 
 # Ultralytics' bounds for a YOLO row's cx cy w h (verify_image_label): at most 1.01, at least 0 (-0.01 for the
 # centre where the width and height are not negative); an image with a row outside them is left out.
@@ -705,6 +705,10 @@ def _annotation(ann, files, label):
 
 def open_detection(format, src, *, split="train", annotations=None, strict=False):
     """The detection source of ``format`` ("yolo" or "coco") at ``src``."""
+    remote = next((p for p in (src, annotations) if p is not None and is_url(str(p))), None)
+    if remote is not None:
+        raise SourceError(f"{remote}: --format {format} packs from local files (a URL is taken for image folders, "
+                          f"tar shards and LMDBs); copy the dataset here first")
     if format == "yolo":
         return YoloSource(src, split=split, strict=strict)
     if format == "coco":
