@@ -15,7 +15,8 @@ Modes: the loader alone, and feeding a small convolutional model's train step on
 which takes its share of the same cores. Rows are interleaved over --rounds rounds; the figure is the
 median epoch over rounds, CPU-seconds per 1,000 images count the process and its workers.
 
-    python bench/cpu.py --dir /tmp/cpu-bench --count 2000 --out results/
+    python bench/cpu.py --dir /tmp/cpu-bench --count 2000 --model --out results/            # uint8
+    python bench/cpu.py --dir /tmp/cpu-bench --count 2000 --model --float --out results/    # float32
 """
 
 import argparse
@@ -175,7 +176,7 @@ def main(argv=None):
     parser.add_argument("--count", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers (= cores)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds after a warm-up")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds after a warm-up")
     parser.add_argument("--pipelines", default=",".join(PIPELINES))
     parser.add_argument("--float", action="store_true", help="float32 normalised output instead of uint8")
     parser.add_argument("--model", action="store_true", help="also time each pipeline feeding a small CPU model")

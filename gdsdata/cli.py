@@ -219,7 +219,9 @@ def _cmd_inspect(args):
         print(f"  part {info['part']['part']} of {info['part']['num_parts']} of its source "
               f"(items {info['part']['first_item']}..{info['part']['first_item'] + info['part']['items'] - 1})")
     if info["merged_from"]:
-        print(f"  merged from {len(info['merged_from'])} part(s): {', '.join(info['merged_from'])}")
+        parts = [path if os.path.exists(path) else f"{path} (no longer there)"
+                 for path in info["merged_from"]]
+        print(f"  merged from {len(parts)} part(s): {', '.join(parts)}")
     for added in info["appended"]:
         print(f"  appended {added['samples']} sample(s) from {added['source']}")
     counts = list(info["per_class"].items())
