@@ -41,6 +41,7 @@ when it does not come from NVIDIA's wheels.
 """
 
 import contextlib
+import difflib
 import logging
 import os
 import threading
@@ -73,6 +74,9 @@ _RENAMED_VALUES = {
     ("decode_backend", "hardware_device"): "decode_backend=hardware with staging=device",
     ("decode_backend", "gpu_hybrid_device"): "decode_backend=gpu_hybrid with staging=device",
 }
+_MOST_THREADS = 1024
+# other GDSDATA_ variables that are no settings (not warned about as misspelled ones are)
+_OTHER_VARIABLES = ("GDSDATA_NVJPEG_LIBRARY", "GDSDATA_COMMIT", "GDSDATA_FUZZ_EXAMPLES")
 _lock = threading.Lock()
 _BYTES = ("direct_ahead", "max_gap", "max_read")  # sizes: also as 512K, 128M, 1G
 _SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -113,8 +117,12 @@ def _parse(name, value):
         except (TypeError, ValueError) as e:
             raise ValueError(f"setting {name}: expected {'a size' if name in _BYTES else 'an integer'}, "
                              f"got {value!r}") from e
-        if number < 0 or (number == 0 and name.endswith(("threads", "depth", "ahead"))):
-            raise ValueError(f"setting {name}: must be positive, got {number}")
+        if name == "max_gap" and number < 0:
+            raise ValueError(f"setting {name}: must be 0 or more, got {number}")
+        if name != "max_gap" and number < 1:
+            raise ValueError(f"setting {name}: must be at least 1, got {number}")
+        if name.endswith("threads") and number > _MOST_THREADS:
+            raise ValueError(f"setting {name}: at most {_MOST_THREADS} threads, got {number}")
         return number
     value = str(value).strip().lower()
     if (name, value) in _RENAMED_VALUES:
@@ -128,6 +136,12 @@ def _from_environment():
     for old, new in _RENAMED.items():
         if os.environ.get(f"GDSDATA_{old.upper()}"):
             logging.getLogger(__name__).warning("GDSDATA_%s is ignored: it is gone; use %s", old.upper(), new)
+    known = {f"GDSDATA_{name.upper()}" for name in (*_DEFAULTS, *_RENAMED)} | set(_OTHER_VARIABLES)
+    for variable in sorted(os.environ):
+        if variable.startswith("GDSDATA_") and variable not in known and not variable.startswith("GDSDATA_TEST_"):
+            close = difflib.get_close_matches(variable, sorted(known), n=1)
+            logging.getLogger(__name__).warning("%s is no gdsdata setting, so it is ignored%s", variable,
+                                                f" (did you mean {close[0]}?)" if close else "")
     values, errors = dict(_DEFAULTS), []
     for name in _DEFAULTS:
         raw = os.environ.get(f"GDSDATA_{name.upper()}")

@@ -127,7 +127,7 @@ def test_removed_settings_name_their_replacement():
         settings.set(decode_backend="hardware_device")
     with pytest.raises(KeyError, match="gather_threads"):
         settings.set(gather_pool=2)
-    with pytest.raises(ValueError, match="gather_threads: must be positive"):
+    with pytest.raises(ValueError, match="gather_threads: must be at least 1"):
         settings.set(gather_threads=0)
 
 

@@ -21,8 +21,22 @@ def test_invalid_values_are_refused():
         settings.set(staging="tape")
     with pytest.raises(KeyError, match="unknown gdsdata setting"):
         settings.set(colour="blue")
-    with pytest.raises(ValueError, match="positive"):
-        settings.set(cpu_threads=0)
+    for changes, said in ((dict(cpu_threads=0), "cpu_threads: must be at least 1, got 0"),
+                          (dict(max_read=0), "max_read: must be at least 1, got 0"),
+                          (dict(max_gap=-1), "max_gap: must be 0 or more, got -1"),
+                          (dict(io_threads=100000), "io_threads: at most 1024 threads, got 100000")):
+        with pytest.raises(ValueError, match=said):
+            settings.set(**changes)
+    with settings.set(max_gap=0):  # (no hole read through)
+        assert settings.get("max_gap") == 0
+
+
+def test_a_misspelled_variable_is_warned_about_not_ignored_silently():
+    code = "import logging; logging.basicConfig(); import gdsdata; print(gdsdata.settings.get('cpu_threads'))"
+    env = {"GDSDATA_CPU_THREAD": "3", "GDSDATA_NVJPEG_LIBRARY": "/x/libnvjpeg.so", "PATH": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stderr.strip() == ("WARNING:gdsdata.settings:GDSDATA_CPU_THREAD is no gdsdata setting, so it is "
+                                  "ignored (did you mean GDSDATA_CPU_THREADS?)")
 
 
 def test_environment_variables_are_read():
