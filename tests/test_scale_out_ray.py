@@ -229,6 +229,27 @@ def test_the_part_count_follows_size_and_cpus():
     assert choose_parts(100_000_000, 512) == 1024
 
 
+def test_an_address_with_no_cluster_says_how_to_start_one():
+    """Ray's own ConnectionError for an address with no cluster ("auto" outside one) tells of a
+    --address flag gdsdata has none of: said in gdsdata's words."""
+    from gdsdata.packing.ray import _RayOwner
+
+    class NoCluster:
+        def init(self, **kwargs):
+            raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by "
+                                  "setting `--address` flag or `RAY_ADDRESS` environment variable.")
+
+        def shutdown(self):
+            pass
+
+    owner = _RayOwner(NoCluster(), "auto")
+    with pytest.raises(ConnectionError) as said:
+        owner.start()
+    owner.stop()
+    assert str(said.value) == ("--ray auto: no running Ray cluster found there; start one (ray start --head) and give "
+                               "its address (ray://HEAD:10001), or give --ray no address to start a local Ray")
+
+
 def test_without_ray_the_option_says_how_to_install(source, tmp_path, monkeypatch):
     import builtins
 

@@ -171,6 +171,10 @@ class _RayOwner:
                 raise
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
+        if isinstance(self.error, ConnectionError) and self.address is not None:
+            raise ConnectionError(f"--ray {self.address}: no running Ray cluster found there; start one (ray start "
+                                  f"--head) and give its address (ray://HEAD:10001), or give --ray no address to "
+                                  f"start a local Ray") from self.error
         if self.error is not None:
             raise self.error
 
