@@ -68,6 +68,28 @@ def _kvikio_block():
     return info
 
 
+# the GPU path's packages, one per CUDA major (pyproject's cu12 / cu13 extras)
+_GPU_PACKAGES = {"kvikio": ("kvikio-cu13", "kvikio-cu12"), "cupy": ("cupy-cuda13x", "cupy-cuda12x"),
+                 "nvjpeg": ("nvidia-nvjpeg", "nvidia-nvjpeg-cu12")}
+
+
+def _gpu_packages() -> str:
+    """Which of the GPU path's packages are installed (their distributions' versions)."""
+    from importlib import metadata
+
+    found = []
+    for name, distributions in _GPU_PACKAGES.items():
+        versions = []
+        for distribution in distributions:
+            try:
+                versions.append(f"{distribution} {metadata.version(distribution)}")
+            except metadata.PackageNotFoundError:
+                pass
+        found.append(", ".join(versions) if versions else f"{name} not installed")
+    missing = any("not installed" in line for line in found)
+    return "; ".join(found) + (" (pip install 'gdsdata[cu13]' beside a CUDA 13 torch)" if missing else "")
+
+
 def _nvjpeg_block():
     try:
         from gdsdata._native.nvjpeg import library_info
@@ -119,6 +141,8 @@ def report() -> dict:
     if "gpu" in info and not str(info["gpu"]).startswith("none"):
         info.update(_kvikio_block())
         info.update(_nvjpeg_block())
+    else:  # what the GPU path would need here, found without loading any CUDA library
+        info["gpu packages"] = _gpu_packages()
     info["cpu decode threads"] = settings.get("cpu_threads")
     info["io threads"] = settings.get("io_threads")
     info["gather threads"] = settings.get("gather_threads")
