@@ -69,11 +69,11 @@ def main(argv=None):
     if not os.path.exists(marker):
         shutil.rmtree(src, ignore_errors=True)
         print(f"\n== generating {args.count} photographic test images in {src} ==")
-        total = generate(src, args.count, classes=10, progress=True)
+        total = generate(src, args.count, classes=10, progress=sys.stderr.isatty())
         print(f"{args.count} images, mean {total / args.count / 1e3:.0f} KB")
         open(marker, "w").close()
     print(f"\n== packing into {out} ==")
-    result = gdsdata.pack(src, out, overwrite=True, progress=True)
+    result = gdsdata.pack(src, out, overwrite=True, progress=sys.stderr.isatty())
     print(f"packed {result.packed} images into {result.shards} shard(s) in {result.seconds:.1f} s")
 
     print(f"\n== loading every image as a uint8 tensor, batch {args.batch}, {args.runs} timed runs "
