@@ -24,10 +24,6 @@ def packed(tmp_path_factory):
     generate(root, 12, classes=3, seed=21, val=0.34)
     out = tmp_path_factory.mktemp("yolo")
     data = os.path.join(root, "yolo", "data.yaml")
-    with open(data) as f:  # the dataset's own folder, as Ultralytics finds it from any working folder
-        text = f.read().replace("path: .", f"path: {os.path.dirname(data)}")
-    with open(data, "w") as f:
-        f.write(text)
     return (pack(data, str(out / "train"), format="yolo", workers=1).out,
             pack(data, str(out / "val"), format="yolo", split="val", workers=1).out)
 
@@ -105,8 +101,13 @@ def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos
     monkeypatch.setattr(utils, "check_font", lambda *args, **kwargs: fetched.append(args))
     assert DetectionTrainer(*packed, overrides=common).args.data == gdsdata.GDSDataset(packed[0]).meta["source"]
     assert not fetched
-    unfound = pack(os.path.join(root, "yolo", "data.yaml"), str(tmp_path / "other-train.gds"), format="yolo",
-                   workers=1).out  # its YAML's "path: ." is not where Ultralytics looks from here: the pack is data
+    data = os.path.join(root, "yolo", "data.yaml")
+    with open(data) as f:
+        text = "".join(line if not line.startswith("path:") else "path: .\n" for line in f)
+    with open(data, "w") as f:  # "path: ." is not where Ultralytics looks from here (it reads it from the current
+        f.write(text)           # folder, gdsdata from the YAML's): the checkpoints name the train pack
+    unfound = pack(data, str(tmp_path / "other-train.gds"), format="yolo", workers=1).out
+    other = pack(data, str(tmp_path / "other-val.gds"), format="yolo", split="val", workers=1).out
     with caplog.at_level("WARNING", logger="gdsdata.yolo"):
         assert DetectionTrainer(unfound, other, overrides=common).args.data == unfound
     assert "Ultralytics does not find the splits of" in caplog.text and "needs data=" in caplog.text

@@ -5,7 +5,7 @@ Each image is a photographic-looking background (``make_images.make_image``) wit
 on it: textured, soft-lit ellipses, rectangles and triangles, one class per shape and palette. The
 object count per image and the object sizes follow COCO's statistics roughly (about 7 objects per
 image, some images without any; about 41 % small objects under 32x32 pixels, 34 % medium, 25 %
-large), at COCO-like image sizes (640 px on the longer side). Objects may overlap and may reach
+large), at COCO-like image sizes (mostly 640 px on the longer side, a few 819). Objects may overlap and may reach
 the image border (their boxes are clipped to it). Deterministic for a given seed.
 
     python tools/make_detection.py OUT --count 1000 --classes 8
@@ -116,7 +116,8 @@ def generate(out, count, classes, seed=0, val=0.1, quality=90):
         with open(os.path.join(out, "coco/annotations", f"instances_{split}.json"), "w") as f:
             json.dump(coco, f)
     with open(os.path.join(out, "yolo", "data.yaml"), "w") as f:
-        f.write("path: .\ntrain: images/train\nval: images/val\nnames:\n")
+        # the folder itself, absolute: Ultralytics reads a relative path: from the current folder
+        f.write(f"path: {os.path.abspath(os.path.join(out, 'yolo'))}\ntrain: images/train\nval: images/val\nnames:\n")
         f.writelines(f"  {k}: {name}\n" for k, name in enumerate(names))
     return {split: len(ids) for split, ids in splits.items()}
 
