@@ -15,8 +15,8 @@ Modes: the loader alone, and feeding a small convolutional model's train step on
 which takes its share of the same cores. Rows are interleaved over --rounds rounds; the figure is the
 median epoch over rounds, CPU-seconds per 1,000 images count the process and its workers.
 
-    python bench/cpu.py --dir /tmp/cpu-bench --count 2000 --model --out results/            # uint8
-    python bench/cpu.py --dir /tmp/cpu-bench --count 2000 --model --float --out results/    # float32
+    python bench/cpu.py --dir /tmp/cpu-bench --count 2000 --model --out results/cpu-uint8
+    python bench/cpu.py --dir /tmp/cpu-bench --count 2000 --model --float --out results/cpu-float
 """
 
 import argparse

@@ -71,10 +71,14 @@ def lr_at(progress, step, epochs, warmup, base):
     return 0.5 * base * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / max(step, epochs - warmup))))
 
 
-def evaluate(model, loader, size, device, world):
+def evaluate(model, loader, device, world):
     """Top-1 accuracy over every sample once: each rank marks its samples by dataset index (a rank's
     share is padded with repeats where the ranks do not divide the samples: they count once)."""
     model.eval()
+    dataset = loader.dataset
+    while isinstance(dataset, torch.utils.data.Subset):  # indices() are the GDSDataset's own
+        dataset = dataset.dataset
+    size = len(dataset)
     correct = torch.zeros(size, device=device)
     seen = torch.zeros(size, device=device)
     batches = loader.indices()  # this rank's batches, as dataset indices (asked before the pass starts)
@@ -165,7 +169,7 @@ def main(argv=None):
             if args.max_steps and step >= args.max_steps:
                 break
         if val is not None and not (args.max_steps and step >= args.max_steps):
-            top1 = evaluate(model, val, len(val_ds), device, world)
+            top1 = evaluate(model, val, device, world)
             if rank == 0:
                 print(f"epoch {epoch}: validation top-1 {top1 * 100:.2f} %", flush=True)
     if args.checkpoint:

@@ -36,7 +36,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from gdsdata.yolo import DetectionTrainer
 
-    if args.model.endswith(".pt") and not os.path.isfile(args.model):  # (Ultralytics would download it)
+    if args.model.endswith(".pt") and not _have(args.model):  # (Ultralytics would download it)
         parser.error(f"--model {args.model}: no such file; a model YAML (yolo11n.yaml) trains from scratch, "
                      f"a .pt must be one you have")
     overrides = {"model": args.model, "epochs": args.epochs, "imgsz": args.imgsz, "batch": args.batch,
@@ -52,6 +52,13 @@ def main(argv=None):
     trainer.train()
     print(f"best weights: {trainer.best}; metrics: "
           + ", ".join(f"{k} {v:.4f}" for k, v in trainer.metrics.items() if k.startswith("metrics/")))
+
+
+def _have(weights) -> bool:
+    """Whether a .pt is here or in Ultralytics' weights folder (where YOLO(...) also looks)."""
+    from ultralytics.utils import SETTINGS
+
+    return os.path.isfile(weights) or os.path.isfile(os.path.join(SETTINGS["weights_dir"], weights))
 
 
 def _cuda():

@@ -142,9 +142,6 @@ def _print_labels(result):
 def _pack_on_ray(args, options):
     from gdsdata.packing.ray import pack_on_ray
 
-    if args.resume or args.append or args.part:
-        raise ValueError("--ray packs every part itself (and retries them); it goes with none of --resume, "
-                         "--append or --part")
     summary = pack_on_ray(args.src, args.out, address=args.ray or None,
                           num_parts=args.num_parts if args.num_parts > 1 else 0, options=options,
                           shard_size=args.shard_size, alignment=args.alignment, strict=args.strict,
@@ -170,6 +167,10 @@ def _pack_usage(args) -> str | None:
     if len(args.paths) != wanted:
         return ("--format coco takes ANNOTATIONS.json IMAGES OUT" if args.format == "coco" else
                 f"pack takes SRC OUT (got {len(args.paths)} paths; --format coco takes three)")
+    if args.ray is not None and (args.resume or args.append or args.part):
+        return "--ray packs every part itself (and retries them); it goes with none of --resume, --append or --part"
+    if args.append and (args.resume or args.overwrite or args.num_parts > 1):
+        return "--append goes with none of --resume, --overwrite or --num-parts/--part"
     if args.part and args.num_parts == 1:
         return "--part goes with --num-parts N (the source split into N parts)"
     if args.part >= args.num_parts:
@@ -219,9 +220,12 @@ def _cmd_inspect(args):
         print(f"  part {info['part']['part']} of {info['part']['num_parts']} of its source "
               f"(items {info['part']['first_item']}..{info['part']['first_item'] + info['part']['items'] - 1})")
     if info["merged_from"]:
-        parts = [path if os.path.exists(path) else f"{path} (no longer there)"
-                 for path in info["merged_from"]]
-        print(f"  merged from {len(parts)} part(s): {', '.join(parts)}")
+        parts = info["merged_from"]
+        if all(".gdsdata-parts-" in path for path in parts):  # pack --ray's own parts, removed once merged
+            print(f"  packed in {len(parts)} part(s) on Ray, then merged")
+        else:
+            print(f"  merged from {len(parts)} part(s): " + ", ".join(
+                path if os.path.exists(path) else f"{path} (no longer there)" for path in parts))
     for added in info["appended"]:
         print(f"  appended {added['samples']} sample(s) from {added['source']}")
     counts = list(info["per_class"].items())

@@ -43,6 +43,7 @@ when it does not come from NVIDIA's wheels.
 import contextlib
 import difflib
 import logging
+import multiprocessing
 import os
 import threading
 import types
@@ -136,10 +137,12 @@ def _from_environment():
     for old, new in _RENAMED.items():
         if os.environ.get(f"GDSDATA_{old.upper()}"):
             logging.getLogger(__name__).warning("GDSDATA_%s is ignored: it is gone; use %s", old.upper(), new)
-    known = {f"GDSDATA_{name.upper()}" for name in (*_DEFAULTS, *_RENAMED)} | set(_OTHER_VARIABLES)
-    for variable in sorted(os.environ):
+    settings = sorted(f"GDSDATA_{name.upper()}" for name in _DEFAULTS)
+    known = {*settings, *(f"GDSDATA_{name.upper()}" for name in _RENAMED), *_OTHER_VARIABLES}
+    for variable in sorted(os.environ) if multiprocessing.parent_process() is None else ():  # (said once, not
+        # again by each DataLoader worker)
         if variable.startswith("GDSDATA_") and variable not in known and not variable.startswith("GDSDATA_TEST_"):
-            close = difflib.get_close_matches(variable, sorted(known), n=1)
+            close = difflib.get_close_matches(variable, settings, n=1, cutoff=0.8)
             logging.getLogger(__name__).warning("%s is no gdsdata setting, so it is ignored%s", variable,
                                                 f" (did you mean {close[0]}?)" if close else "")
     values, errors = dict(_DEFAULTS), []

@@ -22,6 +22,7 @@ Ultralytics' own DDP (it re-launches the trainer from its module path with its o
 offered: one process per run. Needs the ``ultralytics`` package.
 """
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -150,21 +151,34 @@ class DetectionValidator(_UltralyticsValidator):
     def __call__(self, trainer=None, model=None):
         if trainer is not None:
             return super().__call__(trainer=trainer, model=model)
-        check = _validator_module.check_det_dataset
-        _validator_module.check_det_dataset = lambda *args, **kwargs: dict(self._gds_data)
-        try:
+        with _swapped(_validator_module, "check_det_dataset", lambda *args, **kwargs: dict(self._gds_data)):
             return super().__call__(trainer=trainer, model=model)
-        finally:
-            _validator_module.check_det_dataset = check
 
 
-def _amp_unchecked(model) -> bool:
-    """In place of Ultralytics' ``check_amp``: AMP on a GPU, as that check answers when it passes
-    (off on the CPU, as it answers there), without the model it downloads to check."""
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    if on_gpu:
-        log.info("Ultralytics' AMP check skipped (it downloads a YOLO model); AMP on, amp=False turns it off")
-    return on_gpu
+@contextlib.contextmanager
+def _swapped(module, name, value):
+    """``module.name`` is ``value`` for the block (an Ultralytics function its callers look up there)."""
+    held = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, held)
+
+
+def _amp_without_download(check):
+    """Ultralytics' ``check_amp`` where the YOLO model it would download is not to be had: its own
+    answers (off on the CPU and on the GPUs it lists), its "offline" answer in place of the comparison."""
+    import ultralytics
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("gdsdata fetches nothing at run time")
+
+    def check_amp(model):
+        with _swapped(ultralytics, "YOLO", offline):
+            return check(model)
+
+    return check_amp
 
 
 def _usable_yaml(source):
@@ -174,13 +188,11 @@ def _usable_yaml(source):
         return None
     from ultralytics.data import utils
 
-    font, utils.check_font = utils.check_font, lambda *args, **kwargs: None
     try:
-        utils.check_det_dataset(source, autodownload=False)
+        with _swapped(utils, "check_font", lambda *args, **kwargs: None):
+            utils.check_det_dataset(source, autodownload=False)
     except Exception:  # noqa: BLE001 - whatever Ultralytics makes of it, the packs are what trains
         return None
-    finally:
-        utils.check_font = font
     return source
 
 
@@ -226,16 +238,14 @@ class DetectionTrainer(_UltralyticsTrainer):
                              f"give a batch size")
 
     def _setup_train(self, *args, **kwargs):
-        """Ultralytics' set-up, without its AMP check: that check downloads a YOLO model to compare
-        its outputs in float32 and AMP, and gdsdata fetches nothing at run time. AMP is then on
-        wherever the model is on a GPU and ``amp`` is on (``amp=False`` turns it off)."""
+        """Ultralytics' set-up, its AMP check without the YOLO model that check downloads to compare
+        float32 and AMP outputs (gdsdata fetches nothing at run time): the check's list of GPUs where
+        AMP fails still turns it off; elsewhere it says the comparison was skipped, and AMP is on
+        wherever ``amp`` is (``amp=False`` turns it off)."""
         from ultralytics.engine import trainer as module
 
-        check, module.check_amp = module.check_amp, _amp_unchecked
-        try:
+        with _swapped(module, "check_amp", _amp_without_download(module.check_amp)):
             return super()._setup_train(*args, **kwargs)
-        finally:
-            module.check_amp = check
 
     def get_dataset(self):
         return {"train": self.gds_roots["train"], "val": self.gds_roots["val"], "names": self._names,

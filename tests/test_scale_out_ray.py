@@ -246,8 +246,9 @@ def test_an_address_with_no_cluster_says_how_to_start_one():
     with pytest.raises(ConnectionError) as said:
         owner.start()
     owner.stop()
-    assert str(said.value) == ("--ray auto: no running Ray cluster found there; start one (ray start --head) and give "
-                               "its address (ray://HEAD:10001), or give --ray no address to start a local Ray")
+    assert str(said.value) == ("--ray auto: no Ray cluster to join there (Could not find any running Ray instance); "
+                               "start one (ray start --head) and give its address (ray://HEAD:10001), or give --ray "
+                               "no address to start a local Ray")
 
 
 def test_without_ray_the_option_says_how_to_install(source, tmp_path, monkeypatch):

@@ -51,10 +51,13 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
     monkeypatch.setattr(trainer, "preprocess_batch", preprocess)
     from ultralytics.engine import trainer as module
 
-    amp_checks = []  # Ultralytics' AMP check downloads a model: not called
-    monkeypatch.setattr(module, "check_amp", lambda model: amp_checks.append(model) or False)
+    import ultralytics
+
+    amp_checks = []  # Ultralytics' AMP check runs where its YOLO model cannot be loaded (downloaded)
+    monkeypatch.setattr(module, "check_amp", lambda model: amp_checks.append(ultralytics.YOLO.__name__) or False)
+    trainer.args.amp = True
     trainer.train()
-    assert not amp_checks
+    assert amp_checks == ["offline"]
     assert (tmp_path / "run" / "weights" / "best.pt").exists()
     assert set(trainer.metrics) >= {"metrics/mAP50(B)", "metrics/mAP50-95(B)"}
     assert len(seen) == 2 * 2  # 8 training images, batch 4, two epochs
@@ -103,7 +106,7 @@ def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos
     assert not fetched
     data = os.path.join(root, "yolo", "data.yaml")
     with open(data) as f:
-        text = "".join(line if not line.startswith("path:") else "path: .\n" for line in f)
+        text = "path: .\n" + "".join(line for line in f if not line.startswith("path:"))
     with open(data, "w") as f:  # "path: ." is not where Ultralytics looks from here (it reads it from the current
         f.write(text)           # folder, gdsdata from the YAML's): the checkpoints name the train pack
     unfound = pack(data, str(tmp_path / "other-train.gds"), format="yolo", workers=1).out
@@ -113,3 +116,28 @@ def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos
     assert "Ultralytics does not find the splits of" in caplog.text and "needs data=" in caplog.text
     with pytest.raises(ValueError, match="AutoBatch"):
         DetectionTrainer(*packed, overrides={**common, "batch": -1})
+
+
+def test_the_amp_check_never_loads_the_model_it_would_download():
+    """Ultralytics' check_amp compares a YOLO model's float32 and AMP outputs, downloading the model;
+    gdsdata's wrapper gives it the "offline" answer instead (its GPU list still applies before)."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    opener = Image.open
+    ultralytics = pytest.importorskip("ultralytics")
+    from gdsdata.yolo import _amp_without_download
+
+    Image.open = opener
+    held = ultralytics.YOLO
+
+    def check(model):  # Ultralytics' check_amp past its CPU and GPU-list answers
+        try:
+            from ultralytics import YOLO
+
+            YOLO("yolo26n.pt")
+        except ConnectionError:
+            return "skipped, as offline"
+        return "downloaded and compared"
+
+    assert _amp_without_download(check)(None) == "skipped, as offline"
+    assert ultralytics.YOLO is held
+

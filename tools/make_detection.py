@@ -116,8 +116,9 @@ def generate(out, count, classes, seed=0, val=0.1, quality=90):
         with open(os.path.join(out, "coco/annotations", f"instances_{split}.json"), "w") as f:
             json.dump(coco, f)
     with open(os.path.join(out, "yolo", "data.yaml"), "w") as f:
-        # the folder itself, absolute: Ultralytics reads a relative path: from the current folder
-        f.write(f"path: {os.path.abspath(os.path.join(out, 'yolo'))}\ntrain: images/train\nval: images/val\nnames:\n")
+        # no path: the YAML's own folder, for Ultralytics (which reads a relative path: from the current
+        # folder) and gdsdata alike, wherever the set is moved
+        f.write("train: images/train\nval: images/val\nnames:\n")
         f.writelines(f"  {k}: {name}\n" for k, name in enumerate(names))
     return {split: len(ids) for split, ids in splits.items()}
 

@@ -86,8 +86,13 @@ def _gpu_packages() -> str:
             except metadata.PackageNotFoundError:
                 pass
         found.append(", ".join(versions) if versions else f"{name} not installed")
+    import torch
+
+    major = (torch.version.cuda or "").split(".")[0]
+    extra = f"gdsdata[cu{major}]' beside this CUDA {major} torch" if major in ("12", "13") else \
+        "gdsdata[cu13]' (or [cu12]) beside a CUDA torch of that major"
     missing = any("not installed" in line for line in found)
-    return "; ".join(found) + (" (pip install 'gdsdata[cu13]' beside a CUDA 13 torch)" if missing else "")
+    return "; ".join(found) + (f" (pip install '{extra})" if missing else "")
 
 
 def _nvjpeg_block():

@@ -445,8 +445,9 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         COCO: the instances JSON.
     shard_roots : sequence of str or os.PathLike, optional
         Folders on other drives (one per NVMe drive, say) to spread the shards over, shard k on
-        root k mod N, in a folder ``NAME.gdsdata-shards-ID`` there; ``out`` holds the index and a
-        symbolic link to each shard. Reads of a batch then go to every drive at once.
+        root k mod N (part p's shard k on root (p + k) mod N), in a folder
+        ``NAME.gdsdata-shards-ID`` there; ``out`` holds the index and a symbolic link to each shard.
+        Reads of a batch then go to every drive at once.
 
     Returns
     -------

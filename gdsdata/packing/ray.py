@@ -171,10 +171,13 @@ class _RayOwner:
                 raise
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
-        if isinstance(self.error, ConnectionError) and self.address is not None:
-            raise ConnectionError(f"--ray {self.address}: no running Ray cluster found there; start one (ray start "
-                                  f"--head) and give its address (ray://HEAD:10001), or give --ray no address to "
-                                  f"start a local Ray") from self.error
+        address = self.address or os.environ.get("RAY_ADDRESS")
+        if isinstance(self.error, ConnectionError) and address:
+            said = str(self.error).split(". ")[0].rstrip(".")  # (Ray's next sentence names an --address flag)
+            where = f"--ray {address}" if self.address else f"RAY_ADDRESS={address}"
+            raise ConnectionError(f"{where}: no Ray cluster to join there ({said}); start one (ray start --head) and "
+                                  f"give its address (ray://HEAD:10001), or give --ray no address to start a local "
+                                  f"Ray") from self.error
         if self.error is not None:
             raise self.error
 
