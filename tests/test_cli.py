@@ -215,7 +215,9 @@ def test_pack_refuses_an_empty_part_and_a_raw_size_for_jpegs(small_src, tmp_path
     assert "at most 10 parts" in said  # (one of its 10 image files cannot be decoded: a part can still hold it)
     for args, said in ((("--size", "64"), "--size (the shorter side of raw pixels) goes with --codec raw"),
                        (("--alignment", "1000"), "--alignment 1000 is not a power of two of at least 64"),
-                       (("--part", "1"), "--part goes with --num-parts N")):
+                       (("--part", "1"), "--part goes with --num-parts N"),
+                       (("--ray", "--resume"), "--ray packs every part itself"),
+                       (("--append", "--overwrite"), "--append goes with none of --resume, --overwrite")):
         rc, _, err = run("pack", small_src, str(tmp_path / "y"), *args)  # usage errors: exit 2, one line
         assert rc == 2 and err.startswith(f"gdsdata pack: error: {said}") and err.count("\n") == 1, err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
