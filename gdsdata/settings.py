@@ -137,14 +137,8 @@ def _from_environment():
     for old, new in _RENAMED.items():
         if os.environ.get(f"GDSDATA_{old.upper()}"):
             logging.getLogger(__name__).warning("GDSDATA_%s is ignored: it is gone; use %s", old.upper(), new)
-    settings = sorted(f"GDSDATA_{name.upper()}" for name in _DEFAULTS)
-    known = {*settings, *(f"GDSDATA_{name.upper()}" for name in _RENAMED), *_OTHER_VARIABLES}
-    for variable in sorted(os.environ) if multiprocessing.parent_process() is None else ():  # (said once, not
-        # again by each DataLoader worker)
-        if variable.startswith("GDSDATA_") and variable not in known and not variable.startswith("GDSDATA_TEST_"):
-            close = difflib.get_close_matches(variable, settings, n=1, cutoff=0.8)
-            logging.getLogger(__name__).warning("%s is no gdsdata setting, so it is ignored%s", variable,
-                                                f" (did you mean {close[0]}?)" if close else "")
+    if multiprocessing.parent_process() is None:  # (said once, not again by each DataLoader worker)
+        _warn_unknown_variables()
     values, errors = dict(_DEFAULTS), []
     for name in _DEFAULTS:
         raw = os.environ.get(f"GDSDATA_{name.upper()}")
@@ -154,6 +148,18 @@ def _from_environment():
             except ValueError as e:
                 errors.append(f"GDSDATA_{name.upper()}={raw!r}: {e}")
     return values, errors
+
+
+def _warn_unknown_variables():
+    """A ``GDSDATA_`` variable that is no setting (a misspelled one, say) logged as a warning, naming
+    the setting it may have meant."""
+    settings = sorted(f"GDSDATA_{name.upper()}" for name in _DEFAULTS)
+    known = {*settings, *(f"GDSDATA_{name.upper()}" for name in _RENAMED), *_OTHER_VARIABLES}
+    for variable in sorted(os.environ):
+        if variable.startswith("GDSDATA_") and variable not in known and not variable.startswith("GDSDATA_TEST_"):
+            close = difflib.get_close_matches(variable, settings, n=1, cutoff=0.8)
+            logging.getLogger(__name__).warning("%s is no gdsdata setting, so it is ignored%s", variable,
+                                                f" (did you mean {close[0]}?)" if close else "")
 
 
 # A bad variable is raised where the settings are first used, not while gdsdata is imported (where

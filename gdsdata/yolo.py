@@ -15,9 +15,9 @@ Ultralytics validates on rectangular batches: mAP differs slightly). Arguments t
 follow (``perspective``, ``mixup``, ``cutmix``, ``copy_paste``, ``bgr``, ``single_cls``,
 ``fraction``, ``classes``, ``rect``) are refused unless at their defaults, and so is AutoBatch. The class
 names come from the packed dataset, so ``data`` is not needed; the checkpoints record as their ``data``
-the data YAML both packs were made from (where it still exists), so that Ultralytics'
-``YOLO("best.pt").val()`` validates on that YAML's val split with its own pipeline (else give it
-``data=``).
+the data YAML both packs were made from (where Ultralytics finds its splits from here), so that
+Ultralytics' ``YOLO("best.pt").val()`` validates on that YAML's val split with its own pipeline
+(else give it ``data=``).
 Ultralytics' own DDP (it re-launches the trainer from its module path with its own arguments) is not
 offered: one process per run. Needs the ``ultralytics`` package.
 """
@@ -181,19 +181,19 @@ def _amp_without_download(check):
     return check_amp
 
 
-def _usable_yaml(source):
-    """``source`` where it is a data YAML whose splits Ultralytics finds from here as it stands (its
-    own check, with nothing downloaded: neither the dataset nor the font the check fetches), else None."""
-    if not str(source).endswith((".yaml", ".yml")) or not os.path.isfile(source):
-        return None
+def _usable_yaml(yaml) -> bool:
+    """Whether Ultralytics finds the splits of the data YAML ``yaml`` from here as it stands (its own
+    check, with nothing downloaded: neither the dataset nor the font the check fetches)."""
+    if not os.path.isfile(yaml):
+        return False
     from ultralytics.data import utils
 
     try:
         with _swapped(utils, "check_font", lambda *args, **kwargs: None):
-            utils.check_det_dataset(source, autodownload=False)
+            utils.check_det_dataset(yaml, autodownload=False)
     except Exception:  # noqa: BLE001 - whatever Ultralytics makes of it, the packs are what trains
-        return None
-    return source
+        return False
+    return True
 
 
 class DetectionTrainer(_UltralyticsTrainer):
@@ -221,9 +221,10 @@ class DetectionTrainer(_UltralyticsTrainer):
         # what the checkpoints record as their data: the data YAML both packs came from, where Ultralytics still
         # finds its splits, so that its own YOLO("best.pt").val() validates on the val split; else the train pack
         if "data" not in overrides:
-            usable = _usable_yaml(sources[0]) if sources[0] == sources[1] else None
-            overrides["data"] = usable or self.gds_roots["train"]
-            if usable is None and sources[0] == sources[1] and str(sources[0]).endswith((".yaml", ".yml")):
+            yaml = sources[0] if sources[0] == sources[1] and str(sources[0]).endswith((".yaml", ".yml")) else None
+            usable = yaml is not None and _usable_yaml(yaml)
+            overrides["data"] = yaml if usable else self.gds_roots["train"]
+            if yaml is not None and not usable:
                 log.warning("the checkpoints name %s as their data: Ultralytics does not find the splits of %s "
                             "from here (a relative path: is read from the current folder), so validating them "
                             "with YOLO(...).val() needs data=", self.gds_roots["train"], sources[0])

@@ -35,7 +35,7 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
         try:
             return data_crc32(index.shard_path(shard), index.alignment), None
         except OSError as e:
-            return None, f"{index.shard_path(shard)}: cannot be read ({e.strerror or e})"
+            return None, index_io.cannot_read(index.shard_path(shard), e)
 
     with ThreadPoolExecutor(settings.get("cpu_threads")) as pool:
         unreadable = set()  # shards every sample of which is left unchecked (said once, for the shard)
@@ -90,5 +90,5 @@ def _readable(reader, indices, problems, index):
         try:
             parts.append((*reader.read([i]), [i]))
         except (OSError, GdsDataError) as e:
-            problems.append(f"{index.describe(i)}: cannot be read ({getattr(e, 'strerror', None) or e})")
+            problems.append(index_io.cannot_read(index.describe(i), e))
     return parts

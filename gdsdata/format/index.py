@@ -303,8 +303,13 @@ def shard_problem(index: Index, shard: int, last_end: int = None) -> str | None:
     except FormatError as e:
         return str(e)  # (it names the file)
     except OSError as e:
-        return f"{index.shard_path(shard)}: cannot be read ({e.strerror or e})"
+        return cannot_read(index.shard_path(shard), e)
     return None
+
+
+def cannot_read(what, error: Exception) -> str:
+    """One line: ``what`` (a file, a sample) could not be read, and the system's reason."""
+    return f"{what}: cannot be read ({getattr(error, 'strerror', None) or error})"
 
 
 def check_shard(index: Index, shard: int, last_end: int = None):
