@@ -8,11 +8,12 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= test,bench
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-gpu bench bench-gpu bench-suite fuzz clean
+.PHONY: demo test test-oldest test-gpu bench bench-gpu bench-suite fuzz clean
 
 # each install is tried up to 4 times, and pip resumes a download cut off mid-file: a dropped
 # connection to PyPI (seen on a CI run, for a 79 MB wheel) should not fail the build
-PIP := $(PY) -m pip install --quiet --retries 10 --timeout 60
+PIP_OPTIONS := install --quiet --retries 10 --timeout 60
+PIP := $(PY) -m pip $(PIP_OPTIONS)
 RETRY := tools/retry 4 30
 
 $(VENV)/.installed: pyproject.toml
@@ -28,6 +29,22 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check gdsdata bench tests tools examples
 	$(PY) -m pytest -q
+
+# the same suite on the oldest releases gdsdata takes (pyproject's floors: torch 2.4, whose Triton
+# 3.0 the GPU kernels need, and NumPy 1.x), in a virtualenv of its own
+OLDEST ?= torch==2.4.1 torchvision==0.19.1 "numpy<2"
+OLD_PY := .venv-oldest/bin/python
+OLD_PIP := $(OLD_PY) -m pip $(PIP_OPTIONS)
+
+.venv-oldest/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-oldest
+	$(RETRY) $(OLD_PIP) --upgrade pip
+	$(RETRY) $(OLD_PIP) --resume-retries 20 $(OLDEST)
+	$(RETRY) $(OLD_PIP) -e ".[$(EXTRAS)]" $(OLDEST)
+	touch $@
+
+test-oldest: .venv-oldest/.installed
+	$(OLD_PY) -m pytest -q
 
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu

@@ -29,6 +29,8 @@ def main(dataset, out, batch_size, drop_last):
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
+    loader.close()
+    dist.barrier()  # every rank past its last collective before any tears the group down
     dist.destroy_process_group()
 
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-import pytest
+from conftest import needs_triton_interpreter
 
 CHECK = """
 import zlib
@@ -34,7 +34,7 @@ print("ok")
 
 
 def test_the_gpu_checksum_kernel_is_zlibs_crc32():
-    pytest.importorskip("triton")
+    needs_triton_interpreter()
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import needs_triton_interpreter
 from PIL import Image
 
 import gdsdata
@@ -219,7 +220,7 @@ def compare_kernel(det, device, imgsz):
 def test_the_gpu_kernel_computes_what_the_cpu_path_does(det):
     """Run by Triton's interpreter on the CPU, in a process of its own (the interpreter is chosen
     when the kernels are defined)."""
-    pytest.importorskip("triton")
+    needs_triton_interpreter()
     here = os.path.dirname(__file__)
     code = f"import sys; sys.path.insert(0, {here!r}); import test_detection_augment as t; " \
            f"t.compare_kernel({det!r}, 'cpu', 64)"

@@ -22,15 +22,21 @@ def test_two_nodes_two_ranks(photos_dataset, tmp_path, drop_last):
     out = str(tmp_path / "report.json")
     port = free_port()
     procs = []
-    for node in range(2):
-        for local in range(2):
-            rank = node * 2 + local
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(local), GROUP_RANK=str(node),
-                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       GDSDATA_CPU_THREADS="1", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dist_worker.py"), photos_dataset[2],
-                                           out, "7", "1" if drop_last else "0"], env=env))
-    codes = [p.wait(timeout=240) for p in procs]
+    try:
+        for node in range(2):
+            for local in range(2):
+                rank = node * 2 + local
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(local), GROUP_RANK=str(node),
+                           LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           GDSDATA_CPU_THREADS="1", OMP_NUM_THREADS="1")
+                procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dist_worker.py"),
+                                               photos_dataset[2], out, "7", "1" if drop_last else "0"], env=env))
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:  # a rank left waiting (a failed or timed-out run) must not outlive the test
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert codes == [0, 0, 0, 0]
     with open(out) as f:
         reports = json.load(f)

@@ -2,6 +2,8 @@
 compiles it there: Triton's interpreter, which runs the pixel tests on the CPU, accepts programs its
 compiler refuses (a helper returning int32 on one branch and int64 on the other, say)."""
 
+import inspect
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -44,7 +46,14 @@ def kernels():
 @pytest.mark.parametrize("kernel, args, constants", list(kernels()),
                          ids=lambda v: getattr(v, "__name__", None) if callable(v) else None)
 def test_the_gpu_kernels_compile_for_hopper(kernel, args, constants):
-    source = ASTSource(fn=kernel, signature={**args, **{name: "constexpr" for name in constants}},
-                       constexprs=constants)
+    marked = {**args, **{name: "constexpr" for name in constants}}
+    if "constexprs" in inspect.signature(ASTSource).parameters:  # Triton 3.3 on (torch 2.7)
+        source = ASTSource(fn=kernel, signature=marked, constexprs=constants)
+    elif tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 2):  # torch 2.6
+        source = ASTSource(fn=kernel, signature=marked, constants=constants)
+    else:  # Triton 3.0-3.1 (torch 2.4-2.5): by position
+        at = kernel.arg_names.index
+        source = ASTSource(fn=kernel, signature={at(name): kind for name, kind in args.items()},
+                           constants={at(name): value for name, value in constants.items()})
     compiled = triton.compile(source, target=HOPPER)
     assert compiled.asm.get("cubin"), kernel.__name__
