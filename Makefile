@@ -30,14 +30,16 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check gdsdata bench tests tools examples
 	$(PY) -m pytest -q
 
-# the same suite on the oldest releases gdsdata takes (pyproject's floors: torch 2.4, whose Triton
-# 3.0 the GPU kernels need, and NumPy 1.x), in a virtualenv of its own
+# the same suite on the oldest releases gdsdata takes (pyproject's floors: Python 3.10 where the
+# machine has it, torch 2.4, whose Triton 3.0 the GPU kernels need, and NumPy 1.x), in a virtualenv
+# of its own
 OLDEST ?= torch==2.4.1 torchvision==0.19.1 "numpy<2"
+OLDEST_PYTHON ?= $(shell python3.10 -c '' 2>/dev/null && echo python3.10 || echo $(PYTHON))
 OLD_PY := .venv-oldest/bin/python
 OLD_PIP := $(OLD_PY) -m pip $(PIP_OPTIONS)
 
 .venv-oldest/.installed: pyproject.toml
-	$(PYTHON) -m venv .venv-oldest
+	$(OLDEST_PYTHON) -m venv .venv-oldest
 	$(RETRY) $(OLD_PIP) --upgrade pip
 	$(RETRY) $(OLD_PIP) --resume-retries 20 $(OLDEST)
 	$(RETRY) $(OLD_PIP) -e ".[$(EXTRAS)]" $(OLDEST)
