@@ -97,6 +97,36 @@ def test_an_lmdb_label_outside_the_unnamed_range_is_refused_and_names_let_it_be(
         open_source(db)
 
 
+def open_files() -> list:
+    """The files this process holds open (a descriptor closed meanwhile by another thread: left out)."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return names
+
+
+def test_a_refused_source_leaves_no_file_open(tmp_path):
+    """Tar shards opened before a later one is refused, and an LMDB whose labels are refused, are
+    closed with the error, also while the error is kept (its traceback holds the half-made source:
+    IPython keeps the last one): a process that goes on keeps no descriptor."""
+    image = jpeg_bytes(photo(7))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_tar(shards / "train-0.tar", {"a.jpg": image, "a.cls": b"0"})
+    (shards / "train-1.tar").write_bytes(b"not a tar file at all" * 40)
+    db = write_lmdb(str(tmp_path / "bad.lmdb"), {b"0": (image, 0), b"1": (image, -3)})
+    for src, refused in ((str(shards), "train-1.tar: not a readable tar file"), (db, "label -3 is negative")):
+        try:
+            open_source(src)
+        except SourceError as e:
+            kept = e
+        assert refused in str(kept)
+        assert kept.__traceback__ is not None and [f for f in open_files() if str(tmp_path) in f] == [], src
+
+
 def test_lmdb_values_of_another_shape_are_skipped_with_the_reason(tmp_path, capsys):
     image = jpeg_bytes(photo(5))
     db = write_lmdb(str(tmp_path / "odd.lmdb"), {b"0": (image, 0), b"1": ("notbytes", 0), b"2": (None, 1),

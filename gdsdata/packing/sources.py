@@ -23,6 +23,7 @@ Label conventions:
   huge id would otherwise make hundreds of millions of classes.
 """
 
+import functools
 import numbers
 import os
 import pickle
@@ -182,15 +183,31 @@ def _is_dir(entry) -> bool:
         return False
 
 
+def _closed_if_it_fails(init):
+    """A source's ``__init__`` that closes what it had opened (tar files, an LMDB environment) when it
+    raises: a refused source leaves no file open behind it in a process that goes on."""
+
+    @functools.wraps(init)
+    def opening(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self.close()
+            raise
+
+    return opening
+
+
 class LmdbSource:
+    @_closed_if_it_fails
     def __init__(self, src):
+        self.root, self.env = src, None
         try:
             import lmdb
         except ImportError:
             raise SourceError(f"{display(src)}: an LMDB; packing it needs the lmdb package "
                               f"(pip install lmdb)") from None
 
-        self.root = src
         try:
             self.env = lmdb.open(src, readonly=True, lock=False, readahead=False, subdir=os.path.isdir(src))
         except lmdb.Error as e:
@@ -244,7 +261,8 @@ class LmdbSource:
                                 f"(values are pickle.dumps((image_bytes, label)))") from None
 
     def close(self):
-        self.env.close()
+        if self.env is not None:
+            self.env.close()
 
 
 def _lmdb_classes(src, raw) -> list:
@@ -272,13 +290,13 @@ def _a(noun) -> str:
 
 
 class TarSource:
+    @_closed_if_it_fails
     def __init__(self, src):
-        self.root = src
+        self.root, self.tars = src, {}
         paths = [src] if os.path.isfile(src) else sorted(
             os.path.join(src, n) for n in os.listdir(src) if n.endswith(TAR_EXTENSIONS))
         if not paths:
             raise SourceError(f"{display(src)}: no tar shards ({' '.join(TAR_EXTENSIONS)})")
-        self.tars = {}
         samples = {}  # (tar, key) -> {"images": [member, ...], "cls": member, "suffixes": {suffix: count}}
         self.ignored, self.special = [], []
         for path in paths:
