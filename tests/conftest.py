@@ -21,14 +21,18 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def release(module) -> tuple:
+    """A package's (major, minor) release, from its __version__ ("2.4.1+cu121" -> (2, 4))."""
+    return tuple(int(part) for part in module.__version__.split(".")[:2])
+
+
 def needs_triton_interpreter():
     """Skip unless Triton's interpreter can run the GPU kernels on the CPU here: Triton installed (with
     torch), and not an interpreter before Triton 3.7 under NumPy 2.4 on (it turns one-element arrays
     into Python numbers, which NumPy 2.4 refuses). Not a limit of gdsdata's: compiled kernels take
     no NumPy."""
     triton = pytest.importorskip("triton")
-    older = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7)
-    if older and tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
+    if release(triton) < (3, 7) and release(np) >= (2, 4):
         pytest.skip(f"Triton {triton.__version__}'s interpreter does not run under NumPy {np.__version__} "
                     f"(Triton 3.7 on, or NumPy before 2.4)")
 

@@ -5,6 +5,7 @@ compiler refuses (a helper returning int32 on one branch and int64 on the other,
 import inspect
 
 import pytest
+from conftest import release
 
 triton = pytest.importorskip("triton")
 
@@ -49,7 +50,7 @@ def test_the_gpu_kernels_compile_for_hopper(kernel, args, constants):
     marked = {**args, **{name: "constexpr" for name in constants}}
     if "constexprs" in inspect.signature(ASTSource).parameters:  # Triton 3.3 on (torch 2.7)
         source = ASTSource(fn=kernel, signature=marked, constexprs=constants)
-    elif tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 2):  # torch 2.6
+    elif release(triton) >= (3, 2):  # torch 2.6
         source = ASTSource(fn=kernel, signature=marked, constants=constants)
     else:  # Triton 3.0-3.1 (torch 2.4-2.5): by position
         at = kernel.arg_names.index

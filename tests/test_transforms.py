@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import needs_triton_interpreter
+from conftest import needs_triton_interpreter, release
 
 import gdsdata
 from gdsdata import transforms as T
@@ -63,7 +63,7 @@ def test_output_equals_torchvision_v2_resized_crop(layout, antialias, size):
     import torchvision
     from torchvision.transforms.v2 import functional as F
 
-    apart = 0 if tuple(int(p) for p in torchvision.__version__.split(".")[:2]) >= (0, 24) else 1
+    apart = 0 if release(torchvision) >= (0, 24) else 1
 
     images, buffer, offsets, heights, widths, chans = _images()
     t = gdsdata.RandomResizedCrop(size, seed=2, dtype="float32", layout=layout, antialias=antialias)
