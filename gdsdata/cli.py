@@ -306,16 +306,15 @@ class _Parser(argparse.ArgumentParser):
         """As argparse's, an option no command knows said by the command it was given to."""
         argv = list(sys.argv[1:] if args is None else args)
         parsed, extra = self.parse_known_args(argv, namespace)
+        commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        command = getattr(parsed, "command", None)
         if extra:
-            commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
-            command = getattr(parsed, "command", None)
             before = command in argv and argv.index(extra[0]) < argv.index(command) if extra[0] in argv else False
             parser = self if before else commands.get(command, self)
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         problem = getattr(parsed, "usage", lambda args: None)(parsed)
         if problem is not None:
-            commands = next(a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction))
-            commands[parsed.command].error(problem)
+            commands[command].error(problem)
         return parsed
 
 

@@ -99,8 +99,9 @@ def stored_size(path) -> tuple[int, int]:
     with open(path, "rb") as f:
         if _heif(f.read(16)):
             _register_heif()
-    with _no_pixel_limit(), pil_open()(path) as image:
-        return image.size
+        f.seek(0)
+        with _no_pixel_limit(), pil_open()(f) as image:
+            return image.size
 
 
 def _open(data: bytes, options) -> Image.Image:
