@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -189,11 +190,11 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
     said = assert_one_line_error(*run("merge", *parts, str(leftover))[::2], "--overwrite")
     assert "--resume" not in said
     # the one file left to add is the broken one: nothing appended, it is listed, the dataset untouched
-    index = open(os.path.join(merged, fmt.INDEX_NAME), "rb").read()
+    index = pathlib.Path(os.path.join(merged, fmt.INDEX_NAME)).read_bytes()
     rc, stdout, err = run("pack", small_src, merged, "--append", "-q")
     assert rc == 0 and stdout.startswith(f"nothing to append: {merged} holds the rest of {small_src} already"), err
     assert "skipped 1 file(s), each with its reason" in stdout
-    assert open(os.path.join(merged, fmt.INDEX_NAME), "rb").read() == index
+    assert pathlib.Path(os.path.join(merged, fmt.INDEX_NAME)).read_bytes() == index
     assert run("verify", merged, "-q")[0] == 0
     extra = str(tmp_path / "extra")
     write_photos(extra, 3, classes=1, start_seed=900)

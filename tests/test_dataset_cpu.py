@@ -1,6 +1,7 @@
 """The CPU Dataset: batched reads, DataLoader integration, bad samples, verify."""
 
 import os
+import pathlib
 import pickle
 
 import numpy as np
@@ -345,9 +346,9 @@ def test_a_bit_flip_in_the_index_header_is_refused(photos_dataset, tmp_path, fie
     copy = str(tmp_path / "ds")
     shutil.copytree(out, copy)
     path = os.path.join(copy, fmt.INDEX_NAME)
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(pathlib.Path(path).read_bytes())
     raw[fmt.INDEX_HEADER.fields[field][1]] ^= 1 << bit
-    open(path, "wb").write(raw)
+    pathlib.Path(path).write_bytes(raw)
     with pytest.raises(FormatError, match="index"):
         GDSDataset(copy)
     with pytest.raises(FormatError, match="index"):

@@ -7,6 +7,7 @@ detection transform (tests/test_detection_augment.py)."""
 import json
 import importlib.util
 import os
+import pathlib
 import shutil
 import sys
 
@@ -119,7 +120,7 @@ def test_coco_ids_crowds_and_bad_annotations(tmp_path):
     assert "category id 7 is not in 'categories'" in reasons and "degenerate" in reasons and "outside" in reasons
     assert "image id 8 is not in 'images'" in labels["orphans"][0]["reason"]
     assert result.unreadable[0]["path"] == "c.jpg"
-    report = json.load(open(result.report_path))
+    report = json.loads(pathlib.Path(result.report_path).read_text())
     assert report["labels"]["duplicates"] == labels["duplicates"]
 
 
@@ -134,10 +135,10 @@ def test_coco_ids_as_its_api_matches_them_and_each_bad_annotation_with_its_own_r
         {"image_id": 2, "category_id": 1, "segmentation": [[1, 1, 9, 1, 9, 9]]},  # no bbox
         {"image_id": "2", "category_id": 1, "bbox": [2, 2, 5, 5]},  # text: names no image 2
         {"image_id": 2, "category_id": 1, "bbox": [1, 2, 3]}], [(1, "x")])
-    data = json.load(open(ann))
+    data = json.loads(pathlib.Path(ann).read_text())
     data["images"][2]["id"] = 1  # d.jpg also claims id 1, after a.jpg: it is the one kept
     data["images"][3]["id"] = 4.5
-    json.dump(data, open(ann, "w"))
+    pathlib.Path(ann).write_text(json.dumps(data))
     result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
     ds = gdsdata.GDSDataset(result.out)
     assert [ds.index.path(k) for k in range(len(ds))] == ["d.jpg", "b.jpg"]
@@ -154,10 +155,10 @@ def test_coco_ids_as_its_api_matches_them_and_each_bad_annotation_with_its_own_r
 
 def test_a_coco_file_name_that_is_no_path_or_a_folder_is_said_so(tmp_path):
     ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48)}, [], [(1, "x")])
-    data = json.load(open(ann))
+    data = json.loads(pathlib.Path(ann).read_text())
     data["images"] += [{"id": 2, "file_name": None, "width": 64, "height": 48},
                        {"id": 3, "file_name": "sub", "width": 64, "height": 48}]
-    json.dump(data, open(ann, "w"))
+    pathlib.Path(ann).write_text(json.dumps(data))
     os.makedirs(os.path.join(images, "sub"))
     result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
     assert result.labels["bad_labels"] == [{"path": "image id 2", "reason": "file_name null is not a path"}]
@@ -180,9 +181,9 @@ def test_a_coco_image_listed_twice_keeps_its_first_record_s_boxes_and_reports_th
         {"image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10]},
         {"image_id": 1, "category_id": 1, "bbox": [20, 20, 10, 10]},
         {"image_id": 3, "category_id": 1, "bbox": [5, 5, 5, 5]}], [(1, "x")])
-    data = json.load(open(ann))
+    data = json.loads(pathlib.Path(ann).read_text())
     data["images"].append({"id": 3, "file_name": "a.jpg", "width": 64, "height": 48})  # a.jpg again
-    json.dump(data, open(ann, "w"))
+    pathlib.Path(ann).write_text(json.dumps(data))
     result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
     ds = gdsdata.GDSDataset(result.out)
     assert [ds.index.path(k) for k in range(len(ds))] == ["a.jpg", "b.jpg"]
@@ -197,11 +198,11 @@ def test_a_coco_record_without_a_size_takes_the_file_s_own(tmp_path):
     anns = [{"image_id": k, "category_id": 1, "bbox": [8, 6, 20, 10]} for k in (1, 2, 3, 4)]
     ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (64, 48), "c.jpg": (64, 48),
                                                      "d.jpg": (64, 48)}, anns, [(1, "x")])
-    data = json.load(open(ann))
+    data = json.loads(pathlib.Path(ann).read_text())
     for record in data["images"][1:]:
         del record["width"], record["height"]  # b: no size (COCO's API and torchvision need none)
     data["images"][2]["width"] = 64  # c: a width alone
-    json.dump(data, open(ann, "w"))
+    pathlib.Path(ann).write_text(json.dumps(data))
     with open(os.path.join(images, "d.jpg"), "wb") as f:
         f.write(b"not an image")
     result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
@@ -330,7 +331,7 @@ def test_parts_merge_into_the_single_pack(synthetic, tmp_path):
 
 def test_the_annotation_table_on_disk_follows_the_format(synthetic, tmp_path):
     out = pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "ds"), format="yolo", workers=1).out
-    raw = open(os.path.join(out, fmt.INDEX_NAME), "rb").read()
+    raw = pathlib.Path(os.path.join(out, fmt.INDEX_NAME)).read_bytes()
     header = np.frombuffer(raw, fmt.INDEX_HEADER, count=1)[0]
     index = index_io.load(out)
     assert header["version"] == 3 and header["num_boxes"] == len(index.boxes)
@@ -350,7 +351,7 @@ def test_the_annotation_table_on_disk_follows_the_format(synthetic, tmp_path):
     damaged[crc:crc + 4] = np.uint32(zlib.crc32(bytes(damaged[fmt.INDEX_HEADER.itemsize:]))).tobytes()
     copy = str(tmp_path / "damaged")
     shutil.copytree(out, copy)
-    open(os.path.join(copy, fmt.INDEX_NAME), "wb").write(bytes(damaged))
+    pathlib.Path(os.path.join(copy, fmt.INDEX_NAME)).write_bytes(bytes(damaged))
     with pytest.raises(FormatError, match=r"box 0 of sample 0 .* is not a box inside the image"):
         index_io.load(copy)
 

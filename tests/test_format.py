@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import zlib
@@ -112,7 +113,7 @@ def _patch(path, offset, data):
 
 
 def _rewrite_crc(index_path):
-    raw = open(index_path, "rb").read()
+    raw = pathlib.Path(index_path).read_bytes()
     _patch(index_path, fmt.INDEX_HEADER.fields["body_crc32"][1],
            np.uint32(zlib.crc32(raw[fmt.INDEX_HEADER.itemsize:])).astype("<u4").tobytes())
 

@@ -4,6 +4,7 @@ packs into the dataset the same files give from disk."""
 
 import glob
 import os
+import pathlib
 import re
 import socket
 import subprocess
@@ -145,7 +146,7 @@ def test_the_report_holds_every_part_s_skipped_files_as_a_local_pack_s(local_ray
             f.write(b"\xff\xd8\xff nothing")
     with open(os.path.join(src, "class1", "notes.txt"), "w") as f:
         f.write("ignored")
-    local = json.load(open(pack(src, str(tmp_path / "local"), workers=1).report_path))
+    local = json.loads(pathlib.Path(pack(src, str(tmp_path / "local"), workers=1).report_path).read_text())
     summary = pack_on_ray(src, str(tmp_path / "ray"), num_parts=3, shard_size=64 * 1024)
     with open(os.path.join(tmp_path, "ray", "pack_report.json")) as f:
         report = json.load(f)

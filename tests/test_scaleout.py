@@ -2,6 +2,7 @@
 
 import io
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -389,10 +390,10 @@ def test_append_refuses_another_image_under_a_path_the_dataset_holds(tmp_path):
     (other / "class0" / "extra.jpg").write_bytes(jpeg_bytes(photo(950), quality=85))
     out = str(tmp_path / "ds")
     pack(str(src), out, workers=1, shard_size=SHARD)
-    index = open(os.path.join(out, fmt.INDEX_NAME), "rb").read()
+    index = pathlib.Path(os.path.join(out, fmt.INDEX_NAME)).read_bytes()
     with pytest.raises(SourceError, match=r"already holds a different image under class0/.*--overwrite"):
         pack(str(other), out, workers=1, shard_size=SHARD, append=True)
-    assert open(os.path.join(out, fmt.INDEX_NAME), "rb").read() == index  # untouched
+    assert pathlib.Path(os.path.join(out, fmt.INDEX_NAME)).read_bytes() == index  # untouched
 
 
 def test_an_append_from_tar_shards_keeps_their_label_numbers(tmp_path):
@@ -489,8 +490,8 @@ def test_append_adds_new_images_and_classes(tmp_path):
     folder = torchvision_labels(str(src))  # the same labels as an ImageFolder of the grown source
     ds = GDSDataset(out)
     assert {ds.index.path(i): int(ds.index.samples[i]["label"]) for i in range(len(ds))} == folder
-    index = open(os.path.join(out, fmt.INDEX_NAME), "rb").read()
+    index = pathlib.Path(os.path.join(out, fmt.INDEX_NAME)).read_bytes()
     again = pack(str(src), out, workers=1, shard_size=SHARD, append=True)  # up to date: nothing written
     assert (again.new, again.packed, again.shards) == (0, len(after), result.shards)
-    assert open(os.path.join(out, fmt.INDEX_NAME), "rb").read() == index
+    assert pathlib.Path(os.path.join(out, fmt.INDEX_NAME)).read_bytes() == index
     GDSDataset(out).__getitems__(range(len(after)))

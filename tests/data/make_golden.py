@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import pathlib
 import shutil
 import sys
 
@@ -50,7 +51,7 @@ def main():
         "classes": index.classes,
         "shards": [{name: int(r[name]) for name in index.shards.dtype.names if name != "origin_id"}
                    for r in index.shards],
-        "payload_sha256": [hashlib.sha256(open(os.path.join(src, index.path(i)), "rb").read()).hexdigest()
+        "payload_sha256": [hashlib.sha256(pathlib.Path(os.path.join(src, index.path(i))).read_bytes()).hexdigest()
                            for i in range(len(index))],
     }
     with open(os.path.join(GOLDEN, "expected.json"), "w") as f:
