@@ -251,15 +251,26 @@ def _cmd_inspect(args):
 
 def _cmd_verify(args):
     from gdsdata.commands.verify import verify
+    from gdsdata.errors import GdsDataError
 
-    problems = verify(args.dataset, decode_samples=not args.checksums_only, progress=_progress(args))
-    for line in problems:
-        print(f"bad: {line}", file=sys.stderr)
-    if problems:
-        print(f"gdsdata: verify found {len(problems)} problem(s) in {args.dataset}", file=sys.stderr)
-        return 1
-    print(f"{args.dataset}: all checksums match" + ("" if args.checksums_only else " and every sample decodes"))
-    return 0
+    failed = 0
+    for dataset in args.datasets:  # each one checked, whatever an earlier one held
+        try:
+            problems = verify(dataset, decode_samples=not args.checksums_only, progress=_progress(args))
+        except GdsDataError as e:
+            if len(args.datasets) == 1:
+                raise
+            print(f"gdsdata: error: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        for line in problems:
+            print(f"bad: {line}", file=sys.stderr)
+        if problems:
+            print(f"gdsdata: verify found {len(problems)} problem(s) in {dataset}", file=sys.stderr)
+            failed += 1
+        else:
+            print(f"{dataset}: all checksums match" + ("" if args.checksums_only else " and every sample decodes"))
+    return 1 if failed else 0
 
 
 def _cmd_doctor(args):
@@ -346,7 +357,8 @@ def build_parser():
                         "the index and a link to each shard")
     p.add_argument("--alignment", type=_size, default=4096, metavar="BYTES",
                    help="payload alignment, a power of two (default 4096)")
-    p.add_argument("--workers", type=_integer(0, 4096), default=0, help="processes (default: all cores)")
+    p.add_argument("--workers", type=_integer(0, 4096), default=0,
+                   help="packing processes; 1: in this process alone (default 0: one per core)")
     p.add_argument("--codec", choices=("jpeg", "raw"), default="jpeg",
                    help="jpeg (default) or raw decoded pixels")
     p.add_argument("--quality", type=_integer(1, 100), default=95,
@@ -397,10 +409,10 @@ def build_parser():
     p.set_defaults(run=_cmd_inspect)
 
     p = sub.add_parser("verify", help="check checksums and decodability of every sample",
-                       description="Check DATASET's index, every shard and every sample's CRC-32, and decode "
-                       "every sample on the CPU. Each problem is one line on stderr naming the sample; the exit "
-                       "status is 1 when any is found.")
-    p.add_argument("dataset", help="a packed dataset folder")
+                       description="Check each DATASET's index, every shard and every sample's CRC-32, and "
+                       "decode every sample on the CPU. Each problem is one line on stderr naming the sample; the "
+                       "exit status is 1 when any is found in any of them.")
+    p.add_argument("datasets", nargs="+", metavar="DATASET", help="a packed dataset folder")
     p.add_argument("--checksums-only", action="store_true", help="skip decoding")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
     p.set_defaults(run=_cmd_verify)

@@ -48,13 +48,23 @@ import os
 import threading
 import types
 
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a Slurm job's or a container's cpuset),
+    not every core of the machine."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 _DEFAULTS = {
-    "cpu_threads": os.cpu_count() or 1,
+    "cpu_threads": usable_cores(),
     "io_threads": 16,
     "direct_depth": 64,
     "direct_ahead": 128 * 1024 * 1024,
     "io_engine": "auto",
-    "gather_threads": min(8, os.cpu_count() or 1),
+    "gather_threads": min(8, usable_cores()),
     "max_gap": 256 * 1024,
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",

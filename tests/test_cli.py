@@ -137,6 +137,20 @@ def test_verify_names_bad_samples(small_src, tmp_path):
     assert last == f"gdsdata: 1 shard(s) of {out} are damaged, so it does not open (gdsdata verify checks every sample)"
 
 
+def test_verify_checks_each_dataset_it_is_given(small_src, tmp_path):
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    assert run("pack", small_src, good, "-q")[0] == 0 and run("pack", small_src, bad, "-q")[0] == 0
+    with open(os.path.join(bad, fmt.shard_name(0)), "r+b") as f:
+        f.seek(4096 + 3)
+        f.write(b"\0" * 400)
+    missing = str(tmp_path / "missing")
+    rc, stdout, err = run("verify", bad, missing, good, "-q")  # every one checked, whatever came before
+    assert rc == 1 and "Traceback" not in err
+    assert stdout == f"{good}: all checksums match and every sample decodes\n"
+    assert f"problem(s) in {bad}" in err and f"gdsdata: error: {missing}" in err
+    assert run("verify", good, good, "-q")[0] == 0
+
+
 def test_usage_errors_exit_2_in_one_line():
     rc, _, err = run("pack")
     assert rc == 2 and err.strip().count("\n") == 0 and "required" in err and "gdsdata pack --help" in err
@@ -151,7 +165,9 @@ def test_usage_errors_exit_2_in_one_line():
 def test_doctor_reports_the_cpu_path():
     rc, stdout, _ = run("doctor", "--json")
     info = json.loads(stdout)
-    assert rc == 0 and info["cpu cores"] == os.cpu_count() and "torch" in info
+    assert rc == 0 and "torch" in info
+    cores = info["cpu cores"]  # (the cores this process may use, and the machine's where fewer)
+    assert cores == os.cpu_count() or cores.endswith(f"of {os.cpu_count()} (this process's CPU affinity)")
     assert "half the host's memory" in info["streaming"]
     if info["gpu"].startswith("none"):  # which of the GPU path's packages are here
         assert [part.split()[0].split("-")[0] for part in info["gpu packages"].split("; ")] == [

@@ -1,5 +1,6 @@
 """Settings: environment variables, scoped overrides, validation."""
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,19 @@ def test_scoped_override_restores():
     with settings.set(max_gap=0, staging="host"):
         assert settings.get("max_gap") == 0 and settings.get("staging") == "host"
     assert settings.get("max_gap") == before and settings.get("staging") == "auto"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
+                    reason="needs CPU affinity and two cores")
+def test_thread_counts_and_packing_workers_follow_the_cpu_affinity():
+    # a Slurm job or container given one core of many: threads and workers for that core, not the machine's
+    code = ("import os, json; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from gdsdata import settings; from gdsdata.commands.doctor import report; "
+            "print(json.dumps([settings.get('cpu_threads'), settings.get('gather_threads'), settings.usable_cores(), "
+            "report()['cpu cores']]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    threads, gather, usable, said = json.loads(out)
+    assert (threads, gather, usable) == (1, 1, 1) and said == f"1 of {os.cpu_count()} (this process's CPU affinity)"
 
 
 def test_invalid_values_are_refused():

@@ -135,12 +135,18 @@ def automatic_paths() -> dict:
     return info
 
 
+def _cores() -> str | int:
+    """The cores this process may use, and the machine's where it may use fewer (a cpuset)."""
+    usable, machine = settings.usable_cores(), os.cpu_count() or 1
+    return usable if usable == machine else f"{usable} of {machine} (this process's CPU affinity)"
+
+
 def report() -> dict:
     info = {
         "gdsdata": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
-        "cpu cores": os.cpu_count(),
+        "cpu cores": _cores(),
     }
     info.update(_torch_block())
     if "gpu" in info and not str(info["gpu"]).startswith("none"):

@@ -34,7 +34,7 @@ from typing import Callable, Sequence  # noqa: F401 - in annotations
 import numpy as np
 from tqdm import tqdm
 
-from gdsdata import __version__
+from gdsdata import __version__, settings
 from gdsdata.args import is_integer
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
@@ -470,7 +470,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     if not is_integer(workers) or workers < 0:
         raise ValueError(f"workers must be 0 (every core) or a number of processes, got {workers!r}")
     roots = shard_roots_of(shard_roots, out, src if isinstance(src, str) else None)
-    workers = workers or os.cpu_count() or 1
+    workers = workers or settings.usable_cores()
     started = time.perf_counter()
     if format == "folder" or isinstance(src, Listing):
         source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
