@@ -164,8 +164,10 @@ def test_existing_output_is_left_untouched(photos_dataset, tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "precious.txt").write_text("keep me")
-    with pytest.raises(OutputExistsError, match="did not write"):
-        pack(src, str(foreign), overwrite=True)
+    for overwrite in (False, True):  # never offered --overwrite, which would be refused
+        with pytest.raises(OutputExistsError, match="did not write") as refused:
+            pack(src, str(foreign), overwrite=overwrite)
+        assert "--overwrite" not in str(refused.value) and "new or empty folder" in str(refused.value)
     assert (foreign / "precious.txt").read_text() == "keep me"
 
 

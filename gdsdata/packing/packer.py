@@ -157,14 +157,14 @@ def check_output(out, overwrite, resumable=True) -> bool:
     existing = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if existing == [fmt.REPORT_NAME] and _stopped_report(os.path.join(out, fmt.REPORT_NAME)):
         return False  # a pack that failed or was stopped left only its report: nothing to keep, pack again
+    foreign = [n for n in existing if not gdsdata_owned(n)]
+    if foreign:  # whatever the options: --overwrite would not be taken either
+        raise OutputExistsError(f"{out}: holds files gdsdata did not write (e.g. {foreign[0]}), which it will not "
+                                f"replace; write the dataset to a new or empty folder (left untouched)")
     if existing and not overwrite:
-        what = "holds a gdsdata dataset" if fmt.INDEX_NAME in existing else "is not empty"
+        what = "holds a gdsdata dataset" if fmt.INDEX_NAME in existing else "holds an unfinished dataset"
         hint = "" if fmt.INDEX_NAME in existing or not resumable else " (or --resume to finish an interrupted pack)"
         raise OutputExistsError(f"{out}: {what}; pass --overwrite to replace it{hint} (left untouched)")
-    foreign = [n for n in existing if not gdsdata_owned(n)]
-    if foreign:
-        raise OutputExistsError(f"{out}: refusing to overwrite, it holds files gdsdata did not write "
-                                f"(e.g. {foreign[0]})")
     return bool(existing)
 
 
