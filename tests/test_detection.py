@@ -7,6 +7,7 @@ detection transform (tests/test_detection_augment.py)."""
 import json
 import importlib.util
 import os
+import re
 import pathlib
 import shutil
 import sys
@@ -62,6 +63,19 @@ def test_yolo_round_trip(synthetic, tmp_path):
     val = pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "val"), format="yolo", split="val",
                workers=1)
     assert val.packed == 6
+
+
+def test_a_detection_source_packed_as_classes_is_told_its_format(synthetic, tmp_path):
+    """A YOLO folder or data YAML, or a COCO JSON, given without --format: one line saying which
+    --format it needs, not a pack of classes named images and labels."""
+    for source, said in (("yolo", "a YOLO dataset (images/ and labels/ with .txt labels), not an ImageFolder "
+                                  "tree of classes: pass --format yolo"),
+                         (os.path.join("yolo", "data.yaml"), "an Ultralytics data YAML needs --format yolo"),
+                         (os.path.join("coco", "annotations", "instances_train.json"),
+                          "COCO annotations need --format coco")):
+        with pytest.raises(SourceError, match=re.escape(said)):
+            pack(os.path.join(synthetic, source), str(tmp_path / "out"), allow_empty_classes=True, workers=1)
+        assert not os.path.exists(tmp_path / "out")
 
 
 def test_coco_round_trip_and_the_same_boxes_as_yolo(synthetic, tmp_path):

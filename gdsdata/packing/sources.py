@@ -94,7 +94,7 @@ class FolderSource:
         if not os.path.exists(src):
             raise SourceError(f"{display(src)}: no such folder")
         if not os.path.isdir(src):
-            raise SourceError(f"{display(src)}: not a folder (expected one subfolder per class)")
+            raise SourceError(f"{display(src)}: not a folder (expected one subfolder per class){_detection_hint(src)}")
         self.items, self.ignored, self.unreadable, self.special = [], [], [], []
         try:
             entries = sorted(os.scandir(src), key=lambda e: e.name)
@@ -103,6 +103,9 @@ class FolderSource:
         self.classes = [entry.name for entry in entries if _is_dir(entry)]
         if not self.classes:
             raise SourceError(f"{display(src)}: no class subfolders (expected the ImageFolder layout SRC/CLASS/IMAGE)")
+        if {"images", "labels"} <= set(self.classes) and _holds_labels(os.path.join(src, "labels")):
+            raise SourceError(f"{display(src)}: a YOLO dataset (images/ and labels/ with .txt labels), not an "
+                              f"ImageFolder tree of classes: pass --format yolo")
         tops = {}
         for name in self.classes:  # two class names for one folder: ImageFolder would label its images twice
             try:
@@ -484,6 +487,26 @@ def _fetched(url, where) -> str:
         else:
             fs.get(path, local)
     return local
+
+
+def _detection_hint(path) -> str:
+    """What a detection source given as a classification one needs (``--format``), if it looks like one."""
+    if str(path).lower().endswith((".yaml", ".yml")):
+        return "; an Ultralytics data YAML needs --format yolo"
+    if str(path).lower().endswith(".json"):
+        return "; COCO annotations need --format coco ANNOTATIONS.json IMAGES OUT"
+    return ""
+
+
+def _holds_labels(folder, most=1000) -> bool:
+    """Whether ``folder`` (a YOLO dataset's labels/, or its split folders) holds .txt files; looks at
+    ``most`` entries at most."""
+    for seen, (_, _, files) in enumerate(os.walk(folder)):
+        if any(name.endswith(".txt") for name in files):
+            return True
+        if seen >= most:
+            break
+    return False
 
 
 def open_source(src, strict=False, allow_empty=False):
