@@ -78,6 +78,23 @@ def test_a_detection_source_packed_as_classes_is_told_its_format(synthetic, tmp_
         assert not os.path.exists(tmp_path / "out")
 
 
+def test_a_split_packed_from_the_folder_takes_the_class_names_of_its_data_yaml(synthetic, tmp_path):
+    folder = os.path.join(synthetic, "yolo")
+    by_yaml = pack(os.path.join(folder, "data.yaml"), str(tmp_path / "yaml"), format="yolo", split="val", workers=1)
+    by_folder = pack(folder, str(tmp_path / "folder"), format="yolo", split="val", workers=1)
+    a, b = gdsdata.GDSDataset(by_yaml.out), gdsdata.GDSDataset(by_folder.out)
+    assert a.classes == b.classes and a.classes[0] == "ellipse-0" and len(a) == len(b) == 6
+    assert [a[i][1]["labels"].tolist() for i in range(len(a))] == [b[i][1]["labels"].tolist() for i in range(len(b))]
+    copy = tmp_path / "copy"  # a second YAML naming the classes otherwise: which one is meant is not guessed
+    shutil.copytree(folder, copy)
+    (copy / "other.yaml").write_text("names: [a, b, c, d, e]\n")
+    with pytest.raises(SourceError, match="give different class names; pack the one to use"):
+        pack(str(copy), str(tmp_path / "refused"), format="yolo", split="val", workers=1)
+    (copy / "classes.txt").write_text("\n".join(f"n{k}" for k in range(5)))  # said outright: taken
+    named = pack(str(copy), str(tmp_path / "named"), format="yolo", split="val", workers=1)
+    assert gdsdata.GDSDataset(named.out).classes == [f"n{k}" for k in range(5)]
+
+
 def test_coco_round_trip_and_the_same_boxes_as_yolo(synthetic, tmp_path):
     coco = pack(os.path.join(synthetic, "coco", "train"), str(tmp_path / "coco"), format="coco",
                 annotations=os.path.join(synthetic, "coco", "annotations", "instances_train.json"), workers=1)

@@ -19,8 +19,9 @@ YOLO (``--format yolo``), as Ultralytics reads it:
 - The label file of ``.../images/.../name.jpg`` is ``.../labels/.../name.txt`` (the last ``images``
   folder of the path becomes ``labels``). One object per line: ``class cx cy w h``, normalised to
   the image, or ``class x1 y1 x2 y2 ...`` (a polygon, taken as its bounding box).
-- Class names: the YAML's ``names`` (a list or a {id: name} mapping); without a YAML, a
-  ``classes.txt`` (one name per line) beside ``images/`` or ``labels/``, else the ids as text, up to
+- Class names: the YAML's ``names`` (a list or a {id: name} mapping); a folder given as SRC: a
+  ``classes.txt`` (one name per line) beside ``images/`` or ``labels/``, else the data YAML in the
+  folder (so a split packed from the folder is named as one packed from the YAML), else the ids as text, up to
   the largest id used; then an id of 2**20 or more leaves its image out (``bad_labels``), so that a
   stray huge id cannot make hundreds of millions of classes.
 - Images are oriented by their EXIF tag before packing, as Ultralytics (OpenCV) reads them; the
@@ -375,6 +376,8 @@ class YoloSource(DetectionSource):
                 raise SourceError(f"{display(src)}: no images/{split} folder (--split chooses the split)")
             listed = self._split(folder)
             names = self._classes_txt(src, folder)
+            if names is None:
+                names, keypoints = self._folder_yaml(src)
             self.root = os.path.abspath(src)
         images = [path for _, path in sorted(listed)]  # Ultralytics' get_img_files order: its paths sorted as text
         if not images:
@@ -460,6 +463,22 @@ class YoloSource(DetectionSource):
                 if names:
                     return names
         return None
+
+    @staticmethod
+    def _folder_yaml(src):
+        """(names, kpt_shape) of the data YAML in the dataset folder ``src`` (a ``.yaml``/``.yml`` file
+        there with ``names`` or ``nc``), so that a split packed from the folder has the class names
+        the YAML gives the others; (None, None) without one. Several that disagree are refused."""
+        found = {}
+        for entry in sorted(os.scandir(src), key=lambda e: e.name):
+            if entry.name.endswith((".yaml", ".yml")) and entry.is_file():
+                data = _load_yaml(entry.path)
+                if data.get("names") is not None or data.get("nc") is not None:
+                    found[entry.path] = (_yaml_names(data, display(entry.path)), _kpt_shape(data, display(entry.path)))
+        if len(set(map(repr, found.values()))) > 1:
+            raise SourceError(f"{display(src)}: its data YAMLs ({', '.join(map(os.path.basename, found))}) give "
+                              f"different class names; pack the one to use (SRC: the YAML, with --split)")
+        return next(iter(found.values()), (None, None))
 
     @staticmethod
     def _labels(path, keypoints=None):
