@@ -10,6 +10,7 @@ tensor and the dicts, so the loop only shifts the labels.
 """
 
 import argparse
+import sys
 import time
 
 import torch
@@ -29,7 +30,8 @@ def main(argv=None):
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    train = gdsdata.GDSDataset(args.train, device=device)
+    train = open_dataset(args.train, device)
+    val = open_dataset(args.val, device) if args.val else None
     loader = gdsdata.Loader(train, args.batch_size, shuffle=True, drop_last=True,
                             transform=gdsdata.YoloAugment(imgsz=args.imgsz, epochs=args.epochs, dtype="float32"))
     model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
@@ -54,8 +56,20 @@ def main(argv=None):
         print(f"epoch {epoch}: {seen / (time.perf_counter() - t0):.0f} images/s")
         if args.max_steps and step >= args.max_steps:
             break
-    if args.val:
-        evaluate(model, gdsdata.GDSDataset(args.val, device=device), args)
+    if val is not None:
+        evaluate(model, val, args)
+
+
+def open_dataset(path, device):
+    """The packed detection set at ``path``; a missing or unusable one ends the run in one line."""
+    try:
+        ds = gdsdata.GDSDataset(path, device=device)
+    except gdsdata.GdsDataError as e:
+        sys.exit(f"train_detection.py: error: {e}")
+    if ds.task != "detect":
+        sys.exit(f"train_detection.py: error: {path} is a classification dataset (a label per image); pack a "
+                 f"detection set with gdsdata pack --format yolo|coco")
+    return ds
 
 
 @torch.no_grad()

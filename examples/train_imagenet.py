@@ -44,7 +44,22 @@ def parse_args(argv=None):
     parser.add_argument("--max-steps", type=int, default=0,
                         help="stop once this many steps are done in all, resumed ones included (0: all epochs)")
     parser.add_argument("--log-every", type=int, default=100, help="print a line every this many steps")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.arch not in torchvision.models.list_models(module=torchvision.models):
+        parser.error(f"--arch {args.arch}: not one of torchvision's classifiers (resnet50, resnet18, vit_b_16, ...)")
+    return args
+
+
+def open_dataset(path, device):
+    """The packed classification set at ``path``; a missing or unusable one ends the run in one line."""
+    try:
+        ds = gdsdata.GDSDataset(path, device=device)
+    except gdsdata.GdsDataError as e:
+        sys.exit(f"train_imagenet.py: error: {e}")
+    if ds.task != "classify":
+        sys.exit(f"train_imagenet.py: error: {path} is a detection dataset (boxes per image); this example trains "
+                 f"classifiers (examples/train_yolo.py and train_detection.py train detectors)")
+    return ds
 
 
 def setup():
@@ -102,12 +117,12 @@ def main(argv=None):
     torch.backends.cudnn.benchmark = True
 
     # images come as float16 on the GPU, float32 on the CPU; labels as int64, on the same device
-    train_ds = gdsdata.GDSDataset(args.train, device=device)
+    train_ds = open_dataset(args.train, device)
     train = gdsdata.Loader(train_ds, args.batch_size, shuffle=True, seed=args.seed, drop_last=True,
                            transform=gdsdata.RandomResizedCrop(args.size, seed=args.seed))
     val = None
     if args.val:
-        val_ds = gdsdata.GDSDataset(args.val, device=device)
+        val_ds = open_dataset(args.val, device)
         val = gdsdata.Loader(val_ds, args.batch_size, shuffle=False,
                              transform=gdsdata.CenterCrop(args.size, resize=round(args.size / 0.875)))
     steps_per_epoch = len(train)  # batches per epoch for this rank, at this batch size and world size
@@ -122,6 +137,8 @@ def main(argv=None):
                                 weight_decay=args.weight_decay)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
 
+    if args.checkpoint:  # its folder made now, not found missing at the first save, after hours of training
+        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     step = 0  # optimizer steps taken, resumed ones included (of whatever batch size they had)
     if args.checkpoint and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location=device, weights_only=False)

@@ -30,24 +30,28 @@ def main(argv=None):
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--device", default="0" if _cuda() else "cpu")
-    parser.add_argument("--project", default="runs/gdsdata")
-    parser.add_argument("--name", default="train")
+    parser.add_argument("--project", default="runs/gdsdata",
+                        help="folder of the runs (default ./runs/gdsdata); weights and results go to PROJECT/NAME")
+    parser.add_argument("--name", default="train", help="this run's folder in PROJECT (reused if it exists)")
     parser.add_argument("extra", nargs="*", help="more Ultralytics arguments, key=value")
     args = parser.parse_args(argv)
+    from gdsdata import GdsDataError
     from gdsdata.yolo import DetectionTrainer
 
     if args.model.endswith(".pt") and not _have(args.model):  # (Ultralytics would download it)
         parser.error(f"--model {args.model}: no such file; a model YAML (yolo11n.yaml) trains from scratch, "
                      f"a .pt must be one you have")
     overrides = {"model": args.model, "epochs": args.epochs, "imgsz": args.imgsz, "batch": args.batch,
-                 "device": args.device, "project": args.project, "name": args.name, "exist_ok": True,
+                 # absolute: Ultralytics puts a relative project under its own runs_dir setting
+                 "device": args.device, "project": os.path.abspath(args.project), "name": args.name, "exist_ok": True,
                  "workers": 0, "plots": False, "pretrained": args.model.endswith(".pt")}
     for item in args.extra:
         key, _, value = item.partition("=")
         overrides[key] = _value(value)
     try:
         trainer = DetectionTrainer(args.train, args.val, overrides=overrides)
-    except (ValueError, TypeError, OSError) as e:  # a setting the batches do not follow, a pack of another kind
+    except (GdsDataError, ValueError, TypeError, OSError) as e:  # no pack there, a pack of another kind, an
+        # argument Ultralytics does not know or the batches do not follow
         sys.exit(f"train_yolo.py: error: {e}")
     trainer.train()
     print(f"best weights: {trainer.best}; metrics: "

@@ -196,6 +196,23 @@ def _usable_yaml(yaml) -> bool:
     return True
 
 
+def _checked_cfg(cfg, overrides):
+    """Ultralytics' own reading of the arguments (unknown keys, types, values) as its trainer does it
+    first; an unknown key is a ``ValueError`` naming it (and the keys it resembles), without the
+    command-line help Ultralytics logs beside it."""
+    from ultralytics.cfg import get_cfg
+    from ultralytics.utils import LOGGER
+
+    level = LOGGER.level
+    LOGGER.setLevel(logging.WARNING)
+    try:
+        return get_cfg(cfg, overrides)
+    except SyntaxError as e:
+        raise ValueError(" ".join(str(e).split())) from None
+    finally:
+        LOGGER.setLevel(level)
+
+
 class DetectionTrainer(_UltralyticsTrainer):
     """Ultralytics' ``DetectionTrainer`` with batches from the packed datasets ``train`` and ``val``
     (``gdsdata pack --format yolo|coco``). ``overrides``: Ultralytics' arguments (``model``,
@@ -228,15 +245,16 @@ class DetectionTrainer(_UltralyticsTrainer):
                 log.warning("the checkpoints name %s as their data: Ultralytics does not find the splits of %s "
                             "from here (a relative path: is read from the current folder), so validating them "
                             "with YOLO(...).val() needs data=", self.gds_roots["train"], sources[0])
-        super().__init__(cfg, overrides, _callbacks)
-        odd = {name: getattr(self.args, name) for name, value in _UNSUPPORTED.items()
-               if getattr(self.args, name, value) not in (value,)}
+        args = _checked_cfg(cfg, overrides)  # refused before Ultralytics' trainer makes its run folder
+        odd = {name: getattr(args, name) for name, value in _UNSUPPORTED.items()
+               if getattr(args, name, value) not in (value,)}
         if odd:
             raise ValueError(f"gdsdata batches do not follow {', '.join(f'{k}={v!r}' for k, v in odd.items())}: "
                              f"leave {'them' if len(odd) > 1 else 'it'} at Ultralytics' default")
-        if self.batch_size < 1:
-            raise ValueError(f"batch={self.args.batch}: Ultralytics' AutoBatch sizes its own dataset; "
+        if args.batch < 1:
+            raise ValueError(f"batch={args.batch}: Ultralytics' AutoBatch sizes its own dataset; "
                              f"give a batch size")
+        super().__init__(cfg, overrides, _callbacks)
 
     def _setup_train(self, *args, **kwargs):
         """Ultralytics' set-up, its AMP check without the YOLO model that check downloads to compare

@@ -112,3 +112,38 @@ def test_detection_examples_train_on_the_cpu(tmp_path):
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "best weights:" in done.stdout and "metrics/mAP50(B)" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_examples_refuse_a_wrong_argument_in_one_line(photos_dataset, tmp_path):
+    """A user's slip (no pack there, a pack of the other task, a model torchvision lacks) ends each
+    example at once with one line and a non-zero exit, not a traceback after the model is built."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    from make_detection import generate
+
+    from gdsdata.packing.packer import pack
+
+    _, _, classes = photos_dataset
+    generate(str(tmp_path / "src"), 4, classes=2, seed=4, val=0.5)
+    boxes = pack(str(tmp_path / "src" / "yolo" / "data.yaml"), str(tmp_path / "boxes"), format="yolo", workers=1).out
+    missing = str(tmp_path / "missing.gds")
+    here = os.path.dirname(EXAMPLE)
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), ".."), "YOLO_OFFLINE": "1"}
+    for script, args, code, said in (
+            ("train_imagenet.py", ["--train", missing], 1, f"train_imagenet.py: error: {missing}"),
+            ("train_imagenet.py", ["--train", boxes], 1, f"train_imagenet.py: error: {boxes} is a detection dataset"),
+            ("train_imagenet.py", ["--train", classes, "--arch", "resnet180"], 2,
+             "error: --arch resnet180: not one of torchvision's classifiers"),
+            ("train_detection.py", ["--train", classes], 1,
+             f"train_detection.py: error: {classes} is a classification dataset"),
+            ("train_detection.py", ["--train", missing], 1, f"train_detection.py: error: {missing}"),
+            ("train_yolo.py", ["--train", missing, "--val", boxes, "--device", "cpu"], 1,
+             f"train_yolo.py: error: {missing}")):
+        done = subprocess.run([sys.executable, os.path.join(here, script), *args], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=tmp_path)
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        assert done.returncode == code and said in last and "Traceback" not in done.stderr, (script, done.stderr)
+    ckpt = tmp_path / "new" / "folder" / "r18.pt"  # a checkpoint folder not made yet: made, not a crash at the save
+    _run(["--train", classes, "--arch", "resnet18", "--epochs", "1", "--batch-size", "8", "--size", "32",
+          "--max-steps", "1", "--checkpoint", str(ckpt)], tmp_path)
+    assert ckpt.is_file()

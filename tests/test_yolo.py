@@ -90,6 +90,12 @@ def test_settings_the_batches_do_not_follow_are_refused(packed, tmp_path, photos
         DetectionTrainer(*packed, overrides={**common, "mixup": 0.5})
     with pytest.raises(ValueError, match="rect=True"):  # square mosaic batches, not rectangular ones
         DetectionTrainer(*packed, overrides={**common, "rect": True})
+    with pytest.raises(ValueError, match="batch=-1: Ultralytics' AutoBatch"):
+        DetectionTrainer(*packed, overrides={**common, "batch": -1})
+    with pytest.raises(ValueError, match=r"^'mosaik' is not a valid YOLO argument. Similar arguments are i.e. "
+                                         r"\['mosaic=1.0'\].$"):  # in one line, not with Ultralytics' whole CLI help
+        DetectionTrainer(*packed, overrides={**common, "mosaik": 0.5})
+    assert not os.path.exists(tmp_path / "r")  # each refused before Ultralytics made a run folder
     with pytest.raises(TypeError, match="the val dataset.*classification"):  # at once, not after the model is built
         DetectionTrainer(packed[0], photos_dataset[2], overrides=common)
     root = str(tmp_path / "other")
