@@ -145,6 +145,17 @@ class GDSDataset(torch.utils.data.Dataset):
         return self._labels.tolist()
 
     @property
+    def samples(self) -> list[tuple[str, int]]:
+        """Every sample's (source path, label), as torchvision's ImageFolder lists them; the paths are
+        relative to the packed source folder (``source(i)``). Classification datasets only."""
+        if self.index.task != "classify":
+            raise AttributeError(f"{self.root} is a detection dataset: its samples have targets, not one label "
+                                 f"(ds.target(i))")
+        return list(zip((self.index.path(i) for i in range(len(self))), self._labels.tolist()))
+
+    imgs = samples  # (ImageFolder's other name for them)
+
+    @property
     def labels(self) -> np.ndarray:
         """Every sample's label as an int64 array (read-only)."""
         return self._labels

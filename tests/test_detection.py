@@ -50,6 +50,7 @@ def test_yolo_round_trip(synthetic, tmp_path):
     result = pack(os.path.join(synthetic, "yolo", "data.yaml"), out, format="yolo", workers=1)
     ds = gdsdata.GDSDataset(out)
     assert ds.task == "detect" and len(ds) == 18 and ds.classes[:2] == ["ellipse-0", "rectangle-1"]
+    assert not hasattr(ds, "samples")  # ImageFolder's (path, label) list: a label per image, which these lack
     assert result.boxes == len(ds.index.boxes) > 0
     for i in range(len(ds)):
         image_path = os.path.join(synthetic, "yolo", ds.source(i))

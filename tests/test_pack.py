@@ -67,6 +67,11 @@ def test_labels_follow_imagefolder(kinds_dataset):
     assert ds.class_to_idx == {"animals": 0, "plants": 1, "rocks": 2}
     for i in range(len(ds)):
         assert ds.targets[i] == ds.classes.index(ds.source(i).split(os.sep)[0])
+    from torchvision.datasets import ImageFolder
+
+    src = kinds_dataset[0]
+    folder = {os.path.relpath(path, src): label for path, label in ImageFolder(src).samples}
+    assert ds.samples == ds.imgs == [(ds.source(i), folder[ds.source(i)]) for i in range(len(ds))]
 
 
 def test_index_records_gpu_properties(kinds_dataset):
