@@ -165,6 +165,21 @@ def test_mean_and_std_of_any_sequence_are_kept_as_floats():
     assert gdsdata.RandomResizedCrop(16, mean=None).mean is None  # mean=None skips normalisation
 
 
+@pytest.mark.parametrize("make", [gdsdata.RandomResizedCrop, gdsdata.CenterCrop])
+def test_mean_and_std_on_the_0_1_scale_are_warned_about(make, caplog):
+    """torchvision's ImageNet values (for images scaled to 0-1) given to a transform of 0-255 pixels
+    would train on values of about -2 to 1100: said when made."""
+    with caplog.at_level("WARNING", logger="gdsdata.transforms"):
+        make(16, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    assert "look like values on the 0-1 scale" in caplog.text and "IMAGENET_MEAN" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gdsdata.transforms"):
+        make(16)
+        make(16, mean=(0, 0, 0), std=(1, 1, 1))  # the pixels as they are, said outright
+        make(16, mean=None, std=None)
+    assert caplog.text == ""
+
+
 def test_center_crop_of_a_rectangle():
     p = gdsdata.CenterCrop((224, 112), 256).params(np.array([512]), np.array([1024]))
     assert (p.height[0], p.width[0]) == (448, 224) and (p.top[0], p.left[0]) == (32, 400)

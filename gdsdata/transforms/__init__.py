@@ -16,6 +16,7 @@ is also the reference the GPU is tested against.
 ``dtype=None`` gives float16 on the GPU and float32 on the CPU (what a model there takes).
 """
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ import torch
 from gdsdata import stall
 from gdsdata.args import is_integer
 from gdsdata.decode.cpu import run_parallel
+
+log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -76,7 +79,8 @@ class RandomResizedCrop:
     flip_p : float
         Probability of a horizontal flip.
     mean, std : 3 floats or None
-        Per-channel normalisation on the 0-255 scale; None skips it.
+        Per-channel normalisation on the 0-255 scale; None skips it (floats of 0-255; for floats of
+        0-1, as torchvision's ``ToDtype(scale=True)`` gives, mean=(0, 0, 0), std=(255, 255, 255)).
     dtype : str, torch.dtype or None
         "float16", "bfloat16", "float32" or "uint8", or the torch dtype of one of those names (uint8
         is never normalised); None: float16 on the GPU, float32 on the CPU.
@@ -260,6 +264,10 @@ def _validate(t):
                              f"spread on the 0-255 scale (ImageNet's: gdsdata.transforms.IMAGENET_STD), or "
                              f"mean=None, std=None to skip normalisation")
         object.__setattr__(t, name, values)
+    if t.mean is not None and t.std is not None and max(t.mean + t.std) <= 1 and t.mean != (0.0, 0.0, 0.0):
+        log.warning("mean=%s, std=%s look like values on the 0-1 scale (torchvision's Normalize after ToDtype "
+                    "with scale=True); gdsdata normalises pixels of 0-255: ImageNet's are "
+                    "gdsdata.transforms.IMAGENET_MEAN and IMAGENET_STD", t.mean, t.std)
 
 
 def output_dtype(transform, device: str | torch.device) -> torch.dtype:
