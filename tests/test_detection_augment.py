@@ -66,6 +66,11 @@ def test_letterbox_places_boxes_and_pixels_as_ultralytics_letterbox(det):
         expected = xyxy * [w, h, w, h] + [left, top, left, top]
         assert targets[k]["labels"].tolist() == labels.tolist()
         assert np.abs(targets[k]["boxes"].numpy() - expected).max() < 1e-3
+        # what maps them back to the source image's pixels, as evaluation in the source frame needs them
+        assert targets[k]["orig_size"].tolist() == [h0, w0]
+        rh, rw, pw, ph = targets[k]["ratio_pad"].tolist()
+        back = (targets[k]["boxes"].numpy() - [pw, ph, pw, ph]) / [rw, rh, rw, rh]
+        assert np.abs(back - xyxy * [w0, h0, w0, h0]).max() < 1e-2
         resized = np.asarray(Image.fromarray(image.permute(1, 2, 0).numpy()).resize((w, h), Image.BILINEAR))
         reference = np.full((S, S, 3), 114, np.uint8)
         reference[top:top + h, left:left + w] = resized

@@ -140,7 +140,10 @@ class YoloAugment:
 class Letterbox:
     """Ultralytics' evaluation transform: the long side resized to ``imgsz`` (as its ``load_image``
     does, small images enlarged too), centred on an ``imgsz`` square padded with ``pad``.
-    ``targets`` and ``dtype`` as for ``YoloAugment``."""
+    ``targets`` and ``dtype`` as for ``YoloAugment``. Each torchvision-form target also holds
+    ``orig_size`` (int64 [2]: the source's height, width) and ``ratio_pad`` (float32 [4]: ratio_h,
+    ratio_w, pad_w, pad_h): a box in the source's pixels is (x - pad_w) / ratio_w, (y - pad_h) / ratio_h
+    (Ultralytics' form: ``ori_shape`` and ``ratio_pad``)."""
 
     imgsz: int = 640
     pad: int = 114
@@ -454,8 +457,15 @@ def batch_form(t: "YoloAugment | Letterbox", p: Plan, images: torch.Tensor, name
     batch dict (which holds the images too)."""
     device = images.device
     if t.targets == "torchvision":
-        return [{"boxes": _to(b, np.float32, device), "labels": _to(lab, np.int64, device)}
-                        for b, lab in zip(p.boxes, p.labels)]
+        targets = [{"boxes": _to(b, np.float32, device), "labels": _to(lab, np.int64, device)}
+                   for b, lab in zip(p.boxes, p.labels)]
+        if all(ratio_pad is not None for _, ratio_pad in p.shapes):  # Letterbox: where each image came from
+            sizes = _to(np.array([shape for shape, _ in p.shapes], np.int64).reshape(-1, 2), np.int64, device)
+            ratio_pad = _to(np.array([[*ratio, *pad] for _, (ratio, pad) in p.shapes], np.float64).reshape(-1, 4),
+                            np.float32, device)
+            for k, target in enumerate(targets):
+                target["orig_size"], target["ratio_pad"] = sizes[k], ratio_pad[k]
+        return targets
     s = float(t.imgsz)
     counts = [len(b) for b in p.boxes]
     boxes = np.concatenate(p.boxes) if sum(counts) else np.zeros((0, 4), np.float32)
