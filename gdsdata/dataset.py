@@ -156,6 +156,14 @@ class GDSDataset(torch.utils.data.Dataset):
     imgs = samples  # (ImageFolder's other name for them)
 
     @property
+    def ids(self) -> list[int]:
+        """COCO's image id of every sample, in sample order, as torchvision's ``CocoDetection.ids``
+        (a pack of COCO annotations only)."""
+        if self.index.image_ids is None:
+            raise AttributeError(f"{self.root} holds no COCO image ids (it was not packed from COCO annotations)")
+        return list(self.index.image_ids)
+
+    @property
     def labels(self) -> np.ndarray:
         """Every sample's label as an int64 array (read-only)."""
         return self._labels
@@ -213,7 +221,8 @@ class GDSDataset(torch.utils.data.Dataset):
     def target(self, i: int) -> dict:
         """Sample i's objects as torchvision's detection models take them: ``{"boxes": float32 [K, 4]
         XYXY in pixels of the decoded image, "labels": int64 [K], "iscrowd": uint8 [K]}``, on the
-        dataset's device. Detection datasets only.
+        dataset's device; a pack of COCO annotations adds ``"image_id"`` (COCO's, an int, as
+        torchvision's ``CocoDetection`` wrapped for v2 gives it). Detection datasets only.
 
         Parameters
         ----------
@@ -228,9 +237,12 @@ class GDSDataset(torch.utils.data.Dataset):
         scale = np.array([record["width"], record["height"]] * 2, np.float32)
         corners = np.stack([rows[k] for k in ("x0", "y0", "x1", "y1")], axis=1).astype(np.float32) \
             if len(rows) else np.zeros((0, 4), np.float32)
-        return {"boxes": torch.from_numpy(corners * scale).to(self.device),
-                "labels": torch.from_numpy(rows["label"].astype(np.int64)).to(self.device),
-                "iscrowd": torch.from_numpy((rows["flags"] & fmt.BOX_CROWD).astype(np.uint8)).to(self.device)}
+        target = {"boxes": torch.from_numpy(corners * scale).to(self.device),
+                  "labels": torch.from_numpy(rows["label"].astype(np.int64)).to(self.device),
+                  "iscrowd": torch.from_numpy((rows["flags"] & fmt.BOX_CROWD).astype(np.uint8)).to(self.device)}
+        if self.index.image_ids is not None:
+            target["image_id"] = self.index.image_ids[i]
+        return target
 
     def __getitems__(self, indices):
         """[(image, label)] for ``indices``: uint8 CHW RGB tensors on the dataset's device; for a
@@ -461,5 +473,6 @@ def _as_tv_tensors(image, target, root):
     torchvision's ``wrap_dataset_for_transforms_v2`` leaves it out)."""
     tv_tensors = _tv_tensors(root)
     boxes = tv_tensors.BoundingBoxes(target["boxes"], format="XYXY", canvas_size=tuple(image.shape[-2:]))
-    return tv_tensors.Image(image), {"boxes": boxes, "labels": target["labels"]}
+    kept = {"image_id": target["image_id"]} if "image_id" in target else {}
+    return tv_tensors.Image(image), {**kept, "boxes": boxes, "labels": target["labels"]}
 

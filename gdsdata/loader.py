@@ -622,7 +622,9 @@ class _BatchMaker:
             batch.release(stream)
             names = [self.dataset.source(int(i)) for i in indices[:len(outputs)]] \
                 if self.transform.targets == "ultralytics" else None
-            return images, D.batch_form(self.transform, plan, images, names), replaced
+            ids = self.dataset.index.image_ids
+            ids = [ids[int(i)] for i in indices[:len(outputs)]] if ids is not None else None
+            return images, D.batch_form(self.transform, plan, images, names, ids), replaced
         labels = upload(torch.from_numpy(self.dataset.labels[indices]), self.dataset.device)
         if self.pixels:
             return batch, labels, replaced  # released by the consumer's next step

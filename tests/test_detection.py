@@ -109,6 +109,41 @@ def test_coco_round_trip_and_the_same_boxes_as_yolo(synthetic, tmp_path):
         assert ta["labels"].tolist() == tb["labels"].tolist()
         assert torch.allclose(ta["boxes"], tb["boxes"], atol=0.05)  # pixels; the YOLO text has 6 decimals
         assert not ta["iscrowd"].any()
+        assert "image_id" not in tb
+
+
+def test_coco_image_ids_are_kept_through_parts_merge_and_letterbox_batches(synthetic, tmp_path):
+    """What COCO's API evaluates by: each sample's image id, as torchvision's CocoDetection keeps it
+    (``ds.ids``, ``target["image_id"]``), also after parts are merged and in Letterbox batches."""
+    images, ann = os.path.join(synthetic, "coco", "train"), os.path.join(synthetic, "coco", "annotations",
+                                                                          "instances_train.json")
+    with open(ann) as f:
+        data = json.load(f)
+    shift = 10_000_000_000  # ids beyond 32 bits, unordered against the file names
+    for record in data["images"]:
+        record["id"] = shift - record["id"] * 7
+    for a in data["annotations"]:
+        a["image_id"] = shift - a["image_id"] * 7
+    ann = str(tmp_path / "instances.json")
+    with open(ann, "w") as f:
+        json.dump(data, f)
+    id_of = {record["file_name"]: record["id"] for record in data["images"]}
+    whole = gdsdata.GDSDataset(pack(images, str(tmp_path / "whole"), format="coco", annotations=ann, workers=1).out)
+    assert whole.ids == [id_of[whole.source(i)] for i in range(len(whole))] and len(set(whole.ids)) == len(whole)
+    assert [whole.target(i)["image_id"] for i in range(len(whole))] == whole.ids
+    moved = gdsdata.GDSDataset(whole.root, transforms=lambda image, target: (image, target))  # (v2 transforms')
+    assert moved[1][1]["image_id"] == whole.ids[1] and set(moved[1][1]) == {"image_id", "boxes", "labels"}
+    parts = [pack(images, str(tmp_path / f"p{k}"), format="coco", annotations=ann, workers=1, num_parts=2,
+                  part=k).out for k in range(2)]
+    merged = gdsdata.GDSDataset(gdsdata.merge(parts, str(tmp_path / "merged"))["out"])
+    assert merged.ids == whole.ids
+    seen = []
+    for _, targets in gdsdata.Loader(whole, 4, shuffle=False, transform=gdsdata.Letterbox(imgsz=64)):
+        seen += [t["image_id"] for t in targets]
+    assert seen == whole.ids[:len(seen)] and len(seen) == len(whole)
+    yolo = gdsdata.GDSDataset(pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "y"), format="yolo",
+                                   workers=1).out)
+    assert not hasattr(yolo, "ids") and "image_id" not in yolo.target(0)
 
 
 def write_coco(root, images, annotations, categories):

@@ -31,6 +31,11 @@ class Index:
         """"classify" (one label per sample) or "detect" (boxes per sample)."""
         return self.meta.get("task", "classify")
 
+    @property
+    def image_ids(self) -> list | None:
+        """COCO's image id of each sample, in sample order (a pack of COCO annotations); else None."""
+        return self.meta.get("detection", {}).get("image_ids")
+
     def sample_boxes(self, i: int) -> np.ndarray:
         """Sample i's boxes (BOX_RECORD rows; empty for a negative or a classification sample)."""
         if self.boxes is None:
@@ -280,6 +285,10 @@ def _check(index: Index, path: str, shards_too: bool = True):
             check_shard(index, shard, int(last_end))
     if index.boxes is not None:
         _check_boxes(index, path)
+    ids = index.image_ids
+    if ids is not None and (not isinstance(ids, list) or len(ids) != len(samples)
+                            or not all(type(i) is int for i in ids)):
+        raise FormatError(f"{path}: corrupt index metadata (its image ids are not one integer a sample)")
     unaligned = samples["offset"] % index.alignment != 0
     if unaligned.any():
         raise FormatError(f"{path}: {index.describe(int(np.argmax(unaligned)))} is not aligned to "

@@ -149,11 +149,14 @@ class DetectionSource:
 
 
 
-def annotate(meta, classes, format, category_ids, per_sample_boxes) -> dict:
+def annotate(meta, classes, format, category_ids, per_sample_boxes, image_ids=None) -> dict:
     """Mark ``meta`` as a detection index (``task``, ``detection``, per-class counts of boxes, not of
-    samples) and return the ``boxes`` and ``box_start`` arguments of ``index.write``."""
+    samples; ``image_ids``: COCO's image id of each sample, in sample order) and return the ``boxes``
+    and ``box_start`` arguments of ``index.write``."""
     meta["task"] = "detect"
     meta["detection"] = detection_meta(classes, format, category_ids, per_sample_boxes)
+    if image_ids is not None:
+        meta["detection"]["image_ids"] = [int(i) for i in image_ids]
     meta.setdefault("counts", {})["per_class"] = meta["detection"]["per_class_boxes"]
     boxes = np.concatenate(per_sample_boxes) if per_sample_boxes else np.zeros(0, fmt.BOX_RECORD)
     return {"boxes": boxes, "box_start": np.concatenate([[0], np.cumsum([len(b) for b in per_sample_boxes])])}
@@ -651,7 +654,7 @@ class CocoSource(DetectionSource):
             boxes = boxes_from_xyxy(xyxy, [a[5] for a in anns], [a[6] for a in anns],
                                     lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report)
             self.report.negatives += not len(boxes)
-            self.items.append(Item(file_name, 0, path=path, boxes=boxes, size=(width, height)))
+            self.items.append(Item(file_name, 0, path=path, boxes=boxes, size=(width, height), image_id=image_id))
         if strict and self.report.bad_labels:
             raise SourceError(f"{where}: {self.report.bad_labels[0]['path']}: {self.report.bad_labels[0]['reason']} "
                               f"(--strict)")

@@ -316,8 +316,10 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
     box_args = {}
     if first.task == "detect":
         per_sample = [index.sample_boxes(i) for index in indexes for i in range(len(index))]
+        ids = [index.image_ids for index in indexes]
         box_args = annotate(meta, first.classes, first.meta["detection"].get("format", ""),
-                            first.meta["detection"].get("category_ids"), per_sample)
+                            first.meta["detection"].get("category_ids"), per_sample,
+                            None if any(part is None for part in ids) else [i for part in ids for i in part])
     shards = np.array(shard_rows, dtype=fmt.SHARD_RECORD)
     index_io.write(folder, first.alignment, dataset_id, shards, samples, bytes(strings), meta, **box_args)
     if report is not None:

@@ -759,7 +759,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         if task == "detect":
             per_sample = _sample_boxes(records, strings, {item.rel: item.boxes for item in items},
                                        base if append else None)
-            box_args = annotate(meta, classes, source.format, source.category_ids, per_sample)
+            ids = _sample_image_ids(records, strings, {item.rel: item.image_id for item in items},
+                                    base if append else None)
+            box_args = annotate(meta, classes, source.format, source.category_ids, per_sample, ids)
             per_class = meta["counts"]["per_class"]  # boxes per class, not samples
             report["labels"] = source.report.as_dict() if part == 0 or num_parts == 1 else None
             if num_parts == 1:  # the source's images kept without boxes (not those then skipped, nor a base's)
@@ -808,6 +810,18 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                       skipped, ignored, unreadable, special, report_path, len(journals), report.get("labels"),
                       meta.get("detection", {}).get("boxes", 0), len(samples) - carried,
                       [name for k, name in enumerate(base.classes) if relabel[k] != k] if append else [])
+
+
+def _sample_image_ids(records, strings, id_of, base=None) -> list | None:
+    """Every packed sample's COCO image id, in sample order (a base dataset's own first); None unless
+    every sample has one."""
+    before = base.image_ids if base is not None else []
+    if before is None or any(i is None for i in id_of.values()):
+        return None
+    ids = list(before)
+    for record in records[len(ids):]:
+        ids.append(id_of[bytes(strings[record[1]:record[1] + record[8]]).decode("utf-8", "surrogateescape")])
+    return ids
 
 
 def _sample_boxes(records, strings, boxes_of, base=None) -> list:

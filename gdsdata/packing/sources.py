@@ -70,6 +70,7 @@ class Item:
     ref: object = None  # how the source finds the bytes otherwise (LMDB key, tar member)
     boxes: object = field(default=None, compare=False)  # detection sources: BOX_RECORD rows
     size: tuple = None  # (width, height) the annotations were made for (COCO), checked when packed
+    image_id: int = None  # COCO's image id (kept in the index: evaluation with COCO's API needs it)
 
 
 def display(name: str) -> str:

@@ -143,7 +143,8 @@ class Letterbox:
     ``targets`` and ``dtype`` as for ``YoloAugment``. Each torchvision-form target also holds
     ``orig_size`` (int64 [2]: the source's height, width) and ``ratio_pad`` (float32 [4]: ratio_h,
     ratio_w, pad_w, pad_h): a box in the source's pixels is (x - pad_w) / ratio_w, (y - pad_h) / ratio_h
-    (Ultralytics' form: ``ori_shape`` and ``ratio_pad``)."""
+    (Ultralytics' form: ``ori_shape`` and ``ratio_pad``); from a pack of COCO annotations, also
+    ``image_id`` (COCO's)."""
 
     imgsz: int = 640
     pad: int = 114
@@ -452,9 +453,10 @@ def _hsv(rgb: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
 
 
 # --- the batch forms -------------------------------------------------------------------------------------
-def batch_form(t: "YoloAugment | Letterbox", p: Plan, images: torch.Tensor, names: Sequence[str] | None = None):
+def batch_form(t: "YoloAugment | Letterbox", p: Plan, images: torch.Tensor, names: Sequence[str] | None = None,
+               image_ids: Sequence[int] | None = None):
     """The targets as torchvision's detection models take them (a dict per image), or Ultralytics'
-    batch dict (which holds the images too)."""
+    batch dict (which holds the images too); ``image_ids``: COCO's, for Letterbox's targets."""
     device = images.device
     if t.targets == "torchvision":
         targets = [{"boxes": _to(b, np.float32, device), "labels": _to(lab, np.int64, device)}
@@ -465,6 +467,8 @@ def batch_form(t: "YoloAugment | Letterbox", p: Plan, images: torch.Tensor, name
                             np.float32, device)
             for k, target in enumerate(targets):
                 target["orig_size"], target["ratio_pad"] = sizes[k], ratio_pad[k]
+                if image_ids is not None:
+                    target["image_id"] = image_ids[k]
         return targets
     s = float(t.imgsz)
     counts = [len(b) for b in p.boxes]
