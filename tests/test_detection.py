@@ -144,6 +144,15 @@ def test_coco_image_ids_are_kept_through_parts_merge_and_letterbox_batches(synth
     yolo = gdsdata.GDSDataset(pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "y"), format="yolo",
                                    workers=1).out)
     assert not hasattr(yolo, "ids") and "image_id" not in yolo.target(0)
+    damaged = str(tmp_path / "damaged")  # an id list that is not one id a sample: refused, not misread
+    shutil.copytree(whole.root, damaged)
+    index = whole.index
+    meta = json.loads(json.dumps(index.meta))
+    meta["detection"]["image_ids"].pop()
+    index_io.write(damaged, index.alignment, index.dataset_id, index.shards, index.samples, bytes(index.strings), meta,
+                   boxes=index.boxes, box_start=index.box_start)
+    with pytest.raises(FormatError, match="its image ids are not one integer a sample"):
+        gdsdata.GDSDataset(damaged)
 
 
 def write_coco(root, images, annotations, categories):
