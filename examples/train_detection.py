@@ -10,7 +10,6 @@ tensor and the dicts, so the loop only shifts the labels.
 """
 
 import argparse
-import sys
 import time
 
 import torch
@@ -30,8 +29,15 @@ def main(argv=None):
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    train = open_dataset(args.train, device)
-    val = open_dataset(args.val, device) if args.val else None
+    try:
+        train = gdsdata.GDSDataset(args.train, device=device)
+        val = gdsdata.GDSDataset(args.val, device=device) if args.val else None
+    except gdsdata.GdsDataError as e:  # no pack there, or a damaged one: one line, not a traceback
+        parser.exit(1, f"train_detection.py: error: {e}\n")
+    for ds in (train, val):
+        if ds is not None and ds.task != "detect":
+            parser.exit(1, f"train_detection.py: error: {ds.root} is a classification dataset (a label per image); "
+                           f"pack a detection set with gdsdata pack --format yolo|coco\n")
     loader = gdsdata.Loader(train, args.batch_size, shuffle=True, drop_last=True,
                             transform=gdsdata.YoloAugment(imgsz=args.imgsz, epochs=args.epochs, dtype="float32"))
     model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
@@ -58,18 +64,6 @@ def main(argv=None):
             break
     if val is not None:
         evaluate(model, val, args)
-
-
-def open_dataset(path, device):
-    """The packed detection set at ``path``; a missing or unusable one ends the run in one line."""
-    try:
-        ds = gdsdata.GDSDataset(path, device=device)
-    except gdsdata.GdsDataError as e:
-        sys.exit(f"train_detection.py: error: {e}")
-    if ds.task != "detect":
-        sys.exit(f"train_detection.py: error: {path} is a classification dataset (a label per image); pack a "
-                 f"detection set with gdsdata pack --format yolo|coco")
-    return ds
 
 
 @torch.no_grad()
