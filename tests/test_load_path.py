@@ -120,6 +120,13 @@ def test_checksums_follow_the_staging(machine, verify, expected):
 def test_the_cpu_path():
     assert cpu_path(True) == LoadPath("cpu", "cpu", "the CPU path", "preadv", "host", "libjpeg-turbo", "host")
     assert cpu_path(False).checksums == "none" and cpu_path(True).backend == ""
+    # the GPU path's own settings change nothing here, and the path says so
+    with settings.set(staging="device", decode_backend="hardware"):
+        path = cpu_path(True, settings.snapshot())
+    assert (path.staging, path.decoder) == ("host", "libjpeg-turbo")
+    assert path.why[-1] == ("staging=device and decode_backend=hardware: the GPU path's settings; the CPU path "
+                            "stages in host memory and decodes with libjpeg-turbo")
+    assert not any("GPU path's setting" in line for line in cpu_path(True, settings.snapshot()).why)
 
 
 def test_removed_settings_name_their_replacement():

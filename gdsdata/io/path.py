@@ -199,6 +199,11 @@ def cpu_path(verify, config=None, shard_bytes: int = 0, memory: int = None) -> L
     else:  # a GPU path's engine: the CPU path reads through the page cache, as that engine would
         reads, why = "preadv", (f"reads preadv: io_engine={engine} is a GPU path's engine; the CPU path reads "
                                 f"through the page cache with preadv",)
+    forced = [f"{name}={config[name]}" for name in ("staging", "decode_backend")
+              if config is not None and config.get(name, "auto") != "auto"]
+    if forced:  # said where the path is shown (doctor), not left to look as if they were followed
+        why += (f"{' and '.join(forced)}: the GPU path's setting{'s' if len(forced) > 1 else ''}; the CPU path "
+                f"stages in host memory and decodes with libjpeg-turbo",)
     return LoadPath("cpu", "cpu", "the CPU path", reads, "host", "libjpeg-turbo", "host" if verify else "none",
                     why=why)
 
