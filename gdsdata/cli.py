@@ -257,10 +257,12 @@ def _cmd_verify(args):
     for dataset in args.datasets:  # each one checked, whatever an earlier one held
         try:
             problems = verify(dataset, decode_samples=not args.checksums_only, progress=_progress(args))
-        except GdsDataError as e:
+        except (GdsDataError, OSError) as e:
             if len(args.datasets) == 1:
                 raise
-            print(f"gdsdata: error: {e}", file=sys.stderr)
+            where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
+            print(f"gdsdata: error: {where}{e.strerror if isinstance(e, OSError) and e.strerror else e}",
+                  file=sys.stderr)
             failed += 1
             continue
         for line in problems:

@@ -8,6 +8,7 @@ Both devices share the index, the read planning and the public API; they differ 
 staging buffer lives and who decodes (``reader_cpu``/``decode_cpu`` here, the GPU modules there).
 """
 
+import functools
 import logging
 import os
 import threading
@@ -144,7 +145,7 @@ class GDSDataset(torch.utils.data.Dataset):
         """Every sample's label, as torchvision's ImageFolder has them."""
         return self._labels.tolist()
 
-    @property
+    @functools.cached_property
     def samples(self) -> list[tuple[str, int]]:
         """Every sample's (source path, label), as torchvision's ImageFolder lists them; the paths are
         relative to the packed source folder (``source(i)``). Classification datasets only."""
@@ -153,9 +154,12 @@ class GDSDataset(torch.utils.data.Dataset):
                                  f"(ds.target(i))")
         return list(zip((self.index.path(i) for i in range(len(self))), self._labels.tolist()))
 
-    imgs = samples  # (ImageFolder's other name for them)
-
     @property
+    def imgs(self) -> list[tuple[str, int]]:
+        """``samples`` (ImageFolder's other name for them)."""
+        return self.samples
+
+    @functools.cached_property
     def ids(self) -> list[int]:
         """COCO's image id of every sample, in sample order, as torchvision's ``CocoDetection.ids``
         (a pack of COCO annotations only)."""

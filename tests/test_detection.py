@@ -86,14 +86,25 @@ def test_a_split_packed_from_the_folder_takes_the_class_names_of_its_data_yaml(s
     a, b = gdsdata.GDSDataset(by_yaml.out), gdsdata.GDSDataset(by_folder.out)
     assert a.classes == b.classes and a.classes[0] == "ellipse-0" and len(a) == len(b) == 6
     assert [a[i][1]["labels"].tolist() for i in range(len(a))] == [b[i][1]["labels"].tolist() for i in range(len(b))]
-    copy = tmp_path / "copy"  # a second YAML naming the classes otherwise: which one is meant is not guessed
+    copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
-    (copy / "other.yaml").write_text("names: [a, b, c, d, e]\n")
+    (copy / "notes.yaml").write_text("- a list, not a data YAML\n")  # other YAMLs there: left aside
+    (copy / "empty.yml").write_text("")
+
+    def classes(out):
+        packed = pack(str(copy), str(tmp_path / out), format="yolo", split="val", workers=1)
+        return gdsdata.GDSDataset(packed.out).classes
+
+    assert classes("aside") == a.classes
+    (copy / "other.yaml").write_text("names: [a, b, c, d, e]\n")  # a second one naming them otherwise: not guessed
     with pytest.raises(SourceError, match="give different class names; pack the one to use"):
-        pack(str(copy), str(tmp_path / "refused"), format="yolo", split="val", workers=1)
-    (copy / "classes.txt").write_text("\n".join(f"n{k}" for k in range(5)))  # said outright: taken
-    named = pack(str(copy), str(tmp_path / "named"), format="yolo", split="val", workers=1)
-    assert gdsdata.GDSDataset(named.out).classes == [f"n{k}" for k in range(5)]
+        classes("refused")
+    (copy / "other.yaml").unlink()
+    (copy / "classes.txt").write_text("\n".join(f"n{k}" for k in range(5)))  # disagreeing with the YAML
+    with pytest.raises(SourceError, match="classes.txt and the data YAML there name the classes otherwise"):
+        classes("disagree")
+    (copy / "classes.txt").write_text("\n".join(a.classes))
+    assert classes("agree") == a.classes
 
 
 def test_coco_round_trip_and_the_same_boxes_as_yolo(synthetic, tmp_path):
@@ -112,7 +123,7 @@ def test_coco_round_trip_and_the_same_boxes_as_yolo(synthetic, tmp_path):
         assert "image_id" not in tb
 
 
-def test_coco_image_ids_are_kept_through_parts_merge_and_letterbox_batches(synthetic, tmp_path):
+def test_coco_image_ids_are_kept_through_parts_merge_and_letterbox_batches(synthetic, tmp_path, caplog):
     """What COCO's API evaluates by: each sample's image id, as torchvision's CocoDetection keeps it
     (``ds.ids``, ``target["image_id"]``), also after parts are merged and in Letterbox batches."""
     images, ann = os.path.join(synthetic, "coco", "train"), os.path.join(synthetic, "coco", "annotations",
@@ -137,6 +148,10 @@ def test_coco_image_ids_are_kept_through_parts_merge_and_letterbox_batches(synth
                   part=k).out for k in range(2)]
     merged = gdsdata.GDSDataset(gdsdata.merge(parts, str(tmp_path / "merged"))["out"])
     assert merged.ids == whole.ids
+    again = pack(images, str(tmp_path / "again"), format="coco", annotations=ann, workers=1).out
+    with caplog.at_level("WARNING", logger="gdsdata.packing.detection"):  # each id twice: none names one image
+        twice = gdsdata.GDSDataset(gdsdata.merge([whole.root, again], str(tmp_path / "twice"))["out"])
+    assert not hasattr(twice, "ids") and "image_id" not in twice.target(0) and "image ids repeat" in caplog.text
     seen = []
     for _, targets in gdsdata.Loader(whole, 4, shuffle=False, transform=gdsdata.Letterbox(imgsz=64)):
         seen += [t["image_id"] for t in targets]

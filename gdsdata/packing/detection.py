@@ -46,6 +46,7 @@ What the labels may get wrong, and what packing does (each case named in ``pack_
 """
 
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ from gdsdata.format import layout as fmt
 from gdsdata.packing.prepare import stored_size
 from gdsdata.packing.sources import (UNNAMED_LABELS, YOLO_IMAGE_EXTENSIONS, YOLO_IMAGE_FORMATS, Item, display,
                                      is_url, unnamed_label_problem)
+
+log = logging.getLogger(__name__)
 
 # Ultralytics' bounds for a YOLO row's cx cy w h (verify_image_label): at most 1.01, at least 0 (-0.01 for the
 # centre where the width and height are not negative); an image with a row outside them is left out.
@@ -155,7 +158,10 @@ def annotate(meta, classes, format, category_ids, per_sample_boxes, image_ids=No
     and ``box_start`` arguments of ``index.write``."""
     meta["task"] = "detect"
     meta["detection"] = detection_meta(classes, format, category_ids, per_sample_boxes)
-    if image_ids is not None:
+    if image_ids is not None and len(set(image_ids)) < len(image_ids):  # (datasets of other COCO files joined)
+        log.warning("image ids repeat among the samples (annotations of other COCO files, appended or merged): "
+                    "the dataset keeps none, as no id would name one image")
+    elif image_ids is not None:
         meta["detection"]["image_ids"] = [int(i) for i in image_ids]
     meta.setdefault("counts", {})["per_class"] = meta["detection"]["per_class_boxes"]
     boxes = np.concatenate(per_sample_boxes) if per_sample_boxes else np.zeros(0, fmt.BOX_RECORD)
@@ -379,8 +385,11 @@ class YoloSource(DetectionSource):
                 raise SourceError(f"{display(src)}: no images/{split} folder (--split chooses the split)")
             listed = self._split(folder)
             names = self._classes_txt(src, folder)
-            if names is None:
-                names, keypoints = self._folder_yaml(src)
+            named, keypoints = self._folder_yaml(src)  # (its kpt_shape also beside a classes.txt)
+            if names is not None and named is not None and names != named:
+                raise SourceError(f"{display(src)}: classes.txt and the data YAML there name the classes otherwise "
+                                  f"({names[:3]}... against {named[:3]}...); make them agree, or pack the YAML")
+            names = names if names is not None else named
             self.root = os.path.abspath(src)
         images = [path for _, path in sorted(listed)]  # Ultralytics' get_img_files order: its paths sorted as text
         if not images:
@@ -475,9 +484,13 @@ class YoloSource(DetectionSource):
         found = {}
         for entry in sorted(os.scandir(src), key=lambda e: e.name):
             if entry.name.endswith((".yaml", ".yml")) and entry.is_file():
-                data = _load_yaml(entry.path)
-                if data.get("names") is not None or data.get("nc") is not None:
-                    found[entry.path] = (_yaml_names(data, display(entry.path)), _kpt_shape(data, display(entry.path)))
+                try:  # another YAML there (a config, notes) is none of the dataset's business
+                    data = _load_yaml(entry.path)
+                    if data.get("names") is not None or data.get("nc") is not None:
+                        found[entry.path] = (_yaml_names(data, display(entry.path)),
+                                             _kpt_shape(data, display(entry.path)))
+                except SourceError as e:
+                    log.debug("not a data YAML, left aside: %s", e)
         if len(set(map(repr, found.values()))) > 1:
             raise SourceError(f"{display(src)}: its data YAMLs ({', '.join(map(os.path.basename, found))}) give "
                               f"different class names; pack the one to use (SRC: the YAML, with --split)")

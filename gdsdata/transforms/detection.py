@@ -141,8 +141,9 @@ class Letterbox:
     """Ultralytics' evaluation transform: the long side resized to ``imgsz`` (as its ``load_image``
     does, small images enlarged too), centred on an ``imgsz`` square padded with ``pad``.
     ``targets`` and ``dtype`` as for ``YoloAugment``. Each torchvision-form target also holds
-    ``orig_size`` (int64 [2]: the source's height, width) and ``ratio_pad`` (float32 [4]: ratio_h,
-    ratio_w, pad_w, pad_h): a box in the source's pixels is (x - pad_w) / ratio_w, (y - pad_h) / ratio_h
+    ``orig_size`` (int64 [2]: the stored image's height, width) and ``ratio_pad`` (float32 [4]: ratio_h,
+    ratio_w, pad_w, pad_h): a box in its pixels is (x - pad_w) / ratio_w, (y - pad_h) / ratio_h (a pack
+    made with ``--max-side`` stores downscaled images: the annotations' frame is its width / orig_size[1] larger)
     (Ultralytics' form: ``ori_shape`` and ``ratio_pad``); from a pack of COCO annotations, also
     ``image_id`` (COCO's)."""
 
