@@ -260,9 +260,7 @@ def _cmd_verify(args):
         except (GdsDataError, OSError) as e:
             if len(args.datasets) == 1:
                 raise
-            where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
-            print(f"gdsdata: error: {where}{e.strerror if isinstance(e, OSError) and e.strerror else e}",
-                  file=sys.stderr)
+            print(f"gdsdata: error: {_said(e)}", file=sys.stderr)
             failed += 1
             continue
         for line in problems:
@@ -454,12 +452,8 @@ def main(argv=None):
         if _stdout_closed():
             return 1
         print(f"gdsdata: error: {e.strerror or e}", file=sys.stderr)
-    except GdsDataError as e:
-        print(f"gdsdata: error: {e}", file=sys.stderr)
-    except (ValueError, OSError) as e:
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        message = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        print(f"gdsdata: error: {where}{message}", file=sys.stderr)
+    except (GdsDataError, ValueError, OSError) as e:
+        print(f"gdsdata: error: {_said(e)}", file=sys.stderr)
     except KeyboardInterrupt as e:
         from gdsdata.errors import Terminated
 
@@ -467,6 +461,13 @@ def main(argv=None):
         print(f"gdsdata: {how}{_left_behind(args)}", file=sys.stderr)
         return code
     return 1
+
+
+def _said(error: Exception) -> str:
+    """An error in one line: a system error's file and reason (not Python's "[Errno N]" form), else
+    its message."""
+    where = f"{error.filename}: " if getattr(error, "filename", None) else ""
+    return where + (error.strerror if isinstance(error, OSError) and error.strerror else str(error))
 
 
 def _stdout_closed() -> bool:

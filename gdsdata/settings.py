@@ -49,7 +49,6 @@ import threading
 import types
 
 
-
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity: a Slurm job's or a container's cpuset),
     not every core of the machine."""
@@ -58,13 +57,14 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+_CORES = usable_cores()
 _DEFAULTS = {
-    "cpu_threads": usable_cores(),
+    "cpu_threads": _CORES,
     "io_threads": 16,
     "direct_depth": 64,
     "direct_ahead": 128 * 1024 * 1024,
     "io_engine": "auto",
-    "gather_threads": min(8, usable_cores()),
+    "gather_threads": min(8, _CORES),
     "max_gap": 256 * 1024,
     "max_read": 64 * 1024 * 1024,
     "staging": "auto",

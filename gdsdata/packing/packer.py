@@ -645,8 +645,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             "signature": signature, "dataset_id": dataset_id.hex(),
             "shard": [int(v) if not isinstance(v, bytes) else v.hex() for v in record],
             "samples": [list(records[k]) for k in mine],
-            "paths": [strings[records[k][1]:records[k][1] + records[k][8]].decode("utf-8", "surrogateescape")
-                      for k in mine],
+            "paths": [_record_path(records[k], strings) for k in mine],
             "skipped": skipped, "converted": converted, "resized": resized, "items_done": position["item"]})
 
     if append:  # what an append that failed left beyond the dataset's shards (its own, on every drive)
@@ -757,16 +756,20 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             meta["part"] = report["part"]
         box_args = {}
         if task == "detect":
-            per_sample = _sample_boxes(records, strings, {item.rel: item.boxes for item in items},
-                                       base if append else None)
-            ids = _sample_image_ids(records, strings, {item.rel: item.image_id for item in items},
-                                    base if append else None)
+            # every sample's boxes and COCO image id in sample order: an append's base samples with their own,
+            # then the source's, found by the sample's path
+            first = len(base) if append else 0
+            item_of = {item.rel: item for item in items}
+            new = [item_of[_record_path(record, strings)] for record in records[first:]]
+            per_sample = [base.sample_boxes(k) for k in range(first)] + [item.boxes for item in new]
+            before = base.image_ids if append else []
+            ids = None if before is None or any(item.image_id is None for item in items) else \
+                before + [item.image_id for item in new]
             box_args = annotate(meta, classes, source.format, source.category_ids, per_sample, ids)
             per_class = meta["counts"]["per_class"]  # boxes per class, not samples
             report["labels"] = source.report.as_dict() if part == 0 or num_parts == 1 else None
             if num_parts == 1:  # the source's images kept without boxes (not those then skipped, nor a base's)
-                report["labels"]["negatives"] = sum(1 for boxes in per_sample[len(base) if append else 0:]
-                                                    if not len(boxes))
+                report["labels"]["negatives"] = sum(1 for boxes in per_sample[first:] if not len(boxes))
         total = int(shard_table["size"].sum())
         if append:
             report["appended"] = len(samples) - len(base)
@@ -812,26 +815,6 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                       [name for k, name in enumerate(base.classes) if relabel[k] != k] if append else [])
 
 
-def _sample_image_ids(records, strings, id_of, base=None) -> list | None:
-    """Every packed sample's COCO image id, in sample order (a base dataset's own first); None unless
-    every sample has one."""
-    before = base.image_ids if base is not None else []
-    if before is None or any(i is None for i in id_of.values()):
-        return None
-    ids = list(before)
-    for record in records[len(ids):]:
-        ids.append(id_of[bytes(strings[record[1]:record[1] + record[8]]).decode("utf-8", "surrogateescape")])
-    return ids
-
-
-def _sample_boxes(records, strings, boxes_of, base=None) -> list:
-    """Every packed sample's boxes, in sample order: a base dataset's own (append), then the
-    source's, found by the sample's path."""
-    per_sample = []
-    for k, record in enumerate(records):
-        if base is not None and k < len(base):
-            per_sample.append(base.sample_boxes(k))
-            continue
-        rel = bytes(strings[record[1]:record[1] + record[8]]).decode("utf-8", "surrogateescape")
-        per_sample.append(boxes_of[rel])
-    return per_sample
+def _record_path(record, strings) -> str:
+    """A sample record's (a SAMPLE_RECORD tuple's) source path in the strings blob."""
+    return bytes(strings[record[1]:record[1] + record[8]]).decode("utf-8", "surrogateescape")

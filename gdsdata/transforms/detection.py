@@ -142,10 +142,10 @@ class Letterbox:
     does, small images enlarged too), centred on an ``imgsz`` square padded with ``pad``.
     ``targets`` and ``dtype`` as for ``YoloAugment``. Each torchvision-form target also holds
     ``orig_size`` (int64 [2]: the stored image's height, width) and ``ratio_pad`` (float32 [4]: ratio_h,
-    ratio_w, pad_w, pad_h): a box in its pixels is (x - pad_w) / ratio_w, (y - pad_h) / ratio_h (a pack
-    made with ``--max-side`` stores downscaled images: the annotations' frame is its width / orig_size[1] larger)
-    (Ultralytics' form: ``ori_shape`` and ``ratio_pad``); from a pack of COCO annotations, also
-    ``image_id`` (COCO's)."""
+    ratio_w, pad_w, pad_h), as the Ultralytics form's ``ori_shape`` and ``ratio_pad``: a box in the
+    stored image's pixels is (x - pad_w) / ratio_w, (y - pad_h) / ratio_h (a pack made with
+    ``--max-side`` stores downscaled images, so the annotations' frame is a further annotated width /
+    orig_size[1] larger); from a pack of COCO annotations, also ``image_id`` (COCO's)."""
 
     imgsz: int = 640
     pad: int = 114
