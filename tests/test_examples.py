@@ -86,8 +86,38 @@ def test_torchrun_two_ranks(photos_dataset, tmp_path):
     assert "step 7/7" in printed  # 60 samples over 2 ranks, batches of 4, drop_last
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_the_examples_train_on_the_gpu(photos_dataset, tmp_path):
+    """On a machine with CUDA the examples train there as users run them: train_imagenet.py trains,
+    checkpoints, resumes and evaluates, alone and under torchrun (NCCL); train_detection.py and,
+    where Ultralytics is installed, train_yolo.py train a few steps."""
+    import torch
+
+    _, _, out = photos_dataset
+    ckpt = str(tmp_path / "ckpt.pt")
+    common = ["--train", out, "--val", out, "--arch", "resnet18", "--epochs", "2", "--batch-size", "8",
+              "--size", "32", "--checkpoint", ckpt, "--log-every", "1"]
+    assert "step 3/14" in _run(common + ["--max-steps", "3"], tmp_path)
+    state = torch.load(ckpt, map_location=None, weights_only=False)
+    assert {t.device.type for t in state["model"].values()} == {"cuda"}  # it trained on the GPU
+    second = _run(common, tmp_path)
+    assert "resumed at step 3 (epoch 0)" in second and "stopped at step 14/14 (epoch 2)" in second
+    assert "validation top-1" in second
+    printed = _run(["--train", out, "--arch", "resnet18", "--epochs", "1", "--batch-size", "4", "--size", "32",
+                    "--log-every", "1"], tmp_path, torchrun=1)
+    assert "step 15/15" in printed
+    _detection_examples(tmp_path, "0")
+
+
 def test_detection_examples_train_on_the_cpu(tmp_path):
     """examples/train_detection.py (torchvision) and examples/train_yolo.py (Ultralytics' trainer)."""
+    _detection_examples(tmp_path, "cpu")
+
+
+def _detection_examples(tmp_path, device):
+    """train_detection.py (on the GPU where there is one) and train_yolo.py on ``device`` ("cpu", or
+    "0" with Ultralytics' AMP check, which gdsdata keeps offline) each train on a small YOLO pack."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
     from make_detection import generate
 
@@ -108,7 +138,7 @@ def test_detection_examples_train_on_the_cpu(tmp_path):
     pytest.importorskip("ultralytics")
     done = subprocess.run([sys.executable, os.path.join(here, "train_yolo.py"), "--train", train, "--val", val,
                            "--model", "yolov8n.yaml", "--epochs", "1", "--imgsz", "64", "--batch", "4", "--device",
-                           "cpu", "--project", str(tmp_path / "runs"), "amp=False"],
+                           device, "--project", str(tmp_path / "runs"), *(["amp=False"] if device == "cpu" else [])],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "best weights:" in done.stdout and "metrics/mAP50(B)" in done.stdout
