@@ -13,6 +13,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 from make_images import make_image  # noqa: E402
 
 
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def child_env(**extra) -> dict:
+    """The environment for a child Python: this checkout first on its path, and whatever path the
+    tests run under after it (where the packages of a machine without an index live)."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def cuda_available() -> bool:
     try:
         import torch

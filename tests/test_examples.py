@@ -6,12 +6,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import child_env
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_imagenet.py")
 
 
 def _run(args, tmp_path, torchrun=0, code=0):
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), ".."), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     prefix = [sys.executable]
     if torchrun:
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
@@ -128,8 +129,7 @@ def _detection_examples(tmp_path, device):
     train = pack(data, str(tmp_path / "train"), format="yolo", workers=1).out
     val = pack(data, str(tmp_path / "val"), format="yolo", split="val", workers=1).out
     here = os.path.join(os.path.dirname(__file__), "..", "examples")
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), ".."), "OMP_NUM_THREADS": "1",
-           "YOLO_OFFLINE": "1"}
+    env = child_env(OMP_NUM_THREADS="1", YOLO_OFFLINE="1")
     done = subprocess.run([sys.executable, os.path.join(here, "train_detection.py"), "--train", train, "--val", val,
                            "--epochs", "1", "--batch-size", "2", "--imgsz", "96", "--max-steps", "2"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -158,7 +158,7 @@ def test_the_examples_refuse_a_wrong_argument_in_one_line(photos_dataset, tmp_pa
     boxes = pack(str(tmp_path / "src" / "yolo" / "data.yaml"), str(tmp_path / "boxes"), format="yolo", workers=1).out
     missing = str(tmp_path / "missing.gds")
     here = os.path.dirname(EXAMPLE)
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), ".."), "YOLO_OFFLINE": "1"}
+    env = child_env(YOLO_OFFLINE="1")
     for script, args, code, said in (
             ("train_imagenet.py", ["--train", missing], 1, f"train_imagenet.py: error: {missing}"),
             ("train_imagenet.py", ["--train", boxes], 1, f"train_imagenet.py: error: {boxes} is a detection dataset"),

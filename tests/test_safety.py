@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import jpeg_bytes, photo, write_photos
+from conftest import child_env, jpeg_bytes, photo, write_photos
 
 import gdsdata
 from gdsdata.format import layout as fmt
@@ -37,7 +37,7 @@ def trials(light: int, heavy: int):
 
 def cli(*args, env=None, timeout=300, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "gdsdata", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+                            stderr=subprocess.PIPE, text=True, env=child_env(**(env or {})),
                             **kwargs)
 
 
@@ -447,7 +447,7 @@ def test_bombs_are_refused_before_decoding_under_a_memory_limit(tmp_path):
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-c", limit + "from gdsdata.cli import main; import sys; "
                            f"sys.exit(main(['pack', {str(src)!r}, {out!r}, '--workers', '2', '-q']))"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+                          capture_output=True, text=True, env=child_env(), timeout=120)
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - t0 < 60
     report = json.load(open(os.path.join(out, fmt.REPORT_NAME)))
@@ -850,7 +850,7 @@ def test_thousands_of_shards_under_a_low_descriptor_limit(tmp_path):
             f"ds = gdsdata.GDSDataset({out!r}); n = sum(len(y) for _, y in gdsdata.Loader(ds, 32)); "
             "print(n, len(os.listdir('/proc/self/fd')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+                          env=child_env())
     assert done.returncode == 0, done.stderr
     count, fds = map(int, done.stdout.split())
     assert count == 300 and fds < 64

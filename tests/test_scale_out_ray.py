@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import write_photos
+from conftest import child_env, write_photos
 
 from gdsdata.format.index import load
 from gdsdata.packing.packer import pack
@@ -201,7 +201,7 @@ def test_sigterm_on_ray_unwinds_as_a_local_pack_and_leaves_no_process(when, tmp_
     write_photos(src, 40, classes=2, start_seed=600, scale=0.5)
     command = subprocess.Popen([sys.executable, "-m", "gdsdata", "pack", src, out, "--ray", "--num-parts", "4",
                                 "-q", "--shard-size", "64K"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "PYTHONPATH": ROOT, mark: "1"})
+                               text=True, env=child_env(**{mark: "1"}))
     deadline = time.time() + 120
     while command.poll() is None and time.time() < deadline:
         others = [pid for pid in _ray_processes(mark) if pid != command.pid]
@@ -312,7 +312,7 @@ def test_a_source_on_s3_packs_into_the_dataset_its_files_give(source, s3, tmp_pa
 def test_the_command_line_packs_from_s3(source, s3, tmp_path):
     out = str(tmp_path / "ds")
     done = subprocess.run([sys.executable, "-m", "gdsdata", "pack", "s3://images/train", out, "-q"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+                          capture_output=True, text=True, env=child_env(), timeout=300)
     assert done.returncode == 0, done.stderr
     same_dataset(out, source[1])
 

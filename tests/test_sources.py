@@ -10,7 +10,7 @@ import sys
 import tarfile
 
 import pytest
-from conftest import jpeg_bytes, photo, png_bytes
+from conftest import child_env, jpeg_bytes, photo, png_bytes
 
 from gdsdata.cli import main as cli
 from gdsdata.errors import BadImageError, SourceError
@@ -18,7 +18,6 @@ from gdsdata.format import index as index_io
 from gdsdata.packing.packer import pack
 from gdsdata.packing.sources import open_source
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def write_lmdb(path, entries, classes=None):
@@ -253,9 +252,8 @@ def test_a_missing_url_is_one_line_naming_it_and_the_reason(s3, tmp_path, capsys
 
 def test_an_endpoint_out_of_reach_is_one_line_naming_the_url(tmp_path):
     pytest.importorskip("s3fs")
-    env = {**os.environ, "PYTHONPATH": ROOT, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
-           "AWS_MAX_ATTEMPTS": "1"}  # no retries: the test stays fast
+    env = child_env(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1",
+                    AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_MAX_ATTEMPTS="1")  # no retries: fast
     done = subprocess.run([sys.executable, "-m", "gdsdata", "pack", "s3://images/train", str(tmp_path / "ds"), "-q"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 1 and done.stdout == ""

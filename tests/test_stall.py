@@ -9,7 +9,7 @@ import pytest
 
 import gdsdata
 from gdsdata import stall
-from conftest import loader_threads
+from conftest import child_env, loader_threads
 
 
 def _stuck_decode(ds, at_batch, release):
@@ -82,7 +82,6 @@ def test_stall_timeout_setting_is_validated():
 def test_a_script_that_never_closes_its_loader_exits_cleanly(photos_dataset, tmp_path):
     """The Loader reads on into the next epoch; at exit its threads are stopped before the
     interpreter finalises (a daemon thread inside a torch call then made torch abort: exit 134)."""
-    import os
     import subprocess
     import sys
 
@@ -97,7 +96,7 @@ for epoch in range(2):
         model(images).sum().backward()
 print("done")
 """)
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
+    env = child_env()
     for _ in range(6):
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 0 and "done" in done.stdout, (done.returncode, done.stderr[-2000:])
