@@ -19,7 +19,6 @@ from gdsdata.packing.packer import pack
 from gdsdata.packing.sources import open_source
 
 
-
 def write_lmdb(path, entries, classes=None):
     """An LMDB of ``entries`` (key bytes -> value bytes, or -> (image bytes, label) to pickle)."""
     lmdb = pytest.importorskip("lmdb")
