@@ -34,7 +34,8 @@ made) and ``stall_timeout`` is read as each Loader pass starts.
 | verify_checksums | GDSDATA_VERIFY_CHECKSUMS | 1 | check every sample's CRC-32 where its bytes are: in host |
 | | | | memory (CPU path, pinned staging), or GPU staging (a CRC-32 kernel; needs Triton); 0: never |
 | stall_timeout | GDSDATA_STALL_TIMEOUT | 60 | seconds a Loader stage may spend on one batch before the |
-| | | | training loop gets a ``StallError`` naming the stage, the batch and the call it is stuck in |
+| | | | training loop gets a ``StallError`` naming the stage, the batch and the call it is stuck in; |
+| | | | a packing worker on its chunk of images before each is prepared alone (and skipped if it stalls) |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
 when it does not come from NVIDIA's wheels.

@@ -488,6 +488,51 @@ def test_a_worker_killed_mid_pack_becomes_one_skipped_file(tmp_path):
     assert verify(out) == []
 
 
+def _pack_with_stuck_items(tmp_path, stuck: str, timeout="2"):
+    """``pack(workers=2)`` in a child whose workers hang for good on the items ``stuck`` (a Python
+    expression of ``job``) names, ``stall_timeout`` at ``timeout`` seconds."""
+    src = tmp_path / "src"
+    write_photos(str(src), 30, classes=2, start_seed=50)
+    out = str(tmp_path / "ds")
+    script = (f"import sys, threading; sys.path.insert(0, {ROOT!r}); import gdsdata.packing.packer as p\n"
+              "real = p._prepare_item\n"
+              f"def item(job):\n    if {stuck}: threading.Event().wait()\n"
+              "    return real(job)\n"
+              "p._prepare_item = item\n"
+              "from gdsdata.cli import main\n"
+              f"sys.exit(main(['pack', {str(src)!r}, {out!r}, '--workers', '2', '-q']))\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=child_env(GDSDATA_STALL_TIMEOUT=timeout))
+    return src, out, done, time.monotonic() - started
+
+
+def test_a_worker_stuck_on_one_item_ends_as_that_item_skipped_within_the_bound(tmp_path):
+    """A packing worker that never gives its chunk back (a decoder that loops, a lock a fork left
+    held) is ended after stall_timeout; its items are redone one per process and the one that
+    still stalls alone is skipped with the reason, the rest packed: never a hung pack."""
+    victim = "class1/00007.jpg"  # (write_photos names them by number)
+    src, out, done, took = _pack_with_stuck_items(tmp_path, f"job[0] == {victim!r}")
+    assert done.returncode == 0, done.stderr
+    assert took < 60  # the bound (2 s) for the chunk, then 2 s for the item alone
+    assert verify(out) == []
+    report = json.loads((tmp_path / "ds" / "pack_report.json").read_text())
+    assert report["packed"] == 29
+    assert [(s["path"], s["reason"]) for s in report["skipped"]] == [
+        (victim, "preparing it alone took longer than 2 s (the stall_timeout setting, GDSDATA_STALL_TIMEOUT)")]
+
+
+def test_workers_that_stall_on_every_item_end_the_pack_in_one_line(tmp_path):
+    """Workers stuck whatever they prepare are the machine's trouble, not the images': the pack
+    stops with one line (not 30 items each skipped after the bound), and leaves no dataset."""
+    src, out, done, took = _pack_with_stuck_items(tmp_path, "True", timeout="1")
+    assert done.returncode == 1 and took < 60
+    assert done.stderr.startswith("gdsdata: error: packing workers make no progress: class0/"), done.stderr
+    assert "GDSDATA_STALL_TIMEOUT raises the bound; --workers 1 packs in this process" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert not os.path.exists(os.path.join(out, "index.gdsi"))
+
+
 # --- hostile source trees ---------------------------------------------------------------------
 def test_unreadable_folders_are_reported_and_fatal_with_strict(tmp_path, monkeypatch):
     import gdsdata.packing.sources as sources

@@ -27,6 +27,7 @@ import time
 import zlib
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # (not yet the builtin before Python 3.11)
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence  # noqa: F401 - in annotations
@@ -207,13 +208,18 @@ def _quiet_worker(parent: int):
             os._exit(1)
 
 
-def _isolated(job, context):
+def _isolated(job, context, bound):
     """Prepare one job in a process of its own: what killed a pool's worker shows up here as the
-    item that kills its process."""
+    item that kills its process, and what stalled one as the item that takes longer than ``bound``
+    seconds alone (its process killed)."""
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_send_result, args=(job, send, os.getpid()), daemon=True)
     process.start()
     send.close()
+    if not receive.poll(bound):  # (a result, or end-of-file: the process died)
+        process.kill()
+        process.join()
+        return job[0], None, _STALLED.format(bound=bound)
     try:
         result = receive.recv()
     except EOFError:
@@ -233,12 +239,15 @@ def _send_result(job, send, parent):
     send.close()
 
 
-def _ordered(pool_factory, jobs, window, context, chunk=8):
+def _ordered(pool_factory, jobs, window, context, bound, chunk=8):
     """Prepared items in source order, computed in chunks of ``chunk`` (fewer round trips to the
     workers) with at most ``window`` jobs submitted ahead (bounded memory for sources read in this
-    process). A worker that dies (killed by the kernel's OOM killer, say) breaks the pool: the
-    chunk it was working on is redone one item per process, so that the item that kills its
-    process is reported as bad and everything else is packed; later chunks go to a new pool."""
+    process). A worker that dies (killed by the kernel's OOM killer, say) breaks the pool, and one
+    that gives no chunk back within ``bound`` seconds (the stall_timeout setting: stuck) is ended
+    with its pool: the chunk it was working on is redone one item per process, so that the item
+    that kills its process, or takes longer than ``bound`` alone, is reported as bad and everything
+    else is packed; later chunks go to a new pool. If the first two items of such a chunk both stall
+    alone, the pack stops (``GdsDataError``): that is the machine, not the items."""
     jobs = iter(jobs)
     pending = deque()  # (future, chunk of jobs)
     redo = deque()  # chunks of a broken pool, to submit again
@@ -252,13 +261,18 @@ def _ordered(pool_factory, jobs, window, context, chunk=8):
             if pending and (not batch or len(pending) * chunk >= window):
                 future, done = pending.popleft()
                 try:
-                    results = future.result()
-                except BrokenProcessPool:
-                    log.warning("a packing worker died; finding the item that killed it")
-                    pool.shutdown(wait=False, cancel_futures=True)
+                    results = future.result(timeout=bound)
+                except (BrokenProcessPool, FutureTimeout) as e:
+                    if isinstance(e, BrokenProcessPool):
+                        log.warning("a packing worker died; finding the item that killed it")
+                        pool.shutdown(wait=False, cancel_futures=True)
+                    else:
+                        log.warning("a packing worker gave nothing back for %g s; preparing its items one by one",
+                                    bound)
+                        _stop(pool)
                     redo.extend(b for _, b in pending)
                     pending.clear()
-                    results = [_isolated(job, context) for job in done]
+                    results = _alone(done, context, bound)
                     pool = pool_factory()
                 yield from results
             if not batch and not pending and not redo:
@@ -269,6 +283,22 @@ def _ordered(pool_factory, jobs, window, context, chunk=8):
             pool.shutdown(wait=True)
         else:  # Ctrl-C or an error: nobody will collect the work in flight
             _stop(pool)
+
+
+_STALLED = "preparing it alone took longer than {bound:g} s (the stall_timeout setting, GDSDATA_STALL_TIMEOUT)"
+
+
+def _alone(jobs, context, bound) -> list:
+    """``jobs`` prepared one per process (``_isolated``); if the first two both stall, ``GdsDataError``."""
+    results = []
+    for job in jobs:
+        results.append(_isolated(job, context, bound))
+        if len(results) == 2 and all(reason == _STALLED.format(bound=bound) for _, _, reason in results):
+            stalled = [rel for rel, _, _ in results]
+            raise GdsDataError(f"packing workers make no progress: {stalled[0]} and {stalled[1]} each took longer "
+                               f"than {bound:g} s alone, one after the other (the machine rather than the "
+                               f"images? GDSDATA_STALL_TIMEOUT raises the bound; --workers 1 packs in this process)")
+    return results
 
 
 def _stop(pool):
@@ -301,7 +331,7 @@ def _results(jobs, workers):
     context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     yield from _ordered(lambda: ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker,
                                                     initargs=(os.getpid(),)),
-                        jobs, workers * _WINDOW_PER_WORKER, context)
+                        jobs, workers * _WINDOW_PER_WORKER, context, settings.get("stall_timeout"))
 
 
 def report_opening(src, out, classes, roots, lists: dict, part=None) -> dict:
