@@ -10,8 +10,8 @@ Everything else is Ultralytics' own: the model, the loss, the optimiser and its 
 validation (mAP) and checkpoints. The training batches are ``YoloAugment`` batches built with the
 run's hyper-parameters (``mosaic``, ``degrees``, ``translate``, ``scale``, ``shear``, ``fliplr``,
 ``flipud``, ``hsv_*``, ``seed``) on the training device, the mosaic turned off when Ultralytics
-closes it (``close_mosaic``); validation batches are ``Letterbox`` batches (square, where
-Ultralytics validates on rectangular batches: mAP differs slightly). Arguments these batches do not
+closes it (``close_mosaic``); validation batches are rectangular ``Letterbox`` batches in aspect-ratio
+order, as Ultralytics validates (``Letterbox(rect=True)`` at the model's largest stride). Arguments these batches do not
 follow (``perspective``, ``mixup``, ``cutmix``, ``copy_paste``, ``bgr``, ``single_cls``,
 ``fraction``, ``classes``, ``rect``) are refused unless at their defaults, and so is AutoBatch. The class
 names come from the packed dataset, so ``data`` is not needed; the checkpoints record as their ``data``
@@ -280,12 +280,15 @@ class DetectionTrainer(_UltralyticsTrainer):
             hyp = {name: getattr(self.args, name) for name in _HYP}
             hyp["seed"] = int(hyp["seed"])
             transform = YoloAugment(imgsz=self.args.imgsz, targets="ultralytics", **hyp)
-        else:
-            transform = Letterbox(imgsz=self.args.imgsz, targets="ultralytics")
+        else:  # Ultralytics' validation batches: rectangles, the images in aspect-ratio order
+            model = getattr(self.model, "module", self.model)
+            stride = max(int(model.stride.max()), 32) if hasattr(model, "stride") else 32
+            transform = Letterbox(imgsz=self.args.imgsz, targets="ultralytics", rect=True, stride=stride)
+        order = Letterbox.rect_order(ds) if mode != "train" else None
 
         def make(transform):
             return Loader(ds, batch_size, shuffle=mode == "train", seed=int(self.args.seed), transform=transform,
-                          drop_last=False, rank=0, world_size=1)
+                          drop_last=False, rank=0, world_size=1, indices=order)
 
         batches = self._gds_batches[mode] = Batches(make, transform, (lambda: self.epoch) if mode == "train" else None)
         return batches

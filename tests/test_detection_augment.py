@@ -79,6 +79,43 @@ def test_letterbox_places_boxes_and_pixels_as_ultralytics_letterbox(det):
         assert (got[:top] == 114).all() and (got[top + h:] == 114).all()
 
 
+def test_rectangular_letterbox_batches_are_ultralytics_validation_batches(tmp_path):
+    """Letterbox(rect=True) over ``Letterbox.rect_order``, unshuffled, against Ultralytics' own
+    validation dataset (``YOLODataset(rect=True)``, its collate): the same images in each batch, each
+    batch's rectangle, the boxes, ``ori_shape``/``ratio_pad``, and pixels within interpolation
+    differences (its downscale is INTER_AREA, gdsdata's bilinear), the padding exact."""
+    _ultralytics()
+    from ultralytics.data.dataset import YOLODataset
+
+    root = str(tmp_path / "src")
+    generate(root, 16, classes=5, seed=11, val=0.0)  # 5 aspect ratios, ties among them
+    out = pack(os.path.join(root, "yolo", "data.yaml"), str(tmp_path / "ds"), format="yolo", workers=1).out
+    ds = gdsdata.GDSDataset(out)
+    theirs = YOLODataset(img_path=os.path.join(root, "yolo", "images", "train"), imgsz=S, batch_size=4,
+                         augment=False, rect=True, stride=32, pad=0.5, data={"names": dict(enumerate(ds.classes)),
+                                                                            "channels": 3})
+    loader = gdsdata.Loader(ds, 4, shuffle=False, indices=gdsdata.Letterbox.rect_order(ds),
+                            transform=gdsdata.Letterbox(imgsz=S, rect=True, stride=32, targets="ultralytics"))
+    shapes = set()
+    for k, mine in enumerate(loader):
+        ref = YOLODataset.collate_fn([theirs[i] for i in range(4 * k, 4 * k + 4)])
+        assert [os.path.basename(name) for name in mine["im_file"]] == [os.path.basename(f) for f in ref["im_file"]]
+        assert mine["img"].shape == ref["img"].shape
+        assert [list(shape) for shape in mine["resized_shape"]] == [list(shape) for shape in ref["resized_shape"]]
+        shapes.add(tuple(mine["img"].shape[2:]))
+        assert mine["ori_shape"] == tuple(ref["ori_shape"])
+        for a, b in zip(mine["ratio_pad"], ref["ratio_pad"]):
+            assert np.allclose(a[0], b[0]) and tuple(a[1]) == tuple(b[1])
+        assert mine["batch_idx"].tolist() == ref["batch_idx"].tolist() and mine["cls"].equal(ref["cls"])
+        assert np.abs(mine["bboxes"].numpy() - ref["bboxes"].numpy()).max() < 1e-3
+        got, want = mine["img"].numpy().astype(int), ref["img"].numpy().astype(int)
+        assert np.abs(got - want).mean() < 6, np.abs(got - want).mean()
+        padding = want == 114
+        assert (got[padding] == 114).mean() > 0.99
+    assert len(shapes) > 2  # batches of other rectangles, not squares
+    loader.close()
+
+
 _PIL_OPEN = Image.open
 
 
@@ -196,7 +233,8 @@ def test_training_batches_are_what_ultralytics_makes_of_the_same_draws(det, monk
 
 
 KERNEL_CASES = {"mosaic": dict(seed=3), "affine": dict(seed=4, mosaic=0.0, degrees=15.0, shear=3.0),
-                "letterbox": None, "float16": dict(seed=5, dtype="float16")}
+                "letterbox": None, "rectangular letterbox": dict(rect=True, stride=16),
+                "float16": dict(seed=5, dtype="float16")}
 
 
 def compare_kernel(det, device, imgsz):
@@ -209,13 +247,14 @@ def compare_kernel(det, device, imgsz):
     ds = gdsdata.GDSDataset(det)
     indices = [0, 5, 9, 14]
     for name, kwargs in KERNEL_CASES.items():
-        t = gdsdata.Letterbox(imgsz=imgsz) if kwargs is None else gdsdata.YoloAugment(imgsz=imgsz, **kwargs)
+        t = gdsdata.Letterbox(imgsz=imgsz, **kwargs or {}) if kwargs is None or "rect" in kwargs else \
+            gdsdata.YoloAugment(imgsz=imgsz, **kwargs)
         batch, read = ds.load_batch(t.sources(indices, 0, np.arange(len(ds))))
         boxes, labels = D.source_boxes(ds.index, read)
         plan = D.plan(t, batch.heights, batch.widths, boxes, labels, indices, 0)
         cpu = D.render(t, batch.buffer, batch.offsets, batch.channels, plan)
         dtype = torch.uint8 if t.dtype is None else getattr(torch, t.dtype)
-        mine = sample_detection(batch.buffer.to(device), batch.offsets, batch.channels, plan, t.imgsz, t.pad,
+        mine = sample_detection(batch.buffer.to(device), batch.offsets, batch.channels, plan, t.pad,
                                 bool((plan.hsv != 1).any()), dtype)
         assert mine.shape == cpu.shape and mine.dtype == cpu.dtype and mine.device.type == device, name
         diff = (mine.cpu().float() - cpu.float()).abs() * (255 if dtype.is_floating_point else 1)

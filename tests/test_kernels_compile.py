@@ -35,8 +35,8 @@ def kernels():
     for hsv in (True, False):
         for out in ("*u8", "*fp16", "*fp32"):
             yield K._detect, {"src": "*u8", "offsets": "*i64", "channels": "*i64", "inverse": "*fp32",
-                              "centre": "*fp32", "slots": "*fp32", "gains": "*fp32", "out": out, "size": "i32",
-                              "pad": "fp32"}, {"HSV": hsv, "TO_U8": out == "*u8", "BLOCK": K._BLOCK}
+                              "centre": "*fp32", "slots": "*fp32", "gains": "*fp32", "out": out, "height": "i32",
+                              "width": "i32", "pad": "fp32"}, {"HSV": hsv, "TO_U8": out == "*u8", "BLOCK": K._BLOCK}
     yield C._chunks, {"words": "*i32", "starts": "*i64", "count": "i32", "tables": "*i32", "out": "*i32"}, \
         {"WORDS": C.CHUNK // 4, "BLOCK": C._BLOCK}
     yield C._combine, {"data": "*u8", "offsets": "*i64", "lengths": "*i64", "first": "*i64", "chunk_crcs": "*i32",

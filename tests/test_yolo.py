@@ -1,6 +1,6 @@
 """Ultralytics' trainer fed by gdsdata (gdsdata.yolo.DetectionTrainer): a YOLO model built from its
 model YAML (no weights downloaded) trains on the CPU (and on a GPU, marked gpu) through Ultralytics'
-own loop, with the mosaic closed for the last epoch, validates each epoch on Letterbox batches and
+own loop, with the mosaic closed for the last epoch, validates each epoch on rectangular Letterbox batches and
 evaluates best.pt at the end; the batches it consumed are Ultralytics' batch dicts with every field
 its loss and validator read."""
 
@@ -13,6 +13,7 @@ from PIL import Image
 
 import gdsdata
 from gdsdata.packing.packer import pack
+from gdsdata.transforms import detection as D
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 from make_detection import generate  # noqa: E402
@@ -66,6 +67,13 @@ def test_ultralytics_trains_and_validates_on_gdsdata_batches(packed, tmp_path, m
     assert trainer.train_loader.loader.transform.mosaic == 0.0  # closed by Ultralytics for the last epoch
     assert list(trainer.train_loader.sampler) and len(trainer.train_loader.dataset.labels) == 8
     assert trainer.data["names"] == dict(enumerate(gdsdata.GDSDataset(train).classes))
+    validation = trainer.test_loader.loader  # Ultralytics' validation batches: rectangles in aspect-ratio order
+    assert validation.transform.rect and validation.transform.stride == 32
+    val_ds = gdsdata.GDSDataset(val)
+    order = gdsdata.Letterbox.rect_order(val_ds)
+    for k, batch in enumerate(trainer.test_loader):
+        sizes = val_ds.index.samples[order[k * 8:k * 8 + 8]]
+        assert batch["img"].shape[2:] == D.rect_shape(sizes["height"], sizes["width"], 64, 32)
     if device == "cpu":  # the checkpoint names the packs' data YAML: Ultralytics' own val() finds the val split
         from ultralytics import YOLO
 

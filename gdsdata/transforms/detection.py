@@ -139,7 +139,11 @@ class YoloAugment:
 @dataclass(frozen=True)
 class Letterbox:
     """Ultralytics' evaluation transform: the long side resized to ``imgsz`` (as its ``load_image``
-    does, small images enlarged too), centred on an ``imgsz`` square padded with ``pad``.
+    does, small images enlarged too), centred on an ``imgsz`` square padded with ``pad``. With
+    ``rect=True``, on the batch's own rectangle instead, as Ultralytics' validation batches: the
+    smallest multiple of ``stride`` (plus half a stride) on each side that holds every image of the
+    batch at its loaded size, the long side ``imgsz`` (``BaseDataset.set_rectangle``); the Loader given
+    the samples in ``Letterbox.rect_order(dataset)``, unshuffled, then makes Ultralytics' batches.
     ``targets`` and ``dtype`` as for ``YoloAugment``. Each torchvision-form target also holds
     ``orig_size`` (int64 [2]: the stored image's height, width) and ``ratio_pad`` (float32 [4]: ratio_h,
     ratio_w, pad_w, pad_h), as the Ultralytics form's ``ori_shape`` and ``ratio_pad``: a box in the
@@ -151,9 +155,22 @@ class Letterbox:
     pad: int = 114
     targets: str = "torchvision"
     dtype: str = None
+    rect: bool = False
+    stride: int = 32
 
     def __post_init__(self):
         _check_common(self)
+        if not isinstance(self.rect, (bool, np.bool_)):
+            raise ValueError(f"rect must be True or False, got {self.rect!r}")
+        if not is_integer(self.stride) or self.stride < 1:
+            raise ValueError(f"stride must be a positive integer (the model's largest stride), got {self.stride!r}")
+
+    @staticmethod
+    def rect_order(dataset) -> np.ndarray:
+        """The samples of ``dataset`` (a GDSDataset) by aspect ratio, height over width, as Ultralytics
+        orders its validation images for rectangular batches: pass as the Loader's ``indices``."""
+        records = dataset.index.samples
+        return np.argsort(records["height"].astype(np.float64) / np.maximum(records["width"], 1))
 
     def sources(self, indices: Sequence[int], epoch: int, population: Sequence[int]) -> list[int]:
         return list(indices)
@@ -190,6 +207,7 @@ class Plan:
     labels: list
     hsv: np.ndarray
     shapes: list  # per output: ((h0, w0), ((ratio_h, ratio_w), (padw, padh)) or None)
+    size: tuple  # the outputs' (height, width)
 
 
 def load_size(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
@@ -228,13 +246,27 @@ def box_candidates(box1: np.ndarray, box2: np.ndarray, wh_thr: float = 2, ar_thr
     return (w2 > wh_thr) & (h2 > wh_thr) & (w2 * h2 / (w1 * h1 + eps) > area_thr) & (ar < ar_thr)
 
 
+def rect_shape(heights, widths, imgsz: int, stride: int) -> tuple[int, int]:
+    """Ultralytics' rectangular batch shape (height, width) for images of these sizes:
+    ``BaseDataset.set_rectangle`` with its validation pad of half a stride."""
+    ar = np.asarray(heights, np.float64) / np.asarray(widths, np.float64)
+    shape = [1.0, 1.0]
+    if ar.max() < 1:
+        shape = [ar.max(), 1.0]
+    elif ar.min() > 1:
+        shape = [1.0, 1 / ar.min()]
+    h, w = (np.ceil(np.array(shape) * imgsz / stride + 0.5).astype(int) * stride).tolist()
+    return h, w
+
+
 def _warp_boxes(boxes, M, size):
-    """Each box's corners through its own M (K, 3, 3), the enclosing boxes clipped to [0, size]."""
+    """Each box's corners through its own M (K, 3, 3), the enclosing boxes clipped to the output's
+    ``size`` (height, width)."""
     corners = boxes[:, [0, 1, 2, 3, 0, 3, 2, 1]].reshape(-1, 4, 2)
     x = M[:, None, 0, 0] * corners[..., 0] + M[:, None, 0, 1] * corners[..., 1] + M[:, None, 0, 2]
     y = M[:, None, 1, 0] * corners[..., 0] + M[:, None, 1, 1] * corners[..., 1] + M[:, None, 1, 2]
     out = np.stack([x.min(1), y.min(1), x.max(1), y.max(1)], axis=1) if len(boxes) else boxes.reshape(0, 4)
-    return np.clip(out, 0, size)
+    return np.clip(out, 0, [size[1], size[0], size[1], size[0]])
 
 
 def plan(t: "YoloAugment | Letterbox", heights, widths, boxes: list, labels: list, indices: Sequence[int],
@@ -246,7 +278,7 @@ def plan(t: "YoloAugment | Letterbox", heights, widths, boxes: list, labels: lis
     outputs): the host thread that plans holds the interpreter lock the training loop needs."""
     n, s = len(indices), t.imgsz
     if not n:
-        return Plan(np.zeros((0, 2, 3)), np.zeros((0, 2)), np.zeros((0, 11)), [], [], np.ones((0, 3)), [])
+        return Plan(np.zeros((0, 2, 3)), np.zeros((0, 2)), np.zeros((0, 11)), [], [], np.ones((0, 3)), [], (s, s))
     augment = isinstance(t, YoloAugment)
     u = uniforms(t.seed, epoch, indices, _DRAWS) if augment else np.zeros((n, _DRAWS))
     hsv_u = uniforms(t.seed ^ 0x5BD1E995, epoch, indices, _HSV_DRAWS) if augment else np.full((n, 3), 0.5)
@@ -265,12 +297,14 @@ def plan(t: "YoloAugment | Letterbox", heights, widths, boxes: list, labels: lis
     rect = np.zeros((n, 4, 6), np.int64)  # x1a, y1a, x2a, y2a, padw, padh
     canvas = np.stack([w[:, 0], h[:, 0]], axis=1).astype(np.float64)
     shapes = [((int(h0[k]), int(w0[k])), None) for k in range(n)]
-    if not augment:  # LetterBox (centred) of the loaded image on an s x s square
-        ratio = np.minimum(np.minimum(s / h[:, 0], s / w[:, 0]), 1.0)
+    size = (s, s)
+    if not augment:  # LetterBox (centred, never enlarged) of the loaded image on an s x s square, or the batch's
+        size = rect_shape(h0, w0, s, t.stride) if t.rect else size
+        ratio = np.minimum(np.minimum(size[0] / h[:, 0], size[1] / w[:, 0]), 1.0)
         h[:, 0], w[:, 0] = np.round(h[:, 0] * ratio), np.round(w[:, 0] * ratio)
-        left, top = np.round((s - w[:, 0]) / 2 - 0.1), np.round((s - h[:, 0]) / 2 - 0.1)
+        left, top = np.round((size[1] - w[:, 0]) / 2 - 0.1), np.round((size[0] - h[:, 0]) / 2 - 0.1)
         rect[:, 0] = np.stack([left, top, left + w[:, 0], top + h[:, 0], left, top], axis=1)
-        canvas[:] = s
+        canvas[:] = size[::-1]
         shapes = [((int(h0[k]), int(w0[k])), ((int(h[k, 0]) / int(h0[k]), int(w[k, 0]) / int(w0[k])),
                                                (int(left[k]), int(top[k])))) for k in range(n)]
     else:  # the loaded image itself is the canvas the affine centres on
@@ -321,11 +355,11 @@ def plan(t: "YoloAugment | Letterbox", heights, widths, boxes: list, labels: lis
         lr, ud = u[:, 12] < t.fliplr, u[:, 13] < t.flipud
         flip[lr, 0, 0], flip[lr, 0, 2] = -1, s
         flip[ud, 1, 1], flip[ud, 1, 2] = -1, s
-    new = _warp_boxes(b, M[owner], s)
+    new = _warp_boxes(b, M[owner], size)
     if augment:
         keep = box_candidates(b * scale[owner, None], new)
         new, lab, owner = new[keep], lab[keep], owner[keep]
-    new = _warp_boxes(new, flip[owner], s)  # RandomFlip after the affine (the identity where none)
+    new = _warp_boxes(new, flip[owner], size)  # RandomFlip after the affine (the identity where none)
     pixels = flip.copy()  # a mirrored pixel index is s - 1 - x where a box edge is s - x
     pixels[:, :2, 2] = np.where(pixels[:, :2, 2] > 0, s - 1, 0)
     inverse = np.linalg.inv(pixels @ M)[:, :2]
@@ -333,7 +367,7 @@ def plan(t: "YoloAugment | Letterbox", heights, widths, boxes: list, labels: lis
     gains = np.array([t.hsv_h, t.hsv_s, t.hsv_v]) if augment else np.zeros(3)
     hsv = (2 * hsv_u - 1) * gains + 1
     return Plan(inverse, centre, slots.reshape(n * 4, 11), np.split(new.astype(np.float32), split),
-                np.split(lab, split), hsv, shapes)
+                np.split(lab, split), hsv, shapes, size)
 
 
 # --- the pixels: torch, on the batch's device --------------------------------------------------------
@@ -364,7 +398,7 @@ def source_boxes(index, indices: Sequence[int]) -> tuple[list, list]:
 
 
 def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
-    """The batch's S x S images (uint8 NCHW, or float in [0, 1] for a float ``dtype``) from the
+    """The batch's images of ``p.size`` (uint8 NCHW, or float in [0, 1] for a float ``dtype``) from the
     decoded sources (interleaved uint8 pixels at ``offsets`` in the flat ``buffer``). On a GPU one
     kernel samples, rounds and HSV-jitters the whole batch (``kernels.sample_detection``); on the CPU
     (or without Triton) torch operations sample each source over the output window it covers
@@ -376,7 +410,7 @@ def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels
     if buffer.is_cuda and _triton_ready():
         from gdsdata.transforms.kernels import sample_detection
 
-        return sample_detection(buffer, offsets, channels, p, t.imgsz, t.pad, jitter, dtype)
+        return sample_detection(buffer, offsets, channels, p, t.pad, jitter, dtype)
     out = _sample_windows(t, buffer, offsets, channels, p).round_().clamp_(0, 255)
     if jitter:
         gains = _to(p.hsv, np.float32, buffer.device)
@@ -391,8 +425,8 @@ def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels
 
 
 def _sample_windows(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
-    n, s = len(p.inverse), t.imgsz
-    out = torch.full((n, 3, s, s), float(t.pad), device=buffer.device)
+    n, (height, width) = len(p.inverse), p.size
+    out = torch.full((n, 3, height, width), float(t.pad), device=buffer.device)
 
     def sample_one(k):
         inv = p.inverse[k]
@@ -403,8 +437,8 @@ def _sample_windows(t, buffer, offsets, channels, p: Plan) -> torch.Tensor:
                 continue
             corners = np.array([[x1a, y1a, 1], [x2a, y1a, 1], [x1a, y2a, 1], [x2a, y2a, 1]]) - [0.5, 0.5, 0]
             ox, oy = (corners @ forward.T)[:, 0], (corners @ forward.T)[:, 1]
-            left, right = max(int(np.floor(ox.min())), 0), min(int(np.ceil(ox.max())) + 1, s)
-            top, bottom = max(int(np.floor(oy.min())), 0), min(int(np.ceil(oy.max())) + 1, s)
+            left, right = max(int(np.floor(ox.min())), 0), min(int(np.ceil(ox.max())) + 1, width)
+            top, bottom = max(int(np.floor(oy.min())), 0), min(int(np.ceil(oy.max())) + 1, height)
             if right <= left or bottom <= top:
                 continue
             ys, xs = torch.meshgrid(torch.arange(top, bottom, dtype=torch.float32),
@@ -471,18 +505,18 @@ def batch_form(t: "YoloAugment | Letterbox", p: Plan, images: torch.Tensor, name
                 if image_ids is not None:
                     target["image_id"] = image_ids[k]
         return targets
-    s = float(t.imgsz)
+    height, width = p.size
     counts = [len(b) for b in p.boxes]
     boxes = np.concatenate(p.boxes) if sum(counts) else np.zeros((0, 4), np.float32)
-    xywh = np.stack([(boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2,
-                     boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]], axis=1) / s if len(boxes) else boxes
+    xywh = np.stack([(boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2, boxes[:, 2] - boxes[:, 0],
+                     boxes[:, 3] - boxes[:, 1]], axis=1) / [width, height, width, height] if len(boxes) else boxes
     labels = np.concatenate(p.labels) if sum(counts) else np.zeros(0, np.int64)
     batch = {"img": images,
              "batch_idx": _to(np.repeat(np.arange(len(counts)), counts), np.float32, device),
              "cls": _to(labels[:, None], np.float32, device),
              "bboxes": _to(xywh, np.float32, device),
              "ori_shape": tuple(shape for shape, _ in p.shapes),
-             "resized_shape": tuple((t.imgsz, t.imgsz) for _ in p.shapes),
+             "resized_shape": tuple(tuple(p.size) for _ in p.shapes),
              "ratio_pad": tuple(ratio_pad for _, ratio_pad in p.shapes)}
     if names is not None:
         batch["im_file"] = tuple(names)

@@ -297,7 +297,7 @@ def _bilerp(p, right, down, wx, wy, inside, pad):
 
 
 @triton.jit
-def _detect(src, offsets, channels, inverse, centre, slots, gains, out, size, pad,
+def _detect(src, offsets, channels, inverse, centre, slots, gains, out, height, width, pad,
             HSV: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
     """Program (n, b): output pixels [b*BLOCK, (b+1)*BLOCK) of image n. Each pixel maps through the
     image's inverse affine onto the canvas, picks its mosaic quadrant's slot (nearest pixel centres
@@ -305,11 +305,11 @@ def _detect(src, offsets, channels, inverse, centre, slots, gains, out, size, pa
     mapped canvas -> resized image -> source with half-pixel centres (as cv2.resize maps them);
     ``pad`` where no image lies. Then rounded, and HSV-jittered as ``detection._hsv`` computes it."""
     n = tl.program_id(0)
-    area = size * size
+    area = height * width
     idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < area
-    fx = (idx % size).to(tl.float32)
-    fy = (idx // size).to(tl.float32)
+    fx = (idx % width).to(tl.float32)
+    fy = (idx // width).to(tl.float32)
     row = inverse + n * 6
     cx = tl.load(row + 0) * fx + tl.load(row + 1) * fy + tl.load(row + 2)
     cy = tl.load(row + 3) * fx + tl.load(row + 4) * fy + tl.load(row + 5)
@@ -361,8 +361,8 @@ def _detect(src, offsets, channels, inverse, centre, slots, gains, out, size, pa
         tl.store(dest + 2 * area, (b / 255.0).to(out.dtype.element_ty), mask=mask)
 
 
-def sample_detection(buffer, offsets, channels, p, imgsz: int, pad: int, hsv: bool, dtype) -> torch.Tensor:
-    """A detection plan's ``p`` batch of imgsz x imgsz images (NCHW, ``dtype``: uint8, or a float
+def sample_detection(buffer, offsets, channels, p, pad: int, hsv: bool, dtype) -> torch.Tensor:
+    """A detection plan's ``p`` batch of images of ``p.size`` (NCHW, ``dtype``: uint8, or a float
     dtype for values in [0, 1]) from the decoded sources in ``buffer``, on its device and the
     current stream."""
     device = buffer.device
@@ -371,9 +371,11 @@ def sample_detection(buffer, offsets, channels, p, imgsz: int, pad: int, hsv: bo
     def table(array, kind):
         return upload(torch.from_numpy(np.ascontiguousarray(array, dtype=kind)), device)
 
-    out = torch.empty((n, 3, imgsz, imgsz), dtype=dtype, device=device)
-    _detect[(n, triton.cdiv(imgsz * imgsz, _BLOCK))](
+    height, width = p.size
+    out = torch.empty((n, 3, height, width), dtype=dtype, device=device)
+    _detect[(n, triton.cdiv(height * width, _BLOCK))](
         buffer.reshape(-1), table(offsets, np.int64), table(channels, np.int64), table(p.inverse, np.float32),
-        table(p.centre, np.float32), table(p.slots, np.float32), table(p.hsv, np.float32), out, imgsz, float(pad),
+        table(p.centre, np.float32), table(p.slots, np.float32), table(p.hsv, np.float32), out, height, width,
+        float(pad),
         HSV=hsv, TO_U8=not dtype.is_floating_point, BLOCK=_BLOCK)
     return out
