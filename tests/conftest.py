@@ -98,7 +98,7 @@ def _extraneous_bytes(image):
 
 
 def _sixteen_bit(image):
-    gray = np.asarray(image.convert("L"), dtype=np.uint16) * 257
+    gray = np.asarray(image.convert("L"), dtype=np.uint16) * 257 + np.arange(image.width, dtype=np.uint16) % 200
     return png_bytes(Image.fromarray(gray))
 
 
@@ -201,7 +201,12 @@ def damaged_copy(dataset, out, sample, at, data) -> str:
 
 
 def pil_reference(path) -> np.ndarray:
-    return np.asarray(Image.open(path).convert("RGB"))
+    """What a pack should hold of an image file: PIL's RGB conversion, except that a 16-bit gray
+    image keeps each pixel's high byte (as OpenCV reads it; PIL's conversion clips it to white)."""
+    image = Image.open(path)
+    if image.mode.startswith("I;16"):
+        image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8), "L")
+    return np.asarray(image.convert("RGB"))
 
 
 def mean_abs_diff(tensor_chw, reference_hwc) -> float:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import mean_abs_diff, pil_reference, write_photos
+from PIL import Image
 
 from gdsdata.format import layout as fmt
 from gdsdata.dataset import GDSDataset
@@ -292,3 +293,26 @@ def test_a_file_that_is_no_image_is_one_reason_also_after_ultralytics_is_importe
             prepare(b"plain text, no image", PackOptions())
     finally:
         Image.open = original
+
+
+def test_sixteen_bit_gray_images_keep_their_high_byte(tmp_path):
+    """A 16-bit gray PNG or TIFF is stored as OpenCV reads it (each pixel's high byte), not as PIL's
+    conversion gives it (clipped to white); 32-bit integer pixels within 8 bits stay as they are, and
+    beyond 16 bits the file is skipped with the reason."""
+    values = (np.arange(64 * 48, dtype=np.uint32).reshape(48, 64) * 21) % 65536
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    Image.fromarray(values.astype(np.uint16)).save(tmp_path / "src" / "a" / "sixteen.png")
+    Image.fromarray(values.astype(np.uint16)).save(tmp_path / "src" / "a" / "sixteen.tif")
+    Image.fromarray((values % 256).astype(np.int32), "I").save(tmp_path / "src" / "a" / "eight_in_i.tif")
+    wide = values.astype(np.int32) * 2 - 70000
+    Image.fromarray(wide, "I").save(tmp_path / "src" / "a" / "wide.tif")
+    result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1, options=PackOptions(codec="raw"))
+    assert [(s["path"], s["reason"]) for s in result.skipped] == [
+        ("a/wide.tif", f"its I pixels run from -70000 to {wide.max()}, beyond 16 bits: no 8-bit image without "
+                       f"choosing a scale (convert it to 8 bits first)")]
+    ds = GDSDataset(str(tmp_path / "ds"))
+    expected = {"a/sixteen.png": values >> 8, "a/sixteen.tif": values >> 8, "a/eight_in_i.tif": values % 256}
+    assert sorted(ds.source(i) for i in range(len(ds))) == sorted(expected)
+    for i in range(len(ds)):
+        image, _ = ds[i]
+        assert (image.numpy() == expected[ds.source(i)].astype(np.uint8)).all(), ds.source(i)

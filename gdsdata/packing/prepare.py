@@ -4,8 +4,9 @@ Every stored sample must decode on the GPU fast path. A JPEG that nvJPEG's hardw
 decode (see ``jpeg.probe``) and that libjpeg-turbo decodes without a warning is stored byte for
 byte. Anything else PIL can
 open is converted once, exactly as ``PIL.Image.open(path).convert("RGB")`` sees it (EXIF
-orientation is not applied unless ``exif_transpose``, as YOLO packs ask; alpha is dropped, 16-bit
-and palette images go through PIL's own conversion), and re-encoded as a baseline JPEG: quality 95
+orientation is not applied unless ``exif_transpose``, as YOLO packs ask; alpha is dropped, palette
+images go through PIL's own conversion; 16-bit gray images keep their high byte, as OpenCV reads
+them, where PIL's conversion would clip them to white), and re-encoded as a baseline JPEG: quality 95
 by default with 4:4:4 chroma, so that colour edges survive (a palette image kept a mean absolute
 difference near 2.5 where 4:2:0 at quality 90 gave 4); single-channel sources as a gray JPEG, the
 rest as YCbCr. A file that cannot be decoded raises ``BadImageError`` with the reason.
@@ -17,6 +18,7 @@ import sys
 import warnings
 from dataclasses import dataclass, replace
 
+import numpy as np
 import simplejpeg
 from PIL import Image, ImageOps
 
@@ -167,10 +169,29 @@ def _target_size(width, height, options):
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode.startswith("I;16") or image.mode == "I":
+        image = _eight_bit(image)
     try:
         return image.convert("RGB")
     except Exception as e:  # noqa: BLE001 - as in _open: the file is bad, whatever PIL raised
         raise BadImageError(f"cannot convert {image.mode} to RGB: {e}") from e
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit gray image (or 32-bit integer pixels holding up to 16 bits) as 8-bit gray, keeping
+    each pixel's high byte as OpenCV does when it reads one in colour (PIL's own conversion clips
+    every value over 255 to white); integer pixels within 0..255 stay as they are."""
+    try:
+        values = np.asarray(image)
+    except Exception as e:  # noqa: BLE001 - as in _open: the file is bad, whatever PIL raised
+        raise BadImageError(f"cannot read its {image.mode} pixels: {e}") from e
+    low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
+    if low < 0 or high > 65535:
+        raise BadImageError(f"its {image.mode} pixels run from {low} to {high}, beyond 16 bits: no 8-bit image "
+                            f"without choosing a scale (convert it to 8 bits first)")
+    if image.mode == "I" and high <= 255:
+        return Image.fromarray(values.astype(np.uint8), "L")
+    return Image.fromarray((values.astype(np.uint32) >> 8).astype(np.uint8), "L")
 
 
 def _encode_jpeg(image: Image.Image, quality: int) -> bytes:
