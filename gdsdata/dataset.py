@@ -142,17 +142,14 @@ class GDSDataset(torch.utils.data.Dataset):
 
     @property
     def targets(self) -> list[int]:
-        """Every sample's label, as torchvision's ImageFolder has them."""
-        return self._labels.tolist()
+        """Every sample's label, as torchvision's ImageFolder has them. Classification datasets only."""
+        return self._one_label_each().tolist()
 
     @functools.cached_property
     def samples(self) -> list[tuple[str, int]]:
         """Every sample's (source path, label), as torchvision's ImageFolder lists them; the paths are
         relative to the packed source folder (``source(i)``). Classification datasets only."""
-        if self.index.task != "classify":
-            raise AttributeError(f"{self.root} is a detection dataset: its samples have targets, not one label "
-                                 f"(ds.target(i))")
-        return list(zip((self.index.path(i) for i in range(len(self))), self._labels.tolist()))
+        return list(zip((self.index.path(i) for i in range(len(self))), self._one_label_each().tolist()))
 
     @property
     def imgs(self) -> list[tuple[str, int]]:
@@ -169,7 +166,15 @@ class GDSDataset(torch.utils.data.Dataset):
 
     @property
     def labels(self) -> np.ndarray:
-        """Every sample's label as an int64 array (read-only)."""
+        """Every sample's label as an int64 array (read-only). Classification datasets only."""
+        return self._one_label_each()
+
+    def _one_label_each(self) -> np.ndarray:
+        """The labels; a detection dataset has none of one per sample (its records hold 0): an
+        AttributeError, not zeros that a class count or a balanced sampler would take for classes."""
+        if self.index.task != "classify":
+            raise AttributeError(f"{self.root} is a detection dataset: its samples have boxes, not one label each "
+                                 f"(ds.target(i); boxes per class: gdsdata inspect)")
         return self._labels
 
     @property

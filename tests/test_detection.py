@@ -50,7 +50,9 @@ def test_yolo_round_trip(synthetic, tmp_path):
     result = pack(os.path.join(synthetic, "yolo", "data.yaml"), out, format="yolo", workers=1)
     ds = gdsdata.GDSDataset(out)
     assert ds.task == "detect" and len(ds) == 18 and ds.classes[:2] == ["ellipse-0", "rectangle-1"]
-    assert not hasattr(ds, "samples")  # ImageFolder's (path, label) list: a label per image, which these lack
+    for name in ("samples", "imgs", "targets", "labels"):  # ImageFolder's: a label per image, which these lack
+        with pytest.raises(AttributeError, match="is a detection dataset: its samples have boxes, not one label each"):
+            getattr(ds, name)  # (not zeros, which a class count would take for class 0)
     assert result.boxes == len(ds.index.boxes) > 0
     for i in range(len(ds)):
         image_path = os.path.join(synthetic, "yolo", ds.source(i))
