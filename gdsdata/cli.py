@@ -64,8 +64,8 @@ def _cmd_pack(args):
                   alignment=args.alignment, workers=args.workers, strict=args.strict,
                   overwrite=args.overwrite, progress=_progress(args), num_parts=args.num_parts,
                   part=args.part, resume=args.resume, append=args.append,
-                  allow_empty_classes=args.allow_empty_classes, format=args.format, split=args.split,
-                  annotations=args.annotations, shard_roots=args.shard_root)
+                  allow_empty_classes=args.allow_empty_classes, format=args.format,
+                  split=args.split or "train", annotations=args.annotations, shard_roots=args.shard_root)
     rate = f"{result.new / result.seconds:.0f} images/s" if result.seconds else "-"
     whole = f"{result.packed} images in {result.shards} shard(s), {_human(result.bytes)}"
     if args.append and not result.new:
@@ -146,8 +146,8 @@ def _pack_on_ray(args, options):
                           num_parts=args.num_parts if args.num_parts > 1 else 0, options=options,
                           shard_size=args.shard_size, alignment=args.alignment, strict=args.strict,
                           overwrite=args.overwrite, progress=_progress(args),
-                          allow_empty_classes=args.allow_empty_classes, format=args.format, split=args.split,
-                          annotations=args.annotations, shard_roots=args.shard_root)
+                          allow_empty_classes=args.allow_empty_classes, format=args.format,
+                          split=args.split or "train", annotations=args.annotations, shard_roots=args.shard_root)
     print(f"packed {summary['samples']} images in {summary['parts']} part(s) on Ray ({summary['cpus']} CPUs), "
           f"{summary['shards']} shard(s), in {summary['seconds']:.1f} s into {summary['out']}")
     report = summary["report"]
@@ -179,6 +179,10 @@ def _pack_usage(args) -> str | None:
         return f"--alignment {args.alignment} is not a power of two of at least 64"
     if args.shard_size < 2 * args.alignment:
         return f"--shard-size {args.shard_size} is under twice the alignment ({2 * args.alignment} bytes)"
+    if args.split is not None and args.format != "yolo":
+        instead = ("a COCO pack takes the images its annotations JSON lists" if args.format == "coco" else
+                   "a folder of class folders has none: give the split's own folder as SRC")
+        return f"--split picks a split of a YOLO dataset (--format yolo); {instead}"
     if args.size and args.codec != "raw":
         return "--size (the shorter side of raw pixels) goes with --codec raw; JPEGs are downscaled with --max-side"
     return None
@@ -349,7 +353,7 @@ def build_parser():
                    "URL: s3://, gs://, az://, ...), and the dataset folder to create")
     p.add_argument("--format", choices=("folder", "yolo", "coco"), default="folder",
                    help="folder (classification, default), yolo or coco (detection: boxes packed with the images)")
-    p.add_argument("--split", default="train", help="--format yolo: the split to pack (default train)")
+    p.add_argument("--split", help="--format yolo: the split to pack (default train)")
     p.add_argument("--shard-size", type=_size, default=1 << 30, metavar="SIZE",
                    help="target shard size (default 1G)")
     p.add_argument("--shard-root", action="append", default=[], metavar="DIR",

@@ -234,7 +234,9 @@ def test_pack_refuses_an_empty_part_and_a_raw_size_for_jpegs(small_src, tmp_path
                        (("--alignment", "1000"), "--alignment 1000 is not a power of two of at least 64"),
                        (("--part", "1"), "--part goes with --num-parts N"),
                        (("--ray", "--resume"), "--ray packs every part itself"),
-                       (("--append", "--overwrite"), "--append goes with none of --resume, --overwrite")):
+                       (("--append", "--overwrite"), "--append goes with none of --resume, --overwrite"),
+                       (("--split", "val"), "--split picks a split of a YOLO dataset (--format yolo); a folder of "
+                                            "class folders has none: give the split's own folder as SRC")):
         rc, _, err = run("pack", small_src, str(tmp_path / "y"), *args)  # usage errors: exit 2, one line
         assert rc == 2 and err.startswith(f"gdsdata pack: error: {said}") and err.count("\n") == 1, err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
