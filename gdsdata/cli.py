@@ -87,7 +87,7 @@ def _cmd_pack(args):
         print(f"  resumed: kept {result.resumed_shards} shard(s) ({result.packed - result.new} images) of the "
               f"interrupted pack")
     if result.labels is not None:
-        _print_labels(result)
+        _print_labels(result, args.append)
     _print_left_out(result.skipped, result.ignored, result.unreadable, result.special)
     empty = _empty_classes(result.report_path) if result.labels is None else []  # (detection: boxes per class)
     if empty:
@@ -128,9 +128,15 @@ def _print_entries(heading, entries, shown=10):
         print(f"    ... {len(entries) - shown} more (pack_report.json lists them all)")
 
 
-def _print_labels(result):
+def _print_labels(result, appended: bool):
     labels = result.labels
-    print(f"  boxes: {result.boxes}, images without objects (kept as negatives): {labels['negatives']}")
+    if appended:  # (the report's negatives count the appended images)
+        print(f"  boxes: {result.boxes} in all; appended images without objects (kept as negatives): "
+              f"{labels['negatives']}")
+    else:
+        print(f"  boxes: {result.boxes}, images without objects (kept as negatives): {labels['negatives']}")
+    if labels.get("no_label_file"):
+        print(f"  warning: {labels['no_label_file']}")
     for key, what in (("bad_labels", "images left out for their labels"), ("dropped", "boxes dropped"),
                       ("clipped", "boxes clipped to the image"), ("duplicates", "duplicate boxes removed"),
                       ("orphans", "labels without an image")):

@@ -879,3 +879,23 @@ def test_a_txt_list_sorts_its_lines_as_ultralytics_holds_them(tmp_path, monkeypa
     monkeypatch.chdir(root)
     names = [os.path.basename(p) for p in _sources(pack(data, str(tmp_path / "ds"), format="yolo", workers=1).out)]
     assert names == ["z.jpg", "a.jpg"]
+
+
+def test_a_yolo_split_without_any_label_file_is_warned_about(tmp_path, caplog, capsys):
+    """A labels folder misnamed (``label/`` for ``labels/``) leaves every image without a label
+    file: packed as negatives, as Ultralytics trains them, with a warning naming where the labels
+    were looked for (none when some image has one)."""
+    src = str(tmp_path / "src")
+    yaml_path = yolo_tree(src, {"a": "0 0.5 0.5 0.2 0.2\n", "b": None})
+    with caplog.at_level("WARNING", logger="gdsdata.packing.detection"):
+        pack(yaml_path, str(tmp_path / "some"), format="yolo", workers=1)
+    assert "has a label file" not in caplog.text
+    os.rename(os.path.join(src, "labels"), os.path.join(src, "label"))
+    with caplog.at_level("WARNING", logger="gdsdata.packing.detection"):
+        result = pack(yaml_path, str(tmp_path / "none"), format="yolo", workers=1)
+    assert result.labels["negatives"] == 2
+    looked = os.path.join(src, "labels", "train", "a.txt")
+    said = f"none of its 2 images has a label file ({looked} for {os.path.join(src, 'images', 'train', 'a.jpg')}"
+    assert said in caplog.text and result.labels["no_label_file"].startswith(said)
+    rc = cli(["pack", "--format", "yolo", yaml_path, str(tmp_path / "cli"), "-q"])
+    assert rc == 0 and f"  warning: {said}" in capsys.readouterr().out

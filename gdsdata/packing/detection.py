@@ -74,6 +74,7 @@ class LabelReport:
     """What a detection source found in its labels."""
 
     negatives: int = 0
+    no_label_file: str = None  # (YOLO) where the first image's label file was looked for, when no image has one
     clipped: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
     duplicates: list = field(default_factory=list)
@@ -82,7 +83,8 @@ class LabelReport:
 
     def as_dict(self) -> dict:
         return {"negatives": self.negatives, "clipped": self.clipped, "dropped": self.dropped,
-                "duplicates": self.duplicates, "bad_labels": self.bad_labels, "orphans": self.orphans}
+                "duplicates": self.duplicates, "bad_labels": self.bad_labels, "orphans": self.orphans,
+                **({"no_label_file": self.no_label_file} if self.no_label_file else {})}
 
 
 def _coordinates_problem(row) -> str:
@@ -397,6 +399,11 @@ class YoloSource(DetectionSource):
                               f"{' '.join(YOLO_IMAGE_EXTENSIONS)})")
         labels_of = {image: label_path(image) for image in images}
         parsed = {image: self._labels(labels_of[image], keypoints) for image in images}
+        if all(rows is None and problem is None for rows, problem, _ in parsed.values()):
+            self.report.no_label_file = (f"none of its {len(images)} images has a label file "
+                                         f"({display(labels_of[images[0]])} for {display(images[0])}, as Ultralytics "
+                                         f"looks for them: a labels folder beside the images folder)")
+            log.warning("%s: %s: every image is packed without objects", display(src), self.report.no_label_file)
         if names is None:  # the ids as names, up to the largest id used; a stray huge id leaves its image out
             for image, (rows, problem, keys) in parsed.items():
                 if problem is None and rows is not None and len(rows):
