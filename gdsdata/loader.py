@@ -616,7 +616,10 @@ class _BatchMaker:
         if stream is not None and batch.owned and (self.detect or not self.pixels):
             batch.buffer.record_stream(stream)  # allocated on the decode stream; this one reads it last
         if self.detect:
-            boxes, labels = D.source_boxes(self.dataset.index, indices)
+            # a Letterbox's torchvision targets keep COCO's crowd boxes, flagged (as ds.target(i) and COCO's
+            # evaluation take them); training batches and Ultralytics' leave them out
+            crowds = isinstance(self.transform, D.Letterbox) and self.transform.targets == "torchvision"
+            boxes, labels, flags = D.source_boxes(self.dataset.index, indices, crowds)
             plan = D.plan(self.transform, batch.heights, batch.widths, boxes, labels, outputs, epoch)
             images = D.render(self.transform, batch.buffer, batch.offsets, batch.channels, plan)
             batch.release(stream)
@@ -624,7 +627,7 @@ class _BatchMaker:
                 if self.transform.targets == "ultralytics" else None
             ids = self.dataset.index.image_ids
             ids = [ids[int(i)] for i in indices[:len(outputs)]] if ids is not None else None
-            return images, D.batch_form(self.transform, plan, images, names, ids), replaced
+            return images, D.batch_form(self.transform, plan, images, names, ids, flags if crowds else None), replaced
         labels = upload(torch.from_numpy(self.dataset.labels[indices]), self.dataset.device)
         if self.pixels:
             return batch, labels, replaced  # released by the consumer's next step

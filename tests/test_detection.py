@@ -207,6 +207,19 @@ def test_coco_ids_crowds_and_bad_annotations(tmp_path):
     assert torch.allclose(target["boxes"], torch.tensor([[10.0, 20, 40, 60], [150, 50, 200, 100]]), atol=1e-3)
     assert target["iscrowd"].tolist() == [0, 1]
     assert len(ds.target(1)["boxes"]) == 0
+    # Letterbox's torchvision targets keep the crowd box, flagged, as the dataset's own and COCO's evaluation;
+    # Ultralytics' batches (training and evaluation) and YoloAugment's leave it out, as Ultralytics does
+    (_, (first, second)), = gdsdata.Loader(ds, 2, shuffle=False, transform=gdsdata.Letterbox(imgsz=64))
+    assert first["labels"].tolist() == [1, 0] and first["iscrowd"].tolist() == [0, 1] and first["iscrowd"].dtype == \
+        torch.uint8
+    scale = 64 / 200  # (200 x 100 -> 64 x 32, 16 rows of padding above)
+    assert torch.allclose(first["boxes"], target["boxes"] * scale + torch.tensor([0, 16, 0, 16]), atol=1e-3)
+    assert second["iscrowd"].tolist() == [] and len(second["boxes"]) == 0
+    batch = next(iter(gdsdata.Loader(ds, 2, shuffle=False, transform=gdsdata.Letterbox(64, targets="ultralytics"))))
+    assert batch["cls"].flatten().tolist() == [1]
+    (_, (augmented, _)), = gdsdata.Loader(ds, 2, shuffle=False, transform=gdsdata.YoloAugment(64, mosaic=0.0,
+                                                                                             scale=0.0, translate=0.0))
+    assert "iscrowd" not in augmented and augmented["labels"].tolist() == [1]
     labels = result.labels
     assert labels["negatives"] == 1 and len(labels["clipped"]) == 1 and len(labels["duplicates"]) == 1
     reasons = " | ".join(d["reason"] for d in labels["dropped"])

@@ -248,7 +248,7 @@ def compare_kernel(det, device, imgsz):
         t = gdsdata.Letterbox(imgsz=imgsz, **kwargs or {}) if kwargs is None or "rect" in kwargs else \
             gdsdata.YoloAugment(imgsz=imgsz, **kwargs)
         batch, read = ds.load_batch(t.sources(indices, 0, np.arange(len(ds))))
-        boxes, labels = D.source_boxes(ds.index, read)
+        boxes, labels, _ = D.source_boxes(ds.index, read)
         plan = D.plan(t, batch.heights, batch.widths, boxes, labels, indices, 0)
         cpu = D.render(t, batch.buffer, batch.offsets, batch.channels, plan)
         dtype = torch.uint8 if t.dtype is None else getattr(torch, t.dtype)

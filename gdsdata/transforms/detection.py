@@ -378,23 +378,27 @@ def _to(array, dtype, device) -> torch.Tensor:
 
 
 
-def source_boxes(index, indices: Sequence[int]) -> tuple[list, list]:
-    """Per sample of ``indices``: its boxes (XYXY fractions of the image, float64 [K, 4]) and
-    labels, crowd boxes left out (Ultralytics' COCO conversion leaves them out too)."""
+def source_boxes(index, indices: Sequence[int], crowds: bool = False) -> tuple[list, list, list]:
+    """Per sample of ``indices``: its boxes (XYXY fractions of the image, float64 [K, 4]), labels
+    and crowd flags (uint8); crowd boxes left out (Ultralytics' COCO conversion leaves them out too)
+    unless ``crowds``."""
     from gdsdata.format import layout as fmt
 
     idx = np.asarray(indices, np.int64)
     if index.boxes is None or not len(idx):
-        return [np.zeros((0, 4)) for _ in idx], [np.zeros(0, np.int64) for _ in idx]
+        return ([np.zeros((0, 4)) for _ in idx], [np.zeros(0, np.int64) for _ in idx],
+                [np.zeros(0, np.uint8) for _ in idx])
     start = index.box_start[idx].astype(np.int64)
     counts = index.box_start[idx + 1].astype(np.int64) - start
     rows = np.repeat(start - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
     records = index.boxes[rows]
-    keep = (records["flags"] & fmt.BOX_CROWD) == 0
+    crowd = (records["flags"] & fmt.BOX_CROWD) != 0
+    keep = np.ones(len(records), bool) if crowds else ~crowd
     records = records[keep]
     boxes = np.stack([records[k] for k in ("x0", "y0", "x1", "y1")], axis=1).astype(np.float64)
     split = np.cumsum(np.bincount(np.repeat(np.arange(len(idx)), counts)[keep], minlength=len(idx)))[:-1]
-    return np.split(boxes, split), np.split(records["label"].astype(np.int64), split)
+    return (np.split(boxes, split), np.split(records["label"].astype(np.int64), split),
+            np.split(crowd[keep].astype(np.uint8), split))
 
 
 def render(t: "YoloAugment | Letterbox", buffer: torch.Tensor, offsets, channels, p: Plan) -> torch.Tensor:
@@ -489,9 +493,10 @@ def _hsv(rgb: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
 
 # --- the batch forms -------------------------------------------------------------------------------------
 def batch_form(t: "YoloAugment | Letterbox", p: Plan, images: torch.Tensor, names: Sequence[str] | None = None,
-               image_ids: Sequence[int] | None = None):
+               image_ids: Sequence[int] | None = None, crowds: Sequence[np.ndarray] | None = None):
     """The targets as torchvision's detection models take them (a dict per image), or Ultralytics'
-    batch dict (which holds the images too); ``image_ids``: COCO's, for Letterbox's targets."""
+    batch dict (which holds the images too); ``image_ids``: COCO's, ``crowds``: each box's crowd
+    flag, for Letterbox's targets (whose boxes are the sources', in order)."""
     device = images.device
     if t.targets == "torchvision":
         targets = [{"boxes": _to(b, np.float32, device), "labels": _to(lab, np.int64, device)}
@@ -504,6 +509,8 @@ def batch_form(t: "YoloAugment | Letterbox", p: Plan, images: torch.Tensor, name
                 target["orig_size"], target["ratio_pad"] = sizes[k], ratio_pad[k]
                 if image_ids is not None:
                     target["image_id"] = image_ids[k]
+                if crowds is not None:
+                    target["iscrowd"] = _to(crowds[k], np.uint8, device)
         return targets
     height, width = p.size
     counts = [len(b) for b in p.boxes]
