@@ -42,6 +42,10 @@ def _integer(low: int, high: int | None = None):
     return parse
 
 
+def _images(n: int) -> str:
+    return f"{n} image{'' if n == 1 else 's'}"
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -67,12 +71,12 @@ def _cmd_pack(args):
                   allow_empty_classes=args.allow_empty_classes, format=args.format,
                   split=args.split or "train", annotations=args.annotations, shard_roots=args.shard_root)
     rate = f"{result.new / result.seconds:.0f} images/s" if result.seconds else "-"
-    whole = f"{result.packed} images in {result.shards} shard(s), {_human(result.bytes)}"
+    whole = f"{_images(result.packed)} in {result.shards} shard(s), {_human(result.bytes)}"
     if args.append and not result.new:
         held = "the rest" if result.skipped else "every image"
         print(f"nothing to append: {args.out} holds {held} of {args.src} already ({whole}; unchanged)")
     elif args.append:
-        print(f"appended {result.new} images in {result.seconds:.1f} s ({rate}): {args.out} now holds {whole}")
+        print(f"appended {_images(result.new)} in {result.seconds:.1f} s ({rate}): {args.out} now holds {whole}")
     elif result.resumed_shards:  # (the time and rate are the images packed by this run)
         print(f"packed {whole}: {result.new} of them by this run, in {result.seconds:.1f} s ({rate})")
     else:

@@ -912,3 +912,17 @@ def test_a_yolo_split_without_any_label_file_is_warned_about(tmp_path, caplog, c
     assert said in caplog.text and result.labels["no_label_file"].startswith(said)
     rc = cli(["pack", "--format", "yolo", yaml_path, str(tmp_path / "cli"), "-q"])
     assert rc == 0 and f"  warning: {said}" in capsys.readouterr().out
+
+
+def test_a_coco_pack_locks_naming_its_annotations_and_may_go_inside_its_images_folder(tmp_path, monkeypatch):
+    """A second writer is told the COCO pack at work by its annotations JSON, not its images folder;
+    the output may lie inside the images folder (the JSON lists the images, so the shards are never
+    taken for some), where a folder of class folders refuses it."""
+    import gdsdata.packing.packer as packer
+
+    ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48)},
+                             [{"image_id": 1, "category_id": 1, "bbox": [1, 2, 10, 10]}], [(1, "dot")])
+    held, real = [], packer.writer_lock
+    monkeypatch.setattr(packer, "writer_lock", lambda out, what: held.append(what) or real(out, what))
+    result = pack(images, os.path.join(images, "packed"), format="coco", annotations=ann, workers=1)
+    assert held == [f"pack of {ann}"] and gdsdata.GDSDataset(result.out).target(0)["labels"].tolist() == [0]

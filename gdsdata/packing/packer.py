@@ -513,11 +513,11 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         if (part + 1) * len(source.items) // num_parts == part * len(source.items) // num_parts:
             raise SourceError(f"{name}: part {part} of {num_parts} would hold no image ({len(source.items)} in all): "
                               f"split it into at most {len(source.items)} parts")
-        if isinstance(src, str) and os.path.isdir(src) and within(out, src):
+        if format == "folder" and isinstance(src, str) and os.path.isdir(src) and within(out, src):
             raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it (its "
                               f"shards would be read as images of a class)")
         what = "append" if append else "resume" if resume else "pack"
-        with writer_lock(out, f"{what} of {name}"):
+        with writer_lock(out, f"{what} of {annotations if format == 'coco' and annotations else name}"):
             def build(folder):
                 return _pack(source, name, folder, out, options, shard_size, alignment, workers, strict,
                              progress, num_parts, part, resume, append, started, on_progress, roots)
