@@ -926,3 +926,23 @@ def test_a_coco_pack_locks_naming_its_annotations_and_may_go_inside_its_images_f
     monkeypatch.setattr(packer, "writer_lock", lambda out, what: held.append(what) or real(out, what))
     result = pack(images, os.path.join(images, "packed"), format="coco", annotations=ann, workers=1)
     assert held == [f"pack of {ann}"] and gdsdata.GDSDataset(result.out).target(0)["labels"].tolist() == [0]
+
+
+def test_an_append_refuses_an_image_it_holds_whose_labels_changed(tmp_path):
+    """--append adds the images the dataset does not hold; one it holds whose label file now gives
+    other boxes is refused in one line (its new labels would be dropped unseen), the dataset left as
+    it was; unchanged labels append as before."""
+    root = str(tmp_path / "set")
+    data = yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n", "b": ""})
+    out = pack(data, str(tmp_path / "ds"), format="yolo", workers=1).out
+    before = gdsdata.GDSDataset(out).index.fingerprint
+    with open(os.path.join(root, "labels", "train", "b.txt"), "w") as f:
+        f.write("1 0.5 0.5 0.1 0.1\n")
+    with pytest.raises(SourceError, match=r"b.jpg: its labels give 1 box\(es\) other than the 0 .* holds for it; "
+                                          r"--append adds only .*--overwrite to take the new labels"):
+        pack(data, out, format="yolo", workers=1, append=True)
+    assert gdsdata.GDSDataset(out).index.fingerprint == before
+    with open(os.path.join(root, "labels", "train", "b.txt"), "w") as f:
+        f.write("")
+    yolo_tree(root, {"c": "1 0.5 0.5 0.2 0.2\n"})
+    assert pack(data, out, format="yolo", workers=1, append=True).new == 1

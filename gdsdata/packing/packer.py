@@ -544,6 +544,8 @@ def _appendable(out, source, alignment):
     for i in range(len(base)):
         held.setdefault(base.path(i), []).append(i)
     _check_held(base, source, held)
+    if task == "detect":
+        _check_held_boxes(base, source, held)
     added = set(source.classes) - set(base.classes)
     if isinstance(source, (FolderSource, RemoteFolderSource)) and base.classes == sorted(base.classes):
         classes = sorted(set(base.classes) | added)  # ImageFolder's labels: the sorted names, old and new alike
@@ -585,6 +587,20 @@ def _check_held(base, source, held):
                               f"different image under {display(item.rel)} ({size:,} bytes here, {length:,} packed); "
                               f"--append adds only the paths the dataset does not hold: pack again with "
                               f"--overwrite to replace images")
+
+
+def _check_held_boxes(base, source, held):
+    """A detection append adds the images the dataset does not hold; an image it holds whose labels
+    now give other boxes than were packed for it is refused, or its new labels would be dropped
+    unseen (the image itself is compared by ``_check_held``)."""
+    for item in source.items:
+        packed = [base.sample_boxes(k) for k in held.get(item.rel, ())]
+        if not packed or any(np.array_equal(boxes, item.boxes) for boxes in packed):
+            continue
+        where = item.path or os.path.join(str(source.root), item.rel)
+        raise SourceError(f"{display(where)}: its labels give {len(item.boxes)} box(es) other than the "
+                          f"{len(packed[0])} {base.root} holds for it; --append adds only the images the dataset does "
+                          f"not hold: pack again with --overwrite to take the new labels")
 
 
 def _unchanged(base, source, out, started, skipped=()) -> PackResult:
