@@ -374,6 +374,7 @@ def test_yolo_bad_labels_are_reported_as_the_module_says(tmp_path):
         "words": "0 0.5 zero 0.1 0.1\n",
         "class": "7 0.5 0.5 0.1 0.1\n",
         "pixels": "0 320 240 50 50\n",
+        "wide_polygon": "1 0.2 0.1 2.0 0.1 1.0 0.5\n",  # reaches x = 2: its box is 1.8 wide
     })
     with open(os.path.join(src, "labels", "train", "lost.txt"), "w") as f:
         f.write("0 0.5 0.5 0.1 0.1\n")
@@ -396,6 +397,9 @@ def test_yolo_bad_labels_are_reported_as_the_module_says(tmp_path):
     assert "not numbers" in bad[os.path.join("images", "train", "words.jpg")]
     assert "class id 7 is not in the 2 names" in bad[os.path.join("images", "train", "class.jpg")]
     assert "coordinates up to 320, beyond the image" in bad[os.path.join("images", "train", "pixels.jpg")]
+    assert bad[os.path.join("images", "train", "wide_polygon.jpg")].endswith(
+        "line 1: the bounding box (cx cy w h) of its polygon, x 0.2 to 2, y 0.1 to 0.5, has coordinates up to 1.8, "
+        "beyond the image: YOLO labels are fractions of its width and height (at most 1.01, as Ultralytics allows)")
     assert labels["orphans"] == [{"label": os.path.join("labels", "train", "lost.txt"),
                                   "reason": "a label file without an image"}]
     with pytest.raises(SourceError, match="class id 7 is not in the 2 names .*--strict"):

@@ -550,6 +550,10 @@ class YoloSource(DetectionSource):
             else:
                 return None, f"line {number}: {len(values)} values (class cx cy w h, or class and a polygon)", None
             problem = _coordinates_problem(rows[-1])
+            if problem and len(values) > 5:  # (Ultralytics checks a polygon's box: say which points made it)
+                xs, ys = values[1::2], values[2::2]
+                problem = (f"the bounding box (cx cy w h) of its polygon, x {min(xs):.4g} to {max(xs):.4g}, "
+                           f"y {min(ys):.4g} to {max(ys):.4g}, has {problem}")
             if problem:
                 return None, f"line {number}: {problem}", None
         return np.array(rows, np.float64).reshape(-1, 5), None, keys
