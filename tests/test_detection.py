@@ -222,6 +222,8 @@ def test_coco_ids_crowds_and_bad_annotations(tmp_path):
     assert "iscrowd" not in augmented and augmented["labels"].tolist() == [1]
     labels = result.labels
     assert labels["negatives"] == 1 and len(labels["clipped"]) == 1 and len(labels["duplicates"]) == 1
+    assert labels["clipped"][0]["reason"] == ("box reaches outside the image: bbox [150, 50, 100, 100] clipped to "
+                                              "bbox [150, 50, 50, 50]")  # (COCO's form, in the image's pixels)
     reasons = " | ".join(d["reason"] for d in labels["dropped"])
     assert "category id 7 is not in 'categories'" in reasons and "degenerate" in reasons and "outside" in reasons
     assert "image id 8 is not in 'images'" in labels["orphans"][0]["reason"]

@@ -98,11 +98,13 @@ def _coordinates_problem(row) -> str:
     return ""
 
 
-def boxes_from_xyxy(xyxy, labels, flags, where, report, keys=None) -> np.ndarray:
+def boxes_from_xyxy(xyxy, labels, flags, where, report, keys=None, shown=None) -> np.ndarray:
     """``BOX_RECORD`` rows from corners as fractions (N x 4): clipped to the image, degenerate and
     duplicate boxes out, each change noted in ``report`` under ``where`` (a file and line, or an
-    annotation id). ``keys``: what makes a row a repeat of another (YOLO: its numbers as written,
-    as Ultralytics compares them), else its class, crowd flag and clipped box."""
+    annotation id), each box as ``shown`` writes corners (the annotation's own form; else the
+    corners as fractions). ``keys``: what makes a row a repeat of another (YOLO: its numbers as
+    written, as Ultralytics compares them), else its class, crowd flag and clipped box."""
+    form = shown or _fractions
     xyxy = np.asarray(xyxy, np.float64).reshape(-1, 4)
     labels, flags = np.asarray(labels, np.int64), np.asarray(flags, np.int64)
     keep, seen = [], set()
@@ -110,18 +112,18 @@ def boxes_from_xyxy(xyxy, labels, flags, where, report, keys=None) -> np.ndarray
         x0, y0, x1, y1 = xyxy[k]
         if not (x1 > x0 and y1 > y0):
             report.dropped.append({"label": where(k), "reason": f"degenerate box (no width or height): "
-                                                            f"{_coords(xyxy[k])}"})
+                                                            f"{form(xyxy[k])}"})
             continue
         clipped = np.clip(xyxy[k], 0.0, 1.0)
         stored = np.float32(clipped)  # as the index holds it: a box thinner than float32 tells apart has no width
         if not (stored[2] > stored[0] and stored[3] > stored[1]):
             reason = "box outside the image" if not (clipped[2] > clipped[0] and clipped[3] > clipped[1]) else \
                 "box narrower than a float32 fraction of the image tells apart"
-            report.dropped.append({"label": where(k), "reason": f"{reason}: {_coords(xyxy[k])}"})
+            report.dropped.append({"label": where(k), "reason": f"{reason}: {form(xyxy[k])}"})
             continue
         if np.abs(clipped - xyxy[k]).max() > _SLACK:
-            report.clipped.append({"label": where(k), "reason": f"box reaches outside the image: {_coords(xyxy[k])} "
-                                                            f"clipped to {_coords(clipped)}"})
+            report.clipped.append({"label": where(k), "reason": f"box reaches outside the image: {form(xyxy[k])} "
+                                                            f"clipped to {form(clipped)}"})
         key = keys[k] if keys is not None else (int(labels[k]), int(flags[k]), *stored.tolist())  # (crowd: not again)
         if key in seen:
             report.duplicates.append({"label": where(k), "reason": "the same box and class again: kept once"})
@@ -131,8 +133,16 @@ def boxes_from_xyxy(xyxy, labels, flags, where, report, keys=None) -> np.ndarray
     return np.array(keep, dtype=fmt.BOX_RECORD)
 
 
-def _coords(values) -> str:
+def _fractions(values) -> str:
     return "[" + ", ".join(f"{v:.4g}" for v in values) + "]"
+
+
+def _coco_bbox(width, height):
+    """Corners as fractions written as a COCO ``bbox`` of the image: [x, y, w, h] in its pixels."""
+    def shown(values):
+        x0, y0, x1, y1 = values
+        return "bbox " + _fractions([x0 * width, y0 * height, (x1 - x0) * width, (y1 - y0) * height])
+    return shown
 
 
 class DetectionSource:
@@ -676,7 +686,8 @@ class CocoSource(DetectionSource):
             width, height = size
             xyxy = [(x / width, y / height, (x + w) / width, (y + h) / height) for _, x, y, w, h, _, _ in anns]
             boxes = boxes_from_xyxy(xyxy, [a[5] for a in anns], [a[6] for a in anns],
-                                    lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report)
+                                    lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report,
+                                    shown=_coco_bbox(width, height))
             self.report.negatives += not len(boxes)
             self.items.append(Item(file_name, 0, path=path, boxes=boxes, size=(width, height), image_id=image_id))
         if strict and self.report.bad_labels:
