@@ -139,8 +139,6 @@ def _print_labels(result, appended: bool):
               f"{labels['negatives']}")
     else:
         print(f"  boxes: {result.boxes}, images without objects (kept as negatives): {labels['negatives']}")
-    if labels.get("no_label_file"):
-        print(f"  warning: {labels['no_label_file']}")
     for key, what in (("bad_labels", "images left out for their labels"), ("dropped", "boxes dropped"),
                       ("clipped", "boxes clipped to the image"), ("duplicates", "duplicate boxes removed"),
                       ("orphans", "labels without an image")):
@@ -450,10 +448,8 @@ def main(argv=None):
         if _stdout_closed():
             return 1
         raise
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if not args.verbose:  # what a writer did to what killed writers left beside the dataset, always said
-        logging.getLogger("gdsdata.format.lock").setLevel(logging.WARNING)
     from gdsdata.errors import GdsDataError
 
     if args.command in ("pack", "merge"):  # what OUT held before: an interrupt says whether it still does

@@ -741,7 +741,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                     if strict:
                         raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
                     skipped.append({"path": display(rel), "reason": reason})
-                    log.warning("skipped %s: %s", display(rel), reason)
+                    log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
                     position["item"] += 1
                     continue
                 shard, offset = writer.add(prepared.payload)  # may close a shard: its journal ends here
