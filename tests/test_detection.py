@@ -954,3 +954,26 @@ def test_an_append_refuses_an_image_it_holds_whose_labels_changed(tmp_path):
         f.write("")
     yolo_tree(root, {"c": "1 0.5 0.5 0.2 0.2\n"})
     assert pack(data, out, format="yolo", workers=1, append=True).new == 1
+
+
+def test_repeated_class_names_are_warned_about_and_their_labels_kept_apart(tmp_path, caplog):
+    root = str(tmp_path / "set")
+    data = yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n1 0.2 0.2 0.1 0.1\n"})
+    _yaml(data, "path: .\ntrain: images/train\nnames: [dog, dog, cat]\n")
+    with caplog.at_level("WARNING", logger="gdsdata.packing.detection"):
+        ds = gdsdata.GDSDataset(pack(data, str(tmp_path / "ds"), format="yolo", workers=1).out)
+    assert "class names repeat ('dog' is class 0, 1): the labels stay apart, but class_to_idx keeps each name's " \
+           "last" in caplog.text
+    assert ds.classes == ["dog", "dog", "cat"] and ds.target(0)["labels"].tolist() == [0, 1]
+
+
+def test_classes_named_by_their_ids_are_warned_about(tmp_path, caplog):
+    """A YOLO folder with no names anywhere: its classes are the ids up to the largest used, with a
+    warning that says so and how many of them no box uses (a stray id makes many)."""
+    root = str(tmp_path / "set")
+    os.unlink(yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n", "b": "30 0.2 0.2 0.1 0.1\n"}))
+    with caplog.at_level("WARNING", logger="gdsdata.packing.detection"):
+        ds = gdsdata.GDSDataset(pack(root, str(tmp_path / "ds"), format="yolo", workers=1).out)
+    assert ds.classes == [str(k) for k in range(31)]
+    assert f"{root}: no class names (a data YAML's names or a classes.txt): 31 class(es) named by their ids 0..30, " \
+           "29 of which no box uses" in caplog.text

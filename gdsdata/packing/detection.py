@@ -421,9 +421,13 @@ class YoloSource(DetectionSource):
                     if problem is not None:
                         parsed[image] = (None, f"{problem}; give the class names in a data YAML or classes.txt",
                                          None)
-            top = max((int(rows[:, 0].max()) for rows, _, _ in parsed.values() if rows is not None and len(rows)),
-                      default=0)
+            used = {int(k) for rows, _, _ in parsed.values() if rows is not None and len(rows) for k in rows[:, 0]}
+            top = max(used, default=0)
             names = [str(k) for k in range(top + 1)]
+            unused = len(names) - len(used)
+            log.warning("%s: no class names (a data YAML's names or a classes.txt): %d class(es) named by their ids "
+                        "0..%d%s", display(src), len(names), top,
+                        f", {unused} of which no box uses" if unused else "")
         self.classes = names
         for image in images:
             rel = os.path.relpath(image, self.root)
@@ -767,10 +771,26 @@ def open_detection(format, src, *, split="train", annotations=None, strict=False
         raise SourceError(f"{remote}: --format {format} packs from local files (a URL is taken for image folders, "
                           f"tar shards and LMDBs); copy the dataset here first")
     if format == "yolo":
-        return YoloSource(src, split=split, strict=strict)
-    if format == "coco":
+        source = YoloSource(src, split=split, strict=strict)
+    elif format == "coco":
         if annotations is None:
             raise SourceError("--format coco needs the annotations JSON: gdsdata pack --format coco "
                               "ANNOTATIONS.json IMAGES OUT")
-        return CocoSource(annotations, src, strict=strict)
-    raise ValueError(f"format must be 'folder', 'yolo' or 'coco', got {format!r}")
+        source = CocoSource(annotations, src, strict=strict)
+    else:
+        raise ValueError(f"format must be 'folder', 'yolo' or 'coco', got {format!r}")
+    _warn_repeated_names(source.classes, annotations or src)
+    return source
+
+
+def _warn_repeated_names(classes, where):
+    """Class names that repeat (Ultralytics allows them) leave ``class_to_idx`` one label per name:
+    said once, naming each repeat's labels."""
+    labels = {}
+    for k, name in enumerate(classes):
+        labels.setdefault(name, []).append(k)
+    repeats = {name: ks for name, ks in labels.items() if len(ks) > 1}
+    if repeats:
+        said = "; ".join(f"{name!r} is class {', '.join(map(str, ks))}" for name, ks in list(repeats.items())[:5])
+        log.warning("%s: class names repeat (%s): the labels stay apart, but class_to_idx keeps each name's last",
+                    display(where), said)
