@@ -426,7 +426,7 @@ class YoloSource(DetectionSource):
             names = [str(k) for k in range(top + 1)]
             unused = len(names) - len(used)
             log.warning("%s: no class names (a data YAML's names or a classes.txt): %d class(es) named by their ids "
-                        "0..%d%s", display(src), len(names), top,
+                        "0..%d%s (pack the dataset's data YAML to take its names)", display(src), len(names), top,
                         f", {unused} of which no box uses" if unused else "")
         self.classes = names
         for image in images:
