@@ -12,7 +12,7 @@ backend decodes them). The others size or bound the work.
 
 A dataset takes a snapshot of the settings when it is built: changing them later does not touch a
 dataset already open. ``cpu_threads`` sizes the process's one CPU pool (read whenever the pool is
-made) and ``stall_timeout`` is read as each Loader pass starts.
+made) and ``stall_timeout`` is read as each Loader pass and each pack starts.
 
 | name | variable | default | meaning |
 | --- | --- | --- | --- |
@@ -35,7 +35,8 @@ made) and ``stall_timeout`` is read as each Loader pass starts.
 | | | | memory (CPU path, pinned staging), or GPU staging (a CRC-32 kernel; needs Triton); 0: never |
 | stall_timeout | GDSDATA_STALL_TIMEOUT | 60 | seconds a Loader stage may spend on one batch before the |
 | | | | training loop gets a ``StallError`` naming the stage, the batch and the call it is stuck in; |
-| | | | a packing worker on its chunk of images before each is prepared alone (and skipped if it stalls) |
+| | | | a packing worker on an image (a chunk of 8: 8 times that) before each is prepared alone, and |
+| | | | skipped if it stalls; ``inf``: no bound |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
 when it does not come from NVIDIA's wheels.

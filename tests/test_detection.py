@@ -941,17 +941,23 @@ def test_an_append_refuses_an_image_it_holds_whose_labels_changed(tmp_path):
     other boxes is refused in one line (its new labels would be dropped unseen), the dataset left as
     it was; unchanged labels append as before."""
     root = str(tmp_path / "set")
-    data = yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n", "b": ""})
+    data = yolo_tree(root, {"a": "0 0.5 0.5 0.2 0.2\n1 0.25 0.25 0.1 0.1\n", "b": ""})
     out = pack(data, str(tmp_path / "ds"), format="yolo", workers=1).out
     before = gdsdata.GDSDataset(out).index.fingerprint
     with open(os.path.join(root, "labels", "train", "b.txt"), "w") as f:
         f.write("1 0.5 0.5 0.1 0.1\n")
-    with pytest.raises(SourceError, match=r"b.jpg: its labels give 1 box\(es\) other than the 0 .* holds for it; "
+    with pytest.raises(SourceError, match=r"b.jpg: its labels give 1 box\(es\), not the 0 .* holds for it; "
                                           r"--append adds only .*--overwrite to take the new labels"):
         pack(data, out, format="yolo", workers=1, append=True)
-    assert gdsdata.GDSDataset(out).index.fingerprint == before
+    with open(os.path.join(root, "labels", "train", "a.txt"), "w") as f:  # as many boxes, one moved
+        f.write("0 0.5 0.5 0.2 0.3\n1 0.25 0.25 0.1 0.1\n")
     with open(os.path.join(root, "labels", "train", "b.txt"), "w") as f:
         f.write("")
+    with pytest.raises(SourceError, match=r"a.jpg: its labels give other boxes than the 2 .* holds for it"):
+        pack(data, out, format="yolo", workers=1, append=True)
+    assert gdsdata.GDSDataset(out).index.fingerprint == before
+    with open(os.path.join(root, "labels", "train", "a.txt"), "w") as f:  # the same boxes, in another order
+        f.write("1 0.25 0.25 0.1 0.1\n0 0.5 0.5 0.2 0.2\n")
     yolo_tree(root, {"c": "1 0.5 0.5 0.2 0.2\n"})
     assert pack(data, out, format="yolo", workers=1, append=True).new == 1
 

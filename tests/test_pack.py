@@ -316,3 +316,14 @@ def test_sixteen_bit_gray_images_keep_their_high_byte(tmp_path):
     for i in range(len(ds)):
         image, _ = ds[i]
         assert (image.numpy() == expected[ds.source(i)].astype(np.uint8)).all(), ds.source(i)
+
+
+def test_an_unbounded_stall_timeout_packs_with_workers(tmp_path):
+    """stall_timeout=inf turns the bound off (as for a Loader): the pool's waits are then unbounded,
+    not an OverflowError from a wait of infinite seconds."""
+    import gdsdata
+
+    write_photos(str(tmp_path / "src"), 12, classes=2)
+    with gdsdata.settings.set(stall_timeout=float("inf")):
+        result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=2)
+    assert result.packed == 12 and not result.skipped

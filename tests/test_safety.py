@@ -514,7 +514,7 @@ def test_a_worker_stuck_on_one_item_ends_as_that_item_skipped_within_the_bound(t
     victim = "class1/00007.jpg"  # (write_photos names them by number)
     src, out, done, took = _pack_with_stuck_items(tmp_path, f"job[0] == {victim!r}")
     assert done.returncode == 0, done.stderr
-    assert took < 60  # the bound (2 s) for the chunk, then 2 s for the item alone
+    assert took < 60  # the bound (2 s) an image for the chunk, then 2 s for each image alone
     assert verify(out) == []
     report = json.loads((tmp_path / "ds" / "pack_report.json").read_text())
     assert report["packed"] == 29
@@ -528,8 +528,8 @@ def test_workers_that_stall_on_every_item_end_the_pack_in_one_line(tmp_path):
     src, out, done, took = _pack_with_stuck_items(tmp_path, "True", timeout="1")
     assert done.returncode == 1 and took < 60
     said = done.stderr.strip().splitlines()  # the warning as the worker is ended, then the error
-    assert said[0] == "WARNING gdsdata.packing.packer: a packing worker gave nothing back for 1 s; preparing its " \
-                      "items one by one"
+    assert said[0] == "WARNING gdsdata.packing.packer: a packing worker gave nothing back for 8 s (8 images); " \
+                      "preparing them one by one"
     assert said[1].startswith("gdsdata: error: packing workers make no progress: class0/"), done.stderr
     assert said[1].endswith("GDSDATA_STALL_TIMEOUT raises the bound; --workers 1 packs in this process)")
     assert len(said) == 2 and "Traceback" not in done.stderr

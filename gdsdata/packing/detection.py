@@ -141,7 +141,8 @@ def _coco_bbox(width, height):
     """Corners as fractions written as a COCO ``bbox`` of the image: [x, y, w, h] in its pixels."""
     def shown(values):
         x0, y0, x1, y1 = values
-        return "bbox " + _fractions([x0 * width, y0 * height, (x1 - x0) * width, (y1 - y0) * height])
+        return "bbox [" + ", ".join(f"{v:.6g}" for v in (x0 * width, y0 * height, (x1 - x0) * width,
+                                                          (y1 - y0) * height)) + "]"
     return shown
 
 

@@ -23,6 +23,7 @@ import os
 import signal
 import stat
 import sys
+import threading
 import time
 import zlib
 from collections import deque
@@ -216,9 +217,9 @@ def _isolated(job, context, bound):
     process = context.Process(target=_send_result, args=(job, send, os.getpid()), daemon=True)
     process.start()
     send.close()
-    if not receive.poll(bound):  # (a result, or end-of-file: the process died)
+    if not receive.poll(_wait(bound)):  # (a result, or end-of-file: the process died)
         process.kill()
-        process.join()
+        process.join(5)  # (one stuck in the kernel, in uninterruptible sleep, dies when its call returns)
         return job[0], None, _STALLED.format(bound=bound)
     try:
         result = receive.recv()
@@ -243,8 +244,8 @@ def _ordered(pool_factory, jobs, window, context, bound, chunk=8):
     """Prepared items in source order, computed in chunks of ``chunk`` (fewer round trips to the
     workers) with at most ``window`` jobs submitted ahead (bounded memory for sources read in this
     process). A worker that dies (killed by the kernel's OOM killer, say) breaks the pool, and one
-    that gives no chunk back within ``bound`` seconds (the stall_timeout setting: stuck) is ended
-    with its pool: the chunk it was working on is redone one item per process, so that the item
+    that gives no chunk back within ``bound`` seconds an item (the stall_timeout setting: stuck) is
+    ended with its pool: the chunk it was working on is redone one item per process, so that the item
     that kills its process, or takes longer than ``bound`` alone, is reported as bad and everything
     else is packed; later chunks go to a new pool. If the first two items of such a chunk both stall
     alone, the pack stops (``GdsDataError``): that is the machine, not the items."""
@@ -261,14 +262,14 @@ def _ordered(pool_factory, jobs, window, context, bound, chunk=8):
             if pending and (not batch or len(pending) * chunk >= window):
                 future, done = pending.popleft()
                 try:
-                    results = future.result(timeout=bound)
+                    results = future.result(timeout=_wait(bound * len(done)))
                 except (BrokenProcessPool, FutureTimeout) as e:
                     if isinstance(e, BrokenProcessPool):
                         log.warning("a packing worker died; finding the item that killed it")
                         pool.shutdown(wait=False, cancel_futures=True)
                     else:
-                        log.warning("a packing worker gave nothing back for %g s; preparing its items one by one",
-                                    bound)
+                        log.warning("a packing worker gave nothing back for %g s (%d images); preparing them one by "
+                                    "one", bound * len(done), len(done))
                         _stop(pool)
                     redo.extend(b for _, b in pending)
                     pending.clear()
@@ -286,6 +287,11 @@ def _ordered(pool_factory, jobs, window, context, bound, chunk=8):
 
 
 _STALLED = "preparing it alone took longer than {bound:g} s (the stall_timeout setting, GDSDATA_STALL_TIMEOUT)"
+
+
+def _wait(seconds):
+    """A wait of ``seconds``, or without end where the setting is beyond what a wait takes (inf)."""
+    return None if seconds >= threading.TIMEOUT_MAX else seconds
 
 
 def _alone(jobs, context, bound) -> list:
@@ -593,14 +599,19 @@ def _check_held_boxes(base, source, held):
     """A detection append adds the images the dataset does not hold; an image it holds whose labels
     now give other boxes than were packed for it is refused, or its new labels would be dropped
     unseen (the image itself is compared by ``_check_held``)."""
+    def same(a, b):  # the same boxes in any order (a re-exported annotations file may order them otherwise)
+        return len(a) == len(b) and np.array_equal(np.sort(a, order=list(a.dtype.names)),
+                                                   np.sort(b, order=list(b.dtype.names)))
+
     for item in source.items:
         packed = [base.sample_boxes(k) for k in held.get(item.rel, ())]
-        if not packed or any(np.array_equal(boxes, item.boxes) for boxes in packed):
+        if not packed or any(same(boxes, item.boxes) for boxes in packed):
             continue
         where = item.path or os.path.join(str(source.root), item.rel)
-        raise SourceError(f"{display(where)}: its labels give {len(item.boxes)} box(es) other than the "
-                          f"{len(packed[0])} {base.root} holds for it; --append adds only the images the dataset does "
-                          f"not hold: pack again with --overwrite to take the new labels")
+        now = (f"other boxes than the {len(packed[0])}" if len(item.boxes) == len(packed[0]) else
+               f"{len(item.boxes)} box(es), not the {len(packed[0])}")
+        raise SourceError(f"{display(where)}: its labels give {now} {base.root} holds for it; --append adds only the "
+                          f"images the dataset does not hold: pack again with --overwrite to take the new labels")
 
 
 def _unchanged(base, source, out, started, skipped=()) -> PackResult:

@@ -149,7 +149,8 @@ class Letterbox:
     ratio_w, pad_w, pad_h), as the Ultralytics form's ``ori_shape`` and ``ratio_pad``: a box in the
     stored image's pixels is (x - pad_w) / ratio_w, (y - pad_h) / ratio_h (a pack made with
     ``--max-side`` stores downscaled images, so the annotations' frame is a further annotated width /
-    orig_size[1] larger); from a pack of COCO annotations, also ``image_id`` (COCO's)."""
+    orig_size[1] larger), and ``iscrowd`` (uint8 [K]: COCO's crowd boxes kept and flagged, as
+    ``ds.target(i)`` has them); from a pack of COCO annotations, also ``image_id`` (COCO's)."""
 
     imgsz: int = 640
     pad: int = 114

@@ -329,8 +329,7 @@ def _detect(src, offsets, channels, inverse, centre, slots, gains, out, height, 
     wx, wy = sx - x0, sy - y0
     s = tl.maximum(source, 0.0).to(tl.int64)
     ch = tl.load(channels + s, mask=inside, other=3)
-    width = w0.to(tl.int64)
-    stride = width * ch
+    stride = w0.to(tl.int64) * ch  # (the source's row; ``width`` is the output's)
     first = tl.load(offsets + s, mask=inside, other=0) + y0.to(tl.int64) * stride + x0.to(tl.int64) * ch
     right = tl.where(x0 + 1.0 < w0, ch, 0)
     down = tl.where(y0 + 1.0 < h0, stride, 0)
