@@ -42,6 +42,20 @@ def _integer(low: int, high: int | None = None):
     return parse
 
 
+def _packed_options(out) -> dict:
+    """How the dataset at ``out`` stored its images (its index's record of the pack's options), or
+    nothing where there is none to read (the append then says why it cannot go on)."""
+    from gdsdata.errors import GdsDataError
+    from gdsdata.format import index as index_io
+    from gdsdata.packing.packer import PIXEL_OPTIONS
+
+    try:
+        held = index_io.load(out).meta.get("options") or {}
+    except (GdsDataError, OSError, ValueError):
+        return {}
+    return {k: v for k, v in held.items() if k in PIXEL_OPTIONS}
+
+
 def _images(n: int) -> str:
     return f"{n} image{'' if n == 1 else 's'}"
 
@@ -60,8 +74,10 @@ def _cmd_pack(args):
 
     args.annotations = args.paths[0] if args.format == "coco" else None
     args.src, args.out = args.paths[-2:]
-    options = PackOptions(codec=args.codec, quality=args.quality, max_side=args.max_side,
-                          raw_size=args.size, max_pixels=args.max_pixels)
+    given = {k: v for k, v in (("codec", args.codec), ("quality", args.quality), ("max_side", args.max_side),
+                               ("raw_size", args.size)) if v is not None}
+    held = _packed_options(args.out) if args.append else {}  # an append stores images as the dataset's were
+    options = PackOptions(**{**held, **given, "max_pixels": args.max_pixels})
     if args.ray is not None:
         return _pack_on_ray(args, options)
     result = pack(args.src, args.out, options=options, shard_size=args.shard_size,
@@ -191,7 +207,7 @@ def _pack_usage(args) -> str | None:
         instead = ("a COCO pack takes the images its annotations JSON lists" if args.format == "coco" else
                    "a folder of class folders has none: give the split's own folder as SRC")
         return f"--split picks a split of a YOLO dataset (--format yolo); {instead}"
-    if args.size and args.codec != "raw":
+    if args.size and (args.codec or "jpeg") != "raw" and not args.append:
         return "--size (the shorter side of raw pixels) goes with --codec raw; JPEGs are downscaled with --max-side"
     return None
 
@@ -371,13 +387,13 @@ def build_parser():
                    help="payload alignment, a power of two (default 4096)")
     p.add_argument("--workers", type=_integer(0, 4096), default=0,
                    help="packing processes; 1: in this process alone (default 0: one per core)")
-    p.add_argument("--codec", choices=("jpeg", "raw"), default="jpeg",
-                   help="jpeg (default) or raw decoded pixels")
-    p.add_argument("--quality", type=_integer(1, 100), default=95,
+    p.add_argument("--codec", choices=("jpeg", "raw"),
+                   help="jpeg (default) or raw decoded pixels (--append: the dataset's, as the next three)")
+    p.add_argument("--quality", type=_integer(1, 100),
                    help="JPEG quality for re-encoded images, 4:4:4 chroma (default 95)")
-    p.add_argument("--max-side", type=_integer(0), default=0, metavar="PX",
+    p.add_argument("--max-side", type=_integer(0), metavar="PX",
                    help="downscale images whose longer side exceeds PX (default: keep)")
-    p.add_argument("--size", type=_integer(0), default=0, metavar="PX",
+    p.add_argument("--size", type=_integer(0), metavar="PX",
                    help="raw codec: downscale so the shorter side is PX (default: keep)")
     p.add_argument("--strict", action="store_true",
                    help="stop at the first bad or unreadable file or folder instead of skipping it")

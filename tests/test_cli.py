@@ -269,3 +269,34 @@ def test_a_class_left_without_samples_is_said(tmp_path):
     rc, stdout, err = run("pack", str(src), str(tmp_path / "ds"), "-q")
     assert rc == 0 and "skipped 1 file(s)" in stdout, err
     assert "1 class(es) hold no sample: broken" in stdout
+
+
+def test_an_append_stores_its_images_as_the_dataset_did(small_src, tmp_path):
+    """--append without options takes the dataset's (its images downscaled and re-encoded as the
+    first pack's were, the recorded options unchanged); other options are refused in one line,
+    the dataset left as it was (one dataset of mixed sizes or codecs would otherwise pass verify)."""
+    from gdsdata.format.index import load
+
+    out, extra = str(tmp_path / "ds"), str(tmp_path / "extra")
+    assert run("pack", small_src, out, "--max-side", "40", "--quality", "80", "-q")[0] == 0
+    write_photos(extra, 3, classes=1, start_seed=700)
+    before = load(out).fingerprint
+    rc, _, err = run("pack", extra, out, "--append", "--codec", "raw", "-q")
+    assert rc == 1 and err.startswith(f"gdsdata: error: {out}: packed with codec='jpeg'; appending with "
+                                      f"codec='raw' would store its new images otherwise"), err
+    assert load(out).fingerprint == before
+    rc, stdout, err = run("pack", extra, out, "--append", "-q")
+    assert rc == 0, err
+    index = load(out)
+    assert index.meta["options"]["max_side"] == 40 and index.meta["options"]["quality"] == 80
+    assert max(int(r["width"]) for r in index.samples) <= 40 and max(int(r["height"]) for r in index.samples) <= 40
+    assert run("pack", extra, out, "--append", "--max-side", "40", "-q")[0] == 0  # the same: fine (nothing new)
+    from gdsdata.errors import SourceError
+    from gdsdata.packing.packer import pack
+    from gdsdata.packing.prepare import PackOptions
+
+    write_photos(extra, 5, classes=1, start_seed=700)  # 00003 and 00004: the first held already
+    with pytest.raises(SourceError, match="packed with max_side=40, quality=80; appending with max_side=0, "
+                                          "quality=95"):
+        pack(extra, out, options=PackOptions(), append=True)
+    assert pack(extra, out, append=True).new == 1 and load(out).meta["options"]["max_side"] == 40

@@ -450,7 +450,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         The dataset folder to write (one writer at a time; an existing dataset needs ``overwrite``).
     options : PackOptions, optional
         How images are stored: codec (jpeg or raw), quality of re-encoded images, downscaling, the
-        pixel limit checked before decoding.
+        pixel limit checked before decoding. An append without them stores its images as the
+        dataset's were; with other ones it is refused.
     shard_size, alignment : int
         Target shard size and payload alignment in bytes.
     workers : int
@@ -491,6 +492,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         Counts, sizes, time, and what was skipped, ignored or could not be read (also in
         ``out/pack_report.json``).
     """
+    inherit = options is None  # (an append then stores its images as the dataset's were)
     options = options or PackOptions()
     if not isinstance(src, Listing) and not is_url(src):
         src = os.path.abspath(os.fspath(src))
@@ -526,7 +528,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         with writer_lock(out, f"{what} of {annotations if format == 'coco' and annotations else name}"):
             def build(folder):
                 return _pack(source, name, folder, out, options, shard_size, alignment, workers, strict,
-                             progress, num_parts, part, resume, append, started, on_progress, roots)
+                             progress, num_parts, part, resume, append, started, on_progress, roots, inherit)
 
             if resume or append:
                 return build(out)
@@ -560,6 +562,26 @@ def _appendable(out, source, alignment):
     label = {name: k for k, name in enumerate(classes)}
     items = [replace(item, label=label[source.classes[item.label]]) for item in source.items if item.rel not in held]
     return base, items, classes
+
+
+PIXEL_OPTIONS = ("codec", "quality", "max_side", "raw_size", "exif_transpose")  # what a sample's bytes depend on
+
+
+def _append_options(base, options, inherit) -> PackOptions:
+    """The options an append stores its images with: the dataset's (``inherit``: none given), or the
+    given ones where they store images as the dataset's were; others are refused, as one dataset of
+    mixed sizes or codecs would be (its recorded options the last append's)."""
+    held = {k: v for k, v in (base.meta.get("options") or {}).items() if k in PIXEL_OPTIONS}
+    if inherit:
+        return replace(options, **held)
+    other = {k: v for k, v in held.items() if getattr(options, k) != v}
+    if other:
+        given = ", ".join(f"{k}={getattr(options, k)!r}" for k in other)
+        packed = ", ".join(f"{k}={v!r}" for k, v in other.items())
+        raise SourceError(f"{base.root}: packed with {packed}; appending with {given} would store its new images "
+                          f"otherwise: append with the dataset's options (the command line takes them when none "
+                          f"is given; in Python, options=None)")
+    return options
 
 
 def _check_held(base, source, held):
@@ -649,12 +671,13 @@ def shard_roots_of(shard_roots, out, src=None) -> list:
 
 
 def _pack(source, src, folder, out, options, shard_size, alignment, workers, strict, progress,
-          num_parts, part, resume, append, started, on_progress=None, roots=()):
+          num_parts, part, resume, append, started, on_progress=None, roots=(), inherit=False):
     """Pack into ``folder`` (``out`` itself, or where an overwrite builds its replacement); messages
     and the report name ``out``."""
     classes, everything = source.classes, source.items
     if append:
         base, everything, classes = _appendable(out, source, alignment)
+        options = _append_options(base, options, inherit)
         if not everything:  # up to date: the dataset stays as it is, untouched
             return _unchanged(base, source, out, started)
     first, last = part * len(everything) // num_parts, (part + 1) * len(everything) // num_parts
