@@ -83,7 +83,7 @@ def _cmd_pack(args):
     result = pack(args.src, args.out, options=options, shard_size=args.shard_size,
                   alignment=args.alignment, workers=args.workers, strict=args.strict,
                   overwrite=args.overwrite, progress=_progress(args), num_parts=args.num_parts,
-                  part=args.part, resume=args.resume, append=args.append,
+                  part=args.part or 0, resume=args.resume, append=args.append,
                   allow_empty_classes=args.allow_empty_classes, format=args.format,
                   split=args.split or "train", annotations=args.annotations, shard_roots=args.shard_root)
     rate = f"{result.new / result.seconds:.0f} images/s" if result.seconds else "-"
@@ -191,13 +191,16 @@ def _pack_usage(args) -> str | None:
     if len(args.paths) != wanted:
         return ("--format coco takes ANNOTATIONS.json IMAGES OUT" if args.format == "coco" else
                 f"pack takes SRC OUT (got {len(args.paths)} paths; --format coco takes three)")
-    if args.ray is not None and (args.resume or args.append or args.part):
+    if args.ray is not None and (args.resume or args.append or args.part is not None):
         return "--ray packs every part itself (and retries them); it goes with none of --resume, --append or --part"
-    if args.append and (args.resume or args.overwrite or args.num_parts > 1):
+    if args.append and (args.resume or args.overwrite or args.num_parts > 1 or args.part is not None):
         return "--append goes with none of --resume, --overwrite or --num-parts/--part"
-    if args.part and args.num_parts == 1:
+    if args.part is not None and args.num_parts == 1:
         return "--part goes with --num-parts N (the source split into N parts)"
-    if args.part >= args.num_parts:
+    if args.part is None and args.num_parts > 1 and args.ray is None:
+        return (f"--num-parts {args.num_parts} packs one part a run: give --part K (0..{args.num_parts - 1}) on each "
+                f"machine and join them with gdsdata merge, or --ray to pack every part")
+    if args.part is not None and args.part >= args.num_parts:
         return f"--part {args.part} is not one of the {args.num_parts} part(s) (0..{args.num_parts - 1})"
     if args.alignment < 64 or args.alignment & (args.alignment - 1):
         return f"--alignment {args.alignment} is not a power of two of at least 64"
@@ -409,7 +412,7 @@ def build_parser():
                    help="add the images (and classes) of SRC that OUT does not hold yet, as new shards")
     p.add_argument("--num-parts", type=_integer(1), default=1, metavar="N",
                    help="split the source into N contiguous parts (for packing on many machines) ...")
-    p.add_argument("--part", type=_integer(0), default=0, metavar="K",
+    p.add_argument("--part", type=_integer(0), metavar="K",
                    help="... and pack part K (0-based); join with merge")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="pack the parts as Ray tasks (retried when they fail), then merge them: on the cluster at "

@@ -236,7 +236,9 @@ def test_pack_refuses_an_empty_part_and_a_raw_size_for_jpegs(small_src, tmp_path
                        (("--ray", "--resume"), "--ray packs every part itself"),
                        (("--append", "--overwrite"), "--append goes with none of --resume, --overwrite"),
                        (("--split", "val"), "--split picks a split of a YOLO dataset (--format yolo); a folder of "
-                                            "class folders has none: give the split's own folder as SRC")):
+                                            "class folders has none: give the split's own folder as SRC"),
+                       (("--num-parts", "3"), "--num-parts 3 packs one part a run: give --part K (0..2) on each "
+                                              "machine and join them with gdsdata merge, or --ray")):
         rc, _, err = run("pack", small_src, str(tmp_path / "y"), *args)  # usage errors: exit 2, one line
         assert rc == 2 and err.startswith(f"gdsdata pack: error: {said}") and err.count("\n") == 1, err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
