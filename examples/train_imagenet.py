@@ -124,7 +124,7 @@ def main(argv=None):
     if args.val:
         val_ds = open_dataset(args.val, device)
         val = gdsdata.Loader(val_ds, args.batch_size, shuffle=False,
-                             transform=gdsdata.CenterCrop(args.size, resize=round(args.size / 0.875)))
+                             transform=gdsdata.CenterCrop(args.size))  # resized to size / 0.875 first
     steps_per_epoch = len(train)  # batches per epoch for this rank, at this batch size and world size
 
     model = getattr(torchvision.models, args.arch)(num_classes=len(train_ds.classes))

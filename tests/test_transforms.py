@@ -98,7 +98,7 @@ def test_dtype_follows_the_device_by_default():
 def test_center_crop_of_an_image_far_under_its_resize_takes_a_pixel_at_least():
     """A 16 px image under Resize(256) + CenterCrop(8): the window is half a source pixel; it takes the
     centre pixel (an empty window cannot be resampled)."""
-    p = gdsdata.CenterCrop(8).params(np.array([16, 3]), np.array([16, 1]))
+    p = gdsdata.CenterCrop(8, resize=256).params(np.array([16, 3]), np.array([16, 1]))
     assert p.height.tolist() == [1, 1] and p.width.tolist() == [1, 1] and p.top.tolist() == [8, 1]  # (7.5: to even)
 
 
@@ -128,6 +128,13 @@ def test_a_buffer_that_is_a_view_resamples_its_own_pixels():
         expected = T.apply(t, buffer, offsets, heights, widths, chans, p)
         for view in (padded, strided):
             assert torch.equal(T.apply(t, view, offsets, heights, widths, chans, p), expected)
+
+
+def test_center_crop_resizes_to_its_size_over_0_875_by_default():
+    """torchvision's ImageNet evaluation ratio, whatever the size (a fixed 256 cropped 32 px out of
+    the middle of a 256 px image, and refused 288)."""
+    assert [gdsdata.CenterCrop(size).resize for size in (224, 32, 288, (160, 224))] == [256, 37, 329, 256]
+    assert gdsdata.CenterCrop(224) == gdsdata.CenterCrop(224, resize=256)
 
 
 def test_center_crop_refuses_a_resize_under_its_size():

@@ -176,14 +176,15 @@ class CenterCrop:
     ----------
     size : int or (height, width)
         Output size.
-    resize : int
-        The shorter side before the centre crop (torchvision's ImageNet evaluation: 256 for 224).
+    resize : int, optional
+        The shorter side before the centre crop; by default the crop's (longer) side / 0.875, rounded,
+        as torchvision's ImageNet evaluation (256 for 224, 293 for 256).
     mean, std, dtype, layout, antialias
         As for ``RandomResizedCrop``.
     """
 
     size: object = 224
-    resize: int = 256
+    resize: int = None
     mean: tuple = IMAGENET_MEAN
     std: tuple = IMAGENET_STD
     dtype: str = None
@@ -192,6 +193,8 @@ class CenterCrop:
 
     def __post_init__(self):
         _validate(self)
+        if self.resize is None:
+            object.__setattr__(self, "resize", round(max(_pair(self.size)) / 0.875))
         if not is_integer(self.resize) or self.resize <= 0:
             raise ValueError(f"resize must be a positive integer, got {self.resize!r}")
         if self.resize < max(_pair(self.size)):
