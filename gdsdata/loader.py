@@ -364,6 +364,13 @@ class Loader:
         """Stop the prefetch threads, if any (also those already reading the next epoch)."""
         self._end_passes()
 
+    def __enter__(self):
+        """``with Loader(...) as loader:`` closes it at the end of the block (the dataset stays open)."""
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def _end_passes(self, why=None):
         """Stop the passes this Loader holds; with ``why`` (another pass replaces them) their next
         ``next()`` raises ``RuntimeError`` saying so instead of ending the loop quietly."""

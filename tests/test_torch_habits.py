@@ -30,6 +30,23 @@ def test_shuffle_takes_booleans(ds):
         gdsdata.Loader(ds, 8, shuffle="yes")
 
 
+def test_a_loader_is_a_context_manager_closing_its_threads(ds):
+    """``with Loader(...) as loader:`` as with the dataset: the threads reading ahead stop at the
+    block's end, the dataset stays open."""
+    import time
+
+    from conftest import loader_threads
+
+    with gdsdata.Loader(ds, 8, shuffle=False) as loader:
+        batches = iter(loader)
+        next(batches)
+        assert loader_threads()
+    deadline = time.monotonic() + 10
+    while loader_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not loader_threads() and ds[0][1] == ds.targets[0]
+
+
 def test_len_is_batches_per_epoch_whatever_was_iterated(ds):
     loader = gdsdata.Loader(ds, 8)  # 60 samples
     assert len(loader) == 8
