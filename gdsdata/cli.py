@@ -143,7 +143,7 @@ def _print_entries(heading, entries, shown=10):
     """A report list's heading, its first ``shown`` entries with their reasons, and how many more."""
     print(heading)
     for item in entries[:shown]:
-        print(f"    {item.get('path') or item.get('label')}: {item['reason']}")
+        print(_one_line(f"    {item.get('path') or item.get('label')}: {item['reason']}"))
     if len(entries) > shown:
         print(f"    ... {len(entries) - shown} more (pack_report.json lists them all)")
 
@@ -494,9 +494,18 @@ def main(argv=None):
 
 def _said(error: Exception) -> str:
     """An error in one line: a system error's file and reason (not Python's "[Errno N]" form), else
-    its message."""
+    its message; control characters (a file name's newline, a terminal's escape) escaped."""
     where = f"{error.filename}: " if getattr(error, "filename", None) else ""
-    return where + (error.strerror if isinstance(error, OSError) and error.strerror else str(error))
+    return _one_line(where + (error.strerror if isinstance(error, OSError) and error.strerror else str(error)))
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+_CONTROL.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+
+
+def _one_line(text: str) -> str:
+    """``text`` as the terminal shows it on one line: its control characters as escapes."""
+    return text.translate(_CONTROL)
 
 
 def _stdout_closed() -> bool:

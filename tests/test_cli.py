@@ -302,3 +302,17 @@ def test_an_append_stores_its_images_as_the_dataset_did(small_src, tmp_path):
                                           "quality=95"):
         pack(extra, out, options=PackOptions(), append=True)
     assert pack(extra, out, append=True).new == 1 and load(out).meta["options"]["max_side"] == 40
+
+
+def test_a_file_name_with_a_newline_or_an_escape_stays_on_its_line(tmp_path):
+    """A name's control characters are printed escaped: an error stays one line, a summary's entry
+    too, and a terminal's escape sequence is not sent to the terminal (the report keeps the name)."""
+    src = tmp_path / "src"
+    write_photos(str(src), 4, classes=1)
+    (src / "class0" / "bad\ninjected: fake line.jpg").write_bytes(b"\xff\xd8\xff nope")
+    (src / "class0" / "red\x1b[31m.jpg").write_bytes(b"\xff\xd8\xff nope")
+    rc, stdout, _ = run("pack", str(src), str(tmp_path / "ds"), "-q")
+    assert rc == 0 and "    class0/bad\\ninjected: fake line.jpg: " in stdout and "\x1b" not in stdout
+    assert "class0/red\\x1b[31m.jpg: " in stdout
+    rc, _, err = run("pack", str(src), str(tmp_path / "strict"), "--strict", "-q")
+    assert rc == 1 and err.count("\n") == 1 and "bad\\ninjected: fake line.jpg" in err, err
