@@ -234,9 +234,18 @@ def test_bad_roots_are_refused(src, tmp_path):
         pack(src, out, shard_roots=[str(tmp_path / "file")])
     with pytest.raises(OutputExistsError, match="outside the dataset folder"):
         pack(src, out, shard_roots=[os.path.join(out, "inner")])
-    with pytest.raises(ValueError, match="twice"):
+    with pytest.raises(ValueError, match=f"{tmp_path / 'a'}: named twice as a shard root"):
         pack(src, out, shard_roots=[str(tmp_path / "a"), str(tmp_path / "a")])
     assert not os.path.exists(out) or not os.listdir(out)
+
+
+def test_roots_on_one_device_are_warned_about(src, tmp_path, caplog):
+    """Roots that share a file system (a drive not mounted: its mount point's folder on the root
+    file system) pack as asked, with a warning that their reads do not add up."""
+    roots = [str(tmp_path / "nvme0" / "gds"), str(tmp_path / "nvme1" / "gds")]  # (made: one device here)
+    with caplog.at_level("WARNING", logger="gdsdata.packing.packer"):
+        assert pack(src, str(tmp_path / "ds"), workers=1, shard_roots=roots).packed
+    assert f"shard roots on one device: {roots[0]}, {roots[1]}; their reads do not add up" in caplog.text
 
 
 def test_the_command_line_spreads_shards_and_inspect_shows_where(src, tmp_path):

@@ -656,8 +656,10 @@ def shard_roots_of(shard_roots, out, src=None) -> list:
     """``pack``'s shard_roots as absolute paths, each a folder (made if missing) outside ``out`` and
     outside the source folder ``src`` (links followed)."""
     roots = [os.path.abspath(os.fspath(r)) for r in (shard_roots or ())]
-    if len({os.path.realpath(r) for r in roots}) != len(roots):
-        raise ValueError("shard_roots names a folder twice")
+    real = [os.path.realpath(r) for r in roots]
+    if len(set(real)) != len(roots):
+        twice = next(r for k, r in enumerate(roots) if real[k] in real[:k])
+        raise ValueError(f"{twice}: named twice as a shard root (--shard-root)")
     for root in roots:
         if os.path.exists(root) and not os.path.isdir(root):
             raise OutputExistsError(f"{root}: a shard root must be a folder")
@@ -667,7 +669,21 @@ def shard_roots_of(shard_roots, out, src=None) -> list:
         if isinstance(src, str) and os.path.isdir(src) and within(root, src):
             raise OutputExistsError(f"{root}: a shard root inside the source folder {src} would become a class "
                                     f"folder of it")
+    devices = {}
+    for root in roots:
+        devices.setdefault(_device_of(root), []).append(root)
+    shared = [group for group in devices.values() if len(group) > 1]
+    if shared:
+        log.warning("shard roots on one device: %s; their reads do not add up as separate drives' do (a drive "
+                    "not mounted?)", "; ".join(", ".join(group) for group in shared))
     return roots
+
+
+def _device_of(path) -> int:
+    """The device of the file system ``path`` is on (or would be made on: its nearest existing folder's)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return os.stat(path).st_dev
 
 
 def _pack(source, src, folder, out, options, shard_size, alignment, workers, strict, progress,
