@@ -327,3 +327,18 @@ def test_an_unbounded_stall_timeout_packs_with_workers(tmp_path):
     with gdsdata.settings.set(stall_timeout=float("inf")):
         result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=2)
     assert result.packed == 12 and not result.skipped
+
+
+def test_nested_folders_keep_imagefolder_s_sample_order(tmp_path):
+    """Sample i is ImageFolder's sample i, also where folder names hold characters that sort before
+    '/' (torchvision sorts os.walk's folders by their paths: c0/sub-1 before c0/sub/deeper)."""
+    from torchvision.datasets import ImageFolder
+
+    src = tmp_path / "src"
+    for k, folder in enumerate(("c0", "c0/sub", "c0/sub/deeper", "c0/sub-1", "c0/sub.x", "c0/sub 2", "c1")):
+        os.makedirs(src / folder, exist_ok=True)
+        for name in ("b.jpg", "A.jpg"):
+            Image.new("RGB", (8, 8), (k * 30, 0, 0)).save(src / folder / name)
+    ds = GDSDataset(pack(str(src), str(tmp_path / "ds"), workers=1).out)
+    theirs = [(os.path.relpath(path, src), label) for path, label in ImageFolder(str(src)).samples]
+    assert ds.samples == theirs and len(theirs) == 14

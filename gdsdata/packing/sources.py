@@ -123,6 +123,7 @@ class FolderSource:
         for label, name in enumerate(self.classes):
             before, unreadable = len(self.items), len(self.unreadable)
             self._walk(os.path.join(src, name), label, seen)
+            self.items[before:] = sorted(self.items[before:], key=lambda item: _imagefolder_key(item.rel))
             if len(self.items) == before and not allow_empty and len(self.unreadable) == unreadable:
                 raise SourceError(f"{display(os.path.join(src, name))}: class folder with no image files "
                                   f"(torchvision's ImageFolder refuses such a tree; pass --allow-empty-classes to keep "
@@ -178,6 +179,13 @@ class FolderSource:
 
     def close(self):
         pass
+
+
+def _imagefolder_key(rel: str) -> tuple:
+    """Where torchvision's ImageFolder puts a class's file: its folders sorted by their paths as text
+    (``sorted(os.walk(...))``: ``a/b-1`` before ``a/b/c``, as '-' sorts before '/'), each folder's
+    files by name."""
+    return os.path.dirname(rel), os.path.basename(rel)
 
 
 def _is_dir(entry) -> bool:
@@ -403,7 +411,8 @@ class RemoteFolderSource:
 
         def listing(name):
             with remote_errors(f"{url.rstrip('/')}/{name}"):
-                return sorted(fs.find(f"{base}/{name}", detail=True).items())
+                found = fs.find(f"{base}/{name}", detail=True)
+                return sorted(found.items(), key=lambda entry: _imagefolder_key(entry[0]))
 
         with ThreadPoolExecutor(min(threads, len(self.classes))) as pool:
             found = list(pool.map(listing, self.classes))
