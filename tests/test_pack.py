@@ -297,8 +297,8 @@ def test_a_file_that_is_no_image_is_one_reason_also_after_ultralytics_is_importe
 
 def test_sixteen_bit_gray_images_keep_their_high_byte(tmp_path):
     """A 16-bit gray PNG or TIFF is stored as OpenCV reads it (each pixel's high byte), not as PIL's
-    conversion gives it (clipped to white); 32-bit integer pixels within 8 bits stay as they are, and
-    beyond 16 bits the file is skipped with the reason."""
+    conversion gives it (clipped to white); 32-bit integer pixels within 8 bits stay as they are,
+    beyond them (no scale known) the file is skipped with the reason."""
     values = (np.arange(64 * 48, dtype=np.uint32).reshape(48, 64) * 21) % 65536
     (tmp_path / "src" / "a").mkdir(parents=True)
     Image.fromarray(values.astype(np.uint16)).save(tmp_path / "src" / "a" / "sixteen.png")
@@ -306,10 +306,13 @@ def test_sixteen_bit_gray_images_keep_their_high_byte(tmp_path):
     Image.fromarray((values % 256).astype(np.int32), "I").save(tmp_path / "src" / "a" / "eight_in_i.tif")
     wide = values.astype(np.int32) * 2 - 70000
     Image.fromarray(wide, "I").save(tmp_path / "src" / "a" / "wide.tif")
+    Image.fromarray((values % 1000).astype(np.int32), "I").save(tmp_path / "src" / "a" / "i32.tif")  # no known scale
     result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1, options=PackOptions(codec="raw"))
-    assert [(s["path"], s["reason"]) for s in result.skipped] == [
-        ("a/wide.tif", f"its I pixels run from -70000 to {wide.max()}, beyond 16 bits: no 8-bit image without "
-                       f"choosing a scale (convert it to 8 bits first)")]
+    assert sorted((s["path"], s["reason"]) for s in result.skipped) == [
+        ("a/i32.tif", "32-bit integer pixels from 0 to 999: no 8-bit image without choosing a scale (convert it "
+                      "to 8 bits first)"),
+        ("a/wide.tif", f"32-bit integer pixels from -70000 to {wide.max()}: no 8-bit image without choosing a "
+                       f"scale (convert it to 8 bits first)")]
     ds = GDSDataset(str(tmp_path / "ds"))
     expected = {"a/sixteen.png": values >> 8, "a/sixteen.tif": values >> 8, "a/eight_in_i.tif": values % 256}
     assert sorted(ds.source(i) for i in range(len(ds))) == sorted(expected)
@@ -342,3 +345,22 @@ def test_nested_folders_keep_imagefolder_s_sample_order(tmp_path):
     ds = GDSDataset(pack(str(src), str(tmp_path / "ds"), workers=1).out)
     theirs = [(os.path.relpath(path, src), label) for path, label in ImageFolder(str(src)).samples]
     assert ds.samples == theirs and len(theirs) == 14
+
+
+def test_running_out_of_memory_converting_an_image_says_so(tmp_path, monkeypatch):
+    """A MemoryError (whose message is empty) is reported as what it is, with the image's size."""
+    from PIL import PngImagePlugin
+
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    Image.new("L", (40, 30)).save(tmp_path / "src" / "a" / "big.png")
+    real = Image.Image.convert
+
+    def convert(self, mode=None, *args, **kwargs):
+        if isinstance(self, PngImagePlugin.PngImageFile) and mode == "RGB":
+            raise MemoryError()
+        return real(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "convert", convert)
+    write_photos(str(tmp_path / "src"), 2, classes=1)
+    result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1)
+    assert result.skipped == [{"path": "a/big.png", "reason": "out of memory converting its 40x30 L pixels to RGB"}]

@@ -168,29 +168,35 @@ def _target_size(width, height, options):
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
+def _to_rgb(image: Image.Image, source_format: str = "") -> Image.Image:
     if image.mode.startswith("I;16") or image.mode == "I":
-        image = _eight_bit(image)
+        image = _eight_bit(image, source_format)
     try:
         return image.convert("RGB")
+    except MemoryError:
+        raise BadImageError(f"out of memory converting its {image.width}x{image.height} {image.mode} pixels to "
+                            f"RGB") from None
     except Exception as e:  # noqa: BLE001 - as in _open: the file is bad, whatever PIL raised
-        raise BadImageError(f"cannot convert {image.mode} to RGB: {e}") from e
+        raise BadImageError(f"cannot convert {image.mode} to RGB: {type(e).__name__}: {e}".rstrip(": ")) from e
 
 
-def _eight_bit(image: Image.Image) -> Image.Image:
-    """A 16-bit gray image (or 32-bit integer pixels holding up to 16 bits) as 8-bit gray, keeping
-    each pixel's high byte as OpenCV does when it reads one in colour (PIL's own conversion clips
-    every value over 255 to white); integer pixels within 0..255 stay as they are."""
+def _eight_bit(image: Image.Image, source_format: str) -> Image.Image:
+    """A 16-bit gray image as 8-bit gray, keeping each pixel's high byte as OpenCV does when it reads
+    one in colour (PIL's own conversion clips every value over 255 to white). 32-bit integer pixels
+    ("I"): within 0..255 as they are; from a PNG (16 bits, as older PILs open them) by their high
+    byte; otherwise refused, as no scale is known for them."""
     try:
         values = np.asarray(image)
+    except MemoryError:
+        raise BadImageError(f"out of memory reading its {image.width}x{image.height} {image.mode} pixels") from None
     except Exception as e:  # noqa: BLE001 - as in _open: the file is bad, whatever PIL raised
         raise BadImageError(f"cannot read its {image.mode} pixels: {e}") from e
     low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
-    if low < 0 or high > 65535:
-        raise BadImageError(f"its {image.mode} pixels run from {low} to {high}, beyond 16 bits: no 8-bit image "
-                            f"without choosing a scale (convert it to 8 bits first)")
-    if image.mode == "I" and high <= 255:
+    if image.mode == "I" and 0 <= low and high <= 255:
         return Image.fromarray(values.astype(np.uint8), "L")
+    if image.mode == "I" and not (source_format == "png" and 0 <= low and high <= 65535):
+        raise BadImageError(f"32-bit integer pixels from {low} to {high}: no 8-bit image without choosing a scale "
+                            f"(convert it to 8 bits first)")
     return Image.fromarray((values.astype(np.uint32) >> 8).astype(np.uint8), "L")
 
 
@@ -268,7 +274,7 @@ def prepare(data: bytes, options: PackOptions) -> Prepared:
     source_size = image.size
     size = _target_size(image.width, image.height, options)
     gray = image.mode in _GRAY_MODES
-    rgb = _to_rgb(image)
+    rgb = _to_rgb(image, source_format)
     flags = fmt.FLAG_CONVERTED
     if size is not None:
         rgb = rgb.resize(size, Image.Resampling.BICUBIC)
