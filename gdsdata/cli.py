@@ -133,7 +133,8 @@ def _print_left_out(skipped, ignored, unreadable, special):
     if skipped:
         _print_entries(f"  skipped {len(skipped)} file(s), each with its reason:", skipped)
     if ignored:
-        print(f"  ignored {len(ignored)} non-image file(s)")
+        print(f"  ignored {len(ignored)} file(s): not images, or beside the class folders (pack_report.json lists "
+              f"them)")
     for what, entries in (("could not read", unreadable), ("skipped unopened", special)):
         if entries:
             _print_entries(f"  {what} {len(entries)} folder(s) or file(s):", entries)

@@ -364,3 +364,13 @@ def test_running_out_of_memory_converting_an_image_says_so(tmp_path, monkeypatch
     write_photos(str(tmp_path / "src"), 2, classes=1)
     result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1)
     assert result.skipped == [{"path": "a/big.png", "reason": "out of memory converting its 40x30 L pixels to RGB"}]
+
+
+def test_images_beside_the_class_folders_are_listed_as_ignored(tmp_path):
+    """Files directly in SRC belong to no class (torchvision's ImageFolder leaves them out too): the
+    report lists them as ignored instead of dropping them without a word."""
+    write_photos(str(tmp_path / "src"), 3, classes=1)
+    Image.new("RGB", (8, 8)).save(tmp_path / "src" / "stray.jpg")
+    result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1)
+    assert result.packed == 3 and result.ignored == ["stray.jpg"]
+    assert json.loads((tmp_path / "ds" / "pack_report.json").read_text())["ignored"] == ["stray.jpg"]

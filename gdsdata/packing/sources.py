@@ -102,6 +102,8 @@ class FolderSource:
         except OSError as e:
             raise SourceError(f"{display(src)}: cannot list it ({e.strerror or e})") from e
         self.classes = [entry.name for entry in entries if _is_dir(entry)]
+        # files beside the class folders belong to no class (ImageFolder leaves them out too): listed as ignored
+        self.ignored.extend(display(entry.name) for entry in entries if not _is_dir(entry))
         if not self.classes:
             raise SourceError(f"{display(src)}: no class subfolders (expected the ImageFolder layout SRC/CLASS/IMAGE)")
         if {"images", "labels"} <= set(self.classes) and _holds_labels(os.path.join(src, "labels")):
