@@ -143,6 +143,17 @@ def test_unknown_version_is_refused(tmp_path):
         index_io.load(target)
 
 
+def test_a_shard_header_whose_version_differs_from_its_index_s_is_said_damaged(tmp_path):
+    """The index is this gdsdata's, so a shard claiming another version has a damaged header (a
+    flipped bit), not a newer gdsdata's format: said so, not "upgrade"."""
+    target = _copy_golden(tmp_path)
+    shard = index_io.load(target).shard_path(0)
+    _patch(shard, fmt.SHARD_HEADER.fields["version"][1], np.uint16(3).astype("<u2").tobytes())
+    with pytest.raises(FormatError, match="shard format version 3 where its index, which this gdsdata reads, has "
+                                          "version 2 shards: a damaged shard header"):
+        GDSDataset(str(target))[0]
+
+
 def test_corrupt_index_body_is_refused(tmp_path):
     target = _copy_golden(tmp_path)
     _patch(target / fmt.INDEX_NAME, fmt.INDEX_HEADER.itemsize + 3, b"\xff")

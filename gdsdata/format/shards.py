@@ -210,8 +210,9 @@ def read_header(path, expected_index: int, dataset_id: bytes, alignment: int, nu
     if header["magic"] != fmt.SHARD_MAGIC:
         raise FormatError(f"{path}: not a gdsdata shard (bad magic)")
     if header["version"] != fmt.SHARD_VERSION:
-        raise FormatError(f"{path}: shard format version {header['version']}, this gdsdata reads "
-                          f"version {fmt.SHARD_VERSION}")
+        raise FormatError(f"{path}: shard format version {header['version']} where its index, which this "
+                          f"gdsdata reads, has version {fmt.SHARD_VERSION} shards: a damaged shard header "
+                          f"(gdsdata verify names every damaged sample; pack again)")
     if fmt.ident(header["dataset_id"]) != dataset_id:
         raise FormatError(f"{path}: shard belongs to another dataset (its id differs from the one the index "
                           f"records for it)")
