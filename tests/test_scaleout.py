@@ -88,6 +88,22 @@ def test_merge_refuses_parts_of_different_sources(whole, tmp_path):
         merge([whole, part], str(tmp_path / "m"))
 
 
+def test_merge_joins_parts_of_other_shard_sizes_but_not_of_other_storage(source, whole, tmp_path):
+    """Parts packed with other shard sizes (or pixel limits) hold the same samples: merged; a part
+    whose images were stored otherwise (another quality) is refused, naming that option alone."""
+    from gdsdata.packing.prepare import PackOptions
+
+    parts = [str(tmp_path / f"p{k}") for k in range(3)]
+    pack(source, parts[0], workers=1, num_parts=2, part=0, shard_size=SHARD)
+    pack(source, parts[1], workers=1, num_parts=2, part=1, shard_size=2 * SHARD,
+         options=PackOptions(max_pixels=10**9))
+    pack(source, parts[2], workers=1, num_parts=2, part=1, shard_size=SHARD, options=PackOptions(quality=80))
+    merged = merge(parts[:2], str(tmp_path / "m"))["out"]
+    assert samples_of(merged) == samples_of(whole)
+    with pytest.raises(SourceError, match=r"p2: packed with other options than .*p0 \(quality 80 against 95\); "):
+        merge([parts[0], parts[2]], str(tmp_path / "m2"))
+
+
 def test_merge_takes_each_dataset_once(source, whole, tmp_path, capsys):
     """The same folder twice (under any name), a copy (the same dataset id) or a dataset holding
     another's shards (merged from it) would give samples twice: one line naming both arguments."""

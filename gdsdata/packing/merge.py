@@ -31,7 +31,7 @@ from gdsdata.format.lock import (SHARDS_TAG, owned_target, reader_lock, remove_q
                                  writer_lock)
 from gdsdata.format.shards import read_header
 from gdsdata.packing.detection import annotate
-from gdsdata.packing.packer import _write_json, into
+from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,13 @@ def _as_recorded(placed, part, shard, index):
                           f"(nothing of this merge was kept)") from None
 
 
+def _stored_otherwise(index, first) -> str:
+    """The options that store samples otherwise in ``index`` than in ``first`` ("" if none)."""
+    mine, theirs = index.meta.get("options") or {}, first.meta.get("options") or {}
+    keys = [k for k in PIXEL_OPTIONS if mine.get(k) != theirs.get(k)]
+    return ", ".join(f"{k} {mine.get(k)!r} against {theirs.get(k)!r}" for k in keys)
+
+
 def _check_parts(parts, indexes):
     """Parts of one pack, each once, all of them, in order; else one line saying what is wrong.
     Returns the parts in part order."""
@@ -150,9 +157,11 @@ def _check_parts(parts, indexes):
             raise SourceError(f"{part}: its class list differs from {parts[0]}'s; a merge joins datasets of the "
                               f"same classes (parts of one pack --num-parts N, or whole packs of one class list): "
                               f"to add classes, pack --append")
-        if index.meta.get("options") != first.meta.get("options"):  # (the source path may differ per machine)
-            raise SourceError(f"{part}: packed with other options than {parts[0]} ({index.meta.get('options')!r} "
-                              f"against {first.meta.get('options')!r}); its parts must come from one pack command")
+        other = _stored_otherwise(index, first)  # (the source path, shard size, pixel limit may differ)
+        if other:
+            raise SourceError(f"{part}: packed with other options than {parts[0]} ({other}); its samples would be "
+                              f"stored otherwise than the rest: pack the parts with the same --codec, --quality, "
+                              f"--max-side and --size")
         if index.alignment != first.alignment:
             raise SourceError(f"{part}: alignment {index.alignment}, {parts[0]} has {first.alignment}")
         if index.task != first.task:
