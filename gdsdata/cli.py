@@ -47,13 +47,12 @@ def _packed_options(out) -> dict:
     nothing where there is none to read (the append then says why it cannot go on)."""
     from gdsdata.errors import GdsDataError
     from gdsdata.format import index as index_io
-    from gdsdata.packing.packer import PIXEL_OPTIONS
+    from gdsdata.packing.packer import packed_options
 
     try:
-        held = index_io.load(out).meta.get("options") or {}
+        return packed_options(index_io.load(out, shards=False).meta)  # (the append checks the shards)
     except (GdsDataError, OSError, ValueError):
         return {}
-    return {k: v for k, v in held.items() if k in PIXEL_OPTIONS}
 
 
 def _images(n: int) -> str:

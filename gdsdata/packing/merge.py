@@ -31,7 +31,7 @@ from gdsdata.format.lock import (SHARDS_TAG, owned_target, reader_lock, remove_q
                                  writer_lock)
 from gdsdata.format.shards import read_header
 from gdsdata.packing.detection import annotate
-from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into
+from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_options
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def _as_recorded(placed, part, shard, index):
 
 def _stored_otherwise(index, first) -> str:
     """The options that store samples otherwise in ``index`` than in ``first`` ("" if none)."""
-    mine, theirs = index.meta.get("options") or {}, first.meta.get("options") or {}
+    mine, theirs = packed_options(index.meta), packed_options(first.meta)
     keys = [k for k in PIXEL_OPTIONS if mine.get(k) != theirs.get(k)]
     return ", ".join(f"{k} {mine.get(k)!r} against {theirs.get(k)!r}" for k in keys)
 

@@ -567,11 +567,16 @@ def _appendable(out, source, alignment):
 PIXEL_OPTIONS = ("codec", "quality", "max_side", "raw_size", "exif_transpose")  # what a sample's bytes depend on
 
 
+def packed_options(meta) -> dict:
+    """The options a dataset's metadata records that its samples' stored bytes depend on."""
+    return {k: v for k, v in (meta.get("options") or {}).items() if k in PIXEL_OPTIONS}
+
+
 def _append_options(base, options, inherit) -> PackOptions:
     """The options an append stores its images with: the dataset's (``inherit``: none given), or the
     given ones where they store images as the dataset's were; others are refused, as one dataset of
     mixed sizes or codecs would be (its recorded options the last append's)."""
-    held = {k: v for k, v in (base.meta.get("options") or {}).items() if k in PIXEL_OPTIONS}
+    held = packed_options(base.meta)
     if inherit:
         return replace(options, **held)
     other = {k: v for k, v in held.items() if getattr(options, k) != v}
