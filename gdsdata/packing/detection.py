@@ -104,7 +104,7 @@ def boxes_from_xyxy(xyxy, labels, flags, where, report, keys=None, shown=None) -
     annotation id), each box as ``shown`` writes corners (the annotation's own form; else the
     corners as fractions). ``keys``: what makes a row a repeat of another (YOLO: its numbers as
     written, as Ultralytics compares them), else its class, crowd flag and clipped box."""
-    form = shown or _listed
+    form = shown or _numbers
     xyxy = np.asarray(xyxy, np.float64).reshape(-1, 4)
     labels, flags = np.asarray(labels, np.int64), np.asarray(flags, np.int64)
     keep, seen = [], set()
@@ -133,7 +133,7 @@ def boxes_from_xyxy(xyxy, labels, flags, where, report, keys=None, shown=None) -
     return np.array(keep, dtype=fmt.BOX_RECORD)
 
 
-def _listed(values, digits=4) -> str:
+def _numbers(values, digits=4) -> str:
     return "[" + ", ".join(f"{v:.{digits}g}" for v in values) + "]"
 
 
@@ -141,7 +141,7 @@ def _coco_bbox(width, height):
     """Corners as fractions written as a COCO ``bbox`` of the image: [x, y, w, h] in its pixels."""
     def shown(values):
         x0, y0, x1, y1 = values
-        return "bbox " + _listed((x0 * width, y0 * height, (x1 - x0) * width, (y1 - y0) * height), digits=6)
+        return "bbox " + _numbers((x0 * width, y0 * height, (x1 - x0) * width, (y1 - y0) * height), digits=6)
     return shown
 
 
