@@ -36,7 +36,8 @@ made) and ``stall_timeout`` is read as each Loader pass and each pack starts.
 | stall_timeout | GDSDATA_STALL_TIMEOUT | 60 | seconds a Loader stage may spend on one batch before the |
 | | | | training loop gets a ``StallError`` naming the stage, the batch and the call it is stuck in; |
 | | | | a packing worker on an image (a chunk of 8: 8 times that) before each is prepared alone, and |
-| | | | skipped if it stalls; ``inf``: no bound |
+| | | | skipped if it stalls; a ``pack --ray`` part without an image before it is packed again |
+| | | | that way; ``inf``: no bound |
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
 when it does not come from NVIDIA's wheels.

@@ -3,6 +3,7 @@ worker and gives the dataset a single process gives; a local S3 server (moto) se
 packs into the dataset the same files give from disk."""
 
 import glob
+import json
 import os
 import pathlib
 import re
@@ -135,8 +136,6 @@ def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, 
 def test_the_report_holds_every_part_s_skipped_files_as_a_local_pack_s(local_ray, tmp_path):
     """OUT/pack_report.json of ``pack --ray`` is a local pack's: the bad files of every part with
     their reasons, the ignored ones, the same fields and counts."""
-    import json
-
     from gdsdata.packing.ray import pack_on_ray
 
     src = str(tmp_path / "src")
@@ -168,6 +167,98 @@ def test_never_more_parts_than_images(local_ray, tmp_path, caplog):
         summary = pack_on_ray(src, str(tmp_path / "ds"), num_parts=3)
     assert summary["parts"] == 2 and summary["samples"] == 2
     assert "3 part(s) asked for, 2 image file(s) to pack: 2 part(s)" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_part_stuck_on_an_image_is_packed_again_and_the_image_skipped_within_the_bound(tmp_path):
+    """A part whose worker never finishes an image (a decoder that loops, a read that never returns)
+    is ended after stall_timeout without progress and packed again from its finished shards, each
+    image in a worker process under the bound: the image that stalls is skipped with the reason, the
+    rest packed, the report as a pack without Ray would give it. Never a hung ``pack --ray``."""
+    pytest.importorskip("ray")
+    src, out = tmp_path / "src", str(tmp_path / "ds")
+    write_photos(str(src), 40, classes=2, start_seed=950, scale=0.4)
+    victim = "class1/00031.jpg"  # (in the second of two parts, after a shard of it)
+    script = f"""
+import json, logging, sys
+sys.path.insert(0, {ROOT!r})
+import ray
+
+def stuck_on_the_victim():  # in each Ray worker as it starts, and the pack workers it forks
+    import threading
+    from gdsdata.packing import packer
+    real = packer._prepare_item
+    def item(job):
+        if job[0] == {victim!r}:
+            threading.Event().wait()
+        return real(job)
+    packer._prepare_item = item
+
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+         runtime_env={{"worker_process_setup_hook": stuck_on_the_victim}})
+from gdsdata.packing.ray import pack_on_ray
+summary = pack_on_ray({str(src)!r}, {out!r}, num_parts=2, shard_size=64 * 1024)
+print(json.dumps(summary["report"]["skipped"]), summary["samples"])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                          env=child_env(GDSDATA_STALL_TIMEOUT="3"))
+    assert done.returncode == 0, done.stderr
+    skipped, samples = done.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    assert samples == "39"
+    assert [(s["path"], s["reason"]) for s in json.loads(skipped)] == [
+        (victim, "preparing it alone took longer than 3 s (the stall_timeout setting, GDSDATA_STALL_TIMEOUT)")]
+    assert "WARNING gdsdata.packing.ray: part 1 of 2 made no progress for 3 s (the stall_timeout setting); packing " \
+           "it again from the shards it finished, each image in a worker process under the bound" in done.stderr
+    assert verify(out) == []
+    assert sorted(os.listdir(tmp_path)) == ["ds", "src"]
+
+
+def test_the_watch_times_only_started_parts_and_a_part_stuck_twice_ends_the_pack():
+    """Parts not started (no CPU free) or still listing are not timed; a part past the bound is
+    ended once and handed back; packing with workers it has 20 bounds, then one line ends the pack."""
+    import gdsdata
+    from gdsdata.errors import GdsDataError
+    from gdsdata.packing.ray import _Watch
+
+    class FakeRay:
+        class exceptions:
+            GetTimeoutError = TimeoutError
+
+        def __init__(self):
+            self.cancelled, self.quiet = [], {}
+
+        def get(self, status, timeout=None):
+            return 10, dict(self.quiet)
+
+        def cancel(self, ref, force):
+            self.cancelled.append((ref, force))
+
+        def wait(self, refs, timeout=None):
+            return refs, []
+
+    class FakeCounter:
+        class _Method:
+            def remote(self, *args):
+                return args
+
+        status = forget = _Method()
+
+    ray = FakeRay()
+    with gdsdata.settings.set(stall_timeout=5):
+        watch = _Watch(ray, FakeCounter(), 3)
+    pending = {"a": 0, "b": 1, "c": 2}
+    ray.quiet = {0: 4.0, 1: 6.0}  # part 2 not started
+    assert watch.poll() == 10 and watch.stalled(pending) == [("b", 1)] and ray.cancelled == [("b", True)]
+    pending = {"a": 0, "b2": 1, "c": 2}
+    ray.quiet = {0: 1.0, 1: 99.0, 2: 0.5}
+    watch.poll()
+    assert watch.stalled(pending) == []  # (packing with workers: 20 bounds)
+    ray.quiet[1] = 101.0
+    watch.poll()
+    with pytest.raises(GdsDataError, match=r"^part 1 of 3 made no progress for 101 s packing each image in a worker "
+                                           r"process: the node rather than the images\?"):
+        watch.stalled(pending)
 
 
 def _ray_processes(mark):

@@ -471,7 +471,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     allow_empty_classes : bool
         Keep class folders without images as classes (torchvision's ImageFolder refuses them).
     on_progress : callable, optional
-        Called with a count as images are done.
+        Called with 0 as the images start (the source listed, a resume's shards checked), then with
+        a count as images are done.
     format : str
         "folder" (classification: ImageFolder, LMDB, tar), or a detection source: "yolo" (``src``:
         an Ultralytics data YAML, a dataset folder with ``images/<split>``, or an images folder) or
@@ -773,6 +774,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     try:
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
+            if on_progress is not None:
+                on_progress(0)
             for rel, prepared, reason in _results(jobs, workers):
                 bar.update()
                 if on_progress is not None:

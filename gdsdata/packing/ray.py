@@ -21,11 +21,12 @@ import time
 
 from tqdm import tqdm
 
+from gdsdata import settings
 from gdsdata.format import layout as fmt
 from gdsdata.errors import GdsDataError, SourceError, Terminated
 from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_quietly, writer_lock
 from gdsdata.packing.detection import DetectionSource, open_detection
-from gdsdata.packing.packer import report_complete, report_opening
+from gdsdata.packing.packer import _wait, report_complete, report_opening
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, open_source
 
 log = logging.getLogger(__name__)
@@ -99,15 +100,20 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                 folder = aside(out, "parts")
                 counter = _Counter.remote()
                 task = ray.remote(max_retries=max_retries, retry_exceptions=True, num_cpus=1)(_pack_part)
-                pending = {task.remote(job_source, os.path.join(folder, f"part-{k}"), parts, k, kwargs, counter): k
-                           for k in range(parts)}
+
+                def submit(k, isolated=False):
+                    return task.remote(job_source, os.path.join(folder, f"part-{k}"), parts, k, kwargs, counter,
+                                       isolated)
+
+                pending = {submit(k): k for k in range(parts)}
                 reports = {}
                 bar = tqdm(total=total, unit="img", desc=f"pack on Ray ({parts} parts, {cpus} CPUs)",
                            disable=not progress, file=sys.stderr)
                 with bar:
+                    watch = _Watch(ray, counter, parts)
                     while pending:
                         ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
-                        bar.update(ray.get(counter.count.remote()) - bar.n)
+                        bar.update(min(total, watch.poll()) - bar.n)
                         for ref in ready:
                             k = pending.pop(ref)
                             try:
@@ -115,6 +121,8 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                             except Exception as e:  # noqa: BLE001 - Ray wraps what the task raised
                                 raise GdsDataError(f"part {k} of {parts} failed after {max_retries} retries: "
                                                    f"{_reason(e)}") from None
+                        for ref, k in watch.stalled(pending):
+                            pending[submit(k, isolated=True)] = pending.pop(ref)
                 union = _JoinedReport(src, out, [reports[k] for k in range(parts)], kwargs["shard_roots"], started,
                                 parts, cpus)
                 summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
@@ -256,29 +264,84 @@ class _JoinedReport:
         return report
 
 
+class _Watch:
+    """The bound on a part's progress (the ``stall_timeout`` setting, as for a pack without Ray):
+    each part tells the job's counter as it starts its images and then at least every second while
+    it packs them. A part that makes no progress for the bound (stuck on an image: a decoder that
+    loops, a read that never returns) is ended (its worker killed) and packed again from the shards
+    it finished, now with each image prepared in a worker process under the bound (``pack``'s
+    workers), so that the image that stalls is skipped with the reason and the rest packed. A part
+    stuck again that way, beyond what those waits take, ends the pack in one line. Parts Ray has not
+    started yet (no free CPU) and a part still listing its source are not timed."""
+
+    _ISOLATED = 20  # bounds a part packing with workers may go without an image (a chunk's wait, then each alone)
+
+    def __init__(self, ray, counter, parts):
+        self.ray, self.counter, self.parts = ray, counter, parts
+        self.bound = settings.get("stall_timeout")
+        self.quiet, self.isolated = {}, set()
+
+    def poll(self) -> int:
+        """Images done over the job; notes how long each packing part has gone without one."""
+        try:
+            done, self.quiet = self.ray.get(self.counter.status.remote(), timeout=_wait(max(self.bound, 30)))
+        except self.ray.exceptions.GetTimeoutError:
+            raise GdsDataError(f"Ray did not answer within {max(self.bound, 30):g} s (the job's progress counter, "
+                               f"an actor on the cluster): the cluster is overloaded or a node is gone") from None
+        return done
+
+    def stalled(self, pending: dict) -> list:
+        """The refs of ``pending`` (ref: part) whose part made no progress for the bound: each
+        ended, its worker gone, before it is handed back to be packed again (``GdsDataError`` for
+        a part that stalls packing with workers)."""
+        ended = []
+        for ref, k in list(pending.items()):
+            quiet = self.quiet.get(k)
+            limit = self.bound * (self._ISOLATED if k in self.isolated else 1)
+            if quiet is None or quiet <= limit:
+                continue
+            if k in self.isolated:
+                raise GdsDataError(f"part {k} of {self.parts} made no progress for {quiet:.0f} s packing each image "
+                                   f"in a worker process: the node rather than the images? (the stall_timeout "
+                                   f"setting, GDSDATA_STALL_TIMEOUT, is {self.bound:g} s an image)")
+            log.warning("part %d of %d made no progress for %g s (the stall_timeout setting); packing it again from "
+                        "the shards it finished, each image in a worker process under the bound", k, self.parts,
+                        self.bound)
+            self.ray.cancel(ref, force=True)
+            self.ray.wait([ref], timeout=_wait(max(self.bound, 30)))  # (its worker gone, and its writer lock with it)
+            self.counter.forget.remote(k)
+            self.quiet.pop(k, None)
+            self.isolated.add(k)
+            ended.append((ref, k))
+        return ended
+
+
 def _reason(error) -> str:
     cause = getattr(error, "cause", None) or error
     return (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
 
 
-def _pack_part(job_source, part_out, parts, k, kwargs, counter):
-    """One part, in a Ray worker: packed, or (after a failure or a killed worker) resumed. Returns
-    its ``pack_report.json``."""
+def _pack_part(job_source, part_out, parts, k, kwargs, counter, isolated=False):
+    """One part, in a Ray worker: packed, or (after a failure, a killed worker or a stall) resumed;
+    ``isolated``: each image prepared in a worker process under the stall bound (after a stall).
+    Tells ``counter`` of its progress at least every second. Returns its ``pack_report.json``."""
     from gdsdata.packing.packer import pack
 
     if os.path.exists(os.path.join(part_out, fmt.INDEX_NAME)):  # finished before the retry
         return _part_report(part_out)
     resume = os.path.isdir(part_out) and any(n.endswith(fmt.JOURNAL_SUFFIX) for n in os.listdir(part_out))
-    done = {"n": 0}
+    done = {"n": 0, "told": 0.0}
 
     def tell(n):
         done["n"] += n
-        if done["n"] >= 32:
-            counter.add.remote(done["n"])
-            done["n"] = 0
+        now = time.monotonic()
+        if n == 0 or done["n"] >= 32 or now - done["told"] >= 1:
+            counter.add.remote(k, done["n"])
+            done["n"], done["told"] = 0, now
 
-    pack(job_source, part_out, workers=1, num_parts=parts, part=k, resume=resume, on_progress=tell, **kwargs)
-    counter.add.remote(done["n"])
+    pack(job_source, part_out, workers=2 if isolated else 1, num_parts=parts, part=k, resume=resume,
+         on_progress=tell, **kwargs)
+    counter.add.remote(k, done["n"])
     return _part_report(part_out)
 
 
@@ -307,16 +370,22 @@ def _counter_class():
 
     @ray.remote(num_cpus=0)
     class Counter:
-        """Images done over the whole job, for the driver's progress bar."""
+        """Images done over the whole job, for the driver's progress bar, and when each part last
+        made progress (on this actor's clock), for the stall bound."""
 
         def __init__(self):
-            self.n = 0
+            self.n, self.last = 0, {}
 
-        def add(self, n):
+        def add(self, part, n):
             self.n += n
+            self.last[part] = time.monotonic()
 
-        def count(self):
-            return self.n
+        def forget(self, part):
+            self.last.pop(part, None)
+
+        def status(self):
+            now = time.monotonic()
+            return self.n, {part: now - t for part, t in self.last.items()}
 
     return Counter
 
