@@ -61,7 +61,7 @@ def interrupted_pack(src, out, drives, after, **kwargs):
     seen = []
 
     def interrupt(n):
-        seen.append(n)
+        seen.extend([1] * n)  # (called with 0 as the images start)
         if len(seen) == after:
             raise KeyboardInterrupt
 
@@ -79,7 +79,7 @@ def killed_pack(src, out, drives, after, **kwargs):
               f"from gdsdata.packing.packer import pack\n"
               f"seen = []\n"
               f"def progress(n):\n"
-              f"    seen.append(n)\n"
+              f"    seen.extend([1] * n)\n"
               f"    if len(seen) == {after}:\n"
               f"        os.kill(os.getpid(), signal.SIGKILL)\n"
               f"pack({src!r}, {out!r}, workers=1, shard_size={SHARD}, shard_roots={drives!r}, on_progress=progress,\n"
