@@ -90,6 +90,9 @@ def _cmd_pack(args):
     if args.append and not result.new:
         held = "the rest" if result.skipped else "every image"
         print(f"nothing to append: {args.out} holds {held} of {args.src} already ({whole}; unchanged)")
+    elif args.resume and not (result.new or result.resumed_shards):
+        print(f"nothing to resume: {args.out} is finished, packed from {args.src} with these options ({whole}; "
+              f"unchanged)")
     elif args.append:
         print(f"appended {_images(result.new)} in {result.seconds:.1f} s ({rate}): {args.out} now holds {whole}")
     elif result.resumed_shards:  # (the time and rate are the images packed by this run)

@@ -226,6 +226,22 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
                                "--help)\n")
 
 
+def test_pack_resume_is_safe_to_repeat(small_src, tmp_path):
+    """A retry wrapper that always passes --resume: the first run packs (nothing to resume), the
+    next says the pack is finished and succeeds, one with other options is refused in one line."""
+    out = str(tmp_path / "ds")
+    rc, stdout, err = run("pack", small_src, out, "--resume", "-q")
+    assert rc == 0 and stdout.startswith("packed 9 images in 1 shard(s)"), err
+    index = pathlib.Path(out, fmt.INDEX_NAME).read_bytes()
+    rc, stdout, err = run("pack", small_src, out, "--resume", "-q")
+    assert rc == 0 and stdout.startswith(f"nothing to resume: {out} is finished, packed from {small_src} with these "
+                                         f"options (9 images in 1 shard(s), "), err
+    assert f"  report: {os.path.join(out, fmt.REPORT_NAME)}" in stdout
+    assert pathlib.Path(out, fmt.INDEX_NAME).read_bytes() == index
+    assert_one_line_error(*run("pack", small_src, out, "--resume", "--shard-size", "64K", "-q")[::2],
+                          "already a finished dataset of other sources or options")
+
+
 def test_pack_refuses_an_empty_part_and_a_raw_size_for_jpegs(small_src, tmp_path):
     said = assert_one_line_error(*run("pack", small_src, str(tmp_path / "x"), "--num-parts", "40", "--part", "0")[::2],
                                  "would hold no image")

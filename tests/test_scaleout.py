@@ -22,6 +22,7 @@ from gdsdata.dataset import GDSDataset
 from gdsdata.errors import BusyError, FormatError, OutputExistsError, SourceError
 from gdsdata.packing.merge import merge
 from gdsdata.packing.packer import pack
+from gdsdata.packing.prepare import PackOptions
 from gdsdata.commands.verify import verify
 
 SHARD = 120_000  # small shards: many shard boundaries in a small set
@@ -320,9 +321,26 @@ def test_sigkill_at_random_points_then_resume(bigger, tmp_path):
     assert interrupted >= 6
 
 
-def test_resume_refuses_other_options_and_finished_datasets(source, whole, bigger, tmp_path):
-    with pytest.raises(OutputExistsError, match="already a finished dataset"):
-        pack(source, whole, resume=True, shard_size=SHARD)
+def test_a_resume_of_a_finished_or_missing_pack_is_the_pack(source, whole, tmp_path):
+    """``--resume`` as a retry wrapper passes it every time: a pack that finished, resumed with its
+    source and options, is left as it is (and succeeds); with others it is refused; a pack that
+    never began starts from nothing."""
+    index = pathlib.Path(whole, fmt.INDEX_NAME).read_bytes()
+    result = pack(source, whole, resume=True, shard_size=SHARD)
+    assert (result.packed, result.new, result.resumed_shards, len(result.skipped)) == (40, 0, 0, 0)
+    assert result.report_path == os.path.join(whole, fmt.REPORT_NAME)
+    assert pathlib.Path(whole, fmt.INDEX_NAME).read_bytes() == index
+    for other in ({"shard_size": SHARD * 2}, {"shard_size": SHARD, "options": PackOptions(codec="raw", raw_size=64)}):
+        with pytest.raises(OutputExistsError, match="already a finished dataset of other sources or options; "
+                                                    "nothing to resume"):
+            pack(source, whole, resume=True, **other)
+    fresh = str(tmp_path / "never-begun")
+    result = pack(source, fresh, resume=True, workers=2, shard_size=SHARD)
+    assert result.packed == 40 and result.new == 40 and samples_of(fresh) == samples_of(whole)
+    assert verify(fresh) == []
+
+
+def test_resume_refuses_other_options(bigger, tmp_path):
     out = str(tmp_path / "ds")
     proc = subprocess.Popen(_pack_cmd(bigger[0], out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_journals(out, proc)

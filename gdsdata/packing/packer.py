@@ -40,7 +40,7 @@ from gdsdata import __version__, settings
 from gdsdata.args import is_integer
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
-from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
+from gdsdata.errors import BadImageError, GdsDataError, OutputExistsError, SourceError
 from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_inherited_locks, remove_dataset,
                                  remove_shard, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
@@ -394,11 +394,8 @@ def _listing_digest(items) -> str:
 
 def _resume_state(out, signature):
     """What an interrupted pack finished: the longest run of shards 0..k-1 whose journal matches
-    this pack and whose bytes match the journal. Everything after them is removed."""
-    if not os.path.isdir(out):
-        raise FormatError(f"{out}: nothing to resume (no such folder)")
-    if os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
-        raise OutputExistsError(f"{out}: already a finished dataset; nothing to resume")
+    this pack and whose bytes match the journal. Everything after them is removed. (None: a pack
+    from the start.)"""
     journals = []
     while True:
         shard_path = os.path.join(out, fmt.shard_name(len(journals)))
@@ -531,9 +528,9 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
                 return _pack(source, name, folder, out, options, shard_size, alignment, workers, strict,
                              progress, num_parts, part, resume, append, started, on_progress, roots, inherit)
 
-            if resume or append:
+            if append or (resume and os.path.isdir(out)):
                 return build(out)
-            return into(out, overwrite, build)
+            return into(out, overwrite, build)  # (a resume with nothing to resume packs from the start)
     finally:
         source.close()
 
@@ -642,6 +639,27 @@ def _check_held_boxes(base, source, held):
                           f"images the dataset does not hold: pack again with --overwrite to take the new labels")
 
 
+def _finished(out, src, signature, source, started) -> PackResult:
+    """A resume of a pack that finished: the dataset as it is (untouched) where its index records
+    this pack's source, options, part and listing; ``OutputExistsError`` where it records others."""
+    base = index_io.load(out)
+    meta = base.meta
+    options = {**signature["options"], "shard_size": signature["shard_size"], "alignment": signature["alignment"]}
+    part = (meta.get("part") or {}).get("part", 0), (meta.get("part") or {}).get("num_parts", 1)
+    if meta.get("listing") is None:
+        raise OutputExistsError(f"{out}: already a finished dataset (its index does not record the listing it was "
+                                f"packed from: a merge, an append or an earlier gdsdata); nothing to resume")
+    if (meta.get("source"), meta.get("options"), list(part), meta.get("listing")) != \
+            (src, options, signature["part"], signature["listing"]):
+        raise OutputExistsError(f"{out}: already a finished dataset of other sources or options; nothing to resume "
+                                f"(--overwrite replaces it)")
+    log.info("%s: finished already (packed from %s with these options); nothing to resume", out, display(src))
+    result = _unchanged(base, source, out, started)
+    report = os.path.join(out, fmt.REPORT_NAME)
+    result.report_path = report if os.path.exists(report) else ""
+    return result
+
+
 def _unchanged(base, source, out, started, skipped=()) -> PackResult:
     """An append that adds nothing: the dataset as it is (left untouched), and the new files that
     could not be packed, if any."""
@@ -707,6 +725,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     ignored = source.ignored if part == 0 else []
     signature = {"source": src, "options": asdict(options), "shard_size": shard_size, "alignment": alignment,
                  "part": [part, num_parts], "items": len(items), "listing": _listing_digest(items)}
+    if resume and os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
+        return _finished(out, src, signature, source, started)
     journals = _resume_state(out, signature) if resume else []
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped = [], bytearray(), []
@@ -853,6 +873,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             "gdsdata_version": __version__,
             "source": src,
             "options": {**asdict(options), "shard_size": shard_size, "alignment": alignment},
+            "listing": None if append else signature["listing"],  # (what a resume of the finished pack compares)
             "counts": {"packed": len(samples), "skipped": len(skipped), "converted": converted,
                        "resized": resized, "ignored": len(ignored), "per_class": per_class},
         }
