@@ -11,7 +11,8 @@ fine-tuning). Everything but the batches is Ultralytics': loss, optimiser, sched
 mAP validation, checkpoints under --project/--name. Training batches are gdsdata.YoloAugment
 (mosaic, affine, HSV, flips, with Ultralytics' default hyper-parameters and box rules) built on the
 training device; validation batches gdsdata.Letterbox. Extra Ultralytics arguments go after --,
-as key=value (e.g. -- mosaic=0.5 lr0=0.02).
+as key=value (e.g. -- mosaic=0.5 lr0=0.02). ``--device 0,1,2,3`` trains on four GPUs with
+Ultralytics' own DDP (a process a GPU; --batch is the whole batch, split over them).
 """
 
 import argparse

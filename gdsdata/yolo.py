@@ -18,8 +18,12 @@ names come from the packed dataset, so ``data`` is not needed; the checkpoints r
 the data YAML both packs were made from (where Ultralytics finds its splits from here), so that
 Ultralytics' ``YOLO("best.pt").val()`` validates on that YAML's val split with its own pipeline
 (else give it ``data=``).
-Ultralytics' own DDP (it re-launches the trainer from its module path with its own arguments) is not
-offered: one process per run. Needs the ``ultralytics`` package.
+Several GPUs (``device="0,1,2,3"``) train as Ultralytics' own DDP does: it launches one process a
+GPU through ``torch.distributed.run`` (carrying the packs' paths to them), each rank takes its share
+of every epoch's order, and validation gives each rank a contiguous run of the rectangular batches
+(Ultralytics' ``ContiguousDistributedSampler``), their statistics gathered on rank 0. A script
+launched by ``torchrun`` itself trains the same way. Needs the ``ultralytics`` package (and, for
+DDP, ``cloudpickle``, which Ultralytics' launch uses).
 """
 
 import contextlib
@@ -30,6 +34,7 @@ import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from gdsdata.dataset import GDSDataset
 from gdsdata.loader import Loader
@@ -46,6 +51,7 @@ except ImportError as e:  # pragma: no cover - exercised without ultralytics
 log = logging.getLogger(__name__)
 _HYP = ("mosaic", "degrees", "translate", "scale", "shear", "fliplr", "flipud", "hsv_h", "hsv_s", "hsv_v", "seed")
 # Ultralytics arguments these batches do not follow: refused unless at the value they follow
+_CARRIED = "gdsdata_packs"  # the argument that carries the packs' paths to Ultralytics' DDP processes
 _UNSUPPORTED = {"perspective": 0.0, "mixup": 0.0, "cutmix": 0.0, "copy_paste": 0.0, "bgr": 0.0,
                 "single_cls": False, "fraction": 1.0, "classes": None, "rect": False}
 
@@ -56,9 +62,9 @@ class _Samples:
     def __init__(self, batches):
         self._batches = batches
 
-    def __len__(self):
+    def __len__(self):  # (this rank's share: the order padded to a multiple of the ranks, as DistributedSampler's)
         spec = self._batches.loader.spec
-        return min(len(self._batches.loader) * spec.batch_size, spec.size)
+        return min(len(self._batches.loader) * spec.batch_size, -(-spec.size // spec.world_size))
 
     def __iter__(self):
         return (int(i) for batch in self._batches.loader.indices() for i in batch)
@@ -137,6 +143,18 @@ class Batches:
     def close(self):
         self.loader.close()
         self.loader._data.close()
+
+
+def contiguous_share(total: int, batch_size: int, rank: int, world_size: int) -> "tuple[int, int]":
+    """The samples ``[start, end)`` of ``total`` (in validation order) that ``rank`` validates:
+    whole batches, the first ``batches % world_size`` ranks one more (unit batches where one batch
+    spans them all), as Ultralytics' ``ContiguousDistributedSampler`` splits them."""
+    batch_size = 1 if batch_size >= total else batch_size
+    batches = -(-total // batch_size)
+    base, extra = divmod(batches, world_size)
+    first = rank * base + min(rank, extra)
+    last = first + base + (1 if rank < extra else 0)
+    return min(first * batch_size, total), min(last * batch_size, total)
 
 
 class DetectionValidator(_UltralyticsValidator):
@@ -218,7 +236,13 @@ class DetectionTrainer(_UltralyticsTrainer):
     (``gdsdata pack --format yolo|coco``). ``overrides``: Ultralytics' arguments (``model``,
     ``epochs``, ``imgsz``, ``batch``, ``device``, hyper-parameters ...)."""
 
-    def __init__(self, train, val, cfg=DEFAULT_CFG, overrides=None, _callbacks=None):
+    def __init__(self, train=None, val=None, cfg=DEFAULT_CFG, overrides=None, _callbacks=None):
+        overrides = dict(overrides or {})
+        carried = overrides.pop(_CARRIED, None)  # a DDP rank: the packs, from the launching trainer (``train``)
+        if carried is not None:
+            train, val = carried["train"], carried["val"]
+        if train is None or val is None:
+            raise TypeError("DetectionTrainer needs the train and val datasets: DetectionTrainer(train, val, ...)")
         self.gds_roots = {"train": str(train), "val": str(val)}
         sources = []
         for mode, root in self.gds_roots.items():
@@ -234,7 +258,6 @@ class DetectionTrainer(_UltralyticsTrainer):
                                  f"{list(self._names.values())[:5]}...: pack both from the same names")
             probe.close()
         self._gds_batches = {}
-        overrides = dict(overrides or {})
         # what the checkpoints record as their data: the data YAML both packs came from, where Ultralytics still
         # finds its splits, so that its own YOLO("best.pt").val() validates on the val split; else the train pack
         if "data" not in overrides:
@@ -255,6 +278,17 @@ class DetectionTrainer(_UltralyticsTrainer):
             raise ValueError(f"batch={args.batch}: Ultralytics' AutoBatch sizes its own dataset; "
                              f"give a batch size")
         super().__init__(cfg, overrides, _callbacks)
+
+    def train(self):
+        """Ultralytics' training; with several GPUs its DDP launch, whose processes rebuild this
+        trainer from its arguments: the packs' paths ride along with them for the launch."""
+        if not self.ddp:
+            return super().train()
+        setattr(self.args, _CARRIED, dict(self.gds_roots))
+        try:
+            return super().train()
+        finally:
+            delattr(self.args, _CARRIED)
 
     def _setup_train(self, *args, **kwargs):
         """Ultralytics' set-up, its AMP check without the YOLO model that check downloads to compare
@@ -284,11 +318,21 @@ class DetectionTrainer(_UltralyticsTrainer):
             model = getattr(self.model, "module", self.model)
             stride = max(int(model.stride.max()), 32) if hasattr(model, "stride") else 32
             transform = Letterbox(imgsz=self.args.imgsz, targets="ultralytics", rect=True, stride=stride)
-        order = Letterbox.rect_order(ds) if mode != "train" else None
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if self.world_size > 1 and \
+            dist.is_initialized() else (0, 1)
+        ranks = {"rank": rank, "world_size": world_size}  # training: each rank its share of the epoch's order
+        order = None
+        if mode != "train":  # a contiguous run of the batches a rank, every image once (Ultralytics' DDP validation)
+            order = Letterbox.rect_order(ds)
+            start, end = contiguous_share(len(order), batch_size, rank, world_size)
+            if start == end:
+                raise ValueError(f"{self.gds_roots[mode]}: {len(order)} image(s) to validate on {world_size} GPUs: "
+                                 f"at least one a GPU")
+            order, ranks = order[start:end], {"rank": 0, "world_size": 1}
 
         def make(transform):
             return Loader(ds, batch_size, shuffle=mode == "train", seed=int(self.args.seed), transform=transform,
-                          drop_last=False, rank=0, world_size=1, indices=order)
+                          drop_last=False, indices=order, **ranks)
 
         batches = self._gds_batches[mode] = Batches(make, transform, (lambda: self.epoch) if mode == "train" else None)
         return batches

@@ -155,3 +155,141 @@ def test_the_amp_check_never_loads_the_model_it_would_download():
     assert _amp_without_download(check)(None) == "skipped, as offline"
     assert ultralytics.YOLO is held
 
+
+
+def test_validation_shares_are_ultralytics_contiguous_ones():
+    """Each DDP rank validates the run of whole batches Ultralytics' ContiguousDistributedSampler
+    gives it (the rectangles stay those of the whole validation order, every image once)."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    opener = Image.open
+    pytest.importorskip("ultralytics")
+    from ultralytics.data.build import ContiguousDistributedSampler
+
+    from gdsdata.yolo import contiguous_share
+
+    Image.open = opener
+    for total in (1, 2, 7, 8, 64, 100, 1001):
+        for batch in (1, 3, 8, 32, 2000):
+            for world in (1, 2, 3, 8):
+                if total < world:
+                    continue
+                shares = [contiguous_share(total, batch, rank, world) for rank in range(world)]
+                theirs = [list(ContiguousDistributedSampler(range(total), world, batch, rank)) for rank in range(world)]
+                assert [list(range(*share)) for share in shares] == theirs, (total, batch, world)
+
+
+_RANK_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from PIL import Image
+opener = Image.open
+from gdsdata.yolo import DetectionTrainer
+Image.open = opener
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://{rendezvous}", rank=rank, world_size=2)
+trainer = DetectionTrainer({train!r}, {val!r}, overrides={{"model": "yolov8n.yaml", "imgsz": 64, "batch": 4,
+    "device": "cpu", "project": {project!r}, "name": f"r{{rank}}", "plots": False}})
+trainer.world_size = 2  # (Ultralytics' own count, from device="0,1" on a GPU machine)
+trainer.epoch = 0
+got = {{}}
+for mode, batch in (("train", 2), ("val", 1), ("val", 3)):
+    batches = trainer.get_dataloader(None, batch_size=batch, mode=mode)
+    got[f"{{mode}}{{batch}}"] = [list(b["im_file"]) for b in batches]
+    got[f"{{mode}}{{batch}}-len"] = [len(batches), len(batches.sampler)]
+    batches.close()
+print(json.dumps(got))
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_ranks_train_on_their_shares_and_validate_on_contiguous_batches(packed, tmp_path):
+    """Two ranks (gloo on the CPU, as torchrun starts them): each trains on its half of the same
+    epoch order, and validates on its contiguous run of the rectangular validation batches; over
+    the ranks every image once."""
+    import json
+    import subprocess
+
+    from conftest import child_env
+
+    pytest.importorskip("ultralytics")
+    train, val = packed
+    script = _RANK_SCRIPT.format(root=os.path.join(os.path.dirname(__file__), ".."), rendezvous=tmp_path / "rdv",
+                                 train=train, val=val, project=str(tmp_path))
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=child_env(YOLO_OFFLINE="1"))
+             for rank in range(2)]
+    outs = [rank.communicate(timeout=300) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    ds_train, ds_val = gdsdata.GDSDataset(train), gdsdata.GDSDataset(val)
+    images = [[f for b in g["train2"] for f in b] for g in got]
+    assert [len(i) for i in images] == [4, 4] and [g["train2-len"] for g in got] == [[2, 4], [2, 4]]
+    assert sorted(images[0] + images[1]) == sorted(ds_train.source(i) for i in range(len(ds_train)))
+    order = [ds_val.source(int(i)) for i in gdsdata.Letterbox.rect_order(ds_val)]
+    assert len(order) == 4
+    assert got[0]["val1"] + got[1]["val1"] == [[f] for f in order]  # two batches of one each
+    assert got[0]["val3"] == [order[:3]] and got[1]["val3"] == [order[3:]]  # whole batches: 3, then the last one
+    assert [g["val3-len"] for g in got] == [[1, 3], [1, 1]]
+
+
+def test_ultralytics_ddp_launch_rebuilds_the_trainer_with_its_packs(packed, tmp_path, monkeypatch):
+    """With several GPUs Ultralytics launches its DDP processes from a file of its own that rebuilds
+    the trainer from its class and arguments alone: the packs' paths ride along, and the process
+    trains (here one CPU process stands for the ranks torch.distributed.run would start)."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    opener = Image.open
+    pytest.importorskip("ultralytics")
+    pytest.importorskip("cloudpickle")
+    from ultralytics.engine import trainer as module
+
+    from gdsdata.yolo import DetectionTrainer
+
+    Image.open = opener
+    real = module.generate_ddp_command
+    launched = []
+
+    def one_process(trainer):  # Ultralytics' file, run by one Python rather than torch.distributed.run
+        cmd, file = real(trainer)
+        launched.append(open(file).read())
+        return [sys.executable, file], file
+
+    monkeypatch.setattr(module, "generate_ddp_command", one_process)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.join(os.path.dirname(__file__), ".."),
+                                                     os.environ.get("PYTHONPATH", "")]))
+    trainer = DetectionTrainer(*packed, overrides={
+        "model": "yolov8n.yaml", "epochs": 1, "imgsz": 64, "batch": 4, "device": "cpu", "workers": 0, "plots": False,
+        "amp": False, "pretrained": False, "val": False, "project": str(tmp_path), "name": "run", "exist_ok": True})
+    trainer.ddp = True  # (Ultralytics' own answer for device="0,1" on a GPU machine)
+    trainer.train()
+    assert len(launched) == 1 and "trainer.train()" in launched[0]
+    assert (tmp_path / "run" / "weights" / "last.pt").exists()  # trained by the process the file started
+    assert not hasattr(trainer.args, "gdsdata_packs")  # (carried for the launch only: not in checkpoints)
+    ckpt = torch.load(tmp_path / "run" / "weights" / "last.pt", weights_only=False)
+    assert "gdsdata_packs" not in ckpt["train_args"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_ultralytics_ddp_trains_on_two_gpus(packed, tmp_path, monkeypatch):
+    """device="0,1": Ultralytics' own DDP launch (torch.distributed.run, NCCL), each rank on its GPU
+    with its share of the batches, validation gathered on rank 0, checkpoints written."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    opener = Image.open
+    pytest.importorskip("ultralytics")
+    pytest.importorskip("cloudpickle")
+    from gdsdata.yolo import DetectionTrainer
+
+    Image.open = opener
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.join(os.path.dirname(__file__), ".."),
+                                                     os.environ.get("PYTHONPATH", "")]))
+    trainer = DetectionTrainer(*packed, overrides={
+        "model": "yolov8n.yaml", "epochs": 2, "close_mosaic": 1, "imgsz": 64, "batch": 4, "device": "0,1",
+        "workers": 0, "plots": False, "amp": False, "pretrained": False, "project": str(tmp_path), "name": "run",
+        "exist_ok": True})
+    assert trainer.ddp
+    trainer.train()
+    weights = tmp_path / "run" / "weights"
+    assert (weights / "best.pt").exists() and (weights / "last.pt").exists()
+    rows = (tmp_path / "run" / "results.csv").read_text().strip().splitlines()
+    assert len(rows) == 3 and "metrics/mAP50-95(B)" in rows[0]  # a header, then each epoch's validation
