@@ -340,6 +340,28 @@ def test_a_resume_of_a_finished_or_missing_pack_is_the_pack(source, whole, tmp_p
     assert verify(fresh) == []
 
 
+def test_a_resume_shows_its_check_of_the_finished_shards(source, whole, tmp_path, capsys):
+    """A resume reads every finished shard whole before it goes on (their CRC-32 against the
+    journals): long work on a large pack, shown as a bar when progress is on."""
+    out = str(tmp_path / "ds")
+    seen = []
+
+    def interrupt(n):
+        seen.extend([1] * n)
+        if len(seen) == 30:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pack(source, out, workers=1, shard_size=SHARD, on_progress=interrupt)
+    journaled = [n for n in os.listdir(out) if n.endswith(fmt.JOURNAL_SUFFIX)]
+    assert journaled
+    capsys.readouterr()
+    result = pack(source, out, workers=1, shard_size=SHARD, resume=True, progress=True)
+    err = capsys.readouterr().err
+    assert "check finished shards: 100%" in err and result.resumed_shards == len(journaled)
+    assert samples_of(out) == samples_of(whole)
+
+
 def test_resume_refuses_other_options(bigger, tmp_path):
     out = str(tmp_path / "ds")
     proc = subprocess.Popen(_pack_cmd(bigger[0], out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -392,31 +392,37 @@ def _listing_digest(items) -> str:
     return digest.hexdigest()
 
 
-def _resume_state(out, signature):
+def _resume_state(out, signature, progress=False):
     """What an interrupted pack finished: the longest run of shards 0..k-1 whose journal matches
-    this pack and whose bytes match the journal. Everything after them is removed. (None: a pack
-    from the start.)"""
+    this pack and whose bytes match the journal (each read whole: a bar on stderr with
+    ``progress``). Everything after them is removed. (None found: a pack from the start.)"""
+    listed = [os.path.join(out, name[:-len(fmt.JOURNAL_SUFFIX)]) for name in os.listdir(out)
+              if name.endswith(fmt.JOURNAL_SUFFIX)]
+    total = sum(os.path.getsize(path) for path in listed if os.path.isfile(path))
     journals = []
-    while True:
-        shard_path = os.path.join(out, fmt.shard_name(len(journals)))
-        try:
-            with open(_journal_path(out, len(journals)), encoding="utf-8") as f:
-                journal = json.load(f)
-        except (OSError, ValueError):
-            break
-        theirs = journal.get("signature") or {}
-        if "listing" not in theirs and "ends" in theirs:  # (journals of gdsdata before 2026-12-05)
-            raise SourceError(f"{out}: the interrupted pack was begun by an earlier gdsdata, whose journals do not "
-                              f"record the whole listing (and YOLO splits are listed in another order now): it "
-                              f"cannot be resumed safely; pack again with --overwrite")
-        if theirs != signature:
-            raise SourceError(f"{out}: the interrupted pack used other sources or options; resume it with "
-                              f"the same command, or pack again with --overwrite")
-        size, _, _, crc = journal["shard"][:4]
-        if not os.path.exists(shard_path) or os.path.getsize(shard_path) != size or \
-                data_crc32(shard_path, signature["alignment"]) != crc:
-            break
-        journals.append(journal)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="check finished shards", file=sys.stderr,
+              disable=not progress or not total) as bar:
+        while True:
+            shard_path = os.path.join(out, fmt.shard_name(len(journals)))
+            try:
+                with open(_journal_path(out, len(journals)), encoding="utf-8") as f:
+                    journal = json.load(f)
+            except (OSError, ValueError):
+                break
+            theirs = journal.get("signature") or {}
+            if "listing" not in theirs and "ends" in theirs:  # (journals of gdsdata before 2026-12-05)
+                raise SourceError(f"{out}: the interrupted pack was begun by an earlier gdsdata, whose journals do "
+                                  f"not record the whole listing (and YOLO splits are listed in another order now): "
+                                  f"it cannot be resumed safely; pack again with --overwrite")
+            if theirs != signature:
+                raise SourceError(f"{out}: the interrupted pack used other sources or options; resume it with "
+                                  f"the same command, or pack again with --overwrite")
+            size, _, _, crc = journal["shard"][:4]
+            if not os.path.exists(shard_path) or os.path.getsize(shard_path) != size or \
+                    data_crc32(shard_path, signature["alignment"]) != crc:
+                break
+            bar.update(size)
+            journals.append(journal)
     kept = {fmt.shard_name(k) for k in range(len(journals))} | {
         fmt.shard_name(k) + fmt.JOURNAL_SUFFIX for k in range(len(journals))}
     owner = dataset_owner(out)  # (the first journal's id: the interrupted pack's, whether kept or not)
@@ -727,7 +733,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                  "part": [part, num_parts], "items": len(items), "listing": _listing_digest(items)}
     if resume and os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
         return _finished(out, src, signature, source, started)
-    journals = _resume_state(out, signature) if resume else []
+    journals = _resume_state(out, signature, progress) if resume else []
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped = [], bytearray(), []
     shard_rows = []
