@@ -241,7 +241,7 @@ def _cmd_inspect(args):
           f"alignment {info['alignment']} B, overhead {info['alignment_overhead'] * 100:.2f} %")
     where = info["shard_folders"]
     if list(where["folders"]) != [os.path.realpath(info["path"])]:
-        print(f"  shards on {where['devices']} device(s): " + ", ".join(f"{folder} ({n})" for folder, n in
+        print(f"  shards in {len(where['folders'])} folder(s) on {where['devices']} device(s): " + ", ".join(f"{folder} ({n})" for folder, n in
                                                                         where["folders"].items()))
     sizes, w, h = info["sample_bytes"], info["width"], info["height"]
     print(f"  sample size min/mean/max: {_human(sizes['min'])} / {_human(sizes['mean'])} / {_human(sizes['max'])}")

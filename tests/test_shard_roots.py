@@ -263,7 +263,7 @@ def test_the_command_line_spreads_shards_and_inspect_shows_where(src, tmp_path):
     assert rc == 0, err
     rc, printed, err = run("inspect", out)
     assert rc == 0, err
-    assert "shards on 1 device(s)" in printed and "drive0" in printed and "drive1" in printed
+    assert "shards in 2 folder(s) on 1 device(s)" in printed and "drive0" in printed and "drive1" in printed
     assert np.all([os.path.islink(os.path.join(out, n)) for n in shard_files(out)])
 
 
