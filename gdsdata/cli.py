@@ -198,6 +198,8 @@ def _pack_usage(args) -> str | None:
         return "--ray packs every part itself (and retries them); it goes with none of --resume, --append or --part"
     if args.append and (args.resume or args.overwrite or args.num_parts > 1 or args.part is not None):
         return "--append goes with none of --resume, --overwrite or --num-parts/--part"
+    if args.resume and args.overwrite:
+        return "--resume keeps what an interrupted pack finished, --overwrite replaces it: give one of them"
     if args.part is not None and args.num_parts == 1:
         return "--part goes with --num-parts N (the source split into N parts)"
     if args.part is None and args.num_parts > 1 and args.ray is None:
@@ -241,8 +243,8 @@ def _cmd_inspect(args):
           f"alignment {info['alignment']} B, overhead {info['alignment_overhead'] * 100:.2f} %")
     where = info["shard_folders"]
     if list(where["folders"]) != [os.path.realpath(info["path"])]:
-        print(f"  shards in {len(where['folders'])} folder(s) on {where['devices']} device(s): " + ", ".join(f"{folder} ({n})" for folder, n in
-                                                                        where["folders"].items()))
+        print(f"  shards in {len(where['folders'])} folder(s) on {where['devices']} device(s): "
+              + ", ".join(f"{folder} ({n})" for folder, n in where["folders"].items()))
     sizes, w, h = info["sample_bytes"], info["width"], info["height"]
     print(f"  sample size min/mean/max: {_human(sizes['min'])} / {_human(sizes['mean'])} / {_human(sizes['max'])}")
     print(f"  width {w['min']}-{w['max']} (mean {w['mean']}), height {h['min']}-{h['max']} (mean {h['mean']})")

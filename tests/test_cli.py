@@ -232,6 +232,7 @@ def test_pack_resume_is_safe_to_repeat(small_src, tmp_path):
     out = str(tmp_path / "ds")
     rc, stdout, err = run("pack", small_src, out, "--resume", "-q")
     assert rc == 0 and stdout.startswith("packed 9 images in 1 shard(s)"), err
+    assert f"{out}: nothing to resume (no finished shard of an interrupted pack there): packing from the start" in err
     index = pathlib.Path(out, fmt.INDEX_NAME).read_bytes()
     rc, stdout, err = run("pack", small_src, out, "--resume", "-q")
     assert rc == 0 and stdout.startswith(f"nothing to resume: {out} is finished, packed from {small_src} with these "
@@ -239,7 +240,27 @@ def test_pack_resume_is_safe_to_repeat(small_src, tmp_path):
     assert f"  report: {os.path.join(out, fmt.REPORT_NAME)}" in stdout
     assert pathlib.Path(out, fmt.INDEX_NAME).read_bytes() == index
     assert_one_line_error(*run("pack", small_src, out, "--resume", "--shard-size", "64K", "-q")[::2],
-                          "already a finished dataset of other sources or options")
+                          "already a finished dataset, which differs from this pack: shard_size 1073741824 then, "
+                          "65536 now; nothing to resume")
+    rc, _, err = run("pack", small_src, out, "--resume", "--overwrite")
+    assert rc == 2 and "--resume keeps what an interrupted pack finished, --overwrite replaces it" in err
+
+
+def test_pack_resume_never_touches_a_folder_of_other_files(small_src, tmp_path):
+    """--resume into a folder of the user's (a mistyped OUT): refused in one line, as a plain pack
+    and --overwrite refuse it, every file left as it was, also those named like gdsdata's own files
+    but not quite (thesis.tmp, lab.journal, shard-2024.gds)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    files = {"notes.txt": b"important", "thesis.tmp": b"draft", "lab.journal": b"log", "shard-2024.gds": b"data"}
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    for extra in ((), ("--overwrite",)):
+        rc, _, err = run("pack", small_src, str(out), "--resume" if not extra else extra[0], "-q")
+        assert_one_line_error(rc, err, "holds files gdsdata did not write", "left untouched")
+    rc, _, err = run("pack", small_src, str(out), "-q")
+    assert_one_line_error(rc, err, "holds files gdsdata did not write")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
 
 
 def test_pack_refuses_an_empty_part_and_a_raw_size_for_jpegs(small_src, tmp_path):

@@ -330,10 +330,15 @@ def test_a_resume_of_a_finished_or_missing_pack_is_the_pack(source, whole, tmp_p
     assert (result.packed, result.new, result.resumed_shards, len(result.skipped)) == (40, 0, 0, 0)
     assert result.report_path == os.path.join(whole, fmt.REPORT_NAME)
     assert pathlib.Path(whole, fmt.INDEX_NAME).read_bytes() == index
-    for other in ({"shard_size": SHARD * 2}, {"shard_size": SHARD, "options": PackOptions(codec="raw", raw_size=64)}):
-        with pytest.raises(OutputExistsError, match="already a finished dataset of other sources or options; "
-                                                    "nothing to resume"):
+    for other, said in (({"shard_size": SHARD * 2}, f"shard_size {SHARD} then, {SHARD * 2} now"),
+                        ({"shard_size": SHARD, "options": PackOptions(codec="raw", raw_size=64)},
+                         "codec 'jpeg' then, 'raw' now; raw_size 0 then, 64 now")):
+        with pytest.raises(OutputExistsError, match=re.escape(f"already a finished dataset, which differs from this "
+                                                              f"pack: {said}; nothing to resume (pack with "
+                                                              f"--overwrite to replace it)")):
             pack(source, whole, resume=True, **other)
+    with pytest.raises(ValueError, match="resume keeps what an interrupted pack finished, overwrite replaces it"):
+        pack(source, whole, resume=True, overwrite=True, shard_size=SHARD)
     fresh = str(tmp_path / "never-begun")
     result = pack(source, fresh, resume=True, workers=2, shard_size=SHARD)
     assert result.packed == 40 and result.new == 40 and samples_of(fresh) == samples_of(whole)
@@ -362,13 +367,46 @@ def test_a_resume_shows_its_check_of_the_finished_shards(source, whole, tmp_path
     assert samples_of(out) == samples_of(whole)
 
 
+def test_ctrl_c_as_a_shard_s_journal_is_written_leaves_what_a_resume_keeps(source, whole, tmp_path, monkeypatch):
+    """Ctrl-C after a shard is in place but before its journal is: that shard cannot be resumed, so
+    it goes with the interrupted pack's other leftovers, and the report counts the shards kept."""
+    import json
+
+    import gdsdata.packing.packer as packer
+
+    real, journals = packer._write_json, []
+
+    def cut_short(path, payload):
+        if path.endswith(fmt.JOURNAL_SUFFIX):
+            journals.append(path)
+            if len(journals) == 3:
+                raise KeyboardInterrupt
+        return real(path, payload)
+
+    monkeypatch.setattr(packer, "_write_json", cut_short)
+    out = str(tmp_path / "ds")
+    with pytest.raises(KeyboardInterrupt):
+        pack(source, out, workers=1, shard_size=SHARD)
+    monkeypatch.setattr(packer, "_write_json", real)
+    names = sorted(os.listdir(out))
+    assert [n for n in names if n.endswith(".gds")] == [fmt.shard_name(0), fmt.shard_name(1)]
+    assert [n for n in names if n.endswith(fmt.JOURNAL_SUFFIX)] == [fmt.shard_name(k) + fmt.JOURNAL_SUFFIX
+                                                                    for k in range(2)]
+    with open(os.path.join(out, fmt.REPORT_NAME)) as f:
+        report = json.load(f)
+    assert report["status"] == "interrupted" and report["finished_shards"] == 2
+    assert pack(source, out, workers=1, shard_size=SHARD, resume=True).resumed_shards == 2
+    assert samples_of(out) == samples_of(whole)
+
+
 def test_resume_refuses_other_options(bigger, tmp_path):
     out = str(tmp_path / "ds")
     proc = subprocess.Popen(_pack_cmd(bigger[0], out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_journals(out, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    with pytest.raises(SourceError, match="other sources or options"):
+    with pytest.raises(SourceError, match=re.escape(f"the interrupted pack differs from this one: shard_size {SHARD} "
+                                                    f"then, {SHARD * 2} now; resume it with its source and options")):
         pack(bigger[0], out, resume=True, shard_size=SHARD * 2)
 
 
@@ -386,7 +424,8 @@ def test_resume_refuses_a_listing_changed_between_its_ends(bigger, tmp_path):
         pytest.skip("the pack finished before it was killed")
     middle = sorted(os.listdir(os.path.join(src, "class1")))[0]
     os.rename(os.path.join(src, "class1", middle), os.path.join(src, "class1", "renamed-" + middle))
-    with pytest.raises(SourceError, match="other sources or options"):
+    with pytest.raises(SourceError, match="differs from this one: the source's files changed since \\(added, "
+                                          "removed, renamed or relabelled\\)"):
         pack(src, out, resume=True, shard_size=SHARD)
 
 

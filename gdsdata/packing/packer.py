@@ -20,6 +20,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import stat
 import sys
@@ -129,10 +130,16 @@ def _job(source, item, options):
         return item.rel, None, None, options, str(e)
 
 
+_OWNED = re.compile(r"(?:(?:{index}|{report}|shard-\d{{5,}}\.gds(?:{journal})?)(?:{tmp})?"
+                    r"|shard-\d{{5,}}\.gds\.link{tmp})".format(
+                        index=re.escape(fmt.INDEX_NAME), report=re.escape(fmt.REPORT_NAME),
+                        journal=re.escape(fmt.JOURNAL_SUFFIX), tmp=re.escape(fmt.TMP_SUFFIX)))
+
+
 def gdsdata_owned(name):
-    """Files a pack or merge writes into its output folder."""
-    return (name in (fmt.INDEX_NAME, fmt.REPORT_NAME) or name.endswith((fmt.TMP_SUFFIX, fmt.JOURNAL_SUFFIX))
-            or (name.startswith("shard-") and name.endswith(".gds")))
+    """Files a pack or merge writes into its output folder, by their exact names (the index, the
+    report, shards, their journals, and each of these while written)."""
+    return _OWNED.fullmatch(name) is not None
 
 
 def _stopped_report(path) -> bool:
@@ -144,11 +151,11 @@ def _stopped_report(path) -> bool:
         return False
 
 
-def check_output(out, overwrite, resumable=True) -> bool:
+def check_output(out, overwrite, resumable=True, resume=False) -> bool:
     """Refuse an ``out`` that must not be written: a dataset (or any other file) without
-    ``overwrite``, files gdsdata did not write even with it, a folder inside a dataset. Returns
-    whether ``out`` holds anything (then an overwrite builds the new dataset aside and swaps it in
-    when complete)."""
+    ``overwrite`` (or ``resume``), files gdsdata did not write even with either, a folder inside a
+    dataset. Returns whether ``out`` holds anything (then an overwrite builds the new dataset aside
+    and swaps it in when complete)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputExistsError(f"{out}: exists and is not a folder")
     parent = os.path.dirname(os.path.abspath(out))
@@ -163,7 +170,7 @@ def check_output(out, overwrite, resumable=True) -> bool:
     if foreign:  # whatever the options: --overwrite would not be taken either
         raise OutputExistsError(f"{out}: holds files gdsdata did not write (e.g. {foreign[0]}), which it will not "
                                 f"replace; write the dataset to a new or empty folder (left untouched)")
-    if existing and not overwrite:
+    if existing and not (overwrite or resume):
         what = "holds a gdsdata dataset" if fmt.INDEX_NAME in existing else "holds an unfinished dataset"
         hint = "" if fmt.INDEX_NAME in existing or not resumable else " (or --resume to finish an interrupted pack)"
         raise OutputExistsError(f"{out}: {what}; pass --overwrite to replace it{hint} (left untouched)")
@@ -415,8 +422,9 @@ def _resume_state(out, signature, progress=False):
                                   f"not record the whole listing (and YOLO splits are listed in another order now): "
                                   f"it cannot be resumed safely; pack again with --overwrite")
             if theirs != signature:
-                raise SourceError(f"{out}: the interrupted pack used other sources or options; resume it with "
-                                  f"the same command, or pack again with --overwrite")
+                raise SourceError(f"{out}: the interrupted pack differs from this one: "
+                                  f"{_differences(theirs, signature)}; resume it with its source and options, or "
+                                  f"pack again with --overwrite")
             size, _, _, crc = journal["shard"][:4]
             if not os.path.exists(shard_path) or os.path.getsize(shard_path) != size or \
                     data_crc32(shard_path, signature["alignment"]) != crc:
@@ -507,6 +515,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         raise ValueError(f"part must be between 0 and num_parts - 1 ({num_parts - 1}), got {part}")
     if append and (resume or overwrite or num_parts > 1):
         raise ValueError("append goes with none of resume, overwrite or parts")
+    if resume and overwrite:
+        raise ValueError("resume keeps what an interrupted pack finished, overwrite replaces it: not both")
     if alignment < 64 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
     if not is_integer(workers) or workers < 0:
@@ -534,6 +544,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
                 return _pack(source, name, folder, out, options, shard_size, alignment, workers, strict,
                              progress, num_parts, part, resume, append, started, on_progress, roots, inherit)
 
+            if resume and os.path.isdir(out):
+                check_output(out, False, resume=True)  # (an interrupted pack's files, or a finished one's, only)
             if append or (resume and os.path.isdir(out)):
                 return build(out)
             return into(out, overwrite, build)  # (a resume with nothing to resume packs from the start)
@@ -655,15 +667,33 @@ def _finished(out, src, signature, source, started) -> PackResult:
     if meta.get("listing") is None:
         raise OutputExistsError(f"{out}: already a finished dataset (its index does not record the listing it was "
                                 f"packed from: a merge, an append or an earlier gdsdata); nothing to resume")
-    if (meta.get("source"), meta.get("options"), list(part), meta.get("listing")) != \
-            (src, options, signature["part"], signature["listing"]):
-        raise OutputExistsError(f"{out}: already a finished dataset of other sources or options; nothing to resume "
-                                f"(--overwrite replaces it)")
+    packed = {"source": meta.get("source"), "options": meta.get("options"), "part": list(part),
+              "listing": meta.get("listing")}
+    now = {"source": src, "options": options, "part": signature["part"], "listing": signature["listing"]}
+    if packed != now:
+        raise OutputExistsError(f"{out}: already a finished dataset, which differs from this pack: "
+                                f"{_differences(packed, now)}; nothing to resume (pack with --overwrite to replace it)")
     log.info("%s: finished already (packed from %s with these options); nothing to resume", out, display(src))
     result = _unchanged(base, source, out, started)
     report = os.path.join(out, fmt.REPORT_NAME)
     result.report_path = report if os.path.exists(report) else ""
     return result
+
+
+def _differences(then: dict, now: dict) -> str:
+    """What differs between the signature a pack recorded (``then``) and this pack's, in words."""
+    said = []
+    if then.get("source") != now.get("source"):
+        said.append(f"packed from {then.get('source')}, now from {now.get('source')}")
+    if then.get("part") != now.get("part"):
+        said.append(f"part {then.get('part')}, now {now.get('part')} (part, parts)")
+    options = {**(then.get("options") or {}), **{k: then.get(k) for k in ("shard_size", "alignment") if k in then}}
+    given = {**(now.get("options") or {}), **{k: now.get(k) for k in ("shard_size", "alignment") if k in now}}
+    said.extend(f"{k} {options.get(k)!r} then, {given.get(k)!r} now" for k in sorted(set(options) | set(given))
+                if options.get(k) != given.get(k))
+    if not said and then.get("listing") != now.get("listing"):
+        said.append("the source's files changed since (added, removed, renamed or relabelled)")
+    return "; ".join(said) or "its record differs"
 
 
 def _unchanged(base, source, out, started, skipped=()) -> PackResult:
@@ -734,6 +764,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     if resume and os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
         return _finished(out, src, signature, source, started)
     journals = _resume_state(out, signature, progress) if resume else []
+    if resume and not journals:
+        log.warning("%s: nothing to resume (no finished shard of an interrupted pack there): packing from the start",
+                    out)
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped = [], bytearray(), []
     shard_rows = []
@@ -763,7 +796,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         for shard in range(len(shard_rows), writer.next_shard + 1):
             journal = _journal_path(folder, shard)
             names = (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.TMP_SUFFIX, journal)
-            for path in [journal + fmt.TMP_SUFFIX] + ([] if keep else [os.path.join(folder, n) for n in names]):
+            whole = not keep or not os.path.exists(journal)  # (a shard finished as its journal was cut short too)
+            for path in [journal + fmt.TMP_SUFFIX] + ([os.path.join(folder, n) for n in names] if whole else []):
                 remove_shard(path, dataset_id)
 
     def write_journal(shard, record):
@@ -846,10 +880,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         writer.close_shard()
     except BaseException as e:
         writer.abort()  # the shard being written, never finished, goes
-        finished = writer.next_shard - len(shard_rows) - (1 if writer.aborted else 0)
         # resumable: finished shards stay (not those of an overwrite's replacement, nor an append's, which go)
         keep = isinstance(e, (KeyboardInterrupt, OSError)) and folder == out and not append
         remove_written(keep)
+        finished = sum(os.path.exists(_journal_path(folder, k)) for k in range(len(shard_rows), writer.next_shard))
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         report.update(status=status, error=str(e) if isinstance(e, (GdsDataError, OSError)) else repr(e),
                       finished_shards=finished if keep else 0)
