@@ -175,9 +175,13 @@ def _pack_on_ray(args, options):
                           overwrite=args.overwrite, progress=_progress(args),
                           allow_empty_classes=args.allow_empty_classes, format=args.format,
                           split=args.split or "train", annotations=args.annotations, shard_roots=args.shard_root)
-    print(f"packed {summary['samples']} images in {summary['parts']} part(s) on Ray ({summary['cpus']} CPUs), "
-          f"{summary['shards']} shard(s), in {summary['seconds']:.1f} s into {summary['out']}")
     report = summary["report"]
+    rate = f"{summary['samples'] / summary['seconds']:.0f} images/s" if summary["seconds"] else "-"
+    print(f"packed {_images(summary['samples'])} in {summary['shards']} shard(s), {_human(report['bytes'])} into "
+          f"{summary['out']} in {summary['seconds']:.1f} s ({rate}, Ray's start and stop included): "
+          f"{summary['parts']} part(s) on {summary['cpus']} CPU(s)")
+    print(f"  stored as is: {report['packed'] - report['converted']}, converted: {report['converted']}, "
+          f"resized: {report['resized']}")
     _print_left_out(report["skipped"], report["ignored"], report["unreadable"], report["special"])
     print(f"  report: {summary['report_path']}")
     return 0

@@ -158,6 +158,18 @@ def test_the_report_holds_every_part_s_skipped_files_as_a_local_pack_s(local_ray
     assert report["shards"] == len(load(summary["out"]).shards) and report["packed"] == 24
 
 
+def test_the_command_says_what_it_packed_as_a_local_pack_does(source, local_ray, tmp_path, capsys):
+    from gdsdata.cli import main
+
+    out = str(tmp_path / "ds")
+    assert main(["pack", source[0], out, "--ray", "--num-parts", "2", "-q"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"packed 64 images in \d+ shard\(s\), [\d.]+ [KM]B into {re.escape(out)} in [\d.]+ s "
+                        rf"\(\d+ images/s, Ray's start and stop included\): 2 part\(s\) on 2 CPU\(s\)", said[0]), said
+    assert said[1] == "  stored as is: 64, converted: 0, resized: 0"
+    assert said[-1] == f"  report: {os.path.join(out, 'pack_report.json')}"
+
+
 def test_never_more_parts_than_images(local_ray, tmp_path, caplog):
     from gdsdata.packing.ray import pack_on_ray
 
