@@ -183,47 +183,57 @@ def test_never_more_parts_than_images(local_ray, tmp_path, caplog):
 
 @pytest.mark.slow
 def test_a_part_stuck_on_an_image_is_packed_again_and_the_image_skipped_within_the_bound(tmp_path):
-    """A part whose worker never finishes an image (a decoder that loops, a read that never returns)
-    is ended after stall_timeout without progress and packed again from its finished shards, each
-    image in a worker process under the bound: the image that stalls is skipped with the reason, the
-    rest packed, the report as a pack without Ray would give it. Never a hung ``pack --ray``."""
+    """A part whose worker never finishes an image (a decoder that loops) is ended after
+    stall_timeout without progress and packed again, each image in a worker process under the bound:
+    the image that stalls is skipped with the reason, the rest packed, the report as a pack without
+    Ray would give it. Never a hung ``pack --ray``. Here the part has finished no shard yet (it packs
+    again from the start), the bound is set in the driver only (the parts take it from there), and
+    the other part's worker dies once before its first shard (packed again from the start too)."""
     pytest.importorskip("ray")
     src, out = tmp_path / "src", str(tmp_path / "ds")
     write_photos(str(src), 40, classes=2, start_seed=950, scale=0.4)
-    victim = "class1/00031.jpg"  # (in the second of two parts, after a shard of it)
+    victim, crash = "class1/00021.jpg", "class0/00004.jpg"  # (class0: the even numbers, part 0; class1 part 1)
+    marker = str(tmp_path / "crashed")
     script = f"""
 import json, logging, sys
 sys.path.insert(0, {ROOT!r})
 import ray
 
 def stuck_on_the_victim():  # in each Ray worker as it starts, and the pack workers it forks
-    import threading
+    import os, threading
     from gdsdata.packing import packer
     real = packer._prepare_item
     def item(job):
         if job[0] == {victim!r}:
             threading.Event().wait()
+        if job[0] == {crash!r} and not os.path.exists({marker!r}):
+            open({marker!r}, "w").close()
+            os._exit(9)
         return real(job)
     packer._prepare_item = item
 
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
          runtime_env={{"worker_process_setup_hook": stuck_on_the_victim}})
+import gdsdata
 from gdsdata.packing.ray import pack_on_ray
-summary = pack_on_ray({str(src)!r}, {out!r}, num_parts=2, shard_size=64 * 1024)
+with gdsdata.settings.set(stall_timeout=3):
+    summary = pack_on_ray({str(src)!r}, {out!r}, num_parts=2)
 print(json.dumps(summary["report"]["skipped"]), summary["samples"])
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
-                          env=child_env(GDSDATA_STALL_TIMEOUT="3"))
+                          env=child_env())
     assert done.returncode == 0, done.stderr
     skipped, samples = done.stdout.strip().splitlines()[-1].rsplit(" ", 1)
-    assert samples == "39"
+    assert samples == "39" and os.path.exists(marker)
     assert [(s["path"], s["reason"]) for s in json.loads(skipped)] == [
         (victim, "preparing it alone took longer than 3 s (the stall_timeout setting, GDSDATA_STALL_TIMEOUT)")]
     assert "WARNING gdsdata.packing.ray: part 1 of 2 made no progress for 3 s (the stall_timeout setting); packing " \
            "it again from the shards it finished, each image in a worker process under the bound" in done.stderr
+    assert "WARNING gdsdata.packing.ray: part 0 of 2 failed (" in done.stderr
+    assert "packing it again from the shards it finished (retry 1 of 3)" in done.stderr
     assert verify(out) == []
-    assert sorted(os.listdir(tmp_path)) == ["ds", "src"]
+    assert sorted(os.listdir(tmp_path)) == ["crashed", "ds", "src"]
 
 
 def test_the_watch_times_only_started_parts_and_a_part_stuck_twice_ends_the_pack():

@@ -99,18 +99,20 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                               shard_roots=shard_roots_of(shard_roots, out, src if local else None))
                 folder = aside(out, "parts")
                 counter = _Counter.remote()
-                task = ray.remote(max_retries=max_retries, retry_exceptions=True, num_cpus=1)(_pack_part)
+                watch = _Watch(ray, counter, parts)
+                # retried here, not by Ray: the watch then knows when a part starts again, and a part's own
+                # error (a bad source, workers that make no progress) ends the pack at once
+                task = ray.remote(max_retries=0, num_cpus=1)(_pack_part)
 
-                def submit(k, isolated=False):
+                def submit(k):
                     return task.remote(job_source, os.path.join(folder, f"part-{k}"), parts, k, kwargs, counter,
-                                       isolated)
+                                       k in watch.isolated, watch.bound)
 
                 pending = {submit(k): k for k in range(parts)}
-                reports = {}
+                reports, failures = {}, dict.fromkeys(range(parts), 0)
                 bar = tqdm(total=total, unit="img", desc=f"pack on Ray ({parts} parts, {cpus} CPUs)",
                            disable=not progress, file=sys.stderr)
                 with bar:
-                    watch = _Watch(ray, counter, parts)
                     while pending:
                         ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
                         bar.update(min(total, watch.poll()) - bar.n)
@@ -118,11 +120,22 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                             k = pending.pop(ref)
                             try:
                                 reports[k] = ray.get(ref)
+                                continue
                             except Exception as e:  # noqa: BLE001 - Ray wraps what the task raised
+                                error = e
+                            if isinstance(getattr(error, "cause", None) or error, GdsDataError):
+                                raise GdsDataError(f"part {k} of {parts} failed: {_reason(error)}") from None
+                            if failures[k] >= max_retries:
                                 raise GdsDataError(f"part {k} of {parts} failed after {max_retries} retries: "
-                                                   f"{_reason(e)}") from None
+                                                   f"{_reason(error)}") from None
+                            failures[k] += 1
+                            log.warning("part %d of %d failed (%s); packing it again from the shards it finished "
+                                        "(retry %d of %d)", k, parts, _reason(error), failures[k], max_retries)
+                            watch.restart(k)
+                            pending[submit(k)] = k
                         for ref, k in watch.stalled(pending):
-                            pending[submit(k, isolated=True)] = pending.pop(ref)
+                            pending.pop(ref)
+                            pending[submit(k)] = k
                 union = _JoinedReport(src, out, [reports[k] for k in range(parts)], kwargs["shard_roots"], started,
                                 parts, cpus)
                 summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
@@ -308,12 +321,19 @@ class _Watch:
                         "the shards it finished, each image in a worker process under the bound", k, self.parts,
                         self.bound)
             self.ray.cancel(ref, force=True)
-            self.ray.wait([ref], timeout=_wait(max(self.bound, 30)))  # (its worker gone, and its writer lock with it)
-            self.counter.forget.remote(k)
-            self.quiet.pop(k, None)
+            gone, _ = self.ray.wait([ref], timeout=_wait(max(self.bound, 30)))  # (its writer lock goes with it)
+            if not gone:
+                raise GdsDataError(f"part {k} of {self.parts} made no progress for {quiet:.0f} s, and its worker could "
+                                   f"not be ended (stuck in the kernel: a read of a storage that does not answer?)")
+            self.restart(k)
             self.isolated.add(k)
             ended.append((ref, k))
         return ended
+
+    def restart(self, k):
+        """Part ``k`` is packed again: not timed until it starts its images."""
+        self.counter.forget.remote(k)
+        self.quiet.pop(k, None)
 
 
 def _reason(error) -> str:
@@ -321,15 +341,16 @@ def _reason(error) -> str:
     return (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
 
 
-def _pack_part(job_source, part_out, parts, k, kwargs, counter, isolated=False):
-    """One part, in a Ray worker: packed, or (after a failure, a killed worker or a stall) resumed;
-    ``isolated``: each image prepared in a worker process under the stall bound (after a stall).
-    Tells ``counter`` of its progress at least every second. Returns its ``pack_report.json``."""
+def _pack_part(job_source, part_out, parts, k, kwargs, counter, isolated=False, bound=None):
+    """One part, in a Ray worker: packed, or (after a failure, a killed worker or a stall) resumed
+    from what the earlier try left; ``isolated``: each image prepared in a worker process under the
+    stall bound ``bound`` (the driver's setting) after a stall. Tells ``counter`` of its progress at
+    least every second. Returns its ``pack_report.json``."""
     from gdsdata.packing.packer import pack
 
     if os.path.exists(os.path.join(part_out, fmt.INDEX_NAME)):  # finished before the retry
         return _part_report(part_out)
-    resume = os.path.isdir(part_out) and any(n.endswith(fmt.JOURNAL_SUFFIX) for n in os.listdir(part_out))
+    resume = os.path.isdir(part_out)  # (with no finished shard there: from the start, the leftovers removed)
     done = {"n": 0, "told": 0.0}
 
     def tell(n):
@@ -339,8 +360,9 @@ def _pack_part(job_source, part_out, parts, k, kwargs, counter, isolated=False):
             counter.add.remote(k, done["n"])
             done["n"], done["told"] = 0, now
 
-    pack(job_source, part_out, workers=2 if isolated else 1, num_parts=parts, part=k, resume=resume,
-         on_progress=tell, **kwargs)
+    with settings.set(**({} if bound is None else {"stall_timeout": bound})):
+        pack(job_source, part_out, workers=2 if isolated else 1, num_parts=parts, part=k, resume=resume,
+             on_progress=tell, **kwargs)
     counter.add.remote(k, done["n"])
     return _part_report(part_out)
 
