@@ -90,7 +90,7 @@ def _cmd_pack(args):
     if args.append and not result.new:
         held = "the rest" if result.skipped else "every image"
         print(f"nothing to append: {args.out} holds {held} of {args.src} already ({whole}; unchanged)")
-    elif args.resume and not (result.new or result.resumed_shards):
+    elif result.finished_before:
         print(f"nothing to resume: {args.out} is finished, packed from {args.src} with these options ({whole}; "
               f"unchanged)")
     elif args.append:

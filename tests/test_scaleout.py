@@ -345,6 +345,28 @@ def test_a_resume_of_a_finished_or_missing_pack_is_the_pack(source, whole, tmp_p
     assert verify(fresh) == []
 
 
+def test_a_resume_of_a_finished_detection_pack_compares_its_boxes_and_class_names(tmp_path):
+    """A finished YOLO pack resumed after its labels changed is refused, not kept with stale boxes:
+    an edited label file, then a renamed class."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    from make_detection import generate
+
+    generate(str(tmp_path / "src"), 6, classes=3, seed=8, val=0.0)
+    data, out = str(tmp_path / "src" / "yolo" / "data.yaml"), str(tmp_path / "det")
+    pack(data, out, format="yolo", workers=1)
+    assert pack(data, out, format="yolo", workers=1, resume=True).finished_before
+    labels = sorted((tmp_path / "src" / "yolo" / "labels" / "train").iterdir())[0]
+    held, names = labels.read_text(), pathlib.Path(data).read_text()
+    changed = "the source changed since (files added, removed, renamed or relabelled, or other class names or boxes)"
+    labels.write_text(held.replace(" 0.", " 0.0", 1))  # a box moved
+    with pytest.raises(OutputExistsError, match=re.escape(changed)):
+        pack(data, out, format="yolo", workers=1, resume=True)
+    labels.write_text(held)
+    pathlib.Path(data).write_text(names.replace("ellipse-0", "circle-0"))  # a class renamed
+    with pytest.raises(OutputExistsError, match=re.escape(changed)):
+        pack(data, out, format="yolo", workers=1, resume=True)
+
+
 def test_a_resume_shows_its_check_of_the_finished_shards(source, whole, tmp_path, capsys):
     """A resume reads every finished shard whole before it goes on (their CRC-32 against the
     journals): long work on a large pack, shown as a bar when progress is on."""
@@ -424,8 +446,8 @@ def test_resume_refuses_a_listing_changed_between_its_ends(bigger, tmp_path):
         pytest.skip("the pack finished before it was killed")
     middle = sorted(os.listdir(os.path.join(src, "class1")))[0]
     os.rename(os.path.join(src, "class1", middle), os.path.join(src, "class1", "renamed-" + middle))
-    with pytest.raises(SourceError, match="differs from this one: the source's files changed since \\(added, "
-                                          "removed, renamed or relabelled\\)"):
+    with pytest.raises(SourceError, match=re.escape("differs from this one: the source changed since (files added, "
+                                                    "removed, renamed or relabelled, or other class names or boxes)")):
         pack(src, out, resume=True, shard_size=SHARD)
 
 

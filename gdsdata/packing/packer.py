@@ -74,6 +74,7 @@ class PackResult:
     boxes: int = 0  # detection packs: boxes packed
     new: int = 0  # images this run packed itself: ``packed`` less a resume's kept ones or an append's base
     relabeled: list = field(default_factory=list)  # an append: the dataset's classes whose label changed
+    finished_before: bool = False  # a resume of a pack that had finished: the dataset as it was
 
 
 def scan(src):
@@ -389,13 +390,20 @@ def _journal_path(out, shard):
     return os.path.join(out, fmt.shard_name(shard) + fmt.JOURNAL_SUFFIX)
 
 
-def _listing_digest(items) -> str:
+def _listing_digest(items, classes=None) -> str:
     """A digest of the items' names and labels in packing order: a resume goes on where the journals
     end only in the same order (another order, or a source with files added, removed or renamed
-    inside the listing, would pack some images twice and leave others out)."""
+    inside the listing, would pack some images twice and leave others out). With ``classes``, also
+    the class names and each item's boxes, COCO image id and annotated size: all a finished
+    dataset's index holds of its source beyond the images (what a resume of it compares)."""
     digest = hashlib.sha256()
+    if classes is not None:
+        digest.update(json.dumps(list(classes)).encode("utf-8", "surrogateescape") + b"\n")
     for item in items:
         digest.update(f"{item.rel}\0{item.label}\n".encode("utf-8", "surrogateescape"))
+        if classes is not None:
+            boxes = b"" if item.boxes is None else np.ascontiguousarray(item.boxes).tobytes()
+            digest.update(boxes + f"\0{item.image_id}\0{item.size}\n".encode())
     return digest.hexdigest()
 
 
@@ -657,7 +665,7 @@ def _check_held_boxes(base, source, held):
                           f"images the dataset does not hold: pack again with --overwrite to take the new labels")
 
 
-def _finished(out, src, signature, source, started) -> PackResult:
+def _finished(out, src, signature, source, items, started) -> PackResult:
     """A resume of a pack that finished: the dataset as it is (untouched) where its index records
     this pack's source, options, part and listing; ``OutputExistsError`` where it records others."""
     base = index_io.load(out)
@@ -669,14 +677,20 @@ def _finished(out, src, signature, source, started) -> PackResult:
                                 f"packed from: a merge, an append or an earlier gdsdata); nothing to resume")
     packed = {"source": meta.get("source"), "options": meta.get("options"), "part": list(part),
               "listing": meta.get("listing")}
-    now = {"source": src, "options": options, "part": signature["part"], "listing": signature["listing"]}
+    now = {"source": src, "options": options, "part": signature["part"],
+           "listing": _listing_digest(items, source.classes)}
     if packed != now:
         raise OutputExistsError(f"{out}: already a finished dataset, which differs from this pack: "
                                 f"{_differences(packed, now)}; nothing to resume (pack with --overwrite to replace it)")
     log.info("%s: finished already (packed from %s with these options); nothing to resume", out, display(src))
     result = _unchanged(base, source, out, started)
     report = os.path.join(out, fmt.REPORT_NAME)
-    result.report_path = report if os.path.exists(report) else ""
+    try:
+        with open(report, encoding="utf-8") as f:
+            result.report_path = report if json.load(f).get("status") == "complete" else ""
+    except (OSError, ValueError, AttributeError):  # (a pack ended between its index and its report)
+        pass
+    result.finished_before = True
     return result
 
 
@@ -692,7 +706,8 @@ def _differences(then: dict, now: dict) -> str:
     said.extend(f"{k} {options.get(k)!r} then, {given.get(k)!r} now" for k in sorted(set(options) | set(given))
                 if options.get(k) != given.get(k))
     if not said and then.get("listing") != now.get("listing"):
-        said.append("the source's files changed since (added, removed, renamed or relabelled)")
+        said.append("the source changed since (files added, removed, renamed or relabelled, or other class names or "
+                    "boxes)")
     return "; ".join(said) or "its record differs"
 
 
@@ -762,7 +777,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     signature = {"source": src, "options": asdict(options), "shard_size": shard_size, "alignment": alignment,
                  "part": [part, num_parts], "items": len(items), "listing": _listing_digest(items)}
     if resume and os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
-        return _finished(out, src, signature, source, started)
+        return _finished(out, src, signature, source, items, started)
     journals = _resume_state(out, signature, progress) if resume else []
     if resume and not journals:
         log.warning("%s: nothing to resume (no finished shard of an interrupted pack there): packing from the start",
@@ -913,7 +928,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             "gdsdata_version": __version__,
             "source": src,
             "options": {**asdict(options), "shard_size": shard_size, "alignment": alignment},
-            "listing": None if append else signature["listing"],  # (what a resume of the finished pack compares)
+            "listing": None if append else _listing_digest(items, classes),  # (what a resume of it compares)
             "counts": {"packed": len(samples), "skipped": len(skipped), "converted": converted,
                        "resized": resized, "ignored": len(ignored), "per_class": per_class},
         }
