@@ -21,8 +21,9 @@ Ultralytics' ``YOLO("best.pt").val()`` validates on that YAML's val split with i
 Several GPUs (``device="0,1,2,3"``) train as Ultralytics' own DDP does: it launches one process a
 GPU through ``torch.distributed.run`` (carrying the packs' paths to them), each rank takes its share
 of every epoch's order, and validation gives each rank a contiguous run of the rectangular batches
-(Ultralytics' ``ContiguousDistributedSampler``), their statistics gathered on rank 0. A script
-launched by ``torchrun`` itself trains the same way. Needs the ``ultralytics`` package (and, for
+(Ultralytics' ``ContiguousDistributedSampler``; before its 8.4, rank 0 validates the whole set),
+their statistics gathered on rank 0. A script launched by ``torchrun`` trains the same way when
+its ``device`` names every GPU of the job. Needs the ``ultralytics`` package (and, for
 DDP, ``cloudpickle``, which Ultralytics' launch uses).
 """
 
@@ -64,9 +65,11 @@ class _Samples:
 
     def __len__(self):  # (this rank's share: the order padded to a multiple of the ranks, as DistributedSampler's)
         spec = self._batches.loader.spec
-        return min(len(self._batches.loader) * spec.batch_size, -(-spec.size // spec.world_size))
+        return min(len(self._batches) * spec.batch_size, -(-spec.size // spec.world_size))
 
     def __iter__(self):
+        if not len(self._batches):
+            return iter(())
         return (int(i) for batch in self._batches.loader.indices() for i in batch)
 
     def set_epoch(self, epoch):
@@ -110,12 +113,13 @@ class Batches:
     transform gives Ultralytics' batch dict: ``len``, iteration, ``batch_size``, ``drop_last``,
     ``num_workers``, ``sampler``, ``dataset``, ``reset()`` and ``close()``. ``make(transform)``
     builds the Loader; ``epoch``: a callable giving the trainer's epoch, which each pass follows
-    (resumed runs draw as uninterrupted ones)."""
+    (resumed runs draw as uninterrupted ones); ``empty``: a DDP rank's share of the validation
+    batches that holds none (no batch, no sample; the dataset still the whole one)."""
 
     num_workers = 0
 
-    def __init__(self, make, transform, epoch=None):
-        self._make = make
+    def __init__(self, make, transform, epoch=None, empty=False):
+        self._make, self._empty = make, empty
         self.loader = make(transform)
         self.batch_size = self.loader.spec.batch_size
         self.drop_last = self.loader.spec.drop_last
@@ -130,9 +134,11 @@ class Batches:
         old.close()
 
     def __len__(self):
-        return len(self.loader)
+        return 0 if self._empty else len(self.loader)
 
     def __iter__(self):
+        if self._empty:
+            return
         if self._epoch is not None and self.loader.epoch != self._epoch():
             self.loader.set_epoch(self._epoch())
         yield from self.loader
@@ -143,6 +149,18 @@ class Batches:
     def close(self):
         self.loader.close()
         self.loader._data.close()
+
+
+def _launches_ddp(trainer) -> bool:
+    """Whether Ultralytics' ``train()`` launches DDP processes: several devices, and not a DDP
+    process itself (its ``ddp``; worked out as its versions before 8.3.200 do where it has none)."""
+    ddp = getattr(trainer, "ddp", None)
+    if ddp is not None:
+        return bool(ddp)
+    device = trainer.args.device
+    count = len(device) if isinstance(device, (tuple, list)) else \
+        len(device.split(",")) if isinstance(device, str) and device else 1
+    return count > 1 and "LOCAL_RANK" not in os.environ
 
 
 def contiguous_share(total: int, batch_size: int, rank: int, world_size: int) -> "tuple[int, int]":
@@ -282,7 +300,7 @@ class DetectionTrainer(_UltralyticsTrainer):
     def train(self):
         """Ultralytics' training; with several GPUs its DDP launch, whose processes rebuild this
         trainer from its arguments: the packs' paths ride along with them for the launch."""
-        if not self.ddp:
+        if not _launches_ddp(self):
             return super().train()
         setattr(self.args, _CARRIED, dict(self.gds_roots))
         try:
@@ -318,23 +336,24 @@ class DetectionTrainer(_UltralyticsTrainer):
             model = getattr(self.model, "module", self.model)
             stride = max(int(model.stride.max()), 32) if hasattr(model, "stride") else 32
             transform = Letterbox(imgsz=self.args.imgsz, targets="ultralytics", rect=True, stride=stride)
-        rank, world_size = (dist.get_rank(), dist.get_world_size()) if self.world_size > 1 and \
-            dist.is_initialized() else (0, 1)
+        # a DDP rank (Ultralytics passes rank -1 for a loader of the whole dataset: its older versions validate
+        # on rank 0 alone, and so does its calibration)
+        shared = rank != -1 and dist.is_initialized() and getattr(self, "world_size", dist.get_world_size()) > 1
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
         ranks = {"rank": rank, "world_size": world_size}  # training: each rank its share of the epoch's order
-        order = None
+        order, empty = None, False
         if mode != "train":  # a contiguous run of the batches a rank, every image once (Ultralytics' DDP validation)
             order = Letterbox.rect_order(ds)
             start, end = contiguous_share(len(order), batch_size, rank, world_size)
-            if start == end:
-                raise ValueError(f"{self.gds_roots[mode]}: {len(order)} image(s) to validate on {world_size} GPUs: "
-                                 f"at least one a GPU")
-            order, ranks = order[start:end], {"rank": 0, "world_size": 1}
+            empty = start == end  # (fewer batches than ranks: this one validates none, and still gathers)
+            order, ranks = (order if empty else order[start:end]), {"rank": 0, "world_size": 1}
 
         def make(transform):
             return Loader(ds, batch_size, shuffle=mode == "train", seed=int(self.args.seed), transform=transform,
                           drop_last=False, indices=order, **ranks)
 
-        batches = self._gds_batches[mode] = Batches(make, transform, (lambda: self.epoch) if mode == "train" else None)
+        batches = self._gds_batches[mode] = Batches(make, transform, (lambda: self.epoch) if mode == "train" else None,
+                                                    empty=empty)
         return batches
 
     def get_validator(self):

@@ -193,8 +193,8 @@ trainer = DetectionTrainer({train!r}, {val!r}, overrides={{"model": "yolov8n.yam
 trainer.world_size = 2  # (Ultralytics' own count, from device="0,1" on a GPU machine)
 trainer.epoch = 0
 got = {{}}
-for mode, batch in (("train", 2), ("val", 1), ("val", 3)):
-    batches = trainer.get_dataloader(None, batch_size=batch, mode=mode)
+for mode, batch, given in (("train", 2, rank), ("val", 1, rank), ("val", 3, rank), ("val", 4, -1)):
+    batches = trainer.get_dataloader(None, batch_size=batch, rank=given, mode=mode)
     got[f"{{mode}}{{batch}}"] = [list(b["im_file"]) for b in batches]
     got[f"{{mode}}{{batch}}-len"] = [len(batches), len(batches.sampler)]
     batches.close()
@@ -231,6 +231,41 @@ def test_ddp_ranks_train_on_their_shares_and_validate_on_contiguous_batches(pack
     assert got[0]["val1"] + got[1]["val1"] == [[f] for f in order]  # two batches of one each
     assert got[0]["val3"] == [order[:3]] and got[1]["val3"] == [order[3:]]  # whole batches: 3, then the last one
     assert [g["val3-len"] for g in got] == [[1, 3], [1, 1]]
+    assert got[0]["val4"] == got[1]["val4"] == [order]  # rank -1: the whole set (Ultralytics before 8.4: on rank 0)
+
+
+def test_a_rank_with_no_validation_batch_still_validates_none(packed):
+    """More ranks than validation batches: Ultralytics' split leaves the last ranks none, and they
+    still take part in gathering the statistics: no batch, no sample, the dataset the whole one."""
+    from gdsdata.yolo import Batches
+
+    train, val = packed
+    ds = gdsdata.GDSDataset(val)
+    batches = Batches(lambda transform: gdsdata.Loader(ds, 2, shuffle=False, transform=transform, rank=0,
+                                                       world_size=1),
+                      gdsdata.Letterbox(imgsz=64, targets="ultralytics"), empty=True)
+    assert len(batches) == 0 and list(batches) == [] and len(batches.sampler) == 0 and list(batches.sampler) == []
+    assert len(batches.dataset) == len(ds) == 4
+    batches.close()
+
+
+def test_ddp_is_launched_as_ultralytics_launches_it_also_where_it_does_not_say():
+    """Ultralytics before 8.3.200 has no ``trainer.ddp``: gdsdata works it out as those versions do."""
+    import types
+
+    from gdsdata.yolo import _launches_ddp
+
+    def trainer(device, **more):
+        return types.SimpleNamespace(args=types.SimpleNamespace(device=device), **more)
+
+    assert _launches_ddp(trainer("0,1")) and _launches_ddp(trainer([0, 1]))
+    assert not _launches_ddp(trainer("0")) and not _launches_ddp(trainer("cpu")) and not _launches_ddp(trainer(""))
+    assert not _launches_ddp(trainer("0,1", ddp=False)) and _launches_ddp(trainer("0", ddp=True))
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        assert not _launches_ddp(trainer("0,1"))  # a DDP process itself
+    finally:
+        del os.environ["LOCAL_RANK"]
 
 
 def test_ultralytics_ddp_launch_rebuilds_the_trainer_with_its_packs(packed, tmp_path, monkeypatch):
