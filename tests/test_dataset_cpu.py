@@ -148,7 +148,21 @@ def test_verify_reports_every_bad_sample(corrupted):
     problems = verify(corrupted)
     assert any("sample 7" in p and "checksum mismatch" in p for p in problems)
     assert any("sample 7" in p and "JPEG decoding failed" in p for p in problems)
-    assert any("shard checksum mismatch" in p for p in problems)
+    assert any(p.endswith("shard checksum mismatch (in sample 7: below)") for p in problems)
+
+
+def test_verify_says_a_shard_damaged_between_its_samples_keeps_them_intact(photos_dataset, tmp_path):
+    """A flipped byte in the padding after a sample fails the shard's checksum only: verify says
+    so, and that every sample of the shard passes, so that the user knows training on it is safe."""
+    from gdsdata.format.index import load
+
+    index = load(photos_dataset[2])
+    sample = next(i for i in range(len(index)) if int(index.samples[i]["length"]) % index.alignment)
+    out = damaged_copy(photos_dataset[2], str(tmp_path / "ds"), sample, int(index.samples[sample]["length"]),
+                       b"\x13")
+    shard = load(out).shard_path(int(index.samples[sample]["shard"]))
+    assert verify(out) == [f"{shard}: shard checksum mismatch outside every sample (its header or the padding "
+                           f"between samples): every sample of it passes its checksum and decodes"]
 
 
 def test_verify_goes_on_past_a_shard_cut_short_and_a_missing_one(tmp_path):

@@ -39,12 +39,14 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
 
     with ThreadPoolExecutor(settings.get("cpu_threads")) as pool:
         unreadable = set()  # shards every sample of which is left unchecked (said once, for the shard)
+        mismatched = {}  # shard whose checksum fails: where its line is in problems (said in full at the end)
         for shard, (record, (crc, problem)) in enumerate(zip(index.shards, pool.map(shard_crc,
                                                                                     range(len(index.shards))))):
             if problem is not None:
                 unreadable.add(shard)
                 problems.append(f"{problem}: its samples are not checked")
             elif crc != int(record["crc32"]):
+                mismatched[shard] = len(problems)
                 problems.append(f"{index.shard_path(shard)}: shard checksum mismatch")
         reader = CpuReader(index)
 
@@ -61,6 +63,7 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
                     found.append(str(e))
             return found
 
+        damaged = {}  # shard -> its samples with a problem
         bar = tqdm(total=len(index), unit="img", desc="verify", disable=not progress, file=sys.stderr)
         with bar:
             for first in range(0, len(index), batch):
@@ -69,9 +72,18 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
                 for buffer, plan, ids in _readable(reader, indices, problems, index):
                     jobs = [(buffer, int(o), int(n), i)
                             for o, n, i in zip(plan.sample_offsets, plan.sample_lengths, ids)]
-                    problems.extend(p for found in pool.map(check, jobs) for p in found)
+                    for (_, _, _, sample), found in zip(jobs, pool.map(check, jobs)):
+                        problems.extend(found)
+                        if found:
+                            damaged.setdefault(int(index.samples[sample]["shard"]), []).append(sample)
                 bar.update(len(everything))
         reader.close()
+    for shard, at in mismatched.items():  # where the damage is: in samples (said below), or only between them
+        bad = damaged.get(shard)
+        problems[at] += (f" (in sample{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:5]))}"
+                         f"{' ...' if len(bad) > 5 else ''}: below)" if bad else
+                         " outside every sample (its header or the padding between samples): every sample of it "
+                         "passes its checksum" + (" and decodes" if decode_samples else ""))
     return problems
 
 
