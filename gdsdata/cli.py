@@ -280,6 +280,9 @@ def _cmd_inspect(args):
               f"{per_image['mean']}/{per_image['max']}, {detect['negatives']} image(s) without objects, "
               f"{detect['crowd']} crowd region(s); boxes small/medium/large by box area (COCO's 32 and 96 px; "
               f"COCOeval uses the annotations' area): {small}/{medium}/{large}")
+        if detect["resized_images"]:
+            print(f"  (in the stored images' pixels: {_images(detect['resized_images'])} were downscaled at pack "
+                  f"time, so their boxes count smaller than in the annotated images)")
     for line in info["problems"]:
         print(f"bad: {line}", file=sys.stderr)
     if info["problems"]:

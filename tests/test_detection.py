@@ -531,7 +531,14 @@ def test_the_command_line(synthetic, tmp_path, capsys):
                 os.path.join(coco, "train"), str(tmp_path / "c"), "-q"]) == 0
     assert "boxes:" in capsys.readouterr().out
     assert cli(["inspect", str(tmp_path / "c")]) == 0
-    assert "detection (coco):" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "detection (coco):" in said and "in the stored images' pixels" not in said
+    assert cli(["pack", "--format", "coco", os.path.join(coco, "annotations", "instances_train.json"),
+                os.path.join(coco, "train"), str(tmp_path / "small"), "--max-side", "320", "-q"]) == 0
+    capsys.readouterr()
+    assert cli(["inspect", str(tmp_path / "small")]) == 0  # COCO's size classes: measured in smaller images
+    assert "  (in the stored images' pixels: 18 images were downscaled at pack time, so their boxes count smaller " \
+           "than in the annotated images)" in capsys.readouterr().out
     with pytest.raises(SystemExit) as usage:  # a usage error, as argparse's (exit status 2)
         cli(["pack", "--format", "coco", os.path.join(coco, "train"), str(tmp_path / "x"), "-q"])
     assert usage.value.code == 2 and "--format coco takes ANNOTATIONS.json IMAGES OUT" in capsys.readouterr().err

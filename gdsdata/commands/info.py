@@ -105,5 +105,7 @@ def info(root) -> dict:
             "crowd": int(((boxes["flags"] & fmt.BOX_CROWD) != 0).sum()),
             "small_medium_large": [int((area < 32 ** 2).sum()), int(((area >= 32 ** 2) & (area < 96 ** 2)).sum()),
                                    int((area >= 96 ** 2).sum())],
+            # images downscaled at pack time: their boxes measured in the smaller stored frame
+            "resized_images": int(((samples["flags"] & fmt.FLAG_RESIZED) != 0).sum()),
         }
     return out
