@@ -228,7 +228,7 @@ def _cmd_merge(args):
     from gdsdata.packing.merge import merge
 
     summary = merge(args.parts, args.out, copy=args.copy, overwrite=args.overwrite, progress=_progress(args))
-    print(f"merged {summary['parts']} part(s) into {summary['out']}: {summary['samples']} samples, "
+    print(f"merged {summary['parts']} dataset(s) into {summary['out']}: {summary['samples']} samples, "
           f"{summary['shards']} shard(s) {'/'.join(summary['shards_placed'])}")
     return 0
 

@@ -191,12 +191,12 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
         assert rc == 0, err
     merged = str(tmp_path / "merged")
     rc, stdout, err = run_on_a_terminal("merge", *parts, merged)
-    assert rc == 0 and "merged 2 part(s)" in stdout and "9 samples" in stdout, err
+    assert rc == 0 and "merged 2 dataset(s)" in stdout and "9 samples" in stdout, err
     assert "link: 100%" in err  # the progress bar on a terminal (copying may take long); -q hides it
     rc, stdout, err = run("merge", *parts, str(tmp_path / "logged"))
-    assert rc == 0 and "merged 2 part(s)" in stdout and err == "", err  # none in a log file
+    assert rc == 0 and "merged 2 dataset(s)" in stdout and err == "", err  # none in a log file
     rc, stdout, err = run("merge", *parts, str(tmp_path / "copied"), "--copy", "-q")
-    assert rc == 0 and "merged 2 part(s)" in stdout and err == "", err
+    assert rc == 0 and "merged 2 dataset(s)" in stdout and err == "", err
     assert "merged from 2 part(s)" in run("inspect", merged)[1]
     assert "part 1 of 2" in run("inspect", parts[1])[1]
     assert_one_line_error(*run("merge", *parts, merged)[::2], "--overwrite")

@@ -990,3 +990,12 @@ def test_classes_named_by_their_ids_are_warned_about(tmp_path, caplog):
     assert ds.classes == [str(k) for k in range(31)]
     assert f"{root}: no class names (a data YAML's names or a classes.txt): 31 class(es) named by their ids 0..30, " \
            "29 of which no box uses" in caplog.text
+
+
+def test_a_merge_of_a_detection_and_a_classification_dataset_says_so(synthetic, photos_dataset, tmp_path):
+    from gdsdata.packing.merge import merge
+
+    det = pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "det"), format="yolo", workers=1).out
+    with pytest.raises(SourceError, match=f"^{re.escape(photos_dataset[2])}: a classify dataset, {re.escape(det)} "
+                                          f"is a detect dataset$"):
+        merge([det, photos_dataset[2]], str(tmp_path / "m"))

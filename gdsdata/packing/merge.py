@@ -153,6 +153,8 @@ def _check_parts(parts, indexes):
     _distinct(parts, indexes)
     first = indexes[0]
     for part, index in zip(parts, indexes):
+        if index.task != first.task:
+            raise SourceError(f"{part}: a {index.task} dataset, {parts[0]} is a {first.task} dataset")
         if index.classes != first.classes:
             raise SourceError(f"{part}: its class list differs from {parts[0]}'s; a merge joins datasets of the "
                               f"same classes (parts of one pack --num-parts N, or whole packs of one class list): "
@@ -164,8 +166,6 @@ def _check_parts(parts, indexes):
                               f"--max-side and --size")
         if index.alignment != first.alignment:
             raise SourceError(f"{part}: alignment {index.alignment}, {parts[0]} has {first.alignment}")
-        if index.task != first.task:
-            raise SourceError(f"{part}: a {index.task} dataset, {parts[0]} is a {first.task} dataset")
     infos = [index.meta.get("part") for index in indexes]
     if not any(infos):
         return list(zip(parts, indexes))  # whole datasets of the same source and options, joined in order
