@@ -300,7 +300,11 @@ class Loader:
         else:  # another topology: what the old ranks delivered is out, the rest is re-split
             old = ShardSpec(**{**self.spec.__dict__, "rank": 0, "world_size": state["world_size"],
                                "batch_size": state["batch_size"], "drop_last": state["drop_last"]})
-            self._consumed = consumed_after(old, state["epoch"], consumed, state["batches_done"])
+            if state["batches_done"] >= len(rank_batches(old, state["epoch"], consumed)):
+                # the old ranks' epoch was over: what its drop_last left out is not delivered now
+                self._consumed = np.ones(self.spec.size, bool)
+            else:
+                self._consumed = consumed_after(old, state["epoch"], consumed, state["batches_done"])
             self._done = 0
         self.epoch = state["epoch"]
         self._resume = True

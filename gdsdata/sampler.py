@@ -16,7 +16,8 @@ Resume: the state is (epoch, the mask of samples delivered by earlier segments o
 done in this segment, and the world size, batch size and drop_last of this segment). Resumed with
 the same world size, batch size and drop_last, every rank continues exactly where it stopped. With
 other values, the samples not yet delivered are re-split over the new ranks as a new segment, so the
-rest of the epoch still delivers every sample exactly once.
+rest of the epoch still delivers every sample exactly once (a state taken after the old ranks' last
+batch has nothing left: what their drop_last left out stays out).
 """
 
 from dataclasses import dataclass

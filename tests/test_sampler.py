@@ -111,6 +111,24 @@ def test_resume_with_another_world_size_sees_the_rest_once(shape, data):
     assert len(rest) - len(set(rest.tolist())) < new.world_size  # only the new padding repeats
 
 
+def test_a_state_taken_at_an_epoch_s_end_resumes_at_the_next_epoch_in_any_topology():
+    """The last batch of an epoch delivered (the iterator still open, as a checkpoint inside the
+    loop takes it): resumed with another world size or batch size, the epoch is over, and the
+    samples its drop_last left out are not delivered as an extra batch."""
+    ds = CountingDataset(120)
+    first = gdsdata.Loader(ds, 16, world_size=4, rank=0, drop_last=True, seed=1)
+    batches = iter(first)
+    assert len([next(batches) for _ in range(len(first))]) == 1  # (30 a rank: 1 batch, 14 samples dropped)
+    state = first.state_dict()
+    first.close()
+    for world, batch in ((1, 16), (2, 8), (4, 16)):
+        second = gdsdata.Loader(ds, batch, world_size=world, rank=0, drop_last=True, seed=1)
+        second.load_state_dict(state)
+        assert second.batches_left() == 0 and list(second) == [] and second.epoch == 1, (world, batch)
+        assert len(list(second)) == len(second)  # the next epoch whole
+        second.close()
+
+
 def test_block_shuffle_keeps_runs_and_mixes_classes():
     spec = ShardSpec(10_000, shuffle="block", block_size=64, window=16, seed=3)
     order = epoch_order(spec, 0)
