@@ -6,6 +6,11 @@
     torchrun --nproc_per_node=8 examples/train_imagenet.py --train /data/train.gds --val /data/val.gds \\
         --arch resnet50 --epochs 90 --checkpoint /ckpt/resnet50.pt
 
+Evaluate a checkpoint on the validation set alone (top-1, CenterCrop) with --evaluate:
+
+    python examples/train_imagenet.py --train /data/train.gds --val /data/val.gds --arch resnet50 \
+        --checkpoint /ckpt/resnet50.pt --evaluate
+
 Run it again with the same --checkpoint after an interruption: it resumes mid-epoch, at the exact
 batch the checkpoint was written after (the Loader's state_dict is part of the checkpoint), also with
 another --batch-size or number of processes: the learning-rate schedule follows the training's
@@ -44,7 +49,11 @@ def parse_args(argv=None):
     parser.add_argument("--max-steps", type=int, default=0,
                         help="stop once this many steps are done in all, resumed ones included (0: all epochs)")
     parser.add_argument("--log-every", type=int, default=100, help="print a line every this many steps")
+    parser.add_argument("--evaluate", action="store_true",
+                        help="evaluate the --checkpoint's model on --val (top-1) and stop, training nothing")
     args = parser.parse_args(argv)
+    if args.evaluate and not (args.val and args.checkpoint):
+        parser.error("--evaluate takes the model of --checkpoint and evaluates it on --val: give both")
     if args.arch not in torchvision.models.list_models(module=torchvision.models):
         parser.error(f"--arch {args.arch}: not one of torchvision's classifiers (resnet50, resnet18, vit_b_16, ...)")
     return args
@@ -140,16 +149,27 @@ def main(argv=None):
     if args.checkpoint:  # its folder made now, not found missing at the first save, after hours of training
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     step = 0  # optimizer steps taken, resumed ones included (of whatever batch size they had)
+    if args.evaluate and not os.path.exists(args.checkpoint):
+        sys.exit(f"train_imagenet.py: error: {args.checkpoint}: no such checkpoint to evaluate")
     if args.checkpoint and os.path.exists(args.checkpoint):
-        state = torch.load(args.checkpoint, map_location=device, weights_only=False)
+        state = load_checkpoint(args.checkpoint, device, args.arch)
         try:  # the loader first: it tells another dataset (or another batch size, seed...) apart
             train.load_state_dict(state["loader"])  # the same on every rank: where the epoch stands
             getattr(model, "module", model).load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, RuntimeError, KeyError) as e:
-            reason = str(e).splitlines()[0].removeprefix("cannot resume: ")
-            sys.exit(f"cannot resume from {args.checkpoint}: {reason}")
+            reason = " ".join(str(e).split()).removeprefix("cannot resume: ")
+            sys.exit(f"cannot resume from {args.checkpoint}: {reason[:300]}{' ...' if len(reason) > 300 else ''}")
         step = state["step"]
+        if args.evaluate:
+            top1 = evaluate(model, val, device, world)
+            if rank == 0:
+                print(f"{args.checkpoint} (step {step}, epoch {train.epoch}): validation top-1 {top1 * 100:.2f} %",
+                      flush=True)
+            train.close()
+            if world > 1:
+                dist.destroy_process_group()
+            return
         if rank == 0:
             print(f"resumed at step {step} (epoch {train.epoch})", flush=True)
         if train.epoch >= args.epochs and rank == 0:
@@ -182,7 +202,7 @@ def main(argv=None):
                 print(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.3f} "
                       f"lr {optimizer.param_groups[0]['lr']:.4f} {rate:.0f} images/s", flush=True)
             if args.checkpoint and step % args.checkpoint_every == 0:
-                save(args.checkpoint, model, optimizer, train, step, rank)
+                save(args.checkpoint, model, optimizer, train, step, rank, args.arch)
             if args.max_steps and step >= args.max_steps:
                 break
         if val is not None and not (args.max_steps and step >= args.max_steps):
@@ -190,7 +210,7 @@ def main(argv=None):
             if rank == 0:
                 print(f"epoch {epoch}: validation top-1 {top1 * 100:.2f} %", flush=True)
     if args.checkpoint:
-        save(args.checkpoint, model, optimizer, train, step, rank)
+        save(args.checkpoint, model, optimizer, train, step, rank, args.arch)
     if rank == 0:
         print(f"stopped at step {step}/{max(step, total_steps)} (epoch {train.epoch})" +
               (f", checkpoint {args.checkpoint}" if args.checkpoint else ""), flush=True)
@@ -199,16 +219,37 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-def save(path, model, optimizer, loader, step, rank):
-    """Rank 0 writes the model, the optimizer and the Loader's state (the same on every rank),
-    atomically: a crash while writing leaves the previous checkpoint."""
+def load_checkpoint(path, device, arch) -> dict:
+    """The checkpoint at ``path``; one that cannot be read, or is of another --arch, ends the run in
+    one line."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - whatever torch.load makes of a damaged file
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        sys.exit(f"train_imagenet.py: error: {path}: not a checkpoint this example can read ({reason})")
+    if not isinstance(state, dict) or not {"model", "optimizer", "loader", "step"} <= set(state):
+        sys.exit(f"train_imagenet.py: error: {path}: not a checkpoint of this example (no model, optimizer, loader "
+                 f"and step in it)")
+    if state.get("arch", arch) != arch:
+        sys.exit(f"train_imagenet.py: error: {path} holds a {state['arch']}; --arch {arch} builds another model")
+    return state
+
+
+def save(path, model, optimizer, loader, step, rank, arch):
+    """Rank 0 writes the model (and its --arch), the optimizer and the Loader's state (the same on
+    every rank), atomically: a crash while writing leaves the previous checkpoint."""
     if rank != 0:
         return
     tmp = f"{path}.tmp"
     torch.save({"model": getattr(model, "module", model).state_dict(), "optimizer": optimizer.state_dict(),
-                "loader": loader.state_dict(), "step": step}, tmp)
+                "loader": loader.state_dict(), "step": step, "arch": arch}, tmp)
     os.replace(tmp, path)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("train_imagenet.py: interrupted; the last checkpoint written stands (run again to resume)",
+              file=sys.stderr)
+        sys.exit(130)
