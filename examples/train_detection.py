@@ -6,7 +6,9 @@ downloaded weights) trained on YoloAugment batches, evaluated on Letterbox batch
 
 torchvision's detection models take a list of float images in [0, 1] and a target dict per image
 with XYXY pixel boxes and labels from 1 (0 is their background): the Loader gives the images as one
-tensor and the dicts, so the loop only shifts the labels.
+tensor and the dicts, so the loop only shifts the labels. Meant for a GPU: on a CPU the model
+trains a few images a second (the batches come far faster), so try it there with a small --imgsz
+and --epochs 1.
 """
 
 import argparse
