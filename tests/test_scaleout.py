@@ -493,6 +493,44 @@ def test_tar_source(tmp_path):
     assert all(g[0].startswith("train-000") for g in got)
 
 
+def test_a_damaged_tar_shard_stops_the_pack_rather_than_leave_samples_out_unseen(tmp_path):
+    """tarfile lists a tar cut on a block boundary, or one with a damaged header after its first
+    member, as far as it can, without a word: the pack says the shard is damaged instead of packing
+    part of it (a tar.gz whose stream is damaged too)."""
+    import gzip
+
+    samples = [(f"s{k:03d}", jpeg_bytes(photo(700 + k), quality=85), k % 2) for k in range(5)]
+    whole = tmp_path / "whole.tar"
+    write_tar(whole, samples)
+    data = whole.read_bytes()
+    with tarfile.open(whole) as tar:
+        third = tar.getmembers()[4].offset  # the header of the third sample's image
+    cut, broken = tmp_path / "cut", tmp_path / "broken"
+    cut.mkdir(), broken.mkdir()
+    (cut / "a.tar").write_bytes(data[:third])  # cut on a block boundary
+    (broken / "a.tar").write_bytes(data[:third] + b"\x13" * 512 + data[third + 512:])  # a header damaged
+    said = {}
+    for folder in (cut, broken):
+        with pytest.raises(SourceError) as e:
+            pack(str(folder), str(tmp_path / f"ds-{folder.name}"), workers=1)
+        said[folder.name] = str(e.value)
+    assert said["cut"] == (f"{cut / 'a.tar'}: a damaged tar file: the file ends without tar's end-of-archive blocks "
+                           f"(cut short?) after s001.cls (byte {third}); 4 member(s) before it are readable, the rest "
+                           f"is not: packing it would leave samples out unseen")
+    assert said["broken"].startswith(f"{broken / 'a.tar'}: a damaged tar file: bytes that are no tar header after "
+                                     f"s001.cls (byte {third})")
+    packed = gzip.compress(data)
+    middle = len(packed) // 2
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    (gz / "a.tar.gz").write_bytes(packed[:middle] + bytes(b ^ 0x5A for b in packed[middle:middle + 200]) +
+                                  packed[middle + 200:])
+    with pytest.raises(SourceError, match=re.escape(str(gz / "a.tar.gz")) + ": (a damaged tar file|not a readable "
+                                                                           "tar file)"):
+        pack(str(gz), str(tmp_path / "ds-gz"), workers=1)
+    pack(str(whole), str(tmp_path / "ds"), workers=1)  # (the whole one packs)
+
+
 def torchvision_labels(root):
     from torchvision.datasets import ImageFolder
 

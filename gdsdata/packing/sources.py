@@ -29,6 +29,7 @@ import os
 import pickle
 import stat
 import tarfile
+import zlib
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -303,6 +304,25 @@ def _a(noun) -> str:
     return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
 
 
+def _unended(tar) -> "str | None":
+    """Why ``tar`` (its members listed) does not end as an archive ends, or None. tarfile stops
+    listing, without a word, at the first header it cannot read after the first member, and at the
+    end of a file cut on a block boundary: what follows its last member must be tar's end-of-archive
+    blocks (zero bytes, at least one block) up to the end of the file, read whole, so that a gzip
+    stream's checksum is checked too."""
+    stream = tar.fileobj
+    stream.seek(tar.offset)
+    zeros = 0
+    while True:
+        chunk = stream.read(1 << 20)
+        if not chunk:
+            break
+        if chunk.count(0) != len(chunk):
+            return "bytes that are no tar header"
+        zeros += len(chunk)
+    return None if zeros >= tarfile.BLOCKSIZE else "the file ends without tar's end-of-archive blocks (cut short?)"
+
+
 class TarSource:
     @_closed_if_it_fails
     def __init__(self, src):
@@ -317,9 +337,15 @@ class TarSource:
             try:
                 tar = self.tars[path] = tarfile.open(path)
                 members = tar.getmembers()
-            except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+                damage = _unended(tar)
+            except (tarfile.TarError, OSError, EOFError, ValueError, zlib.error) as e:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise SourceError(f"{display(path)}: not a readable tar file ({reason})") from None
+            if damage is not None:
+                last = f"after {display(members[-1].name)}" if members else "at its start"
+                raise SourceError(f"{display(path)}: a damaged tar file: {damage} {last} (byte {tar.offset}); "
+                                  f"{len(members)} member(s) before it are readable, the rest is not: packing it "
+                                  f"would leave samples out unseen")
             for member in members:
                 if not member.isfile():
                     continue
