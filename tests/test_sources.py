@@ -139,6 +139,27 @@ def test_lmdb_values_of_another_shape_are_skipped_with_the_reason(tmp_path, caps
         pack(db, str(tmp_path / "strict"), workers=1, strict=True)
 
 
+def test_an_lmdb_cut_short_or_damaged_is_one_line_not_a_crash(tmp_path, capsys):
+    """A data.mdb cut short (a copy that stopped) would end the pack with SIGBUS as its pages are
+    read; a damaged one raised lmdb's own error: each is one line and exit status 1."""
+    image = jpeg_bytes(photo(6))
+    db = write_lmdb(str(tmp_path / "db.lmdb"), {str(k).encode(): (image, k % 2) for k in range(40)})
+    data = os.path.join(db, "data.mdb")
+    whole = open(data, "rb").read()
+    with open(data, "wb") as f:
+        f.write(whole[:len(whole) // 2])
+    assert cli(["pack", db, str(tmp_path / "cut"), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"gdsdata: error: {data}: an LMDB cut short (") and len(err.strip().splitlines()) == 1, err
+    with open(data, "wb") as f:  # every page past the meta pages overwritten
+        f.write(whole[:8192] + bytes(range(256)) * ((len(whole) - 8192) // 256) + whole[8192 + (len(whole) - 8192)
+                                                                                      // 256 * 256:])
+    assert cli(["pack", db, str(tmp_path / "damaged"), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"gdsdata: error: {db}: ") and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("classes, what", [(5, "an int"), (["a", 3], "a list holding an int (3)"),
                                            (["a", None], "a list holding a NoneType (None)"),
                                            (["a", "a"], "the name 'a' twice")])

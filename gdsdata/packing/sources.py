@@ -223,26 +223,22 @@ class LmdbSource:
             raise SourceError(f"{display(src)}: an LMDB; packing it needs the lmdb package "
                               f"(pip install lmdb)") from None
 
+        self._error = lmdb.Error
         try:
             self.env = lmdb.open(src, readonly=True, lock=False, readahead=False, subdir=os.path.isdir(src))
         except lmdb.Error as e:
             raise SourceError(f"{src}: cannot open as LMDB ({e})") from e
+        # a data file shorter than its pages (cut short by a copy) would end the process with SIGBUS as it is read
+        data = os.path.join(src, "data.mdb") if os.path.isdir(src) else src
+        needed = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        if os.path.getsize(data) < needed:
+            raise SourceError(f"{display(data)}: an LMDB cut short ({os.path.getsize(data):,} bytes, its pages take "
+                              f"{needed:,})")
         self.items, self.ignored = [], []
-        with self.env.begin() as txn:
-            raw_classes = txn.get(b"__classes__")
-            for key, value in txn.cursor():
-                if key.startswith(b"__"):
-                    continue
-                rel = bytes(key).decode("utf-8", "surrogateescape")  # the key's bytes, whatever they are
-                try:
-                    _, given = pickle.loads(value)
-                    label = int(given)
-                    if isinstance(given, numbers.Real) and label != given:  # 1.5 is no class index, nor 1
-                        raise ValueError(f"label {given} is not an integer")
-                except Exception:  # noqa: BLE001 - a value of another layout is reported, not fatal
-                    self.ignored.append(display(rel))
-                    continue
-                self.items.append(Item(rel, label, ref=bytes(key)))
+        try:
+            raw_classes = self._list()
+        except lmdb.Error as e:
+            raise SourceError(f"{display(src)}: a damaged LMDB ({' '.join(str(e).split())})") from None
         self.items.sort(key=lambda item: (len(item.rel), item.rel))  # numeric keys in numeric order
         if not self.items:
             raise SourceError(f"{src}: the LMDB holds no (image bytes, label) values")
@@ -260,9 +256,31 @@ class LmdbSource:
                                       f"under __classes__ (a pickled list) to use more")
             self.classes = [str(k) for k in range(max(item.label for item in self.items) + 1)]
 
-    def read(self, item):
+    def _list(self):
+        """Its (image bytes, label) values as items (the others ignored); returns ``__classes__``'s value."""
         with self.env.begin() as txn:
-            value = txn.get(item.ref)
+            raw_classes = txn.get(b"__classes__")
+            for key, value in txn.cursor():
+                if key.startswith(b"__"):
+                    continue
+                rel = bytes(key).decode("utf-8", "surrogateescape")  # the key's bytes, whatever they are
+                try:
+                    _, given = pickle.loads(value)
+                    label = int(given)
+                    if isinstance(given, numbers.Real) and label != given:  # 1.5 is no class index, nor 1
+                        raise ValueError(f"label {given} is not an integer")
+                except Exception:  # noqa: BLE001 - a value of another layout is reported, not fatal
+                    self.ignored.append(display(rel))
+                    continue
+                self.items.append(Item(rel, label, ref=bytes(key)))
+        return raw_classes
+
+    def read(self, item):
+        try:
+            with self.env.begin() as txn:
+                value = txn.get(item.ref)
+        except self._error as e:
+            raise SourceError(f"{display(self.root)}: a damaged LMDB ({' '.join(str(e).split())})") from None
         if value is None:
             raise BadImageError("its key is gone from the LMDB (changed since it was listed)")
         try:
