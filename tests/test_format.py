@@ -173,6 +173,20 @@ def test_index_pointing_past_a_shard_end_is_refused(tmp_path):
         index_io.load(target)
 
 
+@pytest.mark.parametrize("key, value, kind", [("part", 3, "int, not dict"), ("detection", [], "list, not dict"),
+                                             ("appended", 7, "int, not list"), ("options", "x", "str, not dict")])
+def test_metadata_of_the_wrong_shape_is_refused_in_one_line(tmp_path, key, value, kind):
+    """Metadata that is JSON but not of the shapes the index's readers use (a writer's bug, an edit)
+    is refused when the index loads, not met as a traceback in inspect, merge or an append."""
+    target = _copy_golden(tmp_path)
+    golden = index_io.load(target)
+    meta = {**golden.meta, key: value}
+    index_io.write(str(target), golden.alignment, golden.dataset_id, golden.shards, golden.samples,
+                   bytes(golden.strings), meta)
+    with pytest.raises(FormatError, match=re.escape(f"corrupt index metadata (its {key!r} is {kind})")):
+        index_io.load(target)
+
+
 def test_truncated_foreign_and_missing_shards_are_refused(tmp_path):
     target = _copy_golden(tmp_path)
     shard = target / fmt.shard_name(1)

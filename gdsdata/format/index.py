@@ -216,6 +216,11 @@ def load(root, shards: bool = True) -> Index:
         raise FormatError(f"{path}: unreadable metadata or source paths ({e})") from e
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
         raise FormatError(f"{path}: the metadata's class list is not a list of names")
+    odd = next(((key, kind) for key, kind in _META_TYPES.items()
+                if meta.get(key) is not None and not isinstance(meta[key], kind)), None)
+    if odd is not None:
+        raise FormatError(f"{path}: corrupt index metadata (its {odd[0]!r} is {type(meta[odd[0]]).__name__}, not "
+                          f"{odd[1].__name__})")
     if len(classes) != int(header["num_classes"]):
         raise FormatError(f"{path}: {len(classes)} class names, header says {header['num_classes']}")
     box_start = boxes = None
@@ -293,6 +298,10 @@ def _check(index: Index, path: str, shards_too: bool = True):
     if unaligned.any():
         raise FormatError(f"{path}: {index.describe(int(np.argmax(unaligned)))} is not aligned to "
                           f"{index.alignment} bytes")
+
+
+_META_TYPES = {"task": str, "source": str, "created": str, "gdsdata_version": str, "listing": str, "options": dict,
+               "counts": dict, "part": dict, "detection": dict, "merged_from": list, "appended": list}
 
 
 def last_sample_ends(index: Index) -> np.ndarray:
