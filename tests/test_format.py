@@ -206,3 +206,22 @@ def test_truncated_foreign_and_missing_shards_are_refused(tmp_path):
     shard.unlink()
     with pytest.raises(FormatError, match="shard file missing"):
         index_io.load(target)
+
+
+def test_a_fifo_named_as_a_shard_is_refused_not_waited_on(tmp_path):
+    """Opening a FIFO blocks until something writes to it: a shard path that is one (or a folder)
+    is refused in one line as the dataset opens, also by verify, never a reader stuck for good."""
+    from gdsdata.commands.verify import verify
+
+    target = _copy_golden(tmp_path)
+    shard = target / fmt.shard_name(0)
+    shard.unlink()
+    os.mkfifo(shard)
+    for check in (lambda: index_io.load(target), lambda: GDSDataset(str(target))):
+        with pytest.raises(FormatError, match=re.escape(f"{shard}: a FIFO where a shard file belongs")):
+            check()
+    assert any(f"{shard}: a FIFO where a shard file belongs" in p for p in verify(str(target)))
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(FormatError, match=re.escape(f"{shard}: a folder where a shard file belongs")):
+        index_io.load(target)

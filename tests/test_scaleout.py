@@ -529,6 +529,11 @@ def test_a_damaged_tar_shard_stops_the_pack_rather_than_leave_samples_out_unseen
                                                                            "tar file)"):
         pack(str(gz), str(tmp_path / "ds-gz"), workers=1)
     pack(str(whole), str(tmp_path / "ds"), workers=1)  # (the whole one packs)
+    os.mkfifo(cut / "b.tar")  # a FIFO named as a shard beside a whole one: left out unopened, with the reason
+    (cut / "a.tar").write_bytes(data)
+    result = pack(str(cut), str(tmp_path / "ds-fifo"), workers=1)
+    assert result.packed == 5 and result.special == [
+        {"path": "b.tar", "reason": "named as a tar shard but not a regular file: skipped unopened"}]
 
 
 def torchvision_labels(root):

@@ -4,6 +4,7 @@ other drives with a link to each) and checking their headers."""
 import logging
 import mmap
 import os
+import stat
 import zlib
 
 import numpy as np
@@ -156,10 +157,27 @@ class ShardWriter:
                     pass
 
 
+def open_regular(path, flags=os.O_RDONLY) -> int:
+    """``os.open`` of a file that must be a regular one: a FIFO, a device or a folder named as a
+    shard is refused (``FormatError`` naming it) rather than waited on for good (opening a FIFO blocks
+    until something writes to it)."""
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise FormatError(f"{path}: {kind} where a shard file belongs")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def data_crc32(path, alignment: int, chunk=1 << 22) -> int:
     """CRC-32 of a shard's bytes after its header block (what SHARD_RECORD.crc32 stores)."""
     crc = 0
-    with open(path, "rb") as f:
+    with open(open_regular(path), "rb") as f:
         f.seek(alignment)
         while True:
             block = f.read(chunk)
@@ -174,8 +192,8 @@ def _read_head(path, nbytes: int) -> bytes:
     opening a dataset of many shards leaves none of their pages cached, which matters when the
     dataset streams (``io.direct``)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except FileNotFoundError:
+        fd = open_regular(path, os.O_RDONLY | os.O_DIRECT)
+    except (FileNotFoundError, FormatError):
         raise
     except (OSError, AttributeError):
         fd = None
@@ -187,7 +205,7 @@ def _read_head(path, nbytes: int) -> bytes:
             pass
         finally:
             os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         head = os.pread(fd, nbytes, 0)

@@ -13,7 +13,7 @@ import numpy as np
 from gdsdata import settings
 from gdsdata import stall
 from gdsdata.errors import FormatError, GdsDataError
-from gdsdata.format.shards import check_opened
+from gdsdata.format.shards import check_opened, open_regular
 from gdsdata.io.plan import Plan, max_gap, plan_reads
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class CpuReader:
         self._lock = threading.Lock()
 
     def _opener(self, path, shard):
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             check_opened(os.pread(fd, 4096, 0), path, self.index, shard)
         except BaseException:

@@ -39,7 +39,7 @@ import numpy as np
 
 from gdsdata import stall
 from gdsdata.errors import FormatError, GdsDataError
-from gdsdata.format.shards import check_opened
+from gdsdata.format.shards import check_opened, open_regular
 from gdsdata.io.cpu import OpenShards
 from gdsdata.threads import DaemonPool
 
@@ -82,7 +82,7 @@ class _Shard:
 def _buffered(path) -> int:
     """A descriptor for reads through the page cache without readahead: the pages read are dropped
     after each read, and readahead would cache pages beyond them."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     except BaseException:
@@ -93,7 +93,7 @@ def _buffered(path) -> int:
 
 def _open(index, path, shard) -> _Shard:
     try:
-        handle = _Shard(path, os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT"))
+        handle = _Shard(path, open_regular(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT"))
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise

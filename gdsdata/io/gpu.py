@@ -43,7 +43,7 @@ import torch
 from gdsdata import stall
 from gdsdata.io.cpu import OpenShards, shard_gone
 from gdsdata.io.direct import DirectReads, fill
-from gdsdata.format.shards import check_opened
+from gdsdata.format.shards import check_opened, open_regular
 from gdsdata.errors import FormatError, GpuError, GpuUnavailableError
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class ShardMaps:
             if shard not in self._pages:
                 path = self.index.shard_path(shard)
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = open_regular(path)
                     try:
                         mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)  # the map outlives the descriptor
                     finally:
@@ -416,7 +416,7 @@ class GpuReader:
             self._start(self.fallback)
 
     def _open_cufile(self, path, shard):
-        with open(path, "rb") as f:
+        with open(open_regular(path), "rb") as f:
             check_opened(f.read(4096), path, self.index, shard)
         return self.kvikio.CuFile(path, "r")
 

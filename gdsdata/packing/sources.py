@@ -345,12 +345,16 @@ class TarSource:
     @_closed_if_it_fails
     def __init__(self, src):
         self.root, self.tars = src, {}
+        self.ignored, self.special = [], []
         paths = [src] if os.path.isfile(src) else sorted(
             os.path.join(src, n) for n in os.listdir(src) if n.endswith(TAR_EXTENSIONS))
+        for path in [p for p in paths if not os.path.isfile(p)]:  # (opening a FIFO would wait for a writer)
+            paths.remove(path)
+            self.special.append({"path": display(os.path.basename(path)),
+                                 "reason": "named as a tar shard but not a regular file: skipped unopened"})
         if not paths:
             raise SourceError(f"{display(src)}: no tar shards ({' '.join(TAR_EXTENSIONS)})")
         samples = {}  # (tar, key) -> {"images": [member, ...], "cls": member, "suffixes": {suffix: count}}
-        self.ignored, self.special = [], []
         for path in paths:
             try:
                 tar = self.tars[path] = tarfile.open(path)
