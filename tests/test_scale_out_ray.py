@@ -281,6 +281,14 @@ def test_the_watch_times_only_started_parts_and_a_part_stuck_twice_ends_the_pack
     with pytest.raises(GdsDataError, match=r"^part 1 of 3 made no progress for 101 s packing each image in a worker "
                                            r"process: the node rather than the images\?"):
         watch.stalled(pending)
+    with gdsdata.settings.set(stall_timeout=0.01):  # no part ever started: the cluster runs none of them
+        watch = _Watch(ray, FakeCounter(), 3)
+    ray.quiet = {}
+    import time
+
+    time.sleep(0.15)
+    with pytest.raises(GdsDataError, match=r"^no part of 3 started packing within 0 s: the Ray cluster runs none"):
+        watch.poll()
 
 
 def _ray_processes(mark):

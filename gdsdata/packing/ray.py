@@ -79,7 +79,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
             if owner is not None:
                 owner.start()
             with _noted(came):
-                cpus = int(ray.cluster_resources().get("CPU", 1))
+                cpus = int(ray.cluster_resources().get("CPU", 1))  # (an autoscaling cluster may have none yet)
                 if format == "folder":
                     source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
                 else:
@@ -285,14 +285,18 @@ class _Watch:
     it finished, now with each image prepared in a worker process under the bound (``pack``'s
     workers), so that the image that stalls is skipped with the reason and the rest packed. A part
     stuck again that way, beyond what those waits take, ends the pack in one line. Parts Ray has not
-    started yet (no free CPU) and a part still listing its source are not timed."""
+    started yet (no free CPU) and a part still listing its source are not timed; but if no part at
+    all has started its images within ``_UNSTARTED`` bounds (10 minutes at the default), the cluster
+    cannot run them, and the pack ends in one line."""
 
     _ISOLATED = 20  # bounds a part packing with workers may go without an image (a chunk's wait, then each alone)
+    _UNSTARTED = 10
 
     def __init__(self, ray, counter, parts):
         self.ray, self.counter, self.parts = ray, counter, parts
         self.bound = settings.get("stall_timeout")
         self.quiet, self.isolated = {}, set()
+        self.began, self.started = time.monotonic(), False
 
     def poll(self) -> int:
         """Images done over the job; notes how long each packing part has gone without one."""
@@ -301,6 +305,13 @@ class _Watch:
         except self.ray.exceptions.GetTimeoutError:
             raise GdsDataError(f"Ray did not answer within {max(self.bound, 30):g} s (the job's progress counter, "
                                f"an actor on the cluster): the cluster is overloaded or a node is gone") from None
+        self.started = self.started or bool(self.quiet)
+        waited = time.monotonic() - self.began
+        if not self.started and waited > self.bound * self._UNSTARTED:
+            raise GdsDataError(f"no part of {self.parts} started packing within {waited:.0f} s: the Ray cluster "
+                               f"runs none of them (each needs one CPU: are they all taken, or is the source still "
+                               f"being listed?); the stall_timeout setting, GDSDATA_STALL_TIMEOUT, is "
+                               f"{self.bound:g} s, this wait {self._UNSTARTED} times that")
         return done
 
     def stalled(self, pending: dict) -> list:
