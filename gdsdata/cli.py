@@ -108,6 +108,7 @@ def _cmd_pack(args):
     if result.resumed_shards:
         print(f"  resumed: kept {result.resumed_shards} shard(s) ({result.packed - result.new} images) of the "
               f"interrupted pack")
+    _print_repaired(result.repaired)
     if result.labels is not None:
         _print_labels(result, args.append)
     _print_left_out(result.skipped, result.ignored, result.unreadable, result.special)
@@ -140,6 +141,13 @@ def _print_left_out(skipped, ignored, unreadable, special):
     for what, entries in (("could not read", unreadable), ("skipped unopened", special)):
         if entries:
             _print_entries(f"  {what} {len(entries)} folder(s) or file(s):", entries)
+
+
+def _print_repaired(repaired):
+    """The JPEGs libjpeg decodes only with warnings, which a pack stores as PIL decodes them."""
+    if repaired:
+        _print_entries(f"  {len(repaired)} JPEG(s) decode only with libjpeg's warnings (damaged or odd data): "
+                       f"stored as PIL decodes them (re-encoded), each with the warning:", repaired, shown=5)
 
 
 def _print_entries(heading, entries, shown=10):
@@ -182,6 +190,7 @@ def _pack_on_ray(args, options):
           f"{summary['parts']} part(s) on {summary['cpus']} CPU(s)")
     print(f"  stored as is: {report['packed'] - report['converted']}, converted: {report['converted']}, "
           f"resized: {report['resized']}")
+    _print_repaired(report.get("repaired"))
     _print_left_out(report["skipped"], report["ignored"], report["unreadable"], report["special"])
     print(f"  report: {summary['report_path']}")
     return 0

@@ -136,6 +136,30 @@ print("stuck" if manager.is_alive() else "ok", flush=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.stdout, done.stderr[-2000:])
 
 
+def test_jpegs_libjpeg_decodes_only_with_warnings_are_listed_with_the_warning(tmp_path, capsys):
+    """A JPEG cut short (then closed) or with damaged entropy data decodes in PIL as libjpeg makes
+    of it (gray, or noise, where data is missing): it is packed as PIL decodes it, as torchvision's
+    ImageFolder would read it, but never without a word: the summary and the report list it."""
+    from conftest import jpeg_bytes, photo
+
+    from gdsdata.cli import main
+
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    whole = jpeg_bytes(photo(3), quality=90)
+    (src / "whole.jpg").write_bytes(whole)
+    (src / "cut.jpg").write_bytes(whole[:len(whole) * 2 // 3] + b"\xff\xd9")
+    out = str(tmp_path / "ds")
+    assert main(["pack", str(tmp_path / "src"), out, "-q"]) == 0
+    said = capsys.readouterr().out
+    assert "  1 JPEG(s) decode only with libjpeg's warnings (damaged or odd data): stored as PIL decodes them " \
+           "(re-encoded), each with the warning:\n    a/cut.jpg: libjpeg: Corrupt JPEG data: premature end of data " \
+           "segment; stored as PIL decodes it" in said, said
+    with open(os.path.join(out, fmt.REPORT_NAME)) as f:
+        assert json.load(f)["repaired"] == [{"path": "a/cut.jpg", "reason": "libjpeg: Corrupt JPEG data: premature "
+                                             "end of data segment; stored as PIL decodes it"}]
+
+
 def test_max_side_resizes(tmp_path):
     src = str(tmp_path / "src")
     paths = write_photos(src, 4, classes=1, scale=1.0)

@@ -74,6 +74,7 @@ class PackResult:
     boxes: int = 0  # detection packs: boxes packed
     new: int = 0  # images this run packed itself: ``packed`` less a resume's kept ones or an append's base
     relabeled: list = field(default_factory=list)  # an append: the dataset's classes whose label changed
+    repaired: list = field(default_factory=list)  # [{"path", "reason"}]: JPEGs libjpeg decodes only with warnings
     finished_before: bool = False  # a resume of a pack that had finished: the dataset as it was
 
 
@@ -783,7 +784,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         log.warning("%s: nothing to resume (no finished shard of an interrupted pack there): packing from the start",
                     out)
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
-    records, strings, skipped = [], bytearray(), []
+    records, strings, skipped, repaired = [], bytearray(), [], []
     shard_rows = []
     converted = resized = done = 0
     base_stamp = index_io.stamp(out) if append else None  # which index file the dataset held when it began
@@ -801,6 +802,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             strings += path_bytes
         shard_rows.append(tuple(journal["shard"][:4]) + (dataset_id, journal["shard"][5], 0))
         skipped[:] = journal["skipped"]
+        repaired[:] = journal.get("repaired", [])
         converted, resized, done = journal["converted"], journal["resized"], journal["items_done"]
     position = {"item": done, "shard_start": len(records)}  # source items consumed; this shard's first record
     carried = len(records)  # an append's base and a resume's kept shards: packed before this run
@@ -823,7 +825,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             "shard": [int(v) if not isinstance(v, bytes) else v.hex() for v in record],
             "samples": [list(records[k]) for k in mine],
             "paths": [_record_path(records[k], strings) for k in mine],
-            "skipped": skipped, "converted": converted, "resized": resized, "items_done": position["item"]})
+            "skipped": skipped, "repaired": repaired, "converted": converted, "resized": resized,
+            "items_done": position["item"]})
 
     if append:  # what an append that failed left beyond the dataset's shards (its own, on every drive)
         for name in os.listdir(folder):
@@ -837,7 +840,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     unreadable = getattr(source, "unreadable", []) if part == 0 else []
     special = getattr(source, "special", []) if part == 0 else []
     report = report_opening(src, out, classes, roots,
-                            {"ignored": ignored, "skipped": skipped, "unreadable": unreadable, "special": special},
+                            {"ignored": ignored, "skipped": skipped, "unreadable": unreadable, "special": special,
+                             "repaired": repaired},
                             part={"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
                             if num_parts > 1 else None)
     jobs = (_job(source, item, options) for item in items[done:])
@@ -885,6 +889,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 strings += path_bytes
                 converted += bool(prepared.flags & fmt.FLAG_CONVERTED)
                 resized += bool(prepared.flags & fmt.FLAG_RESIZED)
+                if prepared.warning:  # (after add: a journal it closed holds its own shard's, not this one)
+                    repaired.append({"path": display(rel), "reason": f"libjpeg: {prepared.warning}; stored as PIL "
+                                                                       f"decodes it"})
                 position["item"] += 1
         if append and len(records) == len(base):  # every new file was bad (each in skipped): nothing written
             return _unchanged(base, source, out, started, skipped)
@@ -992,7 +999,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     return PackResult(out, len(samples), converted, resized, len(shard_table), total, seconds,
                       skipped, ignored, unreadable, special, report_path, len(journals), report.get("labels"),
                       meta.get("detection", {}).get("boxes", 0), len(samples) - carried,
-                      [name for k, name in enumerate(base.classes) if relabel[k] != k] if append else [])
+                      [name for k, name in enumerate(base.classes) if relabel[k] != k] if append else [],
+                      repaired=repaired)
 
 
 def _record_path(record, strings) -> str:

@@ -71,6 +71,7 @@ class Prepared:
     flags: int
     source_size: tuple = None  # (width, height) of the source as read (EXIF-turned), before any downscale
     source_format: str = ""  # what PIL calls the source's format, lower case ("jpeg", "png", "mpo" ...)
+    warning: str = ""  # libjpeg's complaint where its strict decode refused the JPEG: stored as PIL decodes it
 
 
 def pil_open():
@@ -207,23 +208,24 @@ def _encode_jpeg(image: Image.Image, quality: int) -> bytes:
 
 
 def _as_is(data: bytes, options: PackOptions):
-    """The JPEG itself, if the GPU engines take it and libjpeg-turbo decodes it without a single
-    warning (the CPU path's decoder, in strict mode); None sends it through conversion."""
+    """(the JPEG itself, if the GPU engines take it and libjpeg-turbo decodes it without a single
+    warning (the CPU path's decoder, in strict mode), else None, which sends it through conversion;
+    libjpeg's complaint where the strict decode refused it)."""
     try:
         info = probe(data)
     except NotJpeg:
-        return None
+        return None, ""
     _check_pixels(info.width, info.height, options)
     if not info.gpu_ready or _target_size(info.width, info.height, options) is not None:
-        return None
+        return None, ""
     try:
         pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
-    except (ValueError, RuntimeError):
-        return None  # PIL decides whether it is readable at all, and conversion cleans it
+    except (ValueError, RuntimeError) as e:  # PIL decides whether it is readable at all, and conversion cleans it
+        return None, " ".join(str(e).split()) or type(e).__name__
     if pixels.shape[:2] != (info.height, info.width):
-        return None
+        return None, ""
     return Prepared(data, fmt.CODEC_JPEG, info.width, info.height, info.components, info.subsampling, 0,
-                    (info.width, info.height), "jpeg")
+                    (info.width, info.height), "jpeg"), ""
 
 
 def _oriented(data: bytes) -> bool:
@@ -263,8 +265,9 @@ def prepare(data: bytes, options: PackOptions) -> Prepared:
     if is_jpeg(data):
         data = _first_picture(data)
     turned = options.exif_transpose and _oriented(data)
+    warning = ""
     if options.codec == "jpeg" and is_jpeg(data) and not turned:
-        stored = _as_is(data, options)
+        stored, warning = _as_is(data, options)
         if stored is not None:  # (a multi-picture file's first picture: not the file byte for byte)
             return stored if len(data) == whole else replace(stored, flags=stored.flags | fmt.FLAG_CONVERTED)
     image = _open(data, options)
@@ -282,8 +285,8 @@ def prepare(data: bytes, options: PackOptions) -> Prepared:
     stored = rgb.getchannel("R") if gray else rgb
     if options.codec == "raw":
         return Prepared(stored.tobytes(), fmt.CODEC_RAW, stored.width, stored.height,
-                        1 if gray else 3, fmt.SUBSAMPLING_NONE, flags, source_size, source_format)
+                        1 if gray else 3, fmt.SUBSAMPLING_NONE, flags, source_size, source_format, warning)
     payload = _encode_jpeg(stored, options.quality)
     check = probe(payload)
     return Prepared(payload, fmt.CODEC_JPEG, check.width, check.height, check.components,
-                    check.subsampling, flags, source_size, source_format)
+                    check.subsampling, flags, source_size, source_format, warning)

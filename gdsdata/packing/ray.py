@@ -262,7 +262,7 @@ class _JoinedReport:
         reports, counts = self.reports, meta["counts"]
         report = report_opening(self.src, self.out, meta["classes"], self.roots,
                                 {key: [entry for part in reports for entry in part.get(key) or []]
-                                 for key in ("ignored", "skipped", "unreadable", "special")})
+                                 for key in ("ignored", "skipped", "unreadable", "special", "repaired")})
         if any("labels" in part for part in reports):  # the labels' report of the whole source: part 0's,
             labels = reports[0].get("labels")  # with the negatives the dataset kept
             if labels is not None and "detection" in meta:
