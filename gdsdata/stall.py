@@ -51,6 +51,24 @@ def wait(work, call: str, timeout: float = None):
             pause = min(pause * 2, 1e-3)
 
 
+@contextlib.contextmanager
+def held(lock, what: str, timeout: float = None):
+    """Hold ``lock`` for the block, waiting at most ``timeout`` seconds (default: the stall_timeout
+    setting) for it; raises ``StallError`` saying ``what`` holds it."""
+    from gdsdata import settings
+
+    timeout = settings.get("stall_timeout") if timeout is None else timeout
+    with native(f"waiting for {what}"):
+        taken = lock.acquire() if timeout >= threading.TIMEOUT_MAX else lock.acquire(timeout=timeout)
+    if not taken:
+        raise StallError(f"gdsdata: {what} has been busy for {timeout:g} s (the stall_timeout setting, "
+                         f"GDSDATA_STALL_TIMEOUT): the call holding it is stuck")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def native_call(thread: threading.Thread):
     """(call, seconds inside it) for the native call ``thread`` is in, or None."""
     entry = _calls.get(thread.ident)

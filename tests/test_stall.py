@@ -131,3 +131,28 @@ def test_exit_does_not_wait_forever_for_a_decoder_a_stuck_decode_holds():
         assert Stuck.nvjpeg.closed
     finally:
         gpu._SharedDecoder._open.pop(Stuck.key, None)
+
+
+def test_a_decode_waits_for_the_gpu_decoder_only_within_the_bound():
+    """A decode left stuck inside nvJPEG (its Loader thread left behind after a StallError) holds
+    the process's decoder for good: a later decode, ``ds[i]`` say, waits for it within the bound and
+    then raises, rather than hang."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from gdsdata.decode.gpu import DecodeJob, GpuDecoder
+
+    shared = types.SimpleNamespace(lock=threading.Lock())
+    shared.lock.acquire()  # the stuck decode
+    decoder = types.SimpleNamespace(shared=shared, device=torch.device("cpu"))
+    one = np.ones(1, np.int64)
+    job = DecodeJob([0], one, one, one * 3, np.zeros(1, np.int64), data=np.zeros(1, np.uint64),
+                    lengths=np.ones(1, np.uint64), pitches=one * 3)
+    with gdsdata.settings.set(stall_timeout=0.2):
+        t0 = time.monotonic()
+        with pytest.raises(gdsdata.StallError, match=r"the GPU's JPEG decoder \(another decode, inside nvJPEG\) has "
+                                                     r"been busy for 0.2 s"):
+            GpuDecoder.decode(decoder, torch.zeros(1, dtype=torch.uint8), job, None)
+    assert time.monotonic() - t0 < 5

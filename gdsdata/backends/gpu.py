@@ -179,5 +179,5 @@ def confirm_mismatches(index, staging: torch.Tensor, plan, indices, positions) -
                     "the transfer to staging); staged again from the shard", name)
         staging[start:start + length].copy_(torch.from_numpy(stored.copy()))
         if staging.is_cuda:
-            torch.cuda.current_stream(staging.device).synchronize()
+            stall.wait(torch.cuda.current_stream(staging.device), "the copy of a sample staged again")
     return failed

@@ -156,7 +156,8 @@ class GpuDecoder:
         outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
         errors = {}
         shared = self.shared
-        with shared.lock:
+        # (bounded: a decode left stuck inside nvJPEG after a StallError holds it for good)
+        with stall.held(shared.lock, "the GPU's JPEG decoder (another decode, inside nvJPEG)"):
             nvjpeg = shared.nvjpeg
             if staging.is_cuda != nvjpeg.device_bitstreams:
                 raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "

@@ -35,7 +35,6 @@ import os
 import threading
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -43,6 +42,7 @@ import torch
 from gdsdata import stall
 from gdsdata.io.cpu import OpenShards, shard_gone
 from gdsdata.io.direct import DirectReads, fill
+from gdsdata.threads import DaemonPool
 from gdsdata.format.shards import check_opened, open_regular
 from gdsdata.errors import FormatError, GpuError, GpuUnavailableError
 
@@ -235,10 +235,11 @@ class ShardMaps:
         with self._lock:
             if self._pool_size != threads - 1:  # the caller takes the first span itself
                 if self._pool is not None:
-                    self._pool.shutdown(wait=True)
+                    self._pool.shutdown()
                 self._pool_size = threads - 1
-                self._pool = (ThreadPoolExecutor(self._pool_size, thread_name_prefix="gdsdata-gather")
-                              if self._pool_size else None)
+                # daemons: a thread stuck in a page fault (a drive or NFS server that stopped answering)
+                # never blocks close() or the interpreter's exit
+                self._pool = DaemonPool(self._pool_size, "gdsdata-gather") if self._pool_size else None
             pool = self._pool
         others = [pool.submit(span, k) for k in range(1, threads)] if pool is not None else []
         span(0)
@@ -251,7 +252,7 @@ class ShardMaps:
             maps, self._maps = self._maps, []
             pool, self._pool, self._pool_size = self._pool, None, 0
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait_s=5)
         for mapped in maps:
             try:
                 mapped.close()
@@ -271,8 +272,8 @@ def _unregister(registered, device_index, stream, maps):
         return
     import cupy
 
-    try:
-        stream.synchronize()
+    try:  # (bounded: a copy stuck on a drive that stopped answering leaves the registrations, not a hang)
+        stall.wait(stream, "the mapped shards' last copies, before unregistering them")
         with cupy.cuda.Device(device_index):
             for ptr in registered:
                 cupy.cuda.runtime.hostUnregister(ptr)
