@@ -692,3 +692,28 @@ def test_closing_a_loader_under_a_window_read_ahead_reads_no_more(photos_dataset
     time.sleep(0.4)
     assert not [t for t in started if t > closing + 0.2]
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_close_leaves_a_context_with_reads_still_in_the_kernel(caplog):
+    """Destroying an AIO context waits for its requests (io_destroy): one whose reads a drive that
+    stopped answering holds (a reader left behind by a StallError) stays, with its shards, rather
+    than close() and the program waiting for good; idle contexts are destroyed."""
+    from types import SimpleNamespace
+
+    class Context:
+        def __init__(self, in_flight):
+            self.in_flight, self.closed = in_flight, False
+
+        def close(self):
+            self.closed = True
+
+    reads = direct.DirectReads.__new__(direct.DirectReads)
+    idle, stuck = Context(0), Context(3)
+    files = SimpleNamespace(closed=False, close=lambda: setattr(files, "closed", True))
+    reads._pool = SimpleNamespace(shutdown=lambda wait_s: True)
+    reads._lock, reads._contexts, reads._idle, reads._files = threading.Lock(), [idle, stuck], [idle], files
+    reads.index = SimpleNamespace(root="/data/ds")
+    with caplog.at_level("ERROR", logger="gdsdata.io.direct"):
+        reads.close()
+    assert idle.closed and not stuck.closed and not files.closed
+    assert "3 direct read(s) of /data/ds still in the kernel: their contexts and shards stay open" in caplog.text

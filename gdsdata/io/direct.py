@@ -340,8 +340,14 @@ class DirectReads:
             return
         with self._lock:
             contexts, self._contexts, self._idle = self._contexts, [], []
+        stuck = [context for context in contexts if context.in_flight]  # (a reader left behind by a StallError)
         for context in contexts:
-            context.close()
+            if not context.in_flight:
+                context.close()
+        if stuck:  # io_destroy would wait for their requests, for good where the drive stopped answering
+            log.error("%d direct read(s) of %s still in the kernel: their contexts and shards stay open",
+                      sum(context.in_flight for context in stuck), self.index.root)
+            return
         self._files.close()
 
 
