@@ -182,13 +182,17 @@ class _RayOwner:
         logging.getLogger("ray._private.worker").addFilter(quiet)
         try:
             threading.Thread(target=self._run, name="gdsdata-ray-init", daemon=True).start()
+            bound = max(120.0, 2 * settings.get("stall_timeout"))  # (Ray starts in seconds; a cold cluster in a minute)
+            deadline = time.monotonic() + bound
             try:
                 while not self.up.wait(0.1):
-                    pass
-            except BaseException:  # Ctrl-C or SIGTERM while Ray starts: a local Ray goes (in ``stop``) once started
-                if self.address is None:  # (joining a cluster starts no process here: nothing to wait for)
+                    if time.monotonic() > deadline:
+                        raise GdsDataError(f"Ray did not start{f' at {self.address}' if self.address else ''} within "
+                                           f"{bound:g} s (twice the stall_timeout setting, 2 minutes at least)")
+            except BaseException:  # Ctrl-C, SIGTERM or the bound while Ray starts: a local Ray goes (in ``stop``)
+                if self.address is None:  # once started (joining a cluster starts no process here: nothing to wait for)
                     with deferred_signals():
-                        self.up.wait()
+                        self.up.wait(_wait(bound))
                 raise
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
