@@ -369,13 +369,15 @@ def test_a_bit_flip_in_the_index_header_is_refused(photos_dataset, tmp_path, fie
         verify(copy)
 
 
-def test_a_shard_whose_open_hangs_holds_up_only_its_own_reads(photos_dataset, tmp_path):
-    """A shard that cannot be opened (a FIFO standing for a dead network mount) blocks the reads of
-    that shard, not those of the others, nor close()."""
+def test_a_shard_whose_open_hangs_holds_up_only_its_own_reads(photos_dataset, tmp_path, monkeypatch):
+    """A shard whose open does not return (a network mount that stopped answering) blocks the reads
+    of that shard, not those of the others, nor close(); a FIFO named as a shard is refused at once
+    (opening one would wait for a writer)."""
     import shutil
     import threading
 
     from gdsdata.errors import FormatError
+    from gdsdata.io import cpu
 
     _, _, out = photos_dataset
     copy = str(tmp_path / "ds")
@@ -384,28 +386,30 @@ def test_a_shard_whose_open_hangs_holds_up_only_its_own_reads(photos_dataset, tm
     first, last = 0, len(ds) - 1
     stuck = ds.index.shard_path(int(ds.index.samples[last]["shard"]))
     assert int(ds.index.samples[first]["shard"]) != int(ds.index.samples[last]["shard"])
-    os.unlink(stuck)
-    os.mkfifo(stuck)
-    failed = []
+    answer, real = threading.Event(), cpu.open_regular
 
-    def read_stuck():
-        try:
-            ds[last]
-        except FormatError as e:
-            failed.append(e)
+    def hanging(path, *args):
+        if path == stuck:
+            answer.wait(60)
+        return real(path, *args)
 
-    reader = threading.Thread(target=read_stuck, daemon=True)
+    monkeypatch.setattr(cpu, "open_regular", hanging)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(ds[last]), daemon=True)
     reader.start()
     reader.join(0.5)
-    assert reader.is_alive()  # opening the FIFO waits for a writer
+    assert reader.is_alive()  # its open does not return
     done = threading.Event()
     threading.Thread(target=lambda: (ds[first], done.set()), daemon=True).start()
     assert done.wait(30), "a read of another shard waited for the stuck open"
-    with open(stuck, "wb"):  # a writer at last: the stuck open ends, the empty "shard" is refused
-        pass
+    answer.set()  # the mount answers at last
     reader.join(30)
-    assert not reader.is_alive() and failed
+    assert not reader.is_alive() and got
     ds.close()
+    os.unlink(stuck)
+    os.mkfifo(stuck)
+    with pytest.raises(FormatError, match=f"{stuck}: a FIFO where a shard file belongs"):
+        GDSDataset(copy)[last]
 
 
 def test_shard_files_that_cannot_be_opened_are_named(photos_dataset, tmp_path):
@@ -422,7 +426,7 @@ def test_shard_files_that_cannot_be_opened_are_named(photos_dataset, tmp_path):
     shard = ds.index.shard_path(int(ds.index.samples[len(ds) - 1]["shard"]))
     os.unlink(shard)
     os.mkdir(shard)
-    with pytest.raises(FormatError, match=f"{shard}: not a shard file"):
+    with pytest.raises(FormatError, match=f"{shard}: a folder where a shard file belongs"):
         ds[len(ds) - 1]
 
     def too_many(path, shard):
