@@ -209,6 +209,8 @@ def main(argv=None):
             top1 = evaluate(model, val, device, world)
             if rank == 0:
                 print(f"epoch {epoch}: validation top-1 {top1 * 100:.2f} %", flush=True)
+        if args.checkpoint and train.epoch > epoch:  # the epoch over and validated: a resume starts the next one
+            save(args.checkpoint, model, optimizer, train, step, rank, args.arch)
     if args.checkpoint:
         save(args.checkpoint, model, optimizer, train, step, rank, args.arch)
     if rank == 0:
