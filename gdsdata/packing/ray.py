@@ -216,11 +216,15 @@ class _RayOwner:
             self.up.set()
         self.done.wait()
 
-    def stop(self):
+    def stop(self, bound: float = 120.0):
         """Shut down the Ray this pack started (a cluster it joined only loses this driver), what a
-        failed start left included."""
+        failed start left included; waiting for that at most ``bound`` seconds (else said, and left)."""
+        ended = threading.Thread(target=self.ray.shutdown, name="gdsdata-ray-shutdown", daemon=True)
         try:
-            self.ray.shutdown()
+            ended.start()
+            ended.join(bound)
+            if ended.is_alive():
+                log.error("Ray did not shut down within %g s: its processes may outlive this pack", bound)
         finally:
             self.done.set()
 
