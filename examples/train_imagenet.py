@@ -146,11 +146,24 @@ def main(argv=None):
                                 weight_decay=args.weight_decay)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
 
+    if args.evaluate:  # the checkpoint's model alone (any --train, batch size, seed ...), on --val
+        if not os.path.exists(args.checkpoint):
+            sys.exit(f"train_imagenet.py: error: {args.checkpoint}: no such checkpoint to evaluate")
+        state = load_checkpoint(args.checkpoint, device, args.arch)
+        try:
+            getattr(model, "module", model).load_state_dict(state["model"])
+        except RuntimeError as e:
+            sys.exit(f"train_imagenet.py: error: {args.checkpoint}: {' '.join(str(e).split())[:300]}")
+        top1 = evaluate(model, val, device, world)
+        if rank == 0:
+            print(f"{args.checkpoint} (step {state['step']}): validation top-1 {top1 * 100:.2f} %", flush=True)
+        train.close()
+        if world > 1:
+            dist.destroy_process_group()
+        return
     if args.checkpoint:  # its folder made now, not found missing at the first save, after hours of training
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     step = 0  # optimizer steps taken, resumed ones included (of whatever batch size they had)
-    if args.evaluate and not os.path.exists(args.checkpoint):
-        sys.exit(f"train_imagenet.py: error: {args.checkpoint}: no such checkpoint to evaluate")
     if args.checkpoint and os.path.exists(args.checkpoint):
         state = load_checkpoint(args.checkpoint, device, args.arch)
         try:  # the loader first: it tells another dataset (or another batch size, seed...) apart
@@ -161,15 +174,6 @@ def main(argv=None):
             reason = " ".join(str(e).split()).removeprefix("cannot resume: ")
             sys.exit(f"cannot resume from {args.checkpoint}: {reason[:300]}{' ...' if len(reason) > 300 else ''}")
         step = state["step"]
-        if args.evaluate:
-            top1 = evaluate(model, val, device, world)
-            if rank == 0:
-                print(f"{args.checkpoint} (step {step}, epoch {train.epoch}): validation top-1 {top1 * 100:.2f} %",
-                      flush=True)
-            train.close()
-            if world > 1:
-                dist.destroy_process_group()
-            return
         if rank == 0:
             print(f"resumed at step {step} (epoch {train.epoch})", flush=True)
         if train.epoch >= args.epochs and rank == 0:

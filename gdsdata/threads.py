@@ -19,7 +19,7 @@ class DaemonPool:
     def __init__(self, count: int, name: str):
         self._jobs = queue.SimpleQueue()
         self._count, self._name = max(1, count), name
-        self._threads, self._idle = [], 0
+        self._threads, self._idle, self._shut = [], 0, False
         self._lock = threading.Lock()
 
     def _work(self):
@@ -44,6 +44,8 @@ class DaemonPool:
     def submit(self, call, *args) -> Future:
         future = Future()
         with self._lock:
+            if self._shut:  # (its workers are ending: the call would never run)
+                raise RuntimeError(f"{self._name}: submit after shutdown")
             if self._idle <= self._jobs.qsize() and len(self._threads) < self._count:
                 thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
                 self._threads.append(thread)
@@ -55,7 +57,7 @@ class DaemonPool:
         """Let the workers end once the calls already submitted are done, waiting for that at most
         ``wait_s`` seconds; True if they all ended."""
         with self._lock:
-            threads = list(self._threads)
+            threads, self._shut = list(self._threads), True
         for _ in threads:
             self._jobs.put(None)
         deadline = time.monotonic() + wait_s

@@ -161,8 +161,8 @@ def test_verify_says_a_shard_damaged_between_its_samples_keeps_them_intact(photo
     out = damaged_copy(photos_dataset[2], str(tmp_path / "ds"), sample, int(index.samples[sample]["length"]),
                        b"\x13")
     shard = load(out).shard_path(int(index.samples[sample]["shard"]))
-    assert verify(out) == [f"{shard}: shard checksum mismatch outside every sample (its header or the padding "
-                           f"between samples): every sample of it passes its checksum and decodes"]
+    assert verify(out) == [f"{shard}: shard checksum mismatch outside every sample (in the padding between "
+                           f"samples): every sample of it passes its checksum and decodes"]
 
 
 def test_verify_goes_on_past_a_shard_cut_short_and_a_missing_one(tmp_path):

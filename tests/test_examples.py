@@ -45,8 +45,8 @@ def test_train_checkpoint_resume_and_evaluate(photos_dataset, tmp_path):
     said = _run([*common[:1], other, *common[2:]], tmp_path, code=1)
     assert said.startswith(f"cannot resume from {ckpt}: the state was saved by a Loader over another dataset"), said
     assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
-    evaluated = _run([*common, "--evaluate"], tmp_path)  # the checkpoint's model on --val, nothing trained
-    assert f"{ckpt} (step 14, epoch 2): validation top-1 " in evaluated and " loss " not in evaluated
+    evaluated = _run([*common[:1], other, *common[2:], "--batch-size", "4", "--evaluate"], tmp_path)
+    assert f"{ckpt} (step 14): validation top-1 " in evaluated and " loss " not in evaluated  # the model alone
     for args, expected in (([*common[:5], "resnet34", *common[6:]], f"{ckpt} holds a resnet18; --arch resnet34"),
                            ([*common[:-4], "--checkpoint", str(tmp_path / "junk.pt")],
                             f"{tmp_path / 'junk.pt'}: not a checkpoint this example can read")):

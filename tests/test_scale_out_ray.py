@@ -251,7 +251,7 @@ def test_the_watch_times_only_started_parts_and_a_part_stuck_twice_ends_the_pack
             self.cancelled, self.quiet = [], {}
 
         def get(self, status, timeout=None):
-            return 10, dict(self.quiet)
+            return 10, dict(self.quiet), False
 
         def cancel(self, ref, force):
             self.cancelled.append((ref, force))
@@ -287,7 +287,7 @@ def test_the_watch_times_only_started_parts_and_a_part_stuck_twice_ends_the_pack
     import time
 
     time.sleep(0.15)
-    with pytest.raises(GdsDataError, match=r"^no part of 3 started packing within 0 s: the Ray cluster runs none"):
+    with pytest.raises(GdsDataError, match=r"^no part of 3 started within 0 s: the Ray cluster runs none"):
         watch.poll()
 
 

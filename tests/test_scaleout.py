@@ -515,8 +515,8 @@ def test_a_damaged_tar_shard_stops_the_pack_rather_than_leave_samples_out_unseen
             pack(str(folder), str(tmp_path / f"ds-{folder.name}"), workers=1)
         said[folder.name] = str(e.value)
     assert said["cut"] == (f"{cut / 'a.tar'}: a damaged tar file: the file ends without tar's end-of-archive blocks "
-                           f"(cut short?) after s001.cls (byte {third}); 4 member(s) before it are readable, the rest "
-                           f"is not: packing it would leave samples out unseen")
+                           f"(cut short, or written without them) after s001.cls (byte {third}); 4 member(s) before it "
+                           f"are readable, the rest is not: packing it would leave samples out unseen")
     assert said["broken"].startswith(f"{broken / 'a.tar'}: a damaged tar file: bytes that are no tar header after "
                                      f"s001.cls (byte {third})")
     packed = gzip.compress(data)
@@ -529,6 +529,15 @@ def test_a_damaged_tar_shard_stops_the_pack_rather_than_leave_samples_out_unseen
                                                                            "tar file)"):
         pack(str(gz), str(tmp_path / "ds-gz"), workers=1)
     pack(str(whole), str(tmp_path / "ds"), workers=1)  # (the whole one packs)
+    junk = tmp_path / "junk"  # garbage after the end blocks, as some writers leave: ignored, as GNU tar does
+    junk.mkdir()
+    (junk / "a.tar").write_bytes(data + bytes(range(256)) * 4)
+    assert pack(str(junk), str(tmp_path / "ds-junk"), workers=1).packed == 5
+    joined = tmp_path / "joined"  # two tars joined with cat: tar (and tarfile) read the first only
+    joined.mkdir()
+    (joined / "a.tar").write_bytes(data + data)
+    with pytest.raises(SourceError, match="another archive after its end-of-archive blocks"):
+        pack(str(joined), str(tmp_path / "ds-joined"), workers=1)
     os.mkfifo(cut / "b.tar")  # a FIFO named as a shard beside a whole one: left out unopened, with the reason
     (cut / "a.tar").write_bytes(data)
     result = pack(str(cut), str(tmp_path / "ds-fifo"), workers=1)

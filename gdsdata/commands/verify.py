@@ -69,7 +69,7 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
             for first in range(0, len(index), batch):
                 everything = range(first, min(first + batch, len(index)))
                 indices = [i for i in everything if int(index.samples[i]["shard"]) not in unreadable]
-                for buffer, plan, ids in _readable(reader, indices, problems, index):
+                for buffer, plan, ids in _readable(reader, indices, problems, index, damaged):
                     jobs = [(buffer, int(o), int(n), i)
                             for o, n, i in zip(plan.sample_offsets, plan.sample_lengths, ids)]
                     for (_, _, _, sample), found in zip(jobs, pool.map(check, jobs)):
@@ -82,15 +82,15 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
         bad = damaged.get(shard)
         problems[at] += (f" (in sample{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:5]))}"
                          f"{' ...' if len(bad) > 5 else ''}: below)" if bad else
-                         " outside every sample (its header or the padding between samples): every sample of it "
-                         "passes its checksum" + (" and decodes" if decode_samples else ""))
+                         " outside every sample (in the padding between samples): every sample of it passes its "
+                         "checksum" + (" and decodes" if decode_samples else ""))
     return problems
 
 
-def _readable(reader, indices, problems, index):
+def _readable(reader, indices, problems, index, damaged):
     """(buffer, plan, indices) for the samples ``indices`` that can be read: all at once, or where that
     fails (a read error: shards cut short or missing were said before), one by one, each that cannot
-    be read a line of ``problems``."""
+    be read a line of ``problems`` (and noted in ``damaged``, shard -> samples)."""
     if not indices:
         return []
     try:
@@ -103,4 +103,5 @@ def _readable(reader, indices, problems, index):
             parts.append((*reader.read([i]), [i]))
         except (OSError, GdsDataError) as e:
             problems.append(index_io.cannot_read(index.describe(i), e))
+            damaged.setdefault(int(index.samples[i]["shard"]), []).append(i)
     return parts

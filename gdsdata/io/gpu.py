@@ -44,7 +44,7 @@ from gdsdata.io.cpu import OpenShards, shard_gone
 from gdsdata.io.direct import DirectReads, fill
 from gdsdata.threads import DaemonPool
 from gdsdata.format.shards import check_opened, open_regular
-from gdsdata.errors import FormatError, GpuError, GpuUnavailableError
+from gdsdata.errors import FormatError, GpuError, GpuUnavailableError, StallError
 
 log = logging.getLogger(__name__)
 _GROWTH = 1.25
@@ -269,7 +269,7 @@ def _unregister(registered, device_index, stream, maps):
     when the engine is garbage-collected unclosed; a registration left behind would make CUDA refuse
     the next mapping that the kernel places at the same address."""
     if not registered:
-        return
+        return True
     import cupy
 
     try:  # (bounded: a copy stuck on a drive that stopped answering leaves the registrations, not a hang)
@@ -277,9 +277,17 @@ def _unregister(registered, device_index, stream, maps):
         with cupy.cuda.Device(device_index):
             for ptr in registered:
                 cupy.cuda.runtime.hostUnregister(ptr)
+    except StallError as e:  # the GPU may still read them: they stay registered and mapped, for good
+        log.error("%s; the mapped shards stay mapped", e)
+        _STILL_READ.append(list(maps))
+        return False
     except Exception as e:  # noqa: BLE001 - at interpreter exit CUDA may be gone; nothing left to free
         log.debug("unregistering mapped shards: %s", e)
     registered.clear()
+    return True
+
+
+_STILL_READ = []  # the maps of shards the GPU may still be reading (a copy stuck): never unmapped
 
 
 class MappedShards(ShardMaps):
@@ -365,7 +373,9 @@ class MappedShards(ShardMaps):
     def close(self):
         with self._lock:
             self._device_pages = {}
-        self._release()
+        if self._release() is False:  # (the GPU may still read them: they stay mapped, _STILL_READ holds them)
+            with self._lock:
+                self._maps, self._pages = [], {}
         super().close()
 
 

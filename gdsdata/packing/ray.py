@@ -10,6 +10,7 @@ into OUT (their shards hard-linked, or with shard roots moved on their drives in
 folders), and the part folders go.
 """
 
+import atexit
 import contextlib
 import json
 import logging
@@ -225,6 +226,8 @@ class _RayOwner:
             ended.join(bound)
             if ended.is_alive():
                 log.error("Ray did not shut down within %g s: its processes may outlive this pack", bound)
+                # Ray's own shutdown at exit would wait for the lock the stuck one holds: the exit would hang
+                atexit.unregister(getattr(getattr(self.ray, "_private", None), "worker", self.ray).shutdown)
         finally:
             self.done.set()
 
@@ -294,8 +297,8 @@ class _Watch:
     workers), so that the image that stalls is skipped with the reason and the rest packed. A part
     stuck again that way, beyond what those waits take, ends the pack in one line. Parts Ray has not
     started yet (no free CPU) and a part still listing its source are not timed; but if no part at
-    all has started its images within ``_UNSTARTED`` bounds (10 minutes at the default), the cluster
-    cannot run them, and the pack ends in one line."""
+    all has started (its task begun) within ``_UNSTARTED`` bounds (10 minutes at the default), the
+    cluster cannot run them, and the pack ends in one line."""
 
     _ISOLATED = 20  # bounds a part packing with workers may go without an image (a chunk's wait, then each alone)
     _UNSTARTED = 10
@@ -309,17 +312,16 @@ class _Watch:
     def poll(self) -> int:
         """Images done over the job; notes how long each packing part has gone without one."""
         try:
-            done, self.quiet = self.ray.get(self.counter.status.remote(), timeout=_wait(max(self.bound, 30)))
+            done, self.quiet, begun = self.ray.get(self.counter.status.remote(), timeout=_wait(max(self.bound, 30)))
         except self.ray.exceptions.GetTimeoutError:
             raise GdsDataError(f"Ray did not answer within {max(self.bound, 30):g} s (the job's progress counter, "
                                f"an actor on the cluster): the cluster is overloaded or a node is gone") from None
-        self.started = self.started or bool(self.quiet)
+        self.started = self.started or begun or bool(self.quiet)  # (a part listing its source has begun)
         waited = time.monotonic() - self.began
         if not self.started and waited > self.bound * self._UNSTARTED:
-            raise GdsDataError(f"no part of {self.parts} started packing within {waited:.0f} s: the Ray cluster "
-                               f"runs none of them (each needs one CPU: are they all taken, or is the source still "
-                               f"being listed?); the stall_timeout setting, GDSDATA_STALL_TIMEOUT, is "
-                               f"{self.bound:g} s, this wait {self._UNSTARTED} times that")
+            raise GdsDataError(f"no part of {self.parts} started within {waited:.0f} s: the Ray cluster runs none "
+                               f"of them (each needs one CPU: are they all taken?); the stall_timeout setting, "
+                               f"GDSDATA_STALL_TIMEOUT, is {self.bound:g} s, this wait {self._UNSTARTED} times that")
         return done
 
     def stalled(self, pending: dict) -> list:
@@ -369,6 +371,7 @@ def _pack_part(job_source, part_out, parts, k, kwargs, counter, isolated=False, 
 
     if os.path.exists(os.path.join(part_out, fmt.INDEX_NAME)):  # finished before the retry
         return _part_report(part_out)
+    counter.begin.remote(k)  # (begun: listing its source, if it lists one, before its images)
     resume = os.path.isdir(part_out)  # (with no finished shard there: from the start, the leftovers removed)
     done = {"n": 0, "told": 0.0}
 
@@ -415,7 +418,10 @@ def _counter_class():
         made progress (on this actor's clock), for the stall bound."""
 
         def __init__(self):
-            self.n, self.last = 0, {}
+            self.n, self.last, self.begun = 0, {}, False
+
+        def begin(self, part):
+            self.begun = True
 
         def add(self, part, n):
             self.n += n
@@ -426,7 +432,7 @@ def _counter_class():
 
         def status(self):
             now = time.monotonic()
-            return self.n, {part: now - t for part, t in self.last.items()}
+            return self.n, {part: now - t for part, t in self.last.items()}, self.begun
 
     return Counter
 

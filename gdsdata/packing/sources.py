@@ -326,19 +326,35 @@ def _unended(tar) -> "str | None":
     """Why ``tar`` (its members listed) does not end as an archive ends, or None. tarfile stops
     listing, without a word, at the first header it cannot read after the first member, and at the
     end of a file cut on a block boundary: what follows its last member must be tar's end-of-archive
-    blocks (zero bytes, at least one block) up to the end of the file, read whole, so that a gzip
-    stream's checksum is checked too."""
+    blocks (zero bytes, a block at least), read to the end of the file so that a gzip stream's
+    checksum is checked too. Bytes after those blocks are ignored as GNU tar ignores them (some
+    writers leave garbage there), unless they start another archive (tars joined with cat)."""
     stream = tar.fileobj
     stream.seek(tar.offset)
-    zeros = 0
+    zeros, after = 0, None  # zero bytes at the end; the first block past them holding anything
     while True:
         chunk = stream.read(1 << 20)
         if not chunk:
             break
-        if chunk.count(0) != len(chunk):
-            return "bytes that are no tar header"
-        zeros += len(chunk)
-    return None if zeros >= tarfile.BLOCKSIZE else "the file ends without tar's end-of-archive blocks (cut short?)"
+        if after is None:
+            data = chunk.lstrip(b"\0")
+            if not data:
+                zeros += len(chunk)
+                continue
+            zeros += len(chunk) - len(data)
+            if zeros < tarfile.BLOCKSIZE:
+                return "bytes that are no tar header"
+            start = zeros // tarfile.BLOCKSIZE * tarfile.BLOCKSIZE - (zeros - (len(chunk) - len(data)))
+            after = (chunk[start:] + stream.read(tarfile.BLOCKSIZE))[:tarfile.BLOCKSIZE]
+    if after is None and zeros < tarfile.BLOCKSIZE:
+        return "the file ends without tar's end-of-archive blocks (cut short, or written without them)"
+    if after is not None:
+        try:
+            tarfile.TarInfo.frombuf(after, tarfile.ENCODING, "surrogateescape")
+        except tarfile.HeaderError:
+            return None  # garbage after the end blocks
+        return "another archive after its end-of-archive blocks (tars joined with cat? tar reads the first only)"
+    return None
 
 
 class TarSource:
