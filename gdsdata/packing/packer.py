@@ -555,7 +555,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
 
             if resume and os.path.isdir(out):
                 check_output(out, False, resume=True)  # (an interrupted pack's files, or a finished one's, only)
-            if append or (resume and os.path.isdir(out)):
+                return build(out)
+            if append:
                 return build(out)
             return into(out, overwrite, build)  # (a resume with nothing to resume packs from the start)
     finally:
@@ -702,10 +703,12 @@ def _differences(then: dict, now: dict) -> str:
         said.append(f"packed from {then.get('source')}, now from {now.get('source')}")
     if then.get("part") != now.get("part"):
         said.append(f"part {then.get('part')}, now {now.get('part')} (part, parts)")
-    options = {**(then.get("options") or {}), **{k: then.get(k) for k in ("shard_size", "alignment") if k in then}}
-    given = {**(now.get("options") or {}), **{k: now.get(k) for k in ("shard_size", "alignment") if k in now}}
-    said.extend(f"{k} {options.get(k)!r} then, {given.get(k)!r} now" for k in sorted(set(options) | set(given))
-                if options.get(k) != given.get(k))
+    def options(record):  # (a journal's signature holds shard_size and alignment beside its options)
+        return {**(record.get("options") or {}), **{k: record[k] for k in ("shard_size", "alignment") if k in record}}
+
+    before, given = options(then), options(now)
+    said.extend(f"{k} {before.get(k)!r} then, {given.get(k)!r} now" for k in sorted(set(before) | set(given))
+                if before.get(k) != given.get(k))
     if not said and then.get("listing") != now.get("listing"):
         said.append("the source changed since (files added, removed, renamed or relabelled, or other class names or "
                     "boxes)")

@@ -306,19 +306,19 @@ class _Watch:
     def __init__(self, ray, counter, parts):
         self.ray, self.counter, self.parts = ray, counter, parts
         self.bound = settings.get("stall_timeout")
+        self.answer = max(self.bound, 30)  # how long Ray may take to answer the driver
         self.quiet, self.isolated = {}, set()
-        self.began, self.started = time.monotonic(), False
+        self.began = time.monotonic()
 
     def poll(self) -> int:
         """Images done over the job; notes how long each packing part has gone without one."""
         try:
-            done, self.quiet, begun = self.ray.get(self.counter.status.remote(), timeout=_wait(max(self.bound, 30)))
+            done, self.quiet, begun = self.ray.get(self.counter.status.remote(), timeout=_wait(self.answer))
         except self.ray.exceptions.GetTimeoutError:
-            raise GdsDataError(f"Ray did not answer within {max(self.bound, 30):g} s (the job's progress counter, "
-                               f"an actor on the cluster): the cluster is overloaded or a node is gone") from None
-        self.started = self.started or begun or bool(self.quiet)  # (a part listing its source has begun)
-        waited = time.monotonic() - self.began
-        if not self.started and waited > self.bound * self._UNSTARTED:
+            raise GdsDataError(f"Ray did not answer within {self.answer:g} s (the job's progress counter, an actor "
+                               f"on the cluster): the cluster is overloaded or a node is gone") from None
+        waited = time.monotonic() - self.began  # (``begun`` stays once a part has begun, listing its source say)
+        if not begun and waited > self.bound * self._UNSTARTED:
             raise GdsDataError(f"no part of {self.parts} started within {waited:.0f} s: the Ray cluster runs none "
                                f"of them (each needs one CPU: are they all taken?); the stall_timeout setting, "
                                f"GDSDATA_STALL_TIMEOUT, is {self.bound:g} s, this wait {self._UNSTARTED} times that")
@@ -342,7 +342,7 @@ class _Watch:
                         "the shards it finished, each image in a worker process under the bound", k, self.parts,
                         self.bound)
             self.ray.cancel(ref, force=True)
-            gone, _ = self.ray.wait([ref], timeout=_wait(max(self.bound, 30)))  # (its writer lock goes with it)
+            gone, _ = self.ray.wait([ref], timeout=_wait(self.answer))  # (its writer lock goes with it)
             if not gone:
                 raise GdsDataError(f"part {k} of {self.parts} made no progress for {quiet:.0f} s, and its worker could "
                                    f"not be ended (stuck in the kernel: a read of a storage that does not answer?)")

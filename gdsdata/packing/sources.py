@@ -223,7 +223,6 @@ class LmdbSource:
             raise SourceError(f"{display(src)}: an LMDB; packing it needs the lmdb package "
                               f"(pip install lmdb)") from None
 
-        self._error = lmdb.Error
         try:
             self.env = lmdb.open(src, readonly=True, lock=False, readahead=False, subdir=os.path.isdir(src))
         except lmdb.Error as e:
@@ -276,10 +275,12 @@ class LmdbSource:
         return raw_classes
 
     def read(self, item):
+        import lmdb
+
         try:
             with self.env.begin() as txn:
                 value = txn.get(item.ref)
-        except self._error as e:
+        except lmdb.Error as e:
             raise SourceError(f"{display(self.root)}: a damaged LMDB ({' '.join(str(e).split())})") from None
         if value is None:
             raise BadImageError("its key is gone from the LMDB (changed since it was listed)")
@@ -331,30 +332,21 @@ def _unended(tar) -> "str | None":
     writers leave garbage there), unless they start another archive (tars joined with cat)."""
     stream = tar.fileobj
     stream.seek(tar.offset)
-    zeros, after = 0, None  # zero bytes at the end; the first block past them holding anything
-    while True:
-        chunk = stream.read(1 << 20)
-        if not chunk:
-            break
-        if after is None:
-            data = chunk.lstrip(b"\0")
-            if not data:
-                zeros += len(chunk)
-                continue
-            zeros += len(chunk) - len(data)
-            if zeros < tarfile.BLOCKSIZE:
-                return "bytes that are no tar header"
-            start = zeros // tarfile.BLOCKSIZE * tarfile.BLOCKSIZE - (zeros - (len(chunk) - len(data)))
-            after = (chunk[start:] + stream.read(tarfile.BLOCKSIZE))[:tarfile.BLOCKSIZE]
-    if after is None and zeros < tarfile.BLOCKSIZE:
-        return "the file ends without tar's end-of-archive blocks (cut short, or written without them)"
-    if after is not None:
-        try:
-            tarfile.TarInfo.frombuf(after, tarfile.ENCODING, "surrogateescape")
-        except tarfile.HeaderError:
-            return None  # garbage after the end blocks
-        return "another archive after its end-of-archive blocks (tars joined with cat? tar reads the first only)"
-    return None
+    zeros = 0
+    while (block := stream.read(tarfile.BLOCKSIZE)) and not block.strip(b"\0"):
+        zeros += len(block)
+    if not block:
+        return None if zeros >= tarfile.BLOCKSIZE else \
+            "the file ends without tar's end-of-archive blocks (cut short, or written without them)"
+    if not zeros:
+        return "bytes that are no tar header"
+    try:
+        tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
+    except tarfile.HeaderError:  # garbage after the end blocks
+        while stream.read(1 << 20):
+            pass
+        return None
+    return "another archive after its end-of-archive blocks (tars joined with cat? tar reads the first only)"
 
 
 class TarSource:
