@@ -51,6 +51,12 @@ def wait(work, call: str, timeout: float = None):
             pause = min(pause * 2, 1e-3)
 
 
+def timeout_or_none(seconds: float):
+    """``seconds`` as a wait's timeout, or None (no end) where the setting is beyond what a wait can
+    take (``inf``: the bound switched off)."""
+    return None if seconds >= threading.TIMEOUT_MAX else seconds
+
+
 @contextlib.contextmanager
 def held(lock, what: str, timeout: float = None):
     """Hold ``lock`` for the block, waiting at most ``timeout`` seconds (default: the stall_timeout
@@ -59,7 +65,8 @@ def held(lock, what: str, timeout: float = None):
 
     timeout = settings.get("stall_timeout") if timeout is None else timeout
     with native(f"waiting for {what}"):
-        taken = lock.acquire() if timeout >= threading.TIMEOUT_MAX else lock.acquire(timeout=timeout)
+        wait = timeout_or_none(timeout)
+        taken = lock.acquire(timeout=-1 if wait is None else wait)
     if not taken:
         raise StallError(f"gdsdata: {what} has been busy for {timeout:g} s (the stall_timeout setting, "
                          f"GDSDATA_STALL_TIMEOUT): the call holding it is stuck")

@@ -27,7 +27,8 @@ from gdsdata.format import layout as fmt
 from gdsdata.errors import GdsDataError, SourceError, Terminated
 from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_quietly, writer_lock
 from gdsdata.packing.detection import DetectionSource, open_detection
-from gdsdata.packing.packer import _wait, report_complete, report_opening
+from gdsdata.packing.packer import report_complete, report_opening
+from gdsdata.stall import timeout_or_none
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, open_source
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class _RayOwner:
             except BaseException:  # Ctrl-C, SIGTERM or the bound while Ray starts: a local Ray goes (in ``stop``)
                 if self.address is None:  # once started (joining a cluster starts no process here: nothing to wait for)
                     with deferred_signals():
-                        self.up.wait(_wait(bound))
+                        self.up.wait(timeout_or_none(bound))
                 raise
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
@@ -313,7 +314,7 @@ class _Watch:
     def poll(self) -> int:
         """Images done over the job; notes how long each packing part has gone without one."""
         try:
-            done, self.quiet, begun = self.ray.get(self.counter.status.remote(), timeout=_wait(self.answer))
+            done, self.quiet, begun = self.ray.get(self.counter.status.remote(), timeout=timeout_or_none(self.answer))
         except self.ray.exceptions.GetTimeoutError:
             raise GdsDataError(f"Ray did not answer within {self.answer:g} s (the job's progress counter, an actor "
                                f"on the cluster): the cluster is overloaded or a node is gone") from None
@@ -342,7 +343,7 @@ class _Watch:
                         "the shards it finished, each image in a worker process under the bound", k, self.parts,
                         self.bound)
             self.ray.cancel(ref, force=True)
-            gone, _ = self.ray.wait([ref], timeout=_wait(self.answer))  # (its writer lock goes with it)
+            gone, _ = self.ray.wait([ref], timeout=timeout_or_none(self.answer))  # (its writer lock goes with it)
             if not gone:
                 raise GdsDataError(f"part {k} of {self.parts} made no progress for {quiet:.0f} s, and its worker could "
                                    f"not be ended (stuck in the kernel: a read of a storage that does not answer?)")
