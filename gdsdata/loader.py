@@ -20,6 +20,7 @@ import atexit
 import collections
 import hashlib
 import logging
+import math
 import queue
 import sys
 import threading
@@ -350,13 +351,13 @@ class Loader:
             self._carry = None
             self._active = weakref.ref(carry)  # the pipeline runs on into this epoch
             self._last_stats = carry.stats
-            return carry
+            return _EpochIterator(carry)
         self._end_passes("a new iter(loader) replaced it: a Loader runs one pass at a time, and each iter() "
                          "starts the epoch again; peek before the loop, or with a second Loader")
         active = _Prefetcher(self, self.epoch, rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
         self._active = weakref.ref(active)  # a loop that breaks early drops the last reference
         self._last_stats = active.stats  # kept after the pass is gone
-        return active
+        return _EpochIterator(active)
 
     def stats(self) -> dict:
         """Where the last pass (since the first epoch it served) spent its time: a ``PipelineStats``
@@ -923,7 +924,14 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
         if pool is not None:
             pool.shutdown()
         if loads is not None:  # a window read under way ends before the dataset may close its files
-            loads.shutdown(wait_s=settings.get("stall_timeout"))
+            loads.shutdown(wait_s=_stall_timeout(dataset))
+
+
+def _stall_timeout(dataset) -> float:
+    """A pass's stall bound: the lower of its dataset's setting (a dataset keeps the settings it was
+    built with) and the one in force now (``settings.set`` around the loop)."""
+    kept = (getattr(dataset, "settings", None) or {}).get("stall_timeout", math.inf)
+    return min(kept, settings.get("stall_timeout"))
 
 
 # The stages after the I/O thread: (name, the kind of item it takes, the kind it hands on).
@@ -994,6 +1002,33 @@ def _close_at_exit():
 
 
 atexit.register(_close_at_exit)
+
+
+class _EpochIterator:
+    """What ``iter(loader)`` hands out: one epoch of a pass. Once it has ended it stays ended, as a
+    Python iterator does (``next()`` raises ``StopIteration`` again), while the pass it drew from
+    reads on into the next epoch for the next ``iter()``. Holds the pass: dropping the iterator
+    mid-epoch stops the pass's threads."""
+
+    __slots__ = ("_pass", "_ended")
+
+    def __init__(self, prefetcher):
+        self._pass, self._ended = prefetcher, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._ended:
+            raise StopIteration
+        try:
+            return self._pass.__next__()
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def __getattr__(self, name):  # the pass's stats, close() ...
+        return getattr(self._pass, name)
 
 
 class _Prefetcher:
@@ -1077,7 +1112,8 @@ class _Prefetcher:
             raise StopIteration
         self._release_held()
         t0 = time.perf_counter()
-        timeout = settings.get("stall_timeout")
+        timeout = _stall_timeout(self.dataset)
+        waited = stall.Waited(_STOP_POLL_S)
         while True:
             try:
                 kind, payload, _, _, event = self.queue.get(timeout=_STOP_POLL_S)
@@ -1087,7 +1123,9 @@ class _Prefetcher:
                 if not self.threads[-1].is_alive() and self.queue.empty():
                     self.close()
                     raise GdsDataError("gdsdata Loader: its transform thread stopped without a result") from None
-                error = stall.stalled(self.activities, timeout)
+                # a stall: this loop has waited the bound (of running time: not while the process was
+                # stopped, after which the stages carry on) with a stage on one batch as long
+                error = stall.stalled(self.activities, timeout) if waited.poll() >= timeout else None
                 if error is not None:
                     log.error("%s", error)
                     self.close()
@@ -1143,7 +1181,7 @@ class _Prefetcher:
         self.stop.set()
         self._release_held()
         me = threading.current_thread()  # the garbage collector may run this in a prefetch thread
-        deadline = time.monotonic() + (settings.get("stall_timeout") if grace is None else grace)
+        deadline = time.monotonic() + (_stall_timeout(self.dataset) if grace is None else grace)
         while True:  # drain while the threads wind down: a thread may wait for a slot or a place
             self._drain()
             alive = [t for t in self.threads if t.is_alive() and t is not me]

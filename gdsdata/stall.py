@@ -2,9 +2,13 @@
 
 A Loader's threads say which batch they work on (``Activity``); the calls that can block in native
 code (nvJPEG, CUDA event waits, kvikio reads, ``preadv``) say so with ``native("name")``. The
-consumer, waiting for a batch, asks ``stalled`` whether a thread has been on one batch for longer
-than the ``stall_timeout`` setting, and raises ``StallError`` naming the stage, the batch and the
+consumer, once it has waited the ``stall_timeout`` setting for a batch, asks ``stalled`` whether a
+thread has been on one batch as long, and raises ``StallError`` naming the stage, the batch and the
 call it is stuck in.
+
+Bounds are counted in the time this process runs: a wait polls (``Waited``, ``slices``), and a gap
+between two polls a second longer than their interval is a stop of the whole process (Ctrl-Z, a
+suspended Slurm job, a paused container or VM), after which every stage carries on, not a stall.
 """
 
 import contextlib
@@ -14,6 +18,44 @@ import time
 from gdsdata.errors import StallError
 
 _calls = {}  # thread ident -> (native call, monotonic start)
+_PAUSE_SLACK = 1.0  # seconds a gap between two polls of a wait outlasts their interval by: a stopped process
+
+
+def timeout_or_none(seconds: float):
+    """``seconds`` as a wait's timeout, or None (no end) where the setting is beyond what a wait can
+    take (``inf``: the bound switched off)."""
+    return None if seconds >= threading.TIMEOUT_MAX else seconds
+
+
+class Waited:
+    """The seconds a wait that polls every ``every`` seconds (at most) has waited while this process
+    ran: ``poll()`` after each poll returns them; a gap since the last poll longer than ``every`` +
+    ``_PAUSE_SLACK`` counts as none (a thread kept from the interpreter that long only delays an
+    error)."""
+
+    def __init__(self, every: float):
+        self._last, self._longest = time.monotonic(), every + _PAUSE_SLACK
+        self.seconds = 0.0
+
+    def poll(self) -> float:
+        now = time.monotonic()
+        gap, self._last = now - self._last, now
+        if gap <= self._longest:
+            self.seconds += gap
+        return self.seconds
+
+
+def slices(seconds: float, step: float = 1.0):
+    """The timeouts of the successive slices of a wait bounded by ``seconds`` of this process's
+    running time (``Waited``): the caller waits each out and stops at the first that ends its
+    wait; the generator ends when the bound is spent. One slice without end (None) where ``seconds``
+    is beyond what a wait takes (inf: the bound switched off)."""
+    if timeout_or_none(seconds) is None:
+        yield None
+        return
+    waited = Waited(step)
+    while (left := seconds - waited.poll()) > 0:
+        yield min(step, left)
 
 
 @contextlib.contextmanager
@@ -41,20 +83,14 @@ def wait(work, call: str, timeout: float = None):
 
     timeout = settings.get("stall_timeout") if timeout is None else timeout
     with native(call):
-        start = time.monotonic()
+        waited = Waited(1e-3)
         pause = 20e-6
         while not work.query():
-            if time.monotonic() - start > timeout:
+            if waited.poll() > timeout:
                 raise StallError(f"gdsdata: {call} did not finish within {timeout:g} s (the stall_timeout "
                                  f"setting, GDSDATA_STALL_TIMEOUT): the GPU work it waits for is stuck")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-
-
-def timeout_or_none(seconds: float):
-    """``seconds`` as a wait's timeout, or None (no end) where the setting is beyond what a wait can
-    take (``inf``: the bound switched off)."""
-    return None if seconds >= threading.TIMEOUT_MAX else seconds
 
 
 @contextlib.contextmanager
@@ -65,8 +101,7 @@ def held(lock, what: str, timeout: float = None):
 
     timeout = settings.get("stall_timeout") if timeout is None else timeout
     with native(f"waiting for {what}"):
-        wait = timeout_or_none(timeout)
-        taken = lock.acquire(timeout=-1 if wait is None else wait)
+        taken = any(lock.acquire(timeout=-1 if wait is None else wait) for wait in slices(timeout))
     if not taken:
         raise StallError(f"gdsdata: {what} has been busy for {timeout:g} s (the stall_timeout setting, "
                          f"GDSDATA_STALL_TIMEOUT): the call holding it is stuck")

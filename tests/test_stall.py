@@ -73,6 +73,74 @@ def test_a_slow_but_moving_pipeline_is_not_a_stall(photos_dataset):
     ds.close()
 
 
+def test_a_stopped_process_is_not_a_stall(photos_dataset, tmp_path):
+    """A process stopped for longer than the bound mid-batch (Ctrl-Z then fg, a suspended Slurm job, a
+    paused container) carries on when it resumes: the stopped time is not a stage's lack of progress.
+    Here the decode of batch 2 stops its own process for 4 s against a bound of 2 s, and then goes
+    on for a second outside the interpreter."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stopped.py"
+    script.write_text(f"""
+import os, signal, subprocess, time
+import gdsdata
+ds = gdsdata.GDSDataset({photos_dataset[2]!r})
+original, calls = ds._backend.decode, []
+def decode(staged, stream=None):
+    calls.append(1)
+    if len(calls) == 3:
+        subprocess.Popen(["sh", "-c", "sleep 4; kill -CONT %d" % os.getpid()])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        last = start = time.monotonic()
+        while time.monotonic() - last < 2 and last - start < 10:  # until the stop has come and gone
+            last = time.monotonic()
+            time.sleep(0.01)
+        time.sleep(1)
+    return original(staged, stream)
+ds._backend.decode = decode
+with gdsdata.settings.set(stall_timeout=2):
+    print(sum(len(labels) for _, labels in gdsdata.Loader(ds, 8, shuffle=None)), len(calls) >= 3)
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert done.returncode == 0 and done.stdout.split() == ["60", "True"], done.stderr[-2000:]
+
+
+def test_waits_count_the_time_the_process_ran(monkeypatch):
+    """``Waited`` and ``slices`` count a gap between polls beyond their interval (and a second) as none."""
+    clock = [100.0]
+    monkeypatch.setattr(stall.time, "monotonic", lambda: clock[0])
+    waited = stall.Waited(0.1)
+    for gap in (0.1, 0.1, 1.05, 30.0, 0.1):
+        clock[0] += gap
+        waited.poll()
+    assert waited.seconds == pytest.approx(1.35)
+    timeouts, gaps = [], iter([1.0, 40.0, 1.0, 0.5])
+    for wait in stall.slices(2.5):
+        timeouts.append(wait)
+        clock[0] += next(gaps)
+    assert timeouts == [1.0, 1.0, 1.0, 0.5]  # the 40 s gap: stopped, not waited
+    assert list(stall.slices(float("inf"))) == [None]
+
+
+def test_the_bound_a_dataset_was_built_with_holds_for_its_loaders(photos_dataset):
+    """A dataset keeps the settings it was built with, the stall bound among them (the lower of its
+    own and the one in force around the loop holds)."""
+    with gdsdata.settings.set(stall_timeout=1):
+        ds = gdsdata.GDSDataset(photos_dataset[2])
+
+    def slow(images, labels):
+        time.sleep(3)
+        return images, labels
+
+    try:
+        with pytest.raises(gdsdata.StallError, match=r"transform thread made no progress .*=1 s\)"):
+            list(gdsdata.Loader(ds, 16, shuffle=None, batch_transform=slow))
+    finally:
+        ds.close()
+
+
 def test_stall_timeout_setting_is_validated():
     for bad in (0, -1, "soon"):
         with pytest.raises(ValueError, match="stall_timeout"):

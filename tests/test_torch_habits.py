@@ -57,6 +57,28 @@ def test_len_is_batches_per_epoch_whatever_was_iterated(ds):
     loader.close()
 
 
+def test_an_ended_iterator_stays_ended_while_its_pass_reads_the_next_epoch(ds):
+    """A Python iterator that has ended keeps raising StopIteration (as a DataLoader's does): an old
+    ``iter(loader)`` never hands out the next epoch's batches, nor counts them against the epoch
+    ``set_epoch`` named since (the state a checkpoint takes)."""
+    loader = gdsdata.Loader(ds, 16, shuffle=True, seed=1)  # 60 samples: 4 batches
+    first = iter(loader)
+    assert len(list(first)) == 4
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            next(first)
+    assert list(first) == []
+    loader.set_epoch(5)
+    with pytest.raises(StopIteration):
+        next(first)
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches_done"]) == (5, 0)
+    second = iter(loader)  # the next epoch, whole
+    assert sorted(sum((labels.tolist() for _, labels in second), [])) == sorted(ds.targets)
+    assert list(first) == [] and len(list(iter(loader))) == 4
+    loader.close()
+
+
 def test_peek_then_loop_gives_a_whole_epoch(ds):
     loader = gdsdata.Loader(ds, 8, seed=1, transform=gdsdata.CenterCrop(16))
     first_images, _ = next(iter(loader))
@@ -418,8 +440,9 @@ def test_a_transform_set_between_epochs_is_the_next_epoch_s(ds):
     loader.transform = gdsdata.RandomResizedCrop(16, dtype="uint8")  # an equal one, as a loop makes it each epoch
     loader.prefetch, loader.pixels = 2, False  # the values held: as good as not assigned
     carried = loader._carry  # the pass already reading the next epoch ...
-    assert carried is not None and iter(loader) is carried  # ... carries on
-    list(carried)
+    epoch = iter(loader)
+    assert carried is not None and epoch._pass is carried  # ... carries on
+    list(epoch)
     loader.transform = gdsdata.RandomResizedCrop(16, dtype="uint8", scale=np.array([0.5, 1.0]))  # (fields that
     loader.transform = gdsdata.RandomResizedCrop(16, dtype="uint8", scale=np.array([0.5, 1.0]))  # do not compare)
     assert {tuple(x.shape[-2:]) for x, _ in loader} == {(16, 16)}

@@ -48,7 +48,7 @@ from gdsdata.format.shards import ShardWriter, data_crc32
 from gdsdata.packing.detection import annotate, open_detection
 from gdsdata.packing.sources import (FolderSource, Listing, RemoteFolderSource, display, is_url, open_source,
                                      read_url)
-from gdsdata.stall import timeout_or_none
+from gdsdata.stall import slices
 
 log = logging.getLogger(__name__)
 _WINDOW_PER_WORKER = 16  # images in flight per worker: bounds memory for sources read here
@@ -226,7 +226,7 @@ def _isolated(job, context, bound):
     process = context.Process(target=_send_result, args=(job, send, os.getpid()), daemon=True)
     process.start()
     send.close()
-    if not receive.poll(timeout_or_none(bound)):  # (a result, or end-of-file: the process died)
+    if not any(receive.poll(wait) for wait in slices(bound)):  # (a result, or end-of-file: the process died)
         process.kill()
         process.join(5)  # (one stuck in the kernel, in uninterruptible sleep, dies when its call returns)
         return job[0], None, _STALLED.format(bound=bound)
@@ -271,7 +271,7 @@ def _ordered(pool_factory, jobs, window, context, bound, chunk=8):
             if pending and (not batch or len(pending) * chunk >= window):
                 future, done = pending.popleft()
                 try:
-                    results = future.result(timeout=timeout_or_none(bound * len(done)))
+                    results = _result(future, bound * len(done))
                 except (BrokenProcessPool, FutureTimeout) as e:
                     if isinstance(e, BrokenProcessPool):
                         log.warning("a packing worker died; finding the item that killed it")
@@ -296,6 +296,17 @@ def _ordered(pool_factory, jobs, window, context, bound, chunk=8):
 
 
 _STALLED = "preparing it alone took longer than {bound:g} s (the stall_timeout setting, GDSDATA_STALL_TIMEOUT)"
+
+
+def _result(future, seconds):
+    """``future``'s result, waited for at most ``seconds`` of this process's running time (a pack
+    stopped with Ctrl-Z and resumed is not a stall: ``stall.slices``); ``FutureTimeout`` past them."""
+    for wait in slices(seconds):
+        try:
+            return future.result(timeout=wait)
+        except FutureTimeout:
+            pass
+    raise FutureTimeout
 
 
 def _alone(jobs, context, bound) -> list:
