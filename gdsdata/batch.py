@@ -69,6 +69,7 @@ class Staged:
     job: object = None  # GPU path: the decode's host half (``decode_gpu.DecodeJob``), prepared as it was read
     outputs: list = None  # the batch's own samples when it reads more than it yields (a mosaic's partners)
     asked: list = None  # the samples asked for, where replacements of bad ones were read instead (on_error="skip")
+    copies: object = None  # per sample, how many earlier samples of the Loader's are the same (repeats), or None
 
 
 def collate(samples):

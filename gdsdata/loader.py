@@ -47,6 +47,7 @@ _OWN_TRANSFORMS = (T.RandomResizedCrop, T.CenterCrop, *DETECTION_TRANSFORMS)
 
 log = logging.getLogger(__name__)
 _STOP_POLL_S = 0.1
+_COPY_SHIFT = 40  # a repeated sample's crop is drawn for its index + copies * 2**40 (indices stay below that)
 _MAX_OVERLAP = 8  # batches a streaming Loader reads at once, at most (``direct_ahead``)
 
 
@@ -123,9 +124,10 @@ class Loader:
         The crop done inside the pipeline, on the dataset's device. Without one, ``images`` is a
         list of uint8 CHW tensors of each image's size.
     batch_transform : callable, optional
-        ``batch_transform(images, labels) -> (images, labels)`` on each batch after the crop, on
-        the pipeline's transform thread (and CUDA stream): torchvision v2 transforms, CutMix or
-        MixUp, kornia (``lambda x, y: (aug(x), y)``), anything torch-like.
+        ``batch_transform(images, labels) -> (images, labels)`` on each batch after the crop, as the
+        loop takes it (its thread and CUDA stream), with torch's random generators seeded for the
+        batch: torchvision v2 transforms, CutMix or MixUp, kornia (``lambda x, y: (aug(x), y)``),
+        anything torch-like. Its draws repeat run to run and on a resume, and leave the loop's own.
     indices : sequence of int, optional
         Read only these samples of ``dataset`` (as ``torch.utils.data.Subset``).
     prefetch : int
@@ -158,6 +160,7 @@ class Loader:
         self._given = dataset  # ``dataset``: as given (a Subset stays one: len(loader.dataset) counts its samples)
         self._version = 0  # counts assignments of transform, batch_transform, pixels, prefetch
         dataset, self._indices = _source(dataset, indices)
+        self._copies = _copies(self._indices)
         _no_sample_transforms(dataset)
         batch_size = count("batch_size", batch_size)
         seed = count("seed", seed, minimum=0)
@@ -587,15 +590,37 @@ def _mapped(batches, indices):
     return batches if indices is None else [indices[b] for b in batches]
 
 
-def _epochs(spec, first_epoch, first_batches, indices=None):
+def _epochs(spec, first_epoch, first_batches, indices=None, copies=None):
     """What the I/O thread reads: the rest of this epoch, then whole epochs after it, as (epoch, the
-    batches' dataset indices, their positions in the Loader's samples): ``indices`` maps positions
-    to the dataset's samples (a subset), None where they are the same."""
+    batches' dataset indices, their positions in the Loader's samples, each batch's ``copies`` or
+    None): ``indices`` maps positions to the dataset's samples (a subset), None where they are the
+    same; ``copies`` (``_copies``) tells the repeats of a draw with repeats apart."""
     epoch, batches = first_epoch, first_batches
     while True:
-        yield epoch, _mapped(batches, indices), batches
+        yield epoch, _mapped(batches, indices), batches, None if copies is None else [copies[b] for b in batches]
         epoch += 1
         batches = rank_batches(spec, epoch)
+
+
+def _batch_seed(seed: int, epoch: int, rank: int, number: int) -> int:
+    """The torch seed a batch's ``batch_transform`` runs under."""
+    return int(T.uniforms(seed ^ 0x6A09E667F3BCC908, epoch, [(rank << 32) | number], 1)[0, 0] * 2**53)
+
+
+def _copies(indices):
+    """For each of a Loader's samples, how many of the samples before it are the same dataset
+    sample (``indices=`` drawn with repeats, as a WeightedRandomSampler draws), or None where none
+    repeats. A crop is drawn from the sample's index and this count, so each copy gets its own."""
+    if indices is None:
+        return None
+    order = np.argsort(indices, kind="stable")
+    ranked = indices[order]
+    first = np.r_[True, ranked[1:] != ranked[:-1]]
+    if first.all():
+        return None
+    copies = np.empty(len(indices), np.int64)
+    copies[order] = np.arange(len(ranked)) - np.maximum.accumulate(np.where(first, np.arange(len(ranked)), 0))
+    return copies
 
 
 class _BatchMaker:
@@ -604,7 +629,6 @@ class _BatchMaker:
 
     def __init__(self, loader):
         self.dataset, self.transform, self.pixels = loader._data, loader.transform, loader.pixels
-        self.batch_transform = loader.batch_transform
         self.detect = isinstance(loader.transform, DETECTION_TRANSFORMS)
         # the mosaic partners of a batch under 4 images are drawn from the samples the Loader reads
         self.population = (np.arange(len(loader._data)) if loader._indices is None else loader._indices) \
@@ -619,12 +643,12 @@ class _BatchMaker:
         batch's own samples. Nothing else: on the GPU this thread keeps the JPEG engines fed."""
         batch, indices = self.dataset.decode_staged(staged, stream)
         asked = staged.indices if staged.asked is None else staged.asked
-        return batch, indices, sum(a != b for a, b in zip(asked, indices)), staged.outputs
+        return batch, indices, sum(a != b for a, b in zip(asked, indices)), staged.outputs, staged.copies
 
     def finish(self, decoded, stream, epoch):
         """One decoded batch -> (images, labels): its transform, or with ``pixels=True`` the
         PixelBatch itself; a detection batch -> (images, targets) or Ultralytics' batch dict."""
-        batch, indices, replaced, outputs = decoded
+        batch, indices, replaced, outputs, copies = decoded
         if stream is not None and batch.owned and (self.detect or not self.pixels):
             batch.buffer.record_stream(stream)  # allocated on the decode stream; this one reads it last
         if self.detect:
@@ -644,18 +668,13 @@ class _BatchMaker:
         if self.pixels:
             return batch, labels, replaced  # released by the consumer's next step
         if self.transform is not None:
-            params = self.transform.params(batch.heights, batch.widths, indices, epoch)
+            keys = indices if copies is None else np.asarray(indices, np.int64) + (copies << _COPY_SHIFT)
+            params = self.transform.params(batch.heights, batch.widths, keys, epoch)
             images = T.apply(self.transform, batch.buffer, batch.offsets, batch.heights, batch.widths,
                              batch.channels, params)
         else:
             images = [batch.image(k) for k in range(len(batch))]
         batch.release(stream)
-        if self.batch_transform is not None:
-            out = self.batch_transform(images, labels)
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise TypeError(f"batch_transform must return (images, labels), got {type(out).__name__}; wrap a "
-                                f"transform of images alone as lambda images, labels: (t(images), labels)")
-            images, labels = out
         return images, labels, replaced
 
 
@@ -722,7 +741,7 @@ def _read_ahead(dataset, epochs, q, stop, stats, activity, sources, overlap=1, w
     if overlap > 1:
         return _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap, windows)
     try:
-        for epoch, batches, _ in epochs:
+        for epoch, batches, _, copies in epochs:
             for number, indices in enumerate(batches):
                 if stop.is_set():
                     return
@@ -730,7 +749,7 @@ def _read_ahead(dataset, epochs, q, stop, stats, activity, sources, overlap=1, w
                 t0 = time.perf_counter()
                 indices = indices.tolist()
                 staged = dataset.read_staged(sources(indices, epoch))
-                staged.outputs = indices
+                staged.outputs, staged.copies = indices, None if copies is None else copies[number]
                 t1 = time.perf_counter()
                 activity.stop()
                 if not _hand_on(dataset, q, stop, stats, staged, epoch, number, t0, t1):
@@ -828,8 +847,9 @@ class _Reading:
     """A batch read on a read-ahead thread: its future, that thread once it has started (the stall
     watchdog looks there for the native call the batch waits in), and when the read began."""
 
-    def __init__(self, pool, dataset, planned, outputs, windows=()):
+    def __init__(self, pool, dataset, planned, outputs, copies=None, windows=()):
         self.dataset, self.planned, self.outputs, self.windows = dataset, planned, outputs, windows
+        self.copies = copies
         self.thread, self.started = None, None
         self.future = pool.submit(self._run)
 
@@ -839,7 +859,7 @@ class _Reading:
             staged = self.dataset.read_staged(self.planned, windows=self.windows)
         else:
             staged = self.dataset.read_staged(self.planned)
-        staged.outputs = self.outputs
+        staged.outputs, staged.copies = self.outputs, self.copies
         return staged
 
 
@@ -891,7 +911,7 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
     try:
         pool = DaemonPool(overlap, "gdsdata-read-ahead")
         loads = DaemonPool(1, "gdsdata-window") if windows is not None else None
-        for epoch, batches, positions in epochs:
+        for epoch, batches, positions, copies in epochs:
             batches = list(batches)
             shared = _EpochWindows(dataset, windows, epoch, batches, positions, loads, stats) \
                 if windows is not None else None
@@ -901,6 +921,7 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
                     return
                 indices = indices.tolist()
                 pending.append((epoch, number, _Reading(pool, dataset, sources(indices, epoch), indices,
+                                                        None if copies is None else copies[number],
                                                         shared(number) if shared is not None else ())))
                 if not hand_on_ready():
                     return
@@ -1058,6 +1079,7 @@ class _Prefetcher:
         self.closed_by = None  # why the dataset closed this pass under a running loop
         self.replaced = None  # why the Loader ended this pass for another (a new iter(), a loaded state)
         self.stats = PipelineStats()
+        self.batch_transform, self.seed, self.rank = loader.batch_transform, loader.spec.seed, loader.spec.rank
         # The threads hold no reference to this object, so dropping the iterator stops them.
         self.dataset = loader._data
         maker = _BatchMaker(loader)
@@ -1067,7 +1089,8 @@ class _Prefetcher:
         windowed = not maker.detect and _windowed(loader._data, loader.spec)  # (mosaic partners: anywhere)
         self.threads = [
             threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
-                             args=(loader._data, _epochs(loader.spec, epoch, batches, loader._indices), self.staged,
+                             args=(loader._data, _epochs(loader.spec, epoch, batches, loader._indices, loader._copies),
+                                   self.staged,
                                    self.stop, self.stats, self.activities[0], maker.sources, overlap,
                                    loader.spec if windowed else None)),
         ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
@@ -1116,7 +1139,7 @@ class _Prefetcher:
         waited = stall.Waited(_STOP_POLL_S)
         while True:
             try:
-                kind, payload, _, _, event = self.queue.get(timeout=_STOP_POLL_S)
+                kind, payload, _, number, event = self.queue.get(timeout=_STOP_POLL_S)
                 self.stats.consumer_wait_s += time.perf_counter() - t0
                 break
             except queue.Empty:
@@ -1150,11 +1173,37 @@ class _Prefetcher:
                 tensor.record_stream(current)
         elif isinstance(images, PixelBatch):
             self.held = images
+        if self.batch_transform is not None:
+            try:
+                images, labels = self._batch_transformed(images, labels, number)
+            except BaseException:
+                self.close()
+                raise
         self.stats.batches += 1
         self._tell_loader(finished_epoch=False, replaced=replaced)
         if self.whole_dict:  # Ultralytics' batch dict holds the images too
             return labels
         return images, labels
+
+    def _batch_transformed(self, images, labels, number):
+        """``batch_transform`` on a batch, in the training loop's thread and stream, with torch's
+        random generators (the CPU's and this GPU's) seeded for the batch (the Loader's seed, the
+        epoch, the rank, the batch's number in the epoch) and given back as they were: its draws
+        (MixUp's, CutMix's) repeat run to run and on a resume, and leave the loop's own draws
+        (dropout, say) as they would be without it."""
+        loader = self._loader()
+        number = loader._done if loader is not None else number
+        seed = _batch_seed(self.seed, self.epoch, self.rank, number)
+        devices = [torch.cuda.current_device() if self.device.index is None else self.device.index] if self.cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.default_generator.manual_seed(seed)
+            for device in devices:
+                torch.cuda.default_generators[device].manual_seed(seed)
+            out = self.batch_transform(images, labels)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(f"batch_transform must return (images, labels), got {type(out).__name__}; wrap a "
+                            f"transform of images alone as lambda images, labels: (t(images), labels)")
+        return out
 
     def _time_gpu_wait(self, stream, event):
         """Make ``stream`` wait for ``event``, timing on the GPU how long it stands still for it

@@ -160,6 +160,28 @@ def test_resume_continues_and_len_stays(ds):
     assert len(labels_of(second)) == 8  # the next pass is a whole epoch again
 
 
+def test_each_copy_of_a_sample_drawn_more_than_once_gets_its_own_crop(ds):
+    """A draw with repeats (what WeightedRandomSampler gives, as ``indices=``): each copy of a sample
+    is cropped and flipped apart, as torchvision would, while a sample drawn once keeps the crop it
+    gets in any Loader; the same again on a resume."""
+    crop = gdsdata.RandomResizedCrop(24, dtype="uint8", seed=7)
+    drawn = [3] * 12 + [5, 9] + [3] * 2
+    images = torch.cat([x for x, _ in gdsdata.Loader(ds, 8, shuffle=False, indices=drawn, transform=crop)])
+    copies = images[[*range(12), 14, 15]]
+    assert len({c.numpy().tobytes() for c in copies}) == 14
+    once = torch.cat([x for x, _ in gdsdata.Loader(ds, 8, shuffle=False, indices=[3, 5, 9], transform=crop)])
+    assert torch.equal(images[0], once[0]) and torch.equal(images[12:14], once[1:])
+    whole = [x for x, _ in gdsdata.Loader(ds, 4, shuffle=True, seed=2, indices=drawn, transform=crop)]
+    loader = gdsdata.Loader(ds, 4, shuffle=True, seed=2, indices=drawn, transform=crop)
+    it = iter(loader)
+    head = [next(it)[0] for _ in range(2)]
+    state = loader.state_dict()
+    loader.close()
+    again = gdsdata.Loader(ds, 4, shuffle=True, seed=2, indices=drawn, transform=crop)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(head + [x for x, _ in again], whole))
+
+
 @pytest.mark.parametrize("how", ["subset", "indices", "nested", "random_split"])
 def test_subsets_read_only_their_samples(ds, how):
     picked = list(range(10, 50, 3))
@@ -239,6 +261,41 @@ def test_batch_transform_takes_torchvision_v2_and_mixup(ds):
     images, labels = next(iter(loader))
     assert labels.min() >= 1
     loader.close()
+
+
+def test_batch_transform_draws_repeat_and_leave_the_loop_s_own(ds):
+    """MixUp's draws are the batch's (seeded per batch, as DataLoader's seeded workers make them):
+    the same run to run whatever the loop draws meanwhile, again on a resume, and the loop's own draws
+    (dropout, noise) are those it makes without a batch_transform."""
+    from torchvision.transforms import v2
+
+    def run(batch_transform, steps=None, state=None):
+        torch.manual_seed(0)
+        loader = gdsdata.Loader(ds, 8, seed=5, transform=gdsdata.RandomResizedCrop(16), batch_transform=batch_transform)
+        if state is not None:
+            loader.load_state_dict(state)
+        labels, own = [], []
+        for k, (_, y) in enumerate(loader):
+            labels.append(y)
+            own.append(torch.rand(2))  # the loop's own draw
+            if k + 1 == steps:
+                state = loader.state_dict()
+                break
+        loader.close()
+        return labels, torch.stack(own), state
+
+    mixup = v2.MixUp(num_classes=3)
+    labels, own, _ = run(mixup)
+    assert len({round(float(y[(y > 0) & (y < 1)].max()), 6) for y in labels if ((y > 0) & (y < 1)).any()}) > 1
+    again, _, _ = run(mixup)
+    assert all(torch.equal(a, b) for a, b in zip(labels, again))
+    _, plain, _ = run(None)
+    assert torch.equal(own, plain)
+    head, _, state = run(mixup, steps=3)
+    tail, _, _ = run(mixup, state=state)
+    assert all(torch.equal(a, b) for a, b in zip(head + tail, labels)) and len(head + tail) == len(labels)
+    with pytest.raises(TypeError, match="batch_transform must return"):
+        next(iter(gdsdata.Loader(ds, 8, batch_transform=lambda x, y: x)))
 
 
 def test_unusable_transforms_get_one_clear_error(ds):

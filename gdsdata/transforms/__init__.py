@@ -3,7 +3,8 @@ crop), horizontal flip, normalisation, in one pass.
 
 The random parameters follow torchvision's ``RandomResizedCrop`` (scale, ratio, ten attempts, then a
 centre crop with the ratio clamped) and are drawn from a counter-based hash of (seed, epoch, sample
-index): the same sample gets the same crop and flip on any device, in any batch, on any rank.
+index): the same sample gets the same crop and flip on any device, in any batch, on any rank (a
+Loader hands the copies of a sample its ``indices=`` repeat keys of their own).
 
 The pixels are resampled as torchvision v2's ``resized_crop`` does: the crop box, then bilinear
 ``interpolate(align_corners=False)``, antialiased by default (``antialias=False``: plain bilinear with
