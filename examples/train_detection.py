@@ -40,6 +40,9 @@ def main(argv=None):
         if ds is not None and ds.task != "detect":
             parser.exit(1, f"train_detection.py: error: {ds.root} is a classification dataset (a label per image); "
                            f"pack a detection set with gdsdata pack --format yolo|coco\n")
+    if args.batch_size > len(train):  # (drop_last: not one batch an epoch)
+        parser.exit(1, f"train_detection.py: error: --batch-size {args.batch_size} is more than the {len(train)} "
+                       f"images of {args.train}: no whole batch to train on\n")
     loader = gdsdata.Loader(train, args.batch_size, shuffle=True, drop_last=True,
                             transform=gdsdata.YoloAugment(imgsz=args.imgsz, epochs=args.epochs, dtype="float32"))
     model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(

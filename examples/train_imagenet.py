@@ -71,6 +71,13 @@ def open_dataset(path, device):
     return ds
 
 
+def _first_difference(a, b) -> str:
+    """Where two class lists first differ, in words."""
+    k = next((k for k, (x, y) in enumerate(zip(a.classes, b.classes)) if x != y), min(len(a.classes), len(b.classes)))
+    name = lambda ds: repr(ds.classes[k]) if k < len(ds.classes) else "none"  # noqa: E731
+    return f"class {k}: {name(a)} against {name(b)}"
+
+
 def setup():
     """(rank, world size, device): one process per GPU under torchrun, or a single process."""
     if "RANK" in os.environ:
@@ -132,6 +139,9 @@ def main(argv=None):
     val = None
     if args.val:
         val_ds = open_dataset(args.val, device)
+        if val_ds.classes != train_ds.classes:  # a label means another class there: top-1 would mean nothing
+            sys.exit(f"train_imagenet.py: error: {args.val} holds other classes than {args.train} "
+                     f"({len(val_ds.classes)} against {len(train_ds.classes)}, {_first_difference(val_ds, train_ds)})")
         val = gdsdata.Loader(val_ds, args.batch_size, shuffle=False,
                              transform=gdsdata.CenterCrop(args.size))  # resized to size / 0.875 first
     steps_per_epoch = len(train)  # batches per epoch for this rank, at this batch size and world size

@@ -53,7 +53,8 @@ def main(argv=None):
         trainer = DetectionTrainer(args.train, args.val, overrides=overrides)
     except (GdsDataError, ValueError, TypeError, OSError) as e:  # no pack there, a pack of another kind, an
         # argument Ultralytics does not know or the batches do not follow
-        sys.exit(f"train_yolo.py: error: {e}")
+        sys.exit(f"train_yolo.py: error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")  # (Ultralytics'
+        # own messages run on with diagnostics: their first line says it)
     trainer.train()
     print(f"best weights: {trainer.best}; metrics: "
           + ", ".join(f"{k} {v:.4f}" for k, v in trainer.metrics.items() if k.startswith("metrics/")))

@@ -238,6 +238,7 @@ def test_pack_resume_is_safe_to_repeat(small_src, tmp_path):
     assert rc == 0 and stdout.startswith(f"nothing to resume: {out} is finished, packed from {small_src} with these "
                                          f"options (9 images in 1 shard(s), "), err
     assert f"  report: {os.path.join(out, fmt.REPORT_NAME)}" in stdout
+    assert "skipped 1 file" in stdout and "broken.jpg" in stdout  # (what the pack left out, said again)
     assert pathlib.Path(out, fmt.INDEX_NAME).read_bytes() == index
     assert_one_line_error(*run("pack", small_src, out, "--resume", "--shard-size", "64K", "-q")[::2],
                           "already a finished dataset, which differs from this pack: shard_size 1073741824 then, "

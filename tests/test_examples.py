@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import child_env
+from conftest import child_env, write_photos
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_imagenet.py")
 
@@ -166,6 +166,8 @@ def test_the_examples_refuse_a_wrong_argument_in_one_line(photos_dataset, tmp_pa
     generate(str(tmp_path / "src"), 4, classes=2, seed=4, val=0.5)
     boxes = pack(str(tmp_path / "src" / "yolo" / "data.yaml"), str(tmp_path / "boxes"), format="yolo", workers=1).out
     missing = str(tmp_path / "missing.gds")
+    write_photos(str(tmp_path / "two"), 4, classes=2)
+    two = pack(str(tmp_path / "two"), str(tmp_path / "two.gds"), workers=1).out
     here = os.path.dirname(EXAMPLE)
     env = child_env(YOLO_OFFLINE="1")
     for script, args, code, said in (
@@ -175,7 +177,12 @@ def test_the_examples_refuse_a_wrong_argument_in_one_line(photos_dataset, tmp_pa
              "error: --arch resnet180: not one of torchvision's classifiers"),
             ("train_detection.py", ["--train", classes], 1,
              f"train_detection.py: error: {classes} is a classification dataset"),
+            ("train_imagenet.py", ["--train", classes, "--val", two], 1,
+             f"train_imagenet.py: error: {two} holds other classes than {classes} (2 against 3, class 2: none "
+             f"against 'class2')"),
             ("train_detection.py", ["--train", missing], 1, f"train_detection.py: error: {missing}"),
+            ("train_detection.py", ["--train", boxes, "--batch-size", "64"], 1,
+             f"train_detection.py: error: --batch-size 64 is more than the 2 images of {boxes}"),
             ("train_yolo.py", ["--train", missing, "--val", boxes, "--device", "cpu"], 1,
              f"train_yolo.py: error: {missing}")):
         done = subprocess.run([sys.executable, os.path.join(here, script), *args], capture_output=True, text=True,

@@ -695,8 +695,12 @@ def _finished(out, src, signature, source, items, started) -> PackResult:
     report = os.path.join(out, fmt.REPORT_NAME)
     try:
         with open(report, encoding="utf-8") as f:
-            result.report_path = report if json.load(f).get("status") == "complete" else ""
-    except (OSError, ValueError, AttributeError):  # (a pack ended between its index and its report)
+            saved = json.load(f)
+        if saved.get("status") == "complete":
+            result.report_path = report
+            result.skipped = list(saved.get("skipped") or [])  # what that pack left out: a retry's log says it again
+            result.repaired = list(saved.get("repaired") or [])
+    except (OSError, ValueError, AttributeError, TypeError):  # (a pack ended between its index and its report)
         pass
     result.finished_before = True
     return result

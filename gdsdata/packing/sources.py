@@ -122,7 +122,10 @@ class FolderSource:
                 raise SourceError(f"{display(os.path.join(src, link))}: a link to class {display(other)}'s folder: "
                                   f"a class twice, whose images torchvision's ImageFolder would label both ways; "
                                   f"remove one of them")
-        seen = {}
+        # the source and each class folder are their own: a link inside a class to one of them is
+        # not read there (it would label another class's images with this one, or read the tree again)
+        root = os.stat(src)
+        seen = {**tops, (root.st_dev, root.st_ino): os.curdir}
         for label, name in enumerate(self.classes):
             before, unreadable = len(self.items), len(self.unreadable)
             self._walk(os.path.join(src, name), label, seen)
@@ -146,7 +149,7 @@ class FolderSource:
             try:
                 info = os.stat(folder)
                 key = (info.st_dev, info.st_ino)
-                if key in seen:
+                if seen.get(key, rel_folder) != rel_folder:
                     self.unreadable.append({"path": display(rel_folder),
                                             "reason": f"the same folder as {display(seen[key])} (a link loop or a "
                                                       f"second link to it): not read twice"})
