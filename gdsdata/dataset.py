@@ -231,7 +231,10 @@ class GDSDataset(torch.utils.data.Dataset):
         """Sample i's objects as torchvision's detection models take them: ``{"boxes": float32 [K, 4]
         XYXY in pixels of the decoded image, "labels": int64 [K], "iscrowd": uint8 [K]}``, on the
         dataset's device; a pack of COCO annotations adds ``"image_id"`` (COCO's, an int, as
-        torchvision's ``CocoDetection`` wrapped for v2 gives it). Detection datasets only.
+        torchvision's ``CocoDetection`` wrapped for v2 gives it). Detection datasets only. Labels
+        are 0 to ``len(classes) - 1``, as Ultralytics numbers them (COCO's category ids are in
+        ``meta["detection"]["category_ids"]``); torchvision's detection models keep label 0 for
+        the background: add 1 for them, with one class more.
 
         Parameters
         ----------

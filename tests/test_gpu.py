@@ -252,6 +252,31 @@ def test_resampled_gpu_batches_match_cpu_within_one(raw_dataset):
         assert (a.int() - b.cpu().int()).abs().max() <= 1
 
 
+def test_batch_transform_draws_on_the_gpu_repeat_and_leave_the_loop_s_own(photos_dataset):
+    """A batch_transform drawing on the GPU's generator (noise, random erasing on the batch's device)
+    draws the same run to run, and the loop's own GPU draws are those it makes without it."""
+    ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+
+    def noisy(images, labels):
+        return images + torch.rand(images.shape, device=images.device), labels
+
+    def run(batch_transform):
+        torch.manual_seed(0)
+        out, own = [], []
+        for images, _ in gdsdata.Loader(ds, 16, transform=gdsdata.RandomResizedCrop(32, dtype="float32"),
+                                        batch_transform=batch_transform):
+            out.append(images.clone())
+            own.append(torch.rand(4, device="cuda"))
+        return out, torch.stack(own)
+
+    first, own = run(noisy)
+    again, _ = run(noisy)
+    plain, plain_own = run(None)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], plain[0]) and torch.equal(own, plain_own)
+    ds.close()
+
+
 @pytest.mark.parametrize("antialias", [True, False])
 def test_gpus_without_triton_resample_in_torch_as_the_cpu_does(raw_dataset, monkeypatch, antialias):
     """Without Triton the GPU path resamples with torch's interpolate, which on CUDA takes no uint8:
