@@ -124,10 +124,13 @@ def _cmd_pack(args):
 
 def _empty_classes(report_path) -> list:
     """The classes without samples a pack's report names (none without a report)."""
+    from gdsdata.errors import GdsDataError
+    from gdsdata.format.shards import open_regular
+
     try:
-        with open(report_path) as f:
+        with open(open_regular(report_path, what="a report"), encoding="utf-8") as f:
             return list(json.load(f).get("empty_classes") or [])
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, GdsDataError):
         return []
 
 

@@ -225,3 +225,35 @@ def test_a_fifo_named_as_a_shard_is_refused_not_waited_on(tmp_path):
     shard.mkdir()
     with pytest.raises(FormatError, match=re.escape(f"{shard}: a folder where a shard file belongs")):
         index_io.load(target)
+
+
+def test_a_fifo_named_as_the_index_or_a_journal_is_refused_not_waited_on(tmp_path):
+    """The index, a journal, a report or a data YAML that is a FIFO: one line naming it (readers,
+    verify and a resume had waited on it for good); an overwrite replaces such a dataset."""
+    from conftest import write_photos
+    from gdsdata.commands.verify import verify
+
+    photos_source = str(tmp_path / "src")
+    write_photos(photos_source, 9)
+    target = _copy_golden(tmp_path)
+    index = target / fmt.INDEX_NAME
+    index.unlink()
+    os.mkfifo(index)
+    said = re.escape(f"{index}: a FIFO where an index belongs")
+    for check in (lambda: index_io.load(target), lambda: GDSDataset(str(target)), lambda: verify(str(target))):
+        with pytest.raises(FormatError, match=said):
+            check()
+    assert pack(photos_source, str(target), workers=1, overwrite=True).packed == 9
+    out = tmp_path / "stopped"
+    pack(photos_source, str(out), workers=1, shard_size=65536)
+    (out / fmt.INDEX_NAME).unlink()  # (as a pack stopped before its index leaves it)
+    (out / fmt.REPORT_NAME).unlink()
+    for name in sorted(os.listdir(out)):
+        if name.startswith("shard-"):
+            with open(out / (name + fmt.JOURNAL_SUFFIX), "w") as f:
+                f.write("{}")
+    journal = out / (fmt.shard_name(0) + fmt.JOURNAL_SUFFIX)
+    journal.unlink()
+    os.mkfifo(journal)
+    with pytest.raises(FormatError, match=re.escape(f"{journal}: a FIFO where a journal belongs")):
+        pack(photos_source, str(out), workers=1, shard_size=65536, resume=True)

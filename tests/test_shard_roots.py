@@ -225,6 +225,14 @@ def test_a_merge_killed_outright_leaves_nothing_on_the_drives_after_the_next_wri
     ours = linked(merged)
     assert sorted(remote_files(drives)) == sorted(set(theirs) | set(ours))
     assert gdsdata.verify(merged) == [] and all(gdsdata.verify(p) == [] for p in parts)
+    fresh = str(tmp_path / "fresh")  # killed merging into a new folder: what it left is known as a merge's
+    assert subprocess.run([sys.executable, "-c", script.replace(repr(merged), repr(fresh))], capture_output=True,
+                          timeout=120).returncode == -signal.SIGKILL
+    with pytest.raises(gdsdata.FormatError, match="an unfinished merge: merge again with --overwrite"):
+        gdsdata.GDSDataset(fresh)
+    gdsdata.merge(parts, fresh, overwrite=True)
+    assert sorted(remote_files(drives)) == sorted(set(theirs) | set(ours) | set(linked(fresh)))
+    assert gdsdata.verify(fresh) == []
 
 
 def test_bad_roots_are_refused(src, tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 
 from gdsdata.format import layout as fmt
 from gdsdata.errors import FormatError
-from gdsdata.format.shards import read_header
+from gdsdata.format.shards import open_regular, read_header
 
 
 @dataclass
@@ -147,9 +147,9 @@ def header_id(root) -> "bytes | None":
     """The dataset id in ``root``'s index header, without reading or checking the rest (the shards
     may be gone: a dataset being removed); None without a readable index."""
     try:
-        with open(os.path.join(os.fspath(root), fmt.INDEX_NAME), "rb") as f:
+        with open(open_regular(os.path.join(os.fspath(root), fmt.INDEX_NAME), what="an index"), "rb") as f:
             raw = f.read(fmt.INDEX_HEADER.itemsize)
-    except OSError:
+    except (OSError, FormatError):
         return None
     if len(raw) < fmt.INDEX_HEADER.itemsize:
         return None
@@ -183,6 +183,8 @@ def load(root, shards: bool = True) -> Index:
         names = os.listdir(root)
         if (writer := writing(root)) is not None:
             hint = f" yet: a gdsdata {writer} is writing it; wait for it to finish"
+        elif fmt.MERGE_RECORD in names:
+            hint = " (an unfinished merge: merge again with --overwrite)"
         elif any(n.endswith(fmt.TMP_SUFFIX) or n.endswith(".gds") for n in names):
             hint = " (an unfinished pack: finish it with --resume, or pack again with --overwrite)"
         elif names == [fmt.REPORT_NAME]:
@@ -190,7 +192,7 @@ def load(root, shards: bool = True) -> Index:
         else:
             hint = " (an image folder? pack it first: gdsdata pack SRC OUT)"
         raise FormatError(f"{path}: no index, so {root} is not a finished gdsdata dataset{hint}")
-    with open(path, "rb") as f:
+    with open(open_regular(path, what="an index"), "rb") as f:
         raw = f.read()
     if len(raw) < fmt.INDEX_HEADER.itemsize:
         raise FormatError(f"{path}: truncated index ({len(raw)} bytes, shorter than its header)")

@@ -27,6 +27,7 @@ INDEX_NAME = "index.gdsi"
 REPORT_NAME = "pack_report.json"
 TMP_SUFFIX = ".tmp"
 JOURNAL_SUFFIX = ".journal"  # beside each finished shard while a pack runs, for --resume; removed at the end
+MERGE_RECORD = "merge" + JOURNAL_SUFFIX  # a merge's dataset id while it builds, as a pack's journals hold it
 DEFAULT_ALIGNMENT = 4096
 
 

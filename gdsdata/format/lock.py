@@ -471,11 +471,14 @@ def dataset_owner(folder) -> "bytes | None":
     owner = _index_id(folder)
     if owner is not None:
         return owner
+    from gdsdata.errors import FormatError
+    from gdsdata.format.shards import open_regular  # (which imports this module)
+
     try:
         journals = sorted(n for n in os.listdir(folder) if n.endswith(JOURNAL_SUFFIX))
-        with open(os.path.join(folder, journals[0]), encoding="utf-8") as f:
+        with open(open_regular(os.path.join(folder, journals[0]), what="a journal"), encoding="utf-8") as f:
             return bytes.fromhex(json.load(f)["dataset_id"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+    except (OSError, ValueError, KeyError, IndexError, TypeError, FormatError):
         return None
 
 

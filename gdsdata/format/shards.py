@@ -157,26 +157,26 @@ class ShardWriter:
                     pass
 
 
-def open_regular(path, flags=os.O_RDONLY) -> int:
+def open_regular(path, flags=os.O_RDONLY, what="a shard file") -> int:
     """``os.open`` of a file that must be a regular one: a FIFO, a device or a folder named as a
-    shard is refused (``FormatError`` naming it) rather than waited on for good (opening a FIFO blocks
-    until something writes to it). Checked before the open (no O_NONBLOCK on the open itself: with it,
-    a file under another's lease, a Samba oplock or an NFS delegation, fails instead of waiting for
-    the lease to break) and again after it."""
-    _regular(path, os.stat(path).st_mode)
+    shard (or ``what`` the file is) is refused (``FormatError`` naming it) rather than waited on for
+    good (opening a FIFO blocks until something writes to it). Checked before the open (no O_NONBLOCK
+    on the open itself: with it, a file under another's lease, a Samba oplock or an NFS delegation,
+    fails instead of waiting for the lease to break) and again after it."""
+    _regular(path, os.stat(path).st_mode, what)
     fd = os.open(path, flags)
     try:
-        _regular(path, os.fstat(fd).st_mode)
+        _regular(path, os.fstat(fd).st_mode, what)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _regular(path, mode):
+def _regular(path, mode, what):
     if not stat.S_ISREG(mode):
         kind = "a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file"
-        raise FormatError(f"{path}: {kind} where a shard file belongs")
+        raise FormatError(f"{path}: {kind} where {what} belongs")
 
 
 def data_crc32(path, alignment: int, chunk=1 << 22) -> int:

@@ -56,6 +56,7 @@ import numpy as np
 from gdsdata.args import is_integer
 from gdsdata.errors import SourceError
 from gdsdata.format import layout as fmt
+from gdsdata.format.shards import open_regular
 from gdsdata.packing.prepare import stored_size
 from gdsdata.packing.sources import (UNNAMED_LABELS, YOLO_IMAGE_EXTENSIONS, YOLO_IMAGE_FORMATS, Item, display,
                                      is_url, unnamed_label_problem)
@@ -213,7 +214,7 @@ def _load_yaml(path):
     import yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(open_regular(path, what="a data YAML"), encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except OSError as e:
         raise SourceError(f"{display(path)}: cannot read the data YAML ({e.strerror or e})") from e
@@ -525,7 +526,7 @@ class YoloSource(DetectionSource):
         UTF-8 with or without a byte-order mark; a pose row (``keypoints``: the YAML's ``kpt_shape``)
         its box; a file with a row of more than 6 values all polygons (each its bounding box)."""
         try:
-            with open(path, encoding="utf-8-sig") as f:
+            with open(open_regular(path, what="a label file"), encoding="utf-8-sig") as f:
                 lines = f.read().splitlines()
         except FileNotFoundError:
             return None, None, None
@@ -615,7 +616,7 @@ class CocoSource(DetectionSource):
         if not os.path.isdir(images):
             raise SourceError(f"{display(images)}: no such images folder")
         try:
-            with open(annotations, encoding="utf-8") as f:
+            with open(open_regular(annotations, what="COCO annotations"), encoding="utf-8") as f:
                 data = json.load(f)
         except OSError as e:
             raise SourceError(f"{display(annotations)}: cannot read ({e.strerror or e})") from e

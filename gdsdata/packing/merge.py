@@ -29,13 +29,12 @@ from gdsdata.format import index as index_io
 from gdsdata.errors import FormatError, SourceError
 from gdsdata.format.lock import (SHARDS_TAG, owned_target, reader_lock, remove_quietly, remove_shard, shard_folder,
                                  writer_lock)
-from gdsdata.format.shards import read_header
+from gdsdata.format.shards import open_regular, read_header
 from gdsdata.packing.detection import annotate
 from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_options
 
 log = logging.getLogger(__name__)
 
-_RECORD = "merge" + fmt.JOURNAL_SUFFIX  # the merge's dataset id while it builds, as a pack's journals hold it
 
 
 def _on_its_drive(src, dst, part_id, folder_of, placed, move):
@@ -252,9 +251,9 @@ def _first_reasons(parts, most=3) -> str:
     skipped = []
     for part in parts:
         try:
-            with open(os.path.join(part, fmt.REPORT_NAME), encoding="utf-8") as f:
+            with open(open_regular(os.path.join(part, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
                 skipped += json.load(f).get("skipped") or []
-        except (OSError, ValueError):
+        except (OSError, ValueError, FormatError):
             continue
     said = "; ".join(f"{item['path']}: {item['reason']}" for item in skipped[:most])
     return (said + (" ..." if len(skipped) > most else "")) or f"each part's {fmt.REPORT_NAME} says why"
@@ -265,7 +264,7 @@ def _merge(ordered, folder, out, copy, adopt=False, progress=False, report=None)
     indexes = [index for _, index in ordered]
     dataset_id = os.urandom(16)
     placed = []  # names of shards in this dataset's own folders on other drives (gone if the merge fails)
-    record = os.path.join(folder, _RECORD)  # a merge killed outright: whoever clears it knows them its own
+    record = os.path.join(folder, fmt.MERGE_RECORD)  # a merge killed outright: whoever clears it knows them its own
     with open(record, "w", encoding="utf-8") as f:
         json.dump({"dataset_id": dataset_id.hex()}, f)
     try:

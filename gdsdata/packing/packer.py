@@ -40,11 +40,11 @@ from gdsdata import __version__, settings
 from gdsdata.args import is_integer
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
-from gdsdata.errors import BadImageError, GdsDataError, OutputExistsError, SourceError
+from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
 from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_inherited_locks, remove_dataset,
                                  remove_shard, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
-from gdsdata.format.shards import ShardWriter, data_crc32
+from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
 from gdsdata.packing.detection import annotate, open_detection
 from gdsdata.packing.sources import (FolderSource, Listing, RemoteFolderSource, display, is_url, open_source,
                                      read_url)
@@ -133,23 +133,24 @@ def _job(source, item, options):
 
 
 _OWNED = re.compile(r"(?:(?:{index}|{report}|shard-\d{{5,}}\.gds(?:{journal})?)(?:{tmp})?"
-                    r"|shard-\d{{5,}}\.gds\.link{tmp})".format(
+                    r"|shard-\d{{5,}}\.gds\.link{tmp}|{merge})".format(
                         index=re.escape(fmt.INDEX_NAME), report=re.escape(fmt.REPORT_NAME),
-                        journal=re.escape(fmt.JOURNAL_SUFFIX), tmp=re.escape(fmt.TMP_SUFFIX)))
+                        journal=re.escape(fmt.JOURNAL_SUFFIX), tmp=re.escape(fmt.TMP_SUFFIX),
+                        merge=re.escape(fmt.MERGE_RECORD)))
 
 
 def gdsdata_owned(name):
     """Files a pack or merge writes into its output folder, by their exact names (the index, the
-    report, shards, their journals, and each of these while written)."""
+    report, shards, their journals, each of these while written, and a merge's record)."""
     return _OWNED.fullmatch(name) is not None
 
 
 def _stopped_report(path) -> bool:
     """Whether ``path`` is the report of a pack that failed or was stopped (beside it: no dataset)."""
     try:
-        with open(path) as f:
+        with open(open_regular(path, what="a report"), encoding="utf-8") as f:
             return json.load(f).get("status") in ("failed", "interrupted")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, FormatError):
         return False
 
 
@@ -427,8 +428,8 @@ def _resume_state(out, signature, progress=False):
         while True:
             shard_path = os.path.join(out, fmt.shard_name(len(journals)))
             try:
-                with open(_journal_path(out, len(journals)), encoding="utf-8") as f:
-                    journal = json.load(f)
+                with open(open_regular(_journal_path(out, len(journals)), what="a journal"), encoding="utf-8") as f:
+                    journal = json.load(f)  # (a FIFO there: FormatError, the resume stops)
             except (OSError, ValueError):
                 break
             theirs = journal.get("signature") or {}
@@ -694,13 +695,13 @@ def _finished(out, src, signature, source, items, started) -> PackResult:
     result = _unchanged(base, source, out, started)
     report = os.path.join(out, fmt.REPORT_NAME)
     try:
-        with open(report, encoding="utf-8") as f:
+        with open(open_regular(report, what="a report"), encoding="utf-8") as f:
             saved = json.load(f)
         if saved.get("status") == "complete":
             result.report_path = report
             result.skipped = list(saved.get("skipped") or [])  # what that pack left out: a retry's log says it again
             result.repaired = list(saved.get("repaired") or [])
-    except (OSError, ValueError, AttributeError, TypeError):  # (a pack ended between its index and its report)
+    except (OSError, ValueError, AttributeError, TypeError, FormatError):  # (ended between its index and report)
         pass
     result.finished_before = True
     return result

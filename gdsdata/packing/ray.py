@@ -26,6 +26,7 @@ from gdsdata import settings
 from gdsdata.format import layout as fmt
 from gdsdata.errors import GdsDataError, SourceError, Terminated
 from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_quietly, writer_lock
+from gdsdata.format.shards import open_regular
 from gdsdata.packing.detection import DetectionSource, open_detection
 from gdsdata.packing.packer import report_complete, report_opening
 from gdsdata.stall import timeout_or_none
@@ -394,17 +395,17 @@ def _part_report(part_out) -> dict:
     """The report a part's pack wrote beside its index; for one killed between the two, the files
     its last journal lists as skipped (the rest is in the index)."""
     try:
-        with open(os.path.join(part_out, fmt.REPORT_NAME), encoding="utf-8") as f:
+        with open(open_regular(os.path.join(part_out, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
             report = json.load(f)
         if report.get("status") == "complete":
             return report
-    except (OSError, ValueError):
+    except (OSError, ValueError, GdsDataError):
         pass
     journals = sorted(n for n in os.listdir(part_out) if n.endswith(fmt.JOURNAL_SUFFIX))
     try:
-        with open(os.path.join(part_out, journals[-1]), encoding="utf-8") as f:
+        with open(open_regular(os.path.join(part_out, journals[-1]), what="a journal"), encoding="utf-8") as f:
             return {"skipped": json.load(f)["skipped"]}
-    except (OSError, ValueError, KeyError, IndexError):
+    except (OSError, ValueError, KeyError, IndexError, GdsDataError):
         log.warning("%s: no report of its skipped files (its pack ended between its index and its report)",
                     part_out)
         return {}
