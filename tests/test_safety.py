@@ -948,3 +948,45 @@ def test_skipping_is_linear_and_counted_per_epoch(tmp_path):
     assert probes["n"] < 2 * 120  # linear in the bad samples
     list(loader)
     assert loader.skipped == {0: 80, 1: 80}
+
+
+def test_an_overwrite_leaves_a_folder_put_in_out_s_place_meanwhile(tmp_path):
+    """OUT moved away while an overwrite builds its replacement, and a folder of the user's put there
+    (a ``mv``): the swap would have deleted it. It stays; the new dataset stays complete aside, named."""
+    from gdsdata.errors import OutputExistsError
+    from gdsdata.packing import packer
+
+    src = tmp_path / "src"
+    write_photos(str(src), 4, classes=2, start_seed=120)
+    out = tmp_path / "ds"
+    pack(str(src), str(out), workers=1)
+
+    def build(folder):
+        result = pack(str(src), folder, workers=1)
+        out.rename(tmp_path / "moved")
+        out.mkdir()
+        (out / "precious.txt").write_text("my only copy")
+        return result
+
+    with pytest.raises(OutputExistsError, match="replaced by another folder while this ran") as caught:
+        packer.into(str(out), True, build)
+    assert os.listdir(out) == ["precious.txt"] and verify(str(tmp_path / "moved")) == []
+    staging = str(caught.value).split("the new dataset is complete in ")[1].split(": move it")[0]
+    assert verify(staging) == []
+
+
+def test_a_pack_whose_folder_is_removed_under_it_writes_no_index(tmp_path):
+    """``rm -rf OUT`` (or a shard removed) while a pack writes: it fails naming the shard that is gone,
+    rather than finish with exit 0 and an index of shards that are not there."""
+    src = tmp_path / "src"
+    write_photos(str(src), 12, classes=2, start_seed=130)
+    out = tmp_path / "ds"
+    first = out / fmt.shard_name(0)
+
+    def remove(_):
+        if first.exists() and (out / fmt.shard_name(1)).exists():
+            first.unlink()
+
+    with pytest.raises(GdsDataError, match="gone before the pack could finish"):
+        pack(str(src), str(out), workers=1, shard_size=65536, on_progress=remove)
+    assert not (out / fmt.INDEX_NAME).exists()

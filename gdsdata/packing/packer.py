@@ -188,14 +188,27 @@ def into(out, overwrite, build, resumable=True):
     if not check_output(out, overwrite, resumable):
         os.makedirs(out, exist_ok=True)
         return build(out)
+    replaced = _identity(out)  # what the overwrite replaces: the same folder and dataset when it swaps
     staging = aside(out, "new")
     try:
         result = build(staging)
     except BaseException:
         remove_dataset(staging, dataset_owner(staging))  # with what it wrote on other drives
         raise
+    if _identity(out) != replaced:  # moved away and something else put there meanwhile (a user's mv)
+        raise OutputExistsError(f"{out}: replaced by another folder while this ran, which it leaves as it is; "
+                                f"the new dataset is complete in {staging}: move it where it belongs")
     swap_in(staging, out, dataset_owner(out))  # (which removes whichever of the two is not out's)
     return result
+
+
+def _identity(out):
+    """The folder ``out`` is (device, inode) and the dataset it holds (its id), or None."""
+    try:
+        info = os.stat(out)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, dataset_owner(out)
 
 
 def _prepare_chunk(jobs):
@@ -977,6 +990,11 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             meta["appended"] = base.meta.get("appended", []) + [{"source": src, "samples": report["appended"]}]
         report_complete(report, classes, per_class, shard_table, seconds, packed=len(samples), converted=converted,
                         resized=resized, resumed_shards=len(journals))
+        gone = next((name for name in map(fmt.shard_name, range(len(shard_table)))
+                     if not os.path.isfile(os.path.join(folder, name))), None)
+        if gone is not None:  # (the folder removed or changed under the pack: no index that names what is not there)
+            raise GdsDataError(f"{os.path.join(folder, gone)}: gone before the pack could finish (the folder was "
+                               f"removed or changed while it ran); no index written: pack again")
         index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
     except BaseException as e:
         if append:  # the dataset's own index still in place: what this run wrote goes
