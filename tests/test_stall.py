@@ -130,13 +130,16 @@ def test_the_bound_a_dataset_was_built_with_holds_for_its_loaders(photos_dataset
     with gdsdata.settings.set(stall_timeout=1):
         ds = gdsdata.GDSDataset(photos_dataset[2])
 
-    def slow(images, labels):
-        time.sleep(3)
-        return images, labels
+    original = ds._backend.decode
 
+    def slow(staged, stream=None):
+        time.sleep(3)
+        return original(staged, stream)
+
+    ds._backend.decode = slow
     try:
-        with pytest.raises(gdsdata.StallError, match=r"transform thread made no progress .*=1 s\)"):
-            list(gdsdata.Loader(ds, 16, shuffle=None, batch_transform=slow))
+        with pytest.raises(gdsdata.StallError, match=r"decode thread made no progress .*=1 s\)"):
+            list(gdsdata.Loader(ds, 16, shuffle=None))
     finally:
         ds.close()
 
