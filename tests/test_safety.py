@@ -990,3 +990,21 @@ def test_a_pack_whose_folder_is_removed_under_it_writes_no_index(tmp_path):
     with pytest.raises(GdsDataError, match="gone before the pack could finish"):
         pack(str(src), str(out), workers=1, shard_size=65536, on_progress=remove)
     assert not (out / fmt.INDEX_NAME).exists()
+
+
+def test_a_lock_file_that_is_not_a_file_is_named(tmp_path):
+    """The writer lock beside OUT as a FIFO or a folder: one line naming it (a bare "Invalid
+    argument" had named nothing, and a folder blamed the parent folder)."""
+    from gdsdata.format.lock import _lock_path
+
+    src = tmp_path / "src"
+    write_photos(str(src), 2, classes=1, start_seed=140)
+    out = str(tmp_path / "ds")
+    lock = _lock_path(out)
+    os.mkfifo(lock)
+    with pytest.raises(OSError, match=f"{lock}, the lock file of ds, is not a regular file: remove it"):
+        pack(str(src), out, workers=1)
+    os.unlink(lock)
+    os.mkdir(lock)
+    with pytest.raises(OSError, match=f"{lock}, the lock file of ds, cannot be opened: Is a directory"):
+        pack(str(src), out, workers=1)

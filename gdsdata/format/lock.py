@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -120,8 +121,16 @@ def _take(out: str, exclusive: bool, what: str = "") -> "tuple[int, str]":
                 os.makedirs(parent, exist_ok=True)
             fd = _open_lock(path, exclusive)
         except OSError as e:  # the lock lives beside OUT: its folder must take new files
+            if os.path.lexists(path):  # the lock file itself (another user's, a folder ...)
+                raise OSError(e.errno, f"{path}, the lock file of {os.path.basename(os.path.abspath(out))}, cannot "
+                                       f"be opened: {e.strerror or e} (left by another user's gdsdata? remove it "
+                                       f"once no gdsdata uses that dataset)") from None
             raise OSError(e.errno, f"cannot write in {parent}, the folder that holds "
                                    f"{os.path.basename(os.path.abspath(out))}: {e.strerror or e}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # (flock would fail on a FIFO with a bare EINVAL)
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{path}, the lock file of {os.path.basename(os.path.abspath(out))}, is not "
+                                        f"a regular file: remove it")
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:
