@@ -1048,7 +1048,9 @@ class _EpochIterator:
             self._ended = True
             raise
 
-    def __getattr__(self, name):  # the pass's stats, close() ...
+    def __getattr__(self, name):  # the pass's stats, close() ... (not its private or special names)
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self._pass, name)
 
 
