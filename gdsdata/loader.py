@@ -1031,7 +1031,7 @@ class _EpochIterator:
     reads on into the next epoch for the next ``iter()``. Holds the pass: dropping the iterator
     mid-epoch stops the pass's threads."""
 
-    __slots__ = ("_pass", "_ended")
+    __slots__ = ("_pass", "_ended", "__weakref__")
 
     def __init__(self, prefetcher):
         self._pass, self._ended = prefetcher, False
@@ -1082,6 +1082,7 @@ class _Prefetcher:
         self.replaced = None  # why the Loader ended this pass for another (a new iter(), a loaded state)
         self.stats = PipelineStats()
         self.batch_transform, self.seed, self.rank = loader.batch_transform, loader.spec.seed, loader.spec.rank
+        self.first = (epoch, loader._done)  # the batches delivered of the epoch it starts in, before it
         # The threads hold no reference to this object, so dropping the iterator stops them.
         self.dataset = loader._data
         maker = _BatchMaker(loader)
@@ -1193,8 +1194,7 @@ class _Prefetcher:
         epoch, the rank, the batch's number in the epoch) and given back as they were: its draws
         (MixUp's, CutMix's) repeat run to run and on a resume, and leave the loop's own draws
         (dropout, say) as they would be without it."""
-        loader = self._loader()
-        number = loader._done if loader is not None else number
+        number += self.first[1] if self.epoch == self.first[0] else 0  # (its number in the whole epoch)
         seed = _batch_seed(self.seed, self.epoch, self.rank, number)
         devices = [torch.cuda.current_device() if self.device.index is None else self.device.index] if self.cuda else []
         with torch.random.fork_rng(devices=devices):

@@ -39,10 +39,34 @@ class Waited:
 
     def poll(self) -> float:
         now = time.monotonic()
-        gap, self._last = now - self._last, now
+        gap, last, self._last = now - self._last, self._last, now
         if gap <= self._longest:
             self.seconds += gap
+        else:
+            _stopped(last, now)
         return self.seconds
+
+
+_stops = []  # (from, to) on the monotonic clock: the stops of the process waits have seen, the latest 16
+_stops_lock = threading.Lock()
+
+
+def _stopped(start: float, end: float):
+    """Note that the process was stopped (no poll ran) from ``start`` to ``end``; stops seen by
+    several waits at once are one."""
+    with _stops_lock:
+        for k, (a, b) in enumerate(_stops):
+            if start <= b and a <= end:
+                _stops[k] = (min(a, start), max(b, end))
+                return
+        _stops.append((start, end))
+        del _stops[:-16]
+
+
+def stopped_within(since: float, now: float) -> float:
+    """The seconds between ``since`` and ``now`` the process was stopped, as far as its waits saw."""
+    with _stops_lock:
+        return sum(max(0.0, min(b, now) - max(a, since)) for a, b in _stops)
 
 
 def slices(seconds: float, step: float = 1.0):
@@ -135,7 +159,8 @@ class Activity:
         self.since = None
 
     def stuck_for(self, now: float) -> float:
-        return 0.0 if self.since is None else now - self.since
+        """Seconds on its batch while the process ran (a stop a wait saw is not counted)."""
+        return 0.0 if self.since is None else max(0.0, now - self.since - stopped_within(self.since, now))
 
 
 def stalled(activities, timeout: float) -> StallError:

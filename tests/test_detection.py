@@ -999,3 +999,17 @@ def test_a_merge_of_a_detection_and_a_classification_dataset_says_so(synthetic, 
     with pytest.raises(SourceError, match=f"^{re.escape(photos_dataset[2])}: a classify dataset, {re.escape(det)} "
                                           f"is a detect dataset$"):
         merge([det, photos_dataset[2]], str(tmp_path / "m"))
+
+
+def test_a_label_path_that_is_a_folder_or_a_fifo_is_that_image_s_problem(tmp_path):
+    """A folder or a FIFO where an image's label file belongs: that image is left out with the reason
+    (bad_labels) and the pack goes on, never waits on the FIFO."""
+    src = str(tmp_path / "src")
+    yaml_path = yolo_tree(src, {"a": "0 0.5 0.5 0.2 0.2\n", "b": None, "c": None})
+    os.mkdir(os.path.join(src, "labels", "train", "b.txt"))
+    os.mkfifo(os.path.join(src, "labels", "train", "c.txt"))
+    result = pack(yaml_path, str(tmp_path / "ds"), format="yolo", workers=1)
+    bad = {d["path"]: d["reason"] for d in result.labels["bad_labels"]}
+    assert result.packed == 1 and sorted(bad) == ["images/train/b.jpg", "images/train/c.jpg"], bad
+    assert "a folder where a label file belongs" in bad["images/train/b.jpg"]
+    assert "a FIFO where a label file belongs" in bad["images/train/c.jpg"]

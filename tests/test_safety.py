@@ -571,8 +571,22 @@ def test_a_link_loop_neither_repeats_nor_mislabels(tmp_path):
     assert [(ds.source(i), ds.targets[i]) for i in range(len(ds))] == [
         ("class0/00000.jpg", 0), ("class0/00002.jpg", 0), ("class0/00004.jpg", 0), ("class1/00001.jpg", 1),
         ("class1/00003.jpg", 1)]  # (class1's images had come through the loop, labelled class0)
-    assert [(item["path"], item["reason"].split(" (")[0]) for item in result.unreadable] == [
-        ("class0/loop", "the same folder as ."), ("class0/other", "the same folder as class1")]
+    assert [(item["path"], item["reason"]) for item in result.unreadable] == [
+        ("class0/loop", "a link to ., outside its class's folder in the source: not read here"),
+        ("class0/other", "a link to class1, outside its class's folder in the source: not read here")]
+    deep = tmp_path / "deep"  # a link into a subfolder of another class, and a class that is one
+    write_photos(str(deep), 4, classes=2, start_seed=90)
+    (deep / "class1" / "sub").mkdir()
+    for name in ("00001.jpg", "00003.jpg"):
+        os.rename(deep / "class1" / name, deep / "class1" / "sub" / name)
+    os.symlink("../class1/sub", deep / "class0" / "in")
+    result = pack(str(deep), str(tmp_path / "deep-ds"), workers=1)
+    ds = gdsdata.GDSDataset(str(tmp_path / "deep-ds"))
+    assert [(ds.source(i), ds.targets[i]) for i in range(len(ds))] == [
+        ("class0/00000.jpg", 0), ("class0/00002.jpg", 0), ("class1/sub/00001.jpg", 1), ("class1/sub/00003.jpg", 1)]
+    os.symlink("class1/sub", deep / "alias")
+    with pytest.raises(SourceError, match="alias: a link into class class1's folder"):
+        pack(str(deep), str(tmp_path / "alias-ds"), workers=1)
 
 
 def test_two_class_names_for_one_folder_are_refused(tmp_path):
@@ -971,8 +985,19 @@ def test_an_overwrite_leaves_a_folder_put_in_out_s_place_meanwhile(tmp_path):
     with pytest.raises(OutputExistsError, match="replaced by another folder while this ran") as caught:
         packer.into(str(out), True, build)
     assert os.listdir(out) == ["precious.txt"] and verify(str(tmp_path / "moved")) == []
-    staging = str(caught.value).split("the new dataset is complete in ")[1].split(": move it")[0]
-    assert verify(staging) == []
+    kept = str(caught.value).split("the new dataset is complete in ")[1].split(": move it")[0]
+    assert os.path.dirname(kept) == str(tmp_path) and verify(kept) == []
+    with pytest.raises(OutputExistsError, match="files gdsdata did not write"):  # the next writer of OUT ...
+        pack(str(src), str(out), workers=1, overwrite=True)
+    assert verify(kept) == []  # ... leaves it
+
+    def removed(folder):  # OUT removed meanwhile: the new dataset takes its place
+        result = pack(str(src), folder, workers=1)
+        shutil.rmtree(tmp_path / "moved")
+        return result
+
+    packer.into(str(tmp_path / "moved"), True, removed)
+    assert verify(str(tmp_path / "moved")) == []
 
 
 def test_a_pack_whose_folder_is_removed_under_it_writes_no_index(tmp_path):

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gdsdata.args import is_integer
-from gdsdata.errors import SourceError
+from gdsdata.errors import FormatError, SourceError
 from gdsdata.format import layout as fmt
 from gdsdata.format.shards import open_regular
 from gdsdata.packing.prepare import stored_size
@@ -532,6 +532,8 @@ class YoloSource(DetectionSource):
             return None, None, None
         except (OSError, UnicodeDecodeError) as e:
             return None, f"cannot read the label file ({getattr(e, 'strerror', None) or e})", None
+        except FormatError as e:  # a folder or a FIFO where the label file belongs: that image's problem
+            return None, f"cannot read the label file ({str(e).split(': ', 1)[-1]})", None
         numbered = []
         for number, line in enumerate(lines, 1):
             parts = line.split()

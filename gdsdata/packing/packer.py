@@ -195,10 +195,13 @@ def into(out, overwrite, build, resumable=True):
     except BaseException:
         remove_dataset(staging, dataset_owner(staging))  # with what it wrote on other drives
         raise
-    if _identity(out) != replaced:  # moved away and something else put there meanwhile (a user's mv)
+    now = _identity(out)
+    if now is not None and now != replaced:  # moved away and something else put there meanwhile (a user's mv)
+        kept = f"{out}.new-{time.strftime('%Y%m%d-%H%M%S')}"  # (a name the next writer's clean-up leaves alone)
+        os.rename(staging, kept)
         raise OutputExistsError(f"{out}: replaced by another folder while this ran, which it leaves as it is; "
-                                f"the new dataset is complete in {staging}: move it where it belongs")
-    swap_in(staging, out, dataset_owner(out))  # (which removes whichever of the two is not out's)
+                                f"the new dataset is complete in {kept}: move it where it belongs")
+    swap_in(staging, out, dataset_owner(out))  # (which removes whichever of the two is not out's; none: renamed)
     return result
 
 

@@ -83,6 +83,11 @@ _SPECIAL = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (st
             (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
 
 
+def _inside(path: str, folder: str) -> bool:
+    """Whether the real path ``path`` is ``folder`` or lies in it."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 class FolderSource:
     """An ImageFolder tree, scanned so that nothing is lost or invented: folders that cannot be
     read are reported (``unreadable``; fatal with ``strict``), links are followed but a folder is
@@ -122,6 +127,13 @@ class FolderSource:
                 raise SourceError(f"{display(os.path.join(src, link))}: a link to class {display(other)}'s folder: "
                                   f"a class twice, whose images torchvision's ImageFolder would label both ways; "
                                   f"remove one of them")
+        # a class folder inside another's (through a link): ImageFolder would label its images both ways
+        reals = sorted((tuple(os.path.realpath(os.path.join(src, name)).split(os.sep)), name)
+                       for name in tops.values())
+        for (outer, first), (inner, second) in zip(reals, reals[1:]):
+            if inner[:len(outer)] == outer:
+                raise SourceError(f"{display(os.path.join(src, second))}: a link into class {display(first)}'s "
+                                  f"folder: its images would be labelled both ways; remove one of them")
         # the source and each class folder are their own: a link inside a class to one of them is
         # not read there (it would label another class's images with this one, or read the tree again)
         root = os.stat(src)
@@ -141,11 +153,19 @@ class FolderSource:
                               f"(extensions: {' '.join(IMAGE_EXTENSIONS)})")
 
     def _walk(self, top, label, seen):
-        """Depth-first, in sorted order, each real folder once."""
+        """Depth-first, in sorted order, each real folder once, and none of the source's outside this
+        class's folder (a link into another class's folder would label its images with this class)."""
+        root, own = os.path.realpath(self.root), os.path.realpath(top)
         stack = [top]
         while stack:
             folder = stack.pop()
             rel_folder = os.path.relpath(folder, self.root)
+            real = os.path.realpath(folder)
+            if _inside(real, root) and not _inside(real, own):
+                self.unreadable.append({"path": display(rel_folder),
+                                        "reason": f"a link to {display(os.path.relpath(real, root))}, outside its "
+                                                  f"class's folder in the source: not read here"})
+                continue
             try:
                 info = os.stat(folder)
                 key = (info.st_dev, info.st_ino)
