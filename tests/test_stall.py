@@ -107,6 +107,50 @@ with gdsdata.settings.set(stall_timeout=2):
     assert done.returncode == 0 and done.stdout.split() == ["60", "True"], done.stderr[-2000:]
 
 
+def test_a_stop_mid_batch_is_not_a_stage_s_time_on_it(photos_dataset, tmp_path):
+    """The loop waits out the bound for a batch whose read and decode each take less (1.5 and 1.8 s of
+    running time against 2), while the process is stopped for 4 s in the decode: no stage made no
+    progress for the bound, so no StallError (the stage's time had counted the stop)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stopped_mid_batch.py"
+    script.write_text(f"""
+import os, signal, subprocess, time
+import gdsdata
+ds = gdsdata.GDSDataset({photos_dataset[2]!r})
+
+def slow(seconds):  # seconds of running time (a stop does not count)
+    done, last = 0.0, time.monotonic()
+    while done < seconds:
+        time.sleep(0.01)
+        now = time.monotonic()
+        done += now - last if now - last < 0.5 else 0
+        last = now
+
+original, calls = ds._backend.decode, []
+def decode(staged, stream=None):
+    calls.append(1)
+    if len(calls) == 1:
+        slow(0.2)
+        subprocess.Popen(["sh", "-c", "sleep 4; kill -CONT %d" % os.getpid()])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        slow(1.6)
+    return original(staged, stream)
+ds._backend.decode = decode
+read = ds.read_staged
+def read_staged(*args, **kwargs):
+    slow(1.5)
+    return read(*args, **kwargs)
+ds.read_staged = read_staged
+with gdsdata.settings.set(stall_timeout=2):
+    print(sum(len(labels) for _, labels in gdsdata.Loader(ds, 30, shuffle=None)))
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert done.returncode == 0 and done.stdout.split() == ["60"], done.stderr[-2000:]
+
+
 def test_waits_count_the_time_the_process_ran(monkeypatch):
     """``Waited`` and ``slices`` count a gap between polls beyond their interval (and a second) as none."""
     clock = [100.0]
