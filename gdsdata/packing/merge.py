@@ -36,7 +36,6 @@ from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_opti
 log = logging.getLogger(__name__)
 
 
-
 def _on_its_drive(src, dst, part_id, folder_of, placed, move):
     """A shard a part keeps on another drive (``pack --shard-root``) gets a name in the merged
     dataset's own folder on that drive, linked from ``dst``: a hard link there (the part and the

@@ -201,7 +201,7 @@ def into(out, overwrite, build, resumable=True):
         os.rename(staging, kept)
         raise OutputExistsError(f"{out}: replaced by another folder while this ran, which it leaves as it is; "
                                 f"the new dataset is complete in {kept}: move it where it belongs")
-    swap_in(staging, out, dataset_owner(out))  # (which removes whichever of the two is not out's; none: renamed)
+    swap_in(staging, out, now and now[2])  # (which removes whichever of the two is not out's; no out: renamed)
     return result
 
 

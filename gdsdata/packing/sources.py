@@ -134,10 +134,9 @@ class FolderSource:
             if inner[:len(outer)] == outer:
                 raise SourceError(f"{display(os.path.join(src, second))}: a link into class {display(first)}'s "
                                   f"folder: its images would be labelled both ways; remove one of them")
-        # the source and each class folder are their own: a link inside a class to one of them is
-        # not read there (it would label another class's images with this one, or read the tree again)
-        root = os.stat(src)
-        seen = {**tops, (root.st_dev, root.st_ino): os.curdir}
+        # each class folder is its own, also where it is a link out of the source (``_walk`` refuses
+        # links to folders of the source outside the class it walks)
+        seen = dict(tops)
         for label, name in enumerate(self.classes):
             before, unreadable = len(self.items), len(self.unreadable)
             self._walk(os.path.join(src, name), label, seen)
