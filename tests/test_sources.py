@@ -188,11 +188,14 @@ def test_a_tar_sample_with_two_images_packs_one_and_names_the_other(tmp_path):
 
 def test_a_tar_label_that_is_not_an_integer_is_named_with_the_reason(tmp_path):
     jpg = jpeg_bytes(photo(7))
-    shard = write_tar(tmp_path / "train-0.tar", {"a.jpg": jpg, "a.cls": b"0", "b.jpg": jpg, "b.cls": b"dog"})
+    shard = write_tar(tmp_path / "train-0.tar", {"a.jpg": jpg, "a.cls": b"0", "b.jpg": jpg, "b.cls": b"dog",
+                                                 "c.jpg": jpg, "c.cls": b"1_0", "d.jpg": jpg, "d.cls": b"1\n"})
     result = pack(shard, str(tmp_path / "ds"), workers=1)
-    assert result.packed == 1 and result.ignored == []
-    assert result.special == [{"path": "train-0.tar/b.cls",
-                               "reason": "a label that is not an integer (b'dog'): its sample skipped unopened"}]
+    assert result.packed == 2 and result.ignored == []
+    assert result.special == [  # int() reads "1_0" as 10
+        {"path": "train-0.tar/b.cls", "reason": "a label that is not an integer (b'dog'): its sample skipped unopened"},
+        {"path": "train-0.tar/c.cls", "reason": "a label that is not an integer (b'1_0'): its sample skipped unopened"}]
+    assert packed(result.out)[1][b"train-0.tar/d.jpg"][0] == 1
 
 
 def test_a_tar_sample_with_a_member_twice_is_named_not_packed(tmp_path):
@@ -281,13 +284,26 @@ def test_an_endpoint_out_of_reach_is_one_line_naming_the_url(tmp_path):
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
 
 
-def test_an_lmdb_label_that_is_not_an_integer_is_ignored_not_truncated(tmp_path):
+def test_an_lmdb_value_of_another_layout_is_named_with_the_reason_not_truncated(tmp_path):
+    import numpy as np
+
     image = jpeg_bytes(photo(12))
     db = write_lmdb(str(tmp_path / "float.lmdb"), {b"1": (image, 0.9), b"2": (image, 1.5), b"3": (image, 1.0),
-                                                   b"4": (image, 0)}, classes=["a", "b"])
+                                                   b"4": (image, 0), b"5": (image, np.int64(1)), b"6": (image, " 1 "),
+                                                   b"7": (image, "1_0"), b"8": (image, None), b"9": [image]},
+                    classes=["a", "b"])
     source = open_source(db)
-    assert [(item.rel, item.label) for item in source.items] == [("3", 1), ("4", 0)]
-    assert source.ignored == ["1", "2"]
+    assert [(item.rel, item.label) for item in source.items] == [("3", 1), ("4", 0), ("5", 1), ("6", 1)]
+    assert source.ignored == []
+    assert source.special == [
+        {"path": "1", "reason": "its label 0.9 is not an integer: skipped"},
+        {"path": "2", "reason": "its label 1.5 is not an integer: skipped"},
+        {"path": "7", "reason": "its label '1_0' is not an integer: skipped"},
+        {"path": "8", "reason": "its label is a NoneType, not an integer: skipped"},
+        {"path": "9", "reason": "its value unpickles to a list, not an (image bytes, label) pair: skipped"}]
+    source.close()
+    result = pack(db, str(tmp_path / "ds"), workers=1)
+    assert result.packed == 4 and [entry["path"] for entry in result.special] == ["1", "2", "7", "8", "9"]
 
 
 def test_an_image_folder_served_over_http_packs_as_from_disk(tmp_path):

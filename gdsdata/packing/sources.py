@@ -8,8 +8,8 @@ Label conventions:
 - LMDB: the common folder-to-LMDB layout (``tools/make_lmdb.py`` writes it): keys are the sample
   index as ASCII digits, values ``pickle.dumps((encoded_bytes, label))``; optional keys
   ``__len__`` and ``__classes__`` (pickled list of distinct names, refused otherwise); a value
-  whose image is not bytes is skipped with the reason; one whose label is not an integer (1.5) is
-  ignored, as a value of another layout. Values are unpickled: pack only LMDBs you
+  whose image is not bytes, or of another layout (not a pair; a label that is not an integer: 1.5),
+  is skipped with the reason (``special``). Values are unpickled: pack only LMDBs you
   trust. Keys name the samples; keys that are not UTF-8 are kept byte for byte, as folder names are.
 - tar (WebDataset): files grouped by their name up to the first dot of the last path component;
   one image member (``.jpg .jpeg .png ...``) and a ``.cls`` member holding the integer label per
@@ -25,8 +25,10 @@ Label conventions:
 
 import functools
 import numbers
+import operator
 import os
 import pickle
+import re
 import stat
 import tarfile
 import zlib
@@ -255,7 +257,7 @@ class LmdbSource:
         if os.path.getsize(data) < needed:
             raise SourceError(f"{display(data)}: an LMDB cut short ({os.path.getsize(data):,} bytes, its pages take "
                               f"{needed:,})")
-        self.items, self.ignored = [], []
+        self.items, self.ignored, self.special = [], [], []
         try:
             raw_classes = self._list()
         except lmdb.Error as e:
@@ -285,15 +287,11 @@ class LmdbSource:
                 if key.startswith(b"__"):
                     continue
                 rel = bytes(key).decode("utf-8", "surrogateescape")  # the key's bytes, whatever they are
-                try:
-                    _, given = pickle.loads(value)
-                    label = int(given)
-                    if isinstance(given, numbers.Real) and label != given:  # 1.5 is no class index, nor 1
-                        raise ValueError(f"label {given} is not an integer")
-                except Exception:  # noqa: BLE001 - a value of another layout is reported, not fatal
-                    self.ignored.append(display(rel))
+                problem = _lmdb_value_problem(value)
+                if isinstance(problem, str):  # a value of another layout is reported, not fatal
+                    self.special.append({"path": display(rel), "reason": f"{problem}: skipped"})
                     continue
-                self.items.append(Item(rel, label, ref=bytes(key)))
+                self.items.append(Item(rel, problem, ref=bytes(key)))
         return raw_classes
 
     def read(self, item):
@@ -319,6 +317,38 @@ class LmdbSource:
     def close(self):
         if self.env is not None:
             self.env.close()
+
+
+def _lmdb_value_problem(value):
+    """An LMDB value's label, or (a str) why the value is not ``pickle.dumps((image_bytes, label))``."""
+    try:
+        pair = pickle.loads(value)
+    except Exception as e:  # noqa: BLE001 - whatever fails to unpickle is the same refusal
+        return f"its value does not unpickle ({type(e).__name__}: {e})"
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        return f"its value unpickles to {_a(type(pair).__name__)}, not an (image bytes, label) pair"
+    given = pair[1]
+    if isinstance(given, (str, bytes)):
+        label = _decimal(given)
+        return f"its label {given[:20]!r} is not an integer" if label is None else label
+    try:
+        return operator.index(given)  # int, NumPy's and torch's integers
+    except TypeError:
+        pass
+    if not isinstance(given, numbers.Real) or isinstance(given, bool):
+        return f"its label is {_a(type(given).__name__)}, not an integer"
+    if not float(given).is_integer():  # 1.5 is no class index, nor 1
+        return f"its label {given} is not an integer"
+    return int(given)
+
+
+def _decimal(text):
+    """The integer ``text`` (str or bytes) spells in ASCII digits, an optional minus and surrounding
+    whitespace, else None: ``int()`` would also read "1_0" as 10 and other scripts' digits."""
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    text = text.strip()
+    return int(text) if re.fullmatch(r"-?[0-9]+", text) else None
 
 
 def _lmdb_classes(src, raw) -> list:
@@ -434,9 +464,8 @@ class TarSource:
                                                    f"skipped unopened"})
             cls = entry["cls"]
             text = self.tars[path].extractfile(cls).read()
-            try:
-                label = int(text.decode().strip())
-            except ValueError:  # (UnicodeDecodeError too)
+            label = _decimal(text)
+            if label is None:
                 self.special.append({"path": display(f"{os.path.basename(path)}/{cls.name}"),
                                      "reason": f"a label that is not an integer ({text[:20]!r}): its sample "
                                                f"skipped unopened"})
