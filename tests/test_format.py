@@ -13,7 +13,7 @@ import pytest
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.dataset import GDSDataset
-from gdsdata.errors import FormatError
+from gdsdata.errors import FormatError, GdsDataError
 from gdsdata.packing.packer import pack
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -225,6 +225,32 @@ def test_a_fifo_named_as_a_shard_is_refused_not_waited_on(tmp_path):
     shard.mkdir()
     with pytest.raises(FormatError, match=re.escape(f"{shard}: a folder where a shard file belongs")):
         index_io.load(target)
+
+
+def test_a_shard_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A shard the process may not open (root ignores chmod 000, so the refusal is played here): as the
+    dataset opens, and as a sample is read from an open dataset, gdsdata's error naming the file and
+    the system's reason, not a bare PermissionError; verify lists it."""
+    from gdsdata.commands.verify import verify
+
+    target = _copy_golden(tmp_path)
+    shard = str(target / fmt.shard_name(0))
+    ds = GDSDataset(str(target))
+    real = os.open
+
+    def refused(path, *args, **kwargs):
+        if os.fspath(path) == shard:
+            raise PermissionError(13, "Permission denied", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    line = f"{shard}: cannot be read (Permission denied)"
+    with pytest.raises(GdsDataError, match=re.escape(line)):
+        ds[0]
+    with pytest.raises(FormatError, match=re.escape(line)):
+        GDSDataset(str(target))
+    assert verify(str(target)) == [f"{line}: its samples are not checked"]
+    ds.close()
 
 
 def test_a_fifo_named_as_the_index_or_a_journal_is_refused_not_waited_on(tmp_path):

@@ -10,7 +10,7 @@ from gdsdata import settings
 from gdsdata.decode.cpu import check_crc, decode
 from gdsdata.errors import GdsDataError
 from gdsdata.io.cpu import CpuReader
-from gdsdata.format.shards import data_crc32
+from gdsdata.format.shards import cannot_read, data_crc32
 
 
 def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: bool = False) -> list:
@@ -35,7 +35,7 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
         try:
             return data_crc32(index.shard_path(shard), index.alignment), None
         except OSError as e:
-            return None, index_io.cannot_read(index.shard_path(shard), e)
+            return None, cannot_read(index.shard_path(shard), e)
 
     with ThreadPoolExecutor(settings.get("cpu_threads")) as pool:
         unreadable = set()  # shards every sample of which is left unchecked (said once, for the shard)
@@ -102,6 +102,6 @@ def _readable(reader, indices, problems, index, damaged):
         try:
             parts.append((*reader.read([i]), [i]))
         except (OSError, GdsDataError) as e:
-            problems.append(index_io.cannot_read(index.describe(i), e))
+            problems.append(cannot_read(index.describe(i), e))
             damaged.setdefault(int(index.samples[i]["shard"]), []).append(i)
     return parts

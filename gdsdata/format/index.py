@@ -9,7 +9,7 @@ import numpy as np
 
 from gdsdata.format import layout as fmt
 from gdsdata.errors import FormatError
-from gdsdata.format.shards import open_regular, read_header
+from gdsdata.format.shards import cannot_read, open_regular, read_header
 
 
 @dataclass
@@ -325,11 +325,6 @@ def shard_problem(index: Index, shard: int, last_end: int = None) -> str | None:
     except OSError as e:
         return cannot_read(index.shard_path(shard), e)
     return None
-
-
-def cannot_read(what, error: Exception) -> str:
-    """One line: ``what`` (a file, a sample) could not be read, and the system's reason."""
-    return f"{what}: cannot be read ({getattr(error, 'strerror', None) or error})"
 
 
 def check_shard(index: Index, shard: int, last_end: int = None):

@@ -220,6 +220,11 @@ def _read_head(path, nbytes: int) -> bytes:
         os.close(fd)
 
 
+def cannot_read(what, error: Exception) -> str:
+    """One line: ``what`` (a file, a sample) could not be read, and the system's reason."""
+    return f"{what}: cannot be read ({getattr(error, 'strerror', None) or error})"
+
+
 def read_header(path, expected_index: int, dataset_id: bytes, alignment: int, num_samples: int = None):
     """Check one shard's header against the index (``num_samples``: the count the index records for
     it, where known); raises ``FormatError`` naming the file."""
@@ -227,6 +232,8 @@ def read_header(path, expected_index: int, dataset_id: bytes, alignment: int, nu
         raw = _read_head(path, fmt.SHARD_HEADER.itemsize)
     except FileNotFoundError as e:
         raise FormatError(f"{path}: shard file missing (the dataset is incomplete)") from e
+    except OSError as e:  # (EACCES, EIO...)
+        raise FormatError(cannot_read(path, e)) from e
     if len(raw) < fmt.SHARD_HEADER.itemsize:
         raise FormatError(f"{path}: truncated shard ({len(raw)} bytes, shorter than its header)")
     header = np.frombuffer(raw, fmt.SHARD_HEADER)[0]

@@ -13,7 +13,7 @@ import numpy as np
 from gdsdata import settings
 from gdsdata import stall
 from gdsdata.errors import FormatError, GdsDataError
-from gdsdata.format.shards import check_opened, open_regular
+from gdsdata.format.shards import cannot_read, check_opened, open_regular
 from gdsdata.io.plan import Plan, max_gap, plan_reads
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class OpenShards:
                                    f"limit (ulimit -n) or lower GDSDATA_DIRECT_DEPTH") from e
             if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ESPIPE):  # (ESPIPE: a FIFO)
                 raise FormatError(f"{path}: not a shard file ({e.strerror or e})") from e
-            raise
+            raise GdsDataError(cannot_read(path, e)) from e  # (EACCES, EIO...)
 
     def __len__(self):
         return len(self._open)
