@@ -413,7 +413,8 @@ def build_parser():
     p.add_argument("--alignment", type=_size, default=4096, metavar="BYTES",
                    help="payload alignment, a power of two (default 4096)")
     p.add_argument("--workers", type=_integer(0, 4096), default=0,
-                   help="packing processes; 1: in this process alone (default 0: one per core)")
+                   help="packing processes (default 0: one per core, at least two); 1: in this process alone, "
+                        "without the stall bound on an image")
     p.add_argument("--codec", choices=("jpeg", "raw"),
                    help="jpeg (default) or raw decoded pixels (--append: the dataset's, as the next three)")
     p.add_argument("--quality", type=_integer(1, 100),

@@ -356,6 +356,22 @@ def test_an_unbounded_stall_timeout_packs_with_workers(tmp_path):
     assert result.packed == 12 and not result.skipped
 
 
+def test_the_automatic_choice_packs_with_worker_processes_also_on_one_core(tmp_path, monkeypatch):
+    """Only an explicit workers=1 prepares images in the pack's own process (no stall bound there):
+    the automatic choice on a machine with one usable core is still a pool, whose waits are bounded."""
+    from gdsdata import settings
+    from gdsdata.packing import packer
+
+    write_photos(str(tmp_path / "src"), 4, classes=2)
+    asked = []
+    real = packer._results
+    monkeypatch.setattr(settings, "usable_cores", lambda: 1)
+    monkeypatch.setattr(packer, "_results", lambda jobs, workers: asked.append(workers) or real(jobs, workers))
+    assert pack(str(tmp_path / "src"), str(tmp_path / "auto"), workers=0).packed == 4
+    assert pack(str(tmp_path / "src"), str(tmp_path / "one"), workers=1).packed == 4
+    assert asked == [2, 1]
+
+
 def test_nested_folders_keep_imagefolder_s_sample_order(tmp_path):
     """Sample i is ImageFolder's sample i, also where folder names hold characters that sort before
     '/' (torchvision sorts os.walk's folders by their paths: c0/sub-1 before c0/sub/deeper)."""

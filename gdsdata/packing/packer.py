@@ -498,7 +498,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     shard_size, alignment : int
         Target shard size and payload alignment in bytes.
     workers : int
-        Processes preparing images (0: every core).
+        Processes preparing images (0: one per core, at least two). 1 prepares them in this process,
+        one after another: no worker is ended if an image stalls (for debugging).
     strict : bool
         Stop at the first bad or unreadable file or folder instead of skipping it.
     overwrite : bool
@@ -554,7 +555,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     if not is_integer(workers) or workers < 0:
         raise ValueError(f"workers must be 0 (every core) or a number of processes, got {workers!r}")
     roots = shard_roots_of(shard_roots, out, src if isinstance(src, str) else None)
-    workers = workers or settings.usable_cores()
+    # 1: this process alone, without the stall bound (the automatic choice is always a pool: bounded)
+    workers = workers or max(2, settings.usable_cores())
     started = time.perf_counter()
     if format == "folder" or isinstance(src, Listing):
         source = open_source(src, strict=strict, allow_empty=allow_empty_classes)
