@@ -7,6 +7,7 @@ calling a change to them done)."""
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -426,6 +427,34 @@ def test_a_dataset_replaced_under_a_reader_raises(src, tmp_path):
     with pytest.raises(FormatError, match="replaced or rewritten while open"):
         ds[len(ds) - 1]  # a shard opened after the replacement
     ds.close()
+
+
+def test_a_dataset_replaced_while_it_is_verified_or_inspected_is_said_so(src, tmp_path, monkeypatch):
+    """An overwrite into fewer shards swaps in while verify or inspect checks the old index's shards:
+    one line saying the dataset changed meanwhile, neither the old shards "missing" nor success."""
+    from gdsdata.commands.info import info
+    from gdsdata.format import index as index_io
+
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1, shard_size=200_000)
+    assert len(load(out).shards) > 1
+    real = index_io.last_sample_ends
+
+    def replaced_meanwhile(index):
+        pack(src, out, overwrite=True, workers=1)  # one shard
+        return real(index)
+
+    monkeypatch.setattr(index_io, "last_sample_ends", replaced_meanwhile)
+    changed = f"{out}: the dataset changed while it was being "
+    with pytest.raises(FormatError, match=re.escape(changed + "checked (a pack --overwrite, --append or merge")):
+        verify(out)
+    with pytest.raises(FormatError, match=re.escape(changed + "inspected")):
+        info(out)
+    monkeypatch.setattr(index_io, "last_sample_ends", real)
+    assert verify(out) == [] and info(out)["problems"] == []
+    run = subprocess.run([sys.executable, "-m", "gdsdata", "verify", out], capture_output=True, text=True,
+                         env=child_env(), timeout=120)
+    assert run.returncode == 0, run.stderr
 
 
 # --- decompression bombs, dead workers ---------------------------------------------------------

@@ -49,10 +49,13 @@ def info(root) -> dict:
     dict
         Plain values (``json.dumps`` takes it); ``gdsdata inspect --json`` prints the same.
     """
+    before = index_io.stamp(root)
     index = index_io.load(root, shards=False)  # a damaged shard is said below ("problems"), not fatal here
     samples, shards = index.samples, index.shards
     problems = [problem for shard, last_end in enumerate(index_io.last_sample_ends(index))
                 if (problem := index_io.shard_problem(index, shard, int(last_end))) is not None]
+    if problems:
+        index_io.still(root, before, "inspected")
     converted, resized = index.flag_counts()
     payload = int(samples["length"].sum())
     stored = int(shards["size"].sum())

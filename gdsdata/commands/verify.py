@@ -22,6 +22,7 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
     list of str
         One line per problem found, naming the shard or sample; empty when the dataset is sound.
     """
+    before = index_io.stamp(root)  # (a dataset replaced while it is checked is said, not its shards "missing")
     index = index_io.load(root, shards=False)  # each shard checked below, a bad one said and the rest checked
     problems = []
 
@@ -84,6 +85,7 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
                          f"{' ...' if len(bad) > 5 else ''}: below)" if bad else
                          " outside every sample (in the padding between samples): every sample of it passes its "
                          "checksum" + (" and decodes" if decode_samples else ""))
+    index_io.still(root, before, "checked")
     return problems
 
 

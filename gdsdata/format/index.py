@@ -167,6 +167,14 @@ def stamp(root):
     return info.st_ino, info.st_mtime_ns, info.st_size
 
 
+def still(root, before, doing: str):
+    """Raise ``FormatError`` if ``root`` no longer holds the index it held at ``stamp`` ``before``:
+    what ``doing`` found (shards missing, say) may be a dataset swapped out meanwhile."""
+    if stamp(root) != before:
+        raise FormatError(f"{root}: the dataset changed while it was being {doing} (a pack --overwrite, "
+                          f"--append or merge into it?): try again once that is done")
+
+
 def load(root, shards: bool = True) -> Index:
     """Read and check a dataset's index and (``shards``) its shard files' headers and sizes; raises
     ``FormatError`` naming the file. ``gdsdata verify`` checks the shards itself, each in turn."""
