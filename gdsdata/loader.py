@@ -204,9 +204,15 @@ class Loader:
             The epoch number (0 or more): with the seeds it fixes the order, crops and flips.
         """
         self._next_epoch = count("epoch", epoch, minimum=0)
-        active = self._active() if self._active is not None else None
-        if active is None or active is self._carry or active.threads is None:
+        active = self._running()
+        if active is None or active is self._carry:
             self._take_next_epoch()  # (a pass mid-epoch reads on; as DistributedSampler's, the next pass takes it)
+
+    def _running(self):
+        """The pass being iterated, while it can still deliver (not ended by an error, a stall or
+        ``close()``; its iterator may live on in a traceback), else None."""
+        active = self._active() if self._active is not None else None
+        return active if active is not None and active.threads is not None else None
 
     def _take_next_epoch(self):
         """Apply the epoch that ``set_epoch`` set, at once or, set during a pass, once it is over."""
@@ -249,11 +255,10 @@ class Loader:
 
     def batches_left(self) -> int:
         """Batches the pass being iterated (or, after ``load_state_dict``, the next one) still delivers;
-        with no pass under way (none yet, or the loop broke out of it), the next pass's: a whole
+        with no pass under way (none yet, the loop broke out of it, or it ended in an error), the next pass's: a whole
         epoch, since each ``iter()`` starts the epoch again (``state_dict`` keeps where the broken
         pass stood)."""
-        active = self._active() if self._active is not None else None
-        if active is None and not self._resume:
+        if self._running() is None and not self._resume:
             return len(self)
         return len(rank_batches(self.spec, self.epoch, self._consumed)) - self._done
 
@@ -332,7 +337,7 @@ class Loader:
         """The dataset indices of this rank's batches still to come in the current epoch (after
         ``load_state_dict``: of the resumed pass), one array per batch: what iterating reads (with
         ``on_error="skip"`` a bad sample is replaced)."""
-        if not self._resume and (self._active is None or self._active() is None):
+        if not self._resume and self._running() is None:
             return self._mapped(rank_batches(self.spec, self.epoch))
         return self._mapped(rank_batches(self.spec, self.epoch, self._consumed)[self._done:])
 

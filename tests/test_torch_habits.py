@@ -57,6 +57,31 @@ def test_len_is_batches_per_epoch_whatever_was_iterated(ds):
     loader.close()
 
 
+def test_a_pass_ended_by_an_error_counts_as_no_pass_while_its_iterator_lives_on(ds):
+    """The iterator of a pass a batch's error ended lives on in the traceback (and the loop's frame)
+    until collected: the Loader no longer counts that dead pass's batches, as the next pass reads
+    the whole epoch; its state keeps where it stood."""
+    calls = []
+
+    def fails_third(images, labels):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("a bad batch")
+        return images, labels
+
+    loader = gdsdata.Loader(ds, 8, batch_transform=fails_third)  # 60 samples: 8 batches
+    batches = iter(loader)
+    with pytest.raises(ValueError, match="a bad batch"):
+        for _ in batches:
+            pass
+    assert loader.batches_left() == 8 and len(loader.indices()) == 8
+    assert loader.state_dict()["batches_done"] == 2
+    with pytest.raises(StopIteration):
+        next(batches)
+    assert len(list(loader)) == 8
+    loader.close()
+
+
 def test_an_ended_iterator_stays_ended_while_its_pass_reads_the_next_epoch(ds):
     """A Python iterator that has ended keeps raising StopIteration (as a DataLoader's does): an old
     ``iter(loader)`` never hands out the next epoch's batches, nor counts them against the epoch
