@@ -345,6 +345,33 @@ def test_sixteen_bit_gray_images_keep_their_high_byte(tmp_path):
         assert (image.numpy() == expected[ds.source(i)].astype(np.uint8)).all(), ds.source(i)
 
 
+def test_float_pixels_pack_as_pil_converts_them_only_on_the_8_bit_scale(tmp_path):
+    """32-bit float TIFFs ("F"): values on 0..255 are stored as PIL converts them (truncated); a 0..1
+    image, which that conversion turns black, values beyond 0..255 and NaN are skipped with the
+    reason, never stored as silently wrong pixels."""
+    ramp = np.linspace(0, 250, 64 * 48, dtype=np.float32).reshape(48, 64)
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    files = {"eight.tif": ramp, "unit.tif": ramp / 255, "wide.tif": ramp * 4 - 100, "mask.tif": (ramp > 99) * 1.0,
+             "nan.tif": np.where(ramp > 99, np.nan, ramp), "zero.tif": ramp * 0}
+    for name, values in files.items():
+        Image.fromarray(values.astype(np.float32), "F").save(tmp_path / "src" / "a" / name)
+    result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1, options=PackOptions(codec="raw"))
+    assert sorted((s["path"], s["reason"]) for s in result.skipped) == [
+        ("a/mask.tif", "32-bit float pixels from 0 to 1 (a 0-1 scale?): an 8-bit image of them is black (convert it "
+                       "to 8 bits first)"),
+        ("a/nan.tif", "32-bit float pixels that are not all finite (NaN or infinity): no 8-bit image (convert it "
+                      "to 8 bits first)"),
+        ("a/unit.tif", "32-bit float pixels from 0 to 0.980392 (a 0-1 scale?): an 8-bit image of them is black "
+                       "(convert it to 8 bits first)"),
+        ("a/wide.tif", "32-bit float pixels from -100 to 900: no 8-bit image without choosing a scale (convert it "
+                       "to 8 bits first)")]
+    ds = GDSDataset(str(tmp_path / "ds"))
+    assert [ds.source(i) for i in range(len(ds))] == ["a/eight.tif", "a/zero.tif"]
+    for i in range(len(ds)):
+        expected = np.asarray(Image.open(tmp_path / "src" / ds.source(i)).convert("RGB"))
+        assert (ds[i][0].permute(1, 2, 0).numpy() == expected).all(), ds.source(i)
+
+
 def test_an_unbounded_stall_timeout_packs_with_workers(tmp_path):
     """stall_timeout=inf turns the bound off (as for a Loader): the pool's waits are then unbounded,
     not an OverflowError from a wait of infinite seconds."""

@@ -172,6 +172,8 @@ def _target_size(width, height, options):
 def _to_rgb(image: Image.Image, source_format: str = "") -> Image.Image:
     if image.mode.startswith("I;16") or image.mode == "I":
         image = _eight_bit(image, source_format)
+    elif image.mode == "F":
+        _check_float(image)
     try:
         return image.convert("RGB")
     except MemoryError:
@@ -186,12 +188,7 @@ def _eight_bit(image: Image.Image, source_format: str) -> Image.Image:
     one in colour (PIL's own conversion clips every value over 255 to white). 32-bit integer pixels
     ("I"): within 0..255 as they are; from a PNG (16 bits, as older PILs open them) by their high
     byte; otherwise refused, as no scale is known for them."""
-    try:
-        values = np.asarray(image)
-    except MemoryError:
-        raise BadImageError(f"out of memory reading its {image.width}x{image.height} {image.mode} pixels") from None
-    except Exception as e:  # noqa: BLE001 - as in _open: the file is bad, whatever PIL raised
-        raise BadImageError(f"cannot read its {image.mode} pixels: {e}") from e
+    values = _pixels(image)
     low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
     if image.mode == "I" and 0 <= low and high <= 255:
         return Image.fromarray(values.astype(np.uint8), "L")
@@ -199,6 +196,34 @@ def _eight_bit(image: Image.Image, source_format: str) -> Image.Image:
         raise BadImageError(f"32-bit integer pixels from {low} to {high}: no 8-bit image without choosing a scale "
                             f"(convert it to 8 bits first)")
     return Image.fromarray((values.astype(np.uint32) >> 8).astype(np.uint8), "L")
+
+
+def _check_float(image: Image.Image):
+    """32-bit float pixels ("F", TIFF) convert as PIL converts them (each value truncated to 0..255)
+    where they lie on that scale; on another (0..1, say, which PIL's conversion turns black) or
+    none (NaN), refused, as no scale is known for them."""
+    values = _pixels(image)
+    finite = bool(np.isfinite(values).all())
+    low, high = (float(values.min()), float(values.max())) if values.size and finite else (0.0, 0.0)
+    if not finite:
+        raise BadImageError("32-bit float pixels that are not all finite (NaN or infinity): no 8-bit image "
+                            "(convert it to 8 bits first)")
+    if low < 0 or high > 255:
+        raise BadImageError(f"32-bit float pixels from {low:g} to {high:g}: no 8-bit image without choosing a "
+                            f"scale (convert it to 8 bits first)")
+    if 0 < high <= 1:
+        raise BadImageError(f"32-bit float pixels from {low:g} to {high:g} (a 0-1 scale?): an 8-bit image of them "
+                            f"is black (convert it to 8 bits first)")
+
+
+def _pixels(image: Image.Image) -> np.ndarray:
+    """``image``'s pixels as an array; its failures as the image's."""
+    try:
+        return np.asarray(image)
+    except MemoryError:
+        raise BadImageError(f"out of memory reading its {image.width}x{image.height} {image.mode} pixels") from None
+    except Exception as e:  # noqa: BLE001 - as in _open: the file is bad, whatever PIL raised
+        raise BadImageError(f"cannot read its {image.mode} pixels: {e}") from e
 
 
 def _encode_jpeg(image: Image.Image, quality: int) -> bytes:
