@@ -158,6 +158,12 @@ def test_jpegs_libjpeg_decodes_only_with_warnings_are_listed_with_the_warning(tm
     with open(os.path.join(out, fmt.REPORT_NAME)) as f:
         assert json.load(f)["repaired"] == [{"path": "a/cut.jpg", "reason": "libjpeg: Corrupt JPEG data: premature "
                                              "end of data segment; stored as PIL decodes it"}]
+    strict = str(tmp_path / "strict")
+    assert main(["pack", str(tmp_path / "src"), strict, "-q", "--strict"]) == 1  # --strict: the first bad file
+    assert capsys.readouterr().err == (
+        f"gdsdata: error: {src / 'cut.jpg'}: libjpeg: Corrupt JPEG data: premature end of data segment: it decodes "
+        f"only with warnings (without --strict: stored as PIL decodes it, listed under repaired)\n")
+    assert not os.path.exists(os.path.join(strict, fmt.INDEX_NAME))
 
 
 def test_max_side_resizes(tmp_path):

@@ -906,6 +906,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 if prepared is not None and formats is not None and prepared.source_format not in formats:
                     prepared, reason = None, (f"a {prepared.source_format.upper() or 'unnamed'} image by its content, "
                                               f"not one of Ultralytics' image formats (it leaves such an image out)")
+                if prepared is not None and prepared.warning and strict:
+                    prepared, reason = None, (f"libjpeg: {prepared.warning}: it decodes only with warnings (without "
+                                              f"--strict: stored as PIL decodes it, listed under repaired)")
                 if prepared is None:
                     if strict:
                         raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
