@@ -781,7 +781,9 @@ def test_a_full_disk_while_the_index_is_written_names_the_dataset_and_the_pack_r
 
     out, written = str(tmp_path / "ds"), index_io.write
 
-    def full(*args, **kwargs):
+    def full(folder, *args, **kwargs):
+        with open(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX), "wb") as f:  # an index cut short
+            f.write(b"GDS")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(index_io, "write", full)
@@ -789,10 +791,34 @@ def test_a_full_disk_while_the_index_is_written_names_the_dataset_and_the_pack_r
         pack(src, out, workers=1, shard_size=100_000)
     said = caught.value.strerror
     assert said.startswith("No space left on device while writing the index of") and out in said and "--resume" in said
-    assert fmt.INDEX_NAME not in os.listdir(out) and json.load(open(os.path.join(out, fmt.REPORT_NAME)))["status"] == \
-        "failed"
+    names = os.listdir(out)
+    assert fmt.INDEX_NAME not in names and not [n for n in names if n.endswith(fmt.TMP_SUFFIX)]
+    assert json.load(open(os.path.join(out, fmt.REPORT_NAME)))["status"] == "failed"
     monkeypatch.setattr(index_io, "write", written)
     assert pack(src, out, resume=True, workers=1, shard_size=100_000).resumed_shards >= 1 and verify(out) == []
+
+
+def test_a_full_disk_as_a_journal_is_written_names_the_journal(src, tmp_path, monkeypatch, capsys):
+    """A write error carries no file name ("No space left on device" alone): the line names the file
+    being written, a shard's journal here, and the pack resumes."""
+    from gdsdata.packing import packer
+
+    out, dump = str(tmp_path / "ds"), json.dump
+
+    def full(payload, f, **kwargs):
+        if f.name.endswith(fmt.JOURNAL_SUFFIX + fmt.TMP_SUFFIX) and "shard-00001" in f.name:
+            raise OSError(28, "No space left on device")
+        return dump(payload, f, **kwargs)
+
+    from gdsdata.cli import main
+
+    monkeypatch.setattr(packer.json, "dump", full)
+    assert main(["pack", src, out, "-q", "--workers", "1", "--shard-size", "100000"]) == 1
+    err = capsys.readouterr().err
+    journal = os.path.join(out, fmt.shard_name(1) + fmt.JOURNAL_SUFFIX)
+    assert f"No space left on device while writing {journal}; 1 finished shard(s) kept" in one_line(err)
+    monkeypatch.setattr(packer.json, "dump", dump)
+    assert pack(src, out, resume=True, workers=1, shard_size=100_000).resumed_shards == 1 and verify(out) == []
 
 
 def test_a_report_that_cannot_be_written_leaves_a_complete_dataset(src, tmp_path, monkeypatch):

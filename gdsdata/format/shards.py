@@ -89,9 +89,10 @@ class ShardWriter:
             raise OSError(e.errno, e.strerror, e.filename or self._path + fmt.TMP_SUFFIX) from e
         self._index = index
         self.next_shard += 1
-        self._file.write(bytes(self.alignment))  # header block, rewritten at close
         self._crc = 0
-        self._size = self.alignment
+        self._size = 0
+        self._write(bytes(self.alignment))  # header block, rewritten at close (outside the shard's CRC)
+        self._crc = 0
         self._count = 0
         self._first = self.samples_written
 

@@ -403,9 +403,11 @@ def _write_json(path, payload):
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + fmt.TMP_SUFFIX, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(path + fmt.TMP_SUFFIX)
+        if isinstance(e, OSError) and not e.filename:  # name the file: "No space left on device" alone says nothing
+            raise OSError(e.errno, e.strerror, path) from e
         raise
     return path
 
@@ -1012,7 +1014,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                     os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
                 except FileNotFoundError:
                     pass
-        elif isinstance(e, OSError):  # finished shards and journals stay: --resume writes the index
+        else:  # an index cut short goes (finished shards and journals stay: --resume writes the index)
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
+        if isinstance(e, OSError) and not append:
             report.update(status="failed", error=f"{e.strerror or e} while writing the index")
             try:
                 _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
