@@ -351,6 +351,15 @@ def test_sixteen_bit_gray_images_keep_their_high_byte(tmp_path):
         assert (image.numpy() == expected[ds.source(i)].astype(np.uint8)).all(), ds.source(i)
 
 
+def test_a_dataset_given_as_the_source_is_refused_naming_merge(tmp_path):
+    write_photos(str(tmp_path / "src"), 4, classes=2)
+    pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1)
+    with pytest.raises(SourceError, match=f"{tmp_path / 'ds'}: a gdsdata dataset already, not images to pack "
+                                          r"\(to join datasets or copy one: gdsdata merge"):
+        pack(str(tmp_path / "ds"), str(tmp_path / "again"), workers=1)
+    assert not os.path.exists(tmp_path / "again")
+
+
 def test_float_pixels_pack_as_pil_converts_them_only_on_the_8_bit_scale(tmp_path):
     """32-bit float TIFFs ("F"): values on 0..255 are stored as PIL converts them (truncated); a 0..1
     image, which that conversion turns black, values beyond 0..255 and NaN are skipped with the

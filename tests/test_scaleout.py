@@ -134,6 +134,26 @@ def test_merge_takes_each_dataset_once(source, whole, tmp_path, capsys):
         merge([both, halves[0]], out)
 
 
+def test_merge_of_two_packs_of_one_source_says_their_files_come_twice(source, whole, tmp_path, caplog):
+    """Two whole packs of one source (not a copy: their own ids) hold the same files: merged, each of
+    them twice, which a warning says (repeats may be meant: not refused); packs of other files do not."""
+    again = str(tmp_path / "again")
+    pack(source, again, workers=1, shard_size=SHARD)
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        merge([whole, again], str(tmp_path / "m"))
+    said = [r.getMessage() for r in caplog.records if "packed from" in r.getMessage()]
+    assert said == [f"{whole} and {again} were both packed from {source} and hold {len(index_io.load(whole))} of the "
+                    f"same files: the merged dataset holds each of them twice"]
+    assert len(index_io.load(str(tmp_path / "m"))) == 2 * len(index_io.load(whole))
+    caplog.clear()
+    halves = [str(tmp_path / f"half{k}") for k in range(2)]
+    for k, half in enumerate(halves):
+        pack(source, half, workers=1, shard_size=SHARD, num_parts=2, part=k)
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        merge(halves, str(tmp_path / "parts"))
+    assert not [r for r in caplog.records if "packed from" in r.getMessage()]
+
+
 @pytest.fixture
 def halves(source, tmp_path):
     """A source packed in two parts, and the command that packs part 1 again (--overwrite)."""

@@ -32,6 +32,7 @@ from gdsdata.format.lock import (SHARDS_TAG, owned_target, reader_lock, remove_q
 from gdsdata.format.shards import open_regular, read_header
 from gdsdata.packing.detection import annotate
 from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_options
+from gdsdata.packing.sources import display
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ def _check_parts(parts, indexes):
             raise SourceError(f"{part}: alignment {index.alignment}, {parts[0]} has {first.alignment}")
     infos = [index.meta.get("part") for index in indexes]
     if not any(infos):
+        _warn_repeats(parts, indexes)
         return list(zip(parts, indexes))  # whole datasets of the same source and options, joined in order
     missing = [p for p, info in zip(parts, infos) if not info]
     if missing:
@@ -219,6 +221,24 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
         for part in parts:  # no writer of a part while its shards are placed (other merges may read it too)
             reading.enter_context(reader_lock(part, f"merge into {out}"))
         return merge_checked(parts, out, copy=copy, overwrite=overwrite, progress=progress)
+
+
+def _warn_repeats(parts, indexes):
+    """Whole datasets packed from one source that hold the same files (two packs of it, or a pack
+    and an append of it): joined, the merge holds each of those files twice; said, not refused
+    (repeating samples may be meant: oversampling a class)."""
+    seen = {}  # source -> [(dataset, its sample paths)]
+    for part, index in zip(parts, indexes):
+        source = index.meta.get("source")
+        if not source:
+            continue
+        paths = {index.path(i) for i in range(len(index))}
+        for other, theirs in seen.get(source, []):
+            both = len(paths & theirs)
+            if both:
+                log.warning("%s and %s were both packed from %s and hold %d of the same files: the merged dataset "
+                            "holds each of them twice", other, part, display(source), both)
+        seen.setdefault(source, []).append((part, paths))
 
 
 def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False, report=None) -> dict:

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from gdsdata.errors import BadImageError, SourceError
+from gdsdata.format.layout import INDEX_NAME
 
 # The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -104,6 +105,9 @@ class FolderSource:
             raise SourceError(f"{display(src)}: no such folder")
         if not os.path.isdir(src):
             raise SourceError(f"{display(src)}: not a folder (expected one subfolder per class){_detection_hint(src)}")
+        if os.path.isfile(os.path.join(src, INDEX_NAME)):
+            raise SourceError(f"{display(src)}: a gdsdata dataset already, not images to pack (to join datasets or "
+                              f"copy one: gdsdata merge DATASET ... OUT, --copy for copies of the shards)")
         self.items, self.ignored, self.unreadable, self.special = [], [], [], []
         try:
             entries = sorted(os.scandir(src), key=lambda e: e.name)
