@@ -22,7 +22,7 @@ import torch
 
 from gdsdata.format import index as index_io
 from gdsdata.format import layout as fmt
-from gdsdata import settings
+from gdsdata import settings, stall
 from gdsdata.args import is_integer
 from gdsdata.backends.cpu import CpuBackend
 from gdsdata.batch import PixelBatch, Staged
@@ -260,9 +260,10 @@ class GDSDataset(torch.utils.data.Dataset):
         """[(image, label)] for ``indices``: uint8 CHW RGB tensors on the dataset's device; for a
         detection dataset [(image, target)] (``target(i)``)."""
         indices = [self._check(i) for i in indices]
-        batch, indices = self.load_batch(indices)
-        images = [batch.image(k) for k in range(len(batch))]
-        batch.release(self._stream())
+        with stall.bounded(self.settings["stall_timeout"]):  # (its waits: as this dataset's settings bound them)
+            batch, indices = self.load_batch(indices)
+            images = [batch.image(k) for k in range(len(batch))]
+            batch.release(self._stream())
         out = []
         detect = self.task == "detect"
         for image, i in zip(images, indices):

@@ -20,7 +20,6 @@ import atexit
 import collections
 import hashlib
 import logging
-import math
 import queue
 import sys
 import threading
@@ -956,8 +955,24 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
 def _stall_timeout(dataset) -> float:
     """A pass's stall bound: the lower of its dataset's setting (a dataset keeps the settings it was
     built with) and the one in force now (``settings.set`` around the loop)."""
-    kept = (getattr(dataset, "settings", None) or {}).get("stall_timeout", math.inf)
-    return min(kept, settings.get("stall_timeout"))
+    with stall.bounded(_kept_bound(dataset)):
+        return stall.bound()
+
+
+def _kept_bound(dataset):
+    return (getattr(dataset, "settings", None) or {}).get("stall_timeout")
+
+
+def _bounded_by(dataset, target):
+    """``target`` with the waits of the thread that runs it (GPU events, nvJPEG's lock) bounded as
+    the pass's stall bound is (``_stall_timeout``)."""
+    kept = _kept_bound(dataset)
+
+    def run(*args):
+        with stall.bounded(kept):
+            return target(*args)
+
+    return run
 
 
 # The stages after the I/O thread: (name, the kind of item it takes, the kind it hands on).
@@ -1096,12 +1111,12 @@ class _Prefetcher:
         overlap = _read_overlap(loader._data, loader.spec.batch_size)
         windowed = not maker.detect and _windowed(loader._data, loader.spec)  # (mosaic partners: anywhere)
         self.threads = [
-            threading.Thread(target=_read_ahead, name="gdsdata-read", daemon=True,
+            threading.Thread(target=_bounded_by(loader._data, _read_ahead), name="gdsdata-read", daemon=True,
                              args=(loader._data, _epochs(loader.spec, epoch, batches, loader._indices, loader._copies),
                                    self.staged,
                                    self.stop, self.stats, self.activities[0], maker.sources, overlap,
                                    loader.spec if windowed else None)),
-        ] + [threading.Thread(target=_stage, name=f"gdsdata-{step[0]}", daemon=True,
+        ] + [threading.Thread(target=_bounded_by(loader._data, _stage), name=f"gdsdata-{step[0]}", daemon=True,
                               args=(step, work, loader._data, in_q, out_q, self.stop, stream, self.device,
                                     self.stats, activity))
              for step, work, in_q, out_q, stream, activity in zip(

@@ -18,6 +18,29 @@ import time
 from gdsdata.errors import StallError
 
 _calls = {}  # thread ident -> (native call, monotonic start)
+_kept = threading.local()  # .seconds: the bound of the dataset this thread works for (``bounded``)
+
+
+def bound() -> float:
+    """The stall bound of a wait on this thread: the stall_timeout setting in force, or the bound
+    of the dataset the thread works for (``bounded``: a dataset keeps the settings it was built
+    with) where that is lower."""
+    from gdsdata import settings
+
+    now = settings.get("stall_timeout")
+    kept = getattr(_kept, "seconds", None)
+    return now if kept is None else min(kept, now)
+
+
+@contextlib.contextmanager
+def bounded(seconds: float):
+    """Waits on this thread within the block take at most ``seconds`` (``bound``)."""
+    outer = getattr(_kept, "seconds", None)
+    _kept.seconds = seconds
+    try:
+        yield
+    finally:
+        _kept.seconds = outer
 _PAUSE_SLACK = 1.0  # seconds a gap between two polls of a wait outlasts their interval by: a stopped process
 
 
@@ -99,13 +122,11 @@ def native(call: str):
 
 def wait(work, call: str, timeout: float = None):
     """Wait until the CUDA ``work`` (an event or a stream) is done, at most ``timeout`` seconds
-    (default: the stall_timeout setting), polling so that the wait stays bounded; raises
+    (default: the stall_timeout setting, ``bound``), polling so that the wait stays bounded; raises
     ``StallError`` naming ``call``."""
     if work.query():
         return
-    from gdsdata import settings
-
-    timeout = settings.get("stall_timeout") if timeout is None else timeout
+    timeout = bound() if timeout is None else timeout
     with native(call):
         waited = Waited(1e-3)
         pause = 20e-6
@@ -120,10 +141,8 @@ def wait(work, call: str, timeout: float = None):
 @contextlib.contextmanager
 def held(lock, what: str, timeout: float = None):
     """Hold ``lock`` for the block, waiting at most ``timeout`` seconds (default: the stall_timeout
-    setting) for it; raises ``StallError`` saying ``what`` holds it."""
-    from gdsdata import settings
-
-    timeout = settings.get("stall_timeout") if timeout is None else timeout
+    setting, ``bound``) for it; raises ``StallError`` saying ``what`` holds it."""
+    timeout = bound() if timeout is None else timeout
     with native(f"waiting for {what}"):
         taken = any(lock.acquire(timeout=-1 if wait is None else wait) for wait in slices(timeout))
     if not taken:

@@ -333,9 +333,7 @@ class DirectReads:
             self._spares = [*self._spares, buffer][-_SPARE_WINDOWS:]
 
     def close(self):
-        from gdsdata import settings
-
-        if not self._pool.shutdown(wait_s=settings.get("stall_timeout")):  # a read stuck in the kernel
+        if not self._pool.shutdown(wait_s=stall.bound()):  # a read stuck in the kernel
             log.error("direct reads of %s still stuck in the kernel: their shards stay open", self.index.root)
             return
         with self._lock:
