@@ -351,6 +351,21 @@ def test_sixteen_bit_gray_images_keep_their_high_byte(tmp_path):
         assert (image.numpy() == expected[ds.source(i)].astype(np.uint8)).all(), ds.source(i)
 
 
+def test_a_file_url_packs_the_folder_it_names(tmp_path):
+    import urllib.parse
+
+    write_photos(str(tmp_path / "my src"), 4, classes=2)
+    url = "file://" + urllib.parse.quote(str(tmp_path / "my src"))
+    result = pack(url, str(tmp_path / "ds"), workers=1)
+    reference = pack(str(tmp_path / "my src"), str(tmp_path / "reference"), workers=1)
+    assert result.packed == reference.packed == 4
+    ds, ref = GDSDataset(str(tmp_path / "ds")), GDSDataset(str(tmp_path / "reference"))
+    assert [ds.source(i) for i in range(4)] == [ref.source(i) for i in range(4)]
+    assert all((ds[i][0] == ref[i][0]).all() for i in range(4))
+    with pytest.raises(SourceError, match="a file:// URL of another host"):
+        pack("file://elsewhere/data", str(tmp_path / "other"), workers=1)
+
+
 def test_a_dataset_given_as_the_source_is_refused_naming_merge(tmp_path):
     write_photos(str(tmp_path / "src"), 4, classes=2)
     pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1)

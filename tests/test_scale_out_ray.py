@@ -373,6 +373,33 @@ def test_an_address_with_no_cluster_says_how_to_start_one():
                                "no address to start a local Ray")
 
 
+def test_no_address_starts_a_ray_of_its_own_unless_ray_address_names_one(monkeypatch):
+    """--ray without an address: a local Ray over this machine (Ray's None would join a cluster that
+    `ray start` left on this machine, of its CPUs only); RAY_ADDRESS, as Ray's commands take it, and
+    an address given are joined."""
+    from gdsdata.packing.ray import _RayOwner
+
+    asked = []
+
+    class Recorded:
+        def init(self, address=None, **kwargs):
+            asked.append(address)
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for address in (None, "auto", "ray://head:10001"):
+        owner = _RayOwner(Recorded(), address)
+        owner.start()
+        owner.stop()
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    owner = _RayOwner(Recorded(), None)
+    owner.start()
+    owner.stop()
+    assert asked == ["local", "auto", "ray://head:10001", None]
+
+
 def test_without_ray_the_option_says_how_to_install(source, tmp_path, monkeypatch):
     import builtins
 

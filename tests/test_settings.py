@@ -94,6 +94,17 @@ def test_a_bad_environment_variable_is_one_line_not_an_import_failure():
     assert lines[0].startswith("gdsdata: error: GDSDATA_") and "GDSDATA_IO_ENGINE='bogus'" in lines[0]
 
 
+def test_a_bad_environment_variable_stops_a_pack_before_it_makes_out(tmp_path):
+    from conftest import write_photos
+
+    write_photos(str(tmp_path / "src"), 2, classes=1)
+    env = {**os.environ, "GDSDATA_MAX_GAP": "-1"}
+    done = subprocess.run([sys.executable, "-m", "gdsdata", "pack", str(tmp_path / "src"), str(tmp_path / "ds")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "GDSDATA_MAX_GAP" in done.stderr and done.stderr.count("\n") == 1
+    assert not os.path.exists(tmp_path / "ds")
+
+
 def test_byte_settings_take_sizes():
     with settings.set(direct_ahead="64M", max_gap="16K", max_read="1GiB"):
         assert (settings.get("direct_ahead"), settings.get("max_gap"), settings.get("max_read")) == (

@@ -46,8 +46,8 @@ from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_in
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
 from gdsdata.packing.detection import annotate, open_detection
-from gdsdata.packing.sources import (FolderSource, Listing, RemoteFolderSource, display, is_url, open_source,
-                                     read_url)
+from gdsdata.packing.sources import (FolderSource, Listing, RemoteFolderSource, display, is_url, local_path,
+                                     open_source, read_url)
 from gdsdata.stall import slices
 
 log = logging.getLogger(__name__)
@@ -541,6 +541,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     """
     inherit = options is None  # (an append then stores its images as the dataset's were)
     options = options or PackOptions()
+    settings.as_dict()  # a bad GDSDATA_* variable is said before OUT is made
+    src, annotations = local_path(src), local_path(annotations)
     if not isinstance(src, Listing) and not is_url(src):
         src = os.path.abspath(os.fspath(src))
     out = os.path.realpath(os.fspath(out))  # a link to a dataset: that dataset (its own folder is swapped)

@@ -30,7 +30,7 @@ from gdsdata.format.shards import open_regular
 from gdsdata.packing.detection import DetectionSource, open_detection
 from gdsdata.packing.packer import report_complete, report_opening
 from gdsdata.stall import timeout_or_none
-from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, open_source
+from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, local_path, open_source
 
 log = logging.getLogger(__name__)
 _IMAGES_PER_PART = 500  # below this a part's fixed costs (a task, a process, its shards) dominate
@@ -68,6 +68,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
 
     ray = _import_ray()
     started = time.perf_counter()
+    src = local_path(src)
     local = isinstance(src, str) and "://" not in src
     src = os.path.abspath(src) if local else src
     out = os.path.realpath(os.fspath(out))
@@ -211,7 +212,10 @@ class _RayOwner:
 
     def _run(self):
         try:
-            self.ray.init(address=self.address, ignore_reinit_error=True, log_to_driver=False,
+            # no address: a local Ray of its own (Ray's None would join a `ray start` cluster of this
+            # machine, of its CPUs only), unless RAY_ADDRESS names one, as Ray's own commands take it
+            where = self.address or (None if os.environ.get("RAY_ADDRESS") else "local")
+            self.ray.init(address=where, ignore_reinit_error=True, log_to_driver=False,
                           include_dashboard=False, configure_logging=False)
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             self.error = e

@@ -279,8 +279,9 @@ class LmdbSource:
             for item in self.items:
                 problem = unnamed_label_problem(item.label)
                 if problem is not None:
-                    raise SourceError(f"{display(src)}: key {display(item.rel)}: {problem}; store the class names "
-                                      f"under __classes__ (a pickled list) to use more")
+                    hint = "" if item.label < 0 else "; store the class names under __classes__ (a pickled list) " \
+                                                     "to use more"
+                    raise SourceError(f"{display(src)}: key {display(item.rel)}: {problem}{hint}")
             self.classes = [str(k) for k in range(max(item.label for item in self.items) + 1)]
 
     def _list(self):
@@ -497,6 +498,19 @@ class TarSource:
     def close(self):
         for tar in self.tars.values():
             tar.close()
+
+
+def local_path(src):
+    """``src`` with a ``file://`` URL turned into the path it names (fsspec's local files are read
+    as paths are); anything else as it is."""
+    if not (isinstance(src, str) and src.startswith("file://")):
+        return src
+    from urllib.parse import unquote, urlparse
+
+    url = urlparse(src)
+    if url.netloc not in ("", "localhost"):
+        raise SourceError(f"{src}: a file:// URL of another host ({url.netloc}); give a path this machine sees")
+    return unquote(url.path)
 
 
 def is_url(src) -> bool:
