@@ -299,16 +299,18 @@ class Loader:
         if state["consumed"] is not None:
             consumed = np.unpackbits(np.frombuffer(state["consumed"], np.uint8), count=self.spec.size).astype(bool)
         same = all(state[k] == getattr(self.spec, k) for k in ("world_size", "batch_size", "drop_last"))
+        old = ShardSpec(**{**self.spec.__dict__, "rank": 0, "world_size": state["world_size"],
+                           "batch_size": state["batch_size"], "drop_last": state["drop_last"]})
+        left = len(rank_batches(old, state["epoch"], consumed))  # the epoch's batches a rank had, as it was split
+        if state["batches_done"] > left:
+            raise ValueError(f"cannot resume: the state says {state['batches_done']} batches of the epoch were "
+                             f"delivered, but it has {left}" + ("" if same else f" (at world size "
+                                                                 f"{state['world_size']}, batch size "
+                                                                 f"{state['batch_size']})"))
         if same:
-            left = len(rank_batches(self.spec, state["epoch"], consumed))
-            if state["batches_done"] > left:
-                raise ValueError(f"cannot resume: the state says {state['batches_done']} batches of the epoch were "
-                                 f"delivered, but it has {left}")
             self._consumed, self._done = consumed, state["batches_done"]
         else:  # another topology: what the old ranks delivered is out, the rest is re-split
-            old = ShardSpec(**{**self.spec.__dict__, "rank": 0, "world_size": state["world_size"],
-                               "batch_size": state["batch_size"], "drop_last": state["drop_last"]})
-            if state["batches_done"] >= len(rank_batches(old, state["epoch"], consumed)):
+            if state["batches_done"] == left:
                 # the old ranks' epoch was over: what its drop_last left out is not delivered now
                 self._consumed = np.ones(self.spec.size, bool)
             else:

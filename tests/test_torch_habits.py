@@ -384,6 +384,8 @@ def test_other_datasets_are_pointed_to_the_dataloader():
     (lambda s: {}, "lacks"),
     (lambda s: {**s, "batches_done": -3}, "below 0"),
     (lambda s: {**s, "batches_done": 1000}, "delivered, but it has"),
+    (lambda s: {**s, "batches_done": 9, "batch_size": 16}, r"delivered, but it has 4 \(at world size 1, batch size 16"),
+    (lambda s: {**s, "batches_done": 5, "world_size": 2}, r"delivered, but it has 4 \(at world size 2, batch size 8"),
     (lambda s: {**s, "epoch": "1"}, "not int"),
     (lambda s: {**s, "consumed": b"\x00"}, "mask"),
     (lambda s: {**s, "consumed": "not hex"}, "mask"),
