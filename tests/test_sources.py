@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+from contextlib import contextmanager
 
 import pytest
 from conftest import child_env, jpeg_bytes, photo, png_bytes
@@ -306,24 +307,48 @@ def test_an_lmdb_value_of_another_layout_is_named_with_the_reason_not_truncated(
     assert result.packed == 4 and [entry["path"] for entry in result.special] == ["1", "2", "7", "8", "9"]
 
 
-def test_an_image_folder_served_over_http_packs_as_from_disk(tmp_path):
-    """fsspec's HTTP filesystem lists whole URLs (an object store's listing gives bare paths)."""
+@contextmanager
+def served(folder):
+    """``folder`` over HTTP (Python's own server, which lists folders as HTML links); its URL."""
     import functools
     import http.server
     import threading
 
-    from conftest import write_photos
-
     pytest.importorskip("aiohttp")
-    src = tmp_path / "src"
-    write_photos(str(src), 6, classes=2, start_seed=40)
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(src))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
     handler.log_message = lambda *args: None
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        result = pack(f"http://127.0.0.1:{server.server_address[1]}/", str(tmp_path / "web"), workers=1)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+
+
+def test_an_image_folder_served_over_http_packs_as_from_disk(tmp_path):
+    """fsspec's HTTP filesystem lists whole URLs (an object store's listing gives bare paths)."""
+    from conftest import write_photos
+
+    src = tmp_path / "src"
+    write_photos(str(src), 6, classes=2, start_seed=40)
+    with served(src) as url:
+        result = pack(url + "/", str(tmp_path / "web"), workers=1)
     pack(str(src), str(tmp_path / "disk"), workers=1)
     assert result.packed == 6 and packed(str(tmp_path / "web")) == packed(str(tmp_path / "disk"))
+
+
+def test_a_folder_of_tar_shards_and_an_lmdb_served_over_http_pack_as_from_disk(tmp_path):
+    """Both are fetched first, file by file (the server's listing names the folder itself too, and
+    names are URL-quoted there)."""
+    jpg = jpeg_bytes(photo(7))
+    web = tmp_path / "web"
+    (web / "wds").mkdir(parents=True)
+    write_tar(web / "wds" / "train 0.tar", {"a.jpg": jpg, "a.cls": b"0"})
+    write_tar(web / "wds" / "train-1.tar", {"b.jpg": jpg, "b.cls": b"1"})
+    write_lmdb(str(web / "train.lmdb"), {b"1": (jpg, 0), b"2": (jpg, 1)})
+    with served(web) as url:
+        tars = pack(url + "/wds/", str(tmp_path / "tars"), workers=1)
+        lmdb = pack(url + "/train.lmdb", str(tmp_path / "lmdb"), workers=1)
+    assert tars.packed == 2 and packed(tars.out) == packed(pack(str(web / "wds"), str(tmp_path / "t"), workers=1).out)
+    assert lmdb.packed == 2 and packed(lmdb.out) == packed(pack(str(web / "train.lmdb"), str(tmp_path / "l"),
+                                                                workers=1).out)

@@ -616,11 +616,22 @@ def read_url(url) -> bytes:
 
 def _fetched(url, where) -> str:
     """Tar shards and LMDBs at a URL are fetched to a local folder first (both need seeks)."""
+    from urllib.parse import unquote
+
     fs, path = _filesystem(url)
     local = os.path.join(where, os.path.basename(path.rstrip("/")) or "source")
     with remote_errors(url, missing="no such file or folder", doing="cannot fetch it"):
-        if fs.isdir(path):
-            fs.get(path.rstrip("/") + "/", local.rstrip("/") + "/", recursive=True)
+        if fs.isdir(path):  # file by file (an HTTP server's listing names the folder itself as a file too)
+            root = path.rstrip("/")
+            web = "http" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+            for name in sorted(fs.find(root)):
+                parts = name[len(root) + 1:].split("/") if name.startswith(root + "/") else []
+                parts = [unquote(part) if web else part for part in parts]  # (links are URL-quoted)
+                if not parts or any(part in ("", ".", "..") for part in parts):
+                    continue  # the folder itself, its parent, a link elsewhere
+                target = os.path.join(local, *parts)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                fs.get_file(name, target)
         else:
             fs.get(path, local)
     return local
