@@ -135,8 +135,10 @@ def _parse(name, value):
             raise ValueError(f"setting {name}: must be 0 or more, got {number}")
         if name != "max_gap" and number < 1:
             raise ValueError(f"setting {name}: must be at least 1, got {number}")
-        if name.endswith("threads") and number > _MOST_THREADS:
-            raise ValueError(f"setting {name}: at most {_MOST_THREADS} threads, got {number}")
+        if (name.endswith("threads") or name == "direct_depth") and number > _MOST_THREADS:  # (depth: as many
+            # threads where native AIO is refused)
+            what = "reads in flight" if name == "direct_depth" else "threads"
+            raise ValueError(f"setting {name}: at most {_MOST_THREADS} {what}, got {number}")
         return number
     value = str(value).strip().lower()
     if (name, value) in _RENAMED_VALUES:

@@ -105,6 +105,15 @@ def test_a_bad_environment_variable_stops_a_pack_before_it_makes_out(tmp_path):
     assert not os.path.exists(tmp_path / "ds")
 
 
+def test_thread_counts_and_the_direct_depth_are_bounded():
+    with pytest.raises(ValueError, match="setting direct_depth: at most 1024 reads in flight, got 200000"):
+        settings.set(direct_depth=200000)
+    with pytest.raises(ValueError, match="setting io_threads: at most 1024 threads"):
+        settings.set(io_threads=5000)
+    with settings.set(direct_depth=1024):
+        assert settings.get("direct_depth") == 1024
+
+
 def test_byte_settings_take_sizes():
     with settings.set(direct_ahead="64M", max_gap="16K", max_read="1GiB"):
         assert (settings.get("direct_ahead"), settings.get("max_gap"), settings.get("max_read")) == (
