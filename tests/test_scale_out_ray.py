@@ -364,13 +364,23 @@ def test_an_address_with_no_cluster_says_how_to_start_one():
         def shutdown(self):
             pass
 
+    class Refused(NoCluster):
+        def init(self, **kwargs):
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379.")
+
     owner = _RayOwner(NoCluster(), "auto")
     with pytest.raises(ConnectionError) as said:
         owner.start()
     owner.stop()
     assert str(said.value) == ("--ray auto: no Ray cluster to join there (Could not find any running Ray instance); "
-                               "start one (ray start --head) and give its address (ray://HEAD:10001), or give --ray "
-                               "no address to start a local Ray")
+                               "start one (ray start --head) if none runs there and give its address "
+                               "(ray://HEAD:10001), or give --ray no address to start a local Ray")
+    owner = _RayOwner(Refused(), "10.0.0.1:6379")  # (one may run there and refuse this driver)
+    with pytest.raises(ConnectionError) as said:
+        owner.start()
+    owner.stop()
+    assert str(said.value).startswith("--ray 10.0.0.1:6379: cannot join the Ray cluster there (Failed to connect to "
+                                      "Ray cluster at 10.0.0.1:6379); start one (ray start --head) if none runs there")
 
 
 def test_no_address_starts_a_ray_of_its_own_unless_ray_address_names_one(monkeypatch):

@@ -204,7 +204,10 @@ class _RayOwner:
         if isinstance(self.error, ConnectionError) and address:
             said = str(self.error).split(". ")[0].rstrip(".")  # (Ray's next sentence names an --address flag)
             where = f"--ray {address}" if self.address else f"RAY_ADDRESS={address}"
-            raise ConnectionError(f"{where}: no Ray cluster to join there ({said}); start one (ray start --head) and "
+            nothing = "Could not find any running Ray instance" in said  # (else one may run there but refuse
+            # this driver: another Ray version, its authentication; Ray's log says which)
+            why = "no Ray cluster to join there" if nothing else "cannot join the Ray cluster there"
+            raise ConnectionError(f"{where}: {why} ({said}); start one (ray start --head) if none runs there and "
                                   f"give its address (ray://HEAD:10001), or give --ray no address to start a local "
                                   f"Ray") from self.error
         if self.error is not None:
