@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -311,7 +312,6 @@ def _ray_processes(mark):
 def test_sigterm_on_ray_unwinds_as_a_local_pack_and_leaves_no_process(when, tmp_path):
     """SIGTERM while the command's local Ray starts or while the parts pack: one line, exit 143, no
     dataset and no part folder, and none of Ray's processes left (they would outlive the command)."""
-    import signal
     import time
     import uuid
 
@@ -341,6 +341,47 @@ def test_sigterm_on_ray_unwinds_as_a_local_pack_and_leaves_no_process(when, tmp_
     while _ray_processes(mark) and time.time() < deadline:
         time.sleep(0.5)
     assert _ray_processes(mark) == []
+
+
+def test_a_start_whose_processes_are_killed_under_it_is_left_and_the_rest_ended(monkeypatch):
+    """SIGTERM to the whole process group (timeout, Slurm) while the local Ray starts ends Ray's
+    processes too: the start would then wait a minute for its GCS before Ray ended the command (exit
+    1, no word). Once a process the start made is gone, the rest are ended and the start left to
+    itself: the signal unwinds at once, and no shutdown waits on what is gone."""
+    import threading
+
+    from gdsdata.errors import Terminated
+    from gdsdata.packing import ray as ray_module
+
+    never = threading.Event()
+
+    class Starting:  # a start that never ends (its GCS is gone)
+        def init(self, **kwargs):
+            never.wait(60)
+
+        def shutdown(self):
+            pytest.fail("a shutdown would wait for the start")
+
+    children = iter([{101, 102}, {101, 102}] + [{102}] * 1000)  # Ray's processes, then one killed
+    killed = []
+    monkeypatch.setattr(ray_module, "_children", lambda: next(children))
+    monkeypatch.setattr(ray_module.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    owner = ray_module._RayOwner(Starting(), None)
+    timer = threading.Timer(0.5, lambda: signal.raise_signal(signal.SIGUSR1))
+
+    def terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGUSR1, terminated)
+    try:
+        timer.start()
+        with pytest.raises(Terminated):
+            owner.start()
+        owner.stop()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        never.set()
+    assert owner.abandoned and set(killed) == {(102, signal.SIGKILL)}
 
 
 def test_the_part_count_follows_size_and_cpus():

@@ -180,6 +180,8 @@ class _RayOwner:
     def __init__(self, ray, address):
         self.ray, self.address, self.error = ray, address, None
         self.up, self.done = threading.Event(), threading.Event()
+        self.abandoned = False  # a start whose processes were killed under it: left to itself (``_wind_up``)
+        self.seen = set()  # the child processes seen while a local Ray starts
 
     def start(self):
         quiet = _NoThreadNotice()
@@ -190,16 +192,20 @@ class _RayOwner:
             deadline = time.monotonic() + bound
             try:
                 while not self.up.wait(0.1):
+                    if self.address is None:
+                        self.seen |= _children()  # Ray's processes as they start (``_wind_up``)
                     if time.monotonic() > deadline:
                         raise GdsDataError(f"Ray did not start{f' at {self.address}' if self.address else ''} within "
                                            f"{bound:g} s (twice the stall_timeout setting, 2 minutes at least)")
             except BaseException:  # Ctrl-C, SIGTERM or the bound while Ray starts: a local Ray goes (in ``stop``)
                 if self.address is None:  # once started (joining a cluster starts no process here: nothing to wait for)
                     with deferred_signals():
-                        self.up.wait(timeout_or_none(bound))
+                        self._wind_up(bound)
                 raise
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
+        if self.address is None:
+            self.seen |= _children()  # (Ray's processes: ``stop``)
         address = self.address or os.environ.get("RAY_ADDRESS")
         if isinstance(self.error, ConnectionError) and address:
             said = str(self.error).split(". ")[0].rstrip(".")  # (Ray's next sentence names an --address flag)
@@ -213,13 +219,31 @@ class _RayOwner:
         if self.error is not None:
             raise self.error
 
+    def _wind_up(self, bound):
+        """Wait for a local start that a signal stopped midway to end (then ``stop`` shuts it down),
+        unless a process it made is gone meanwhile: a signal to the whole process group (``timeout``,
+        Slurm) ends them too, and the start would then wait a minute for its GCS before Ray ends this
+        process (exit status 1, no word of gdsdata's). The rest of its processes are then ended here
+        and the start is left to itself (``abandoned``: nothing waits on it)."""
+        seen, deadline = self.seen, time.monotonic() + bound
+        while not self.up.wait(0.1) and time.monotonic() < deadline:
+            alive = _children()
+            if seen - alive:
+                for pid in alive:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                self.abandoned = True
+                return
+            seen |= alive
+
     def _run(self):
         try:
             # no address: a local Ray of its own (Ray's None would join a `ray start` cluster of this
             # machine, of its CPUs only), unless RAY_ADDRESS names one, as Ray's own commands take it
             where = self.address or (None if os.environ.get("RAY_ADDRESS") else "local")
-            self.ray.init(address=where, ignore_reinit_error=True, log_to_driver=False,
-                          include_dashboard=False, configure_logging=False)
+            with _no_failure_signal_handler(self.ray):
+                self.ray.init(address=where, ignore_reinit_error=True, log_to_driver=False,
+                              include_dashboard=False, configure_logging=False)
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             self.error = e
         finally:
@@ -231,6 +255,13 @@ class _RayOwner:
         failed start left included; waiting for that at most ``bound`` seconds (else said, and left)."""
         ended = threading.Thread(target=self.ray.shutdown, name="gdsdata-ray-shutdown", daemon=True)
         try:
+            if self.abandoned or self.seen - _children():  # (killed under it: the whole group had a SIGTERM)
+                # its shutdown would wait for the start, or for the processes that are gone: the rest go here
+                for pid in _children() & self.seen:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                atexit.unregister(getattr(getattr(self.ray, "_private", None), "worker", self.ray).shutdown)
+                return
             ended.start()
             ended.join(bound)
             if ended.is_alive():
@@ -239,6 +270,43 @@ class _RayOwner:
                 atexit.unregister(getattr(getattr(self.ray, "_private", None), "worker", self.ray).shutdown)
         finally:
             self.done.set()
+
+
+def _children() -> set:
+    """This process's child processes still running (not zombies), from /proc (empty without it)."""
+    found, me = set(), str(os.getpid())
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            found.add(int(pid))
+    return found
+
+
+@contextlib.contextmanager
+def _no_failure_signal_handler(ray):
+    """Ray's driver (its C++ core worker, made by ``ray.init``) puts Abseil's failure signal handler
+    on SIGTERM, in place of the caller's: a SIGTERM then aborted the pack (exit 134, Ray's processes
+    left behind) instead of unwinding it. Not for the core worker this pack makes (what Ray reads
+    as it makes one: RAY_DISABLE_FAILURE_SIGNAL_HANDLER), and as it was for any later."""
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    name = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+    if constants is None or not hasattr(constants, name):
+        yield
+        return
+    kept = getattr(constants, name)
+    setattr(constants, name, True)
+    try:
+        yield
+    finally:
+        setattr(constants, name, kept)
 
 
 class _NoThreadNotice(logging.Filter):
