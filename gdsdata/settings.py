@@ -214,6 +214,18 @@ def _restore(previous):
             _values.update(previous)
 
 
+@contextlib.contextmanager
+def swapped(owner, name: str, value):
+    """``owner.name`` is ``value`` for the block: another library's setting or function, looked up
+    there by its callers (Ultralytics' dataset check, Ray's failure signal handler)."""
+    held = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, held)
+
+
 def set(**changes):  # noqa: A001 - mirrors kvikio.defaults.set
     """Change settings now; used as a context manager, restores them on exit."""
     for old in changes:

@@ -27,7 +27,6 @@ its ``device`` names every GPU of the job. Needs the ``ultralytics`` package (an
 DDP, ``cloudpickle``, which Ultralytics' launch uses).
 """
 
-import contextlib
 import copy
 import dataclasses
 import logging
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gdsdata.dataset import GDSDataset
+from gdsdata.settings import swapped
 from gdsdata.loader import Loader
 from gdsdata.transforms.detection import Letterbox, YoloAugment
 
@@ -187,19 +187,8 @@ class DetectionValidator(_UltralyticsValidator):
     def __call__(self, trainer=None, model=None):
         if trainer is not None:
             return super().__call__(trainer=trainer, model=model)
-        with _swapped(_validator_module, "check_det_dataset", lambda *args, **kwargs: dict(self._gds_data)):
+        with swapped(_validator_module, "check_det_dataset", lambda *args, **kwargs: dict(self._gds_data)):
             return super().__call__(trainer=trainer, model=model)
-
-
-@contextlib.contextmanager
-def _swapped(module, name, value):
-    """``module.name`` is ``value`` for the block (an Ultralytics function its callers look up there)."""
-    held = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, held)
 
 
 def _amp_without_download(check):
@@ -211,7 +200,7 @@ def _amp_without_download(check):
         raise ConnectionError("gdsdata fetches nothing at run time")
 
     def check_amp(model):
-        with _swapped(ultralytics, "YOLO", offline):
+        with swapped(ultralytics, "YOLO", offline):
             return check(model)
 
     return check_amp
@@ -225,7 +214,7 @@ def _usable_yaml(yaml) -> bool:
     from ultralytics.data import utils
 
     try:
-        with _swapped(utils, "check_font", lambda *args, **kwargs: None):
+        with swapped(utils, "check_font", lambda *args, **kwargs: None):
             utils.check_det_dataset(yaml, autodownload=False)
     except Exception:  # noqa: BLE001 - whatever Ultralytics makes of it, the packs are what trains
         return False
@@ -315,7 +304,7 @@ class DetectionTrainer(_UltralyticsTrainer):
         wherever ``amp`` is (``amp=False`` turns it off)."""
         from ultralytics.engine import trainer as module
 
-        with _swapped(module, "check_amp", _amp_without_download(module.check_amp)):
+        with swapped(module, "check_amp", _amp_without_download(module.check_amp)):
             return super()._setup_train(*args, **kwargs)
 
     def get_dataset(self):

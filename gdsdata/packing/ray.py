@@ -298,15 +298,8 @@ def _no_failure_signal_handler(ray):
     as it makes one: RAY_DISABLE_FAILURE_SIGNAL_HANDLER), and as it was for any later."""
     constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
     name = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
-    if constants is None or not hasattr(constants, name):
+    with (settings.swapped(constants, name, True) if hasattr(constants, name) else contextlib.nullcontext()):
         yield
-        return
-    kept = getattr(constants, name)
-    setattr(constants, name, True)
-    try:
-        yield
-    finally:
-        setattr(constants, name, kept)
 
 
 class _NoThreadNotice(logging.Filter):
