@@ -337,6 +337,31 @@ def test_an_image_folder_served_over_http_packs_as_from_disk(tmp_path):
     assert result.packed == 6 and packed(str(tmp_path / "web")) == packed(str(tmp_path / "disk"))
 
 
+def test_a_fetched_folder_never_writes_outside_its_temporary_folder(tmp_path, monkeypatch):
+    """A server's listing is the server's to write: a link that unquotes to an absolute path or
+    climbs out ("%2Ftmp%2Fx", "..%2Fx") is not fetched; the folder's own files are, URL-unquoted."""
+    from gdsdata.packing import sources
+
+    got = []
+
+    class Listing:
+        protocol = ("http", "https")
+
+        def isdir(self, path):
+            return True
+
+        def find(self, root):
+            return [root, root + "/data.mdb", root + "/a%20b/lock.mdb", root + "/%2Ftmp%2Fescaped",
+                    root + "/..%2F..%2Fescaped", root + "/sub/..", "http://elsewhere/x"]
+
+        def get_file(self, name, target):
+            got.append((name.rsplit("/db", 1)[-1], os.path.relpath(target, tmp_path)))
+
+    monkeypatch.setattr(sources, "_filesystem", lambda url: (Listing(), url))
+    assert sources._fetched("http://host/db", str(tmp_path)) == str(tmp_path / "db")
+    assert got == [("/a%20b/lock.mdb", "db/a b/lock.mdb"), ("/data.mdb", "db/data.mdb")]
+
+
 def test_a_folder_of_tar_shards_and_an_lmdb_served_over_http_pack_as_from_disk(tmp_path):
     """Both are fetched first, file by file (the server's listing names the folder itself too, and
     names are URL-quoted there)."""

@@ -78,7 +78,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
         check_output(out, overwrite)
         owner = None if ray.is_initialized() else _RayOwner(ray, address)
         came = []  # the signals that stopped the job (Ray's own waits may turn SIGTERM's unwinding into Ctrl-C's)
-        pending, parts, folder = {}, 0, None
+        pending, parts, folder, interrupted = {}, 0, None, False
         try:
             if owner is not None:
                 owner.start()
@@ -145,6 +145,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                 summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
                                         overwrite=overwrite, adopt=True, report=union)
         except KeyboardInterrupt as e:
+            interrupted = True
             if signal.SIGTERM in came and not isinstance(e, Terminated):
                 raise Terminated() from None
             raise
@@ -156,7 +157,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                             ray.cancel(ref, force=True)
                 finally:
                     if owner is not None:
-                        owner.stop()
+                        owner.stop(interrupted=interrupted)
                     if folder is not None:
                         for k in range(parts):  # with what they left on the shard roots (after a failure)
                             part = os.path.join(folder, f"part-{k}")
@@ -181,19 +182,21 @@ class _RayOwner:
         self.ray, self.address, self.error = ray, address, None
         self.up, self.done = threading.Event(), threading.Event()
         self.abandoned = False  # a start whose processes were killed under it: left to itself (``_wind_up``)
-        self.seen = set()  # the child processes seen while a local Ray starts
+        self.seen = set()  # the child processes seen while a local Ray starts (those it started)
+        self._before = set()  # this process's children before it (not Ray's)
 
     def start(self):
         quiet = _NoThreadNotice()
         logging.getLogger("ray._private.worker").addFilter(quiet)
         try:
+            self._before = _children() if self.address is None else set()
             threading.Thread(target=self._run, name="gdsdata-ray-init", daemon=True).start()
             bound = max(120.0, 2 * settings.get("stall_timeout"))  # (Ray starts in seconds; a cold cluster in a minute)
             deadline = time.monotonic() + bound
             try:
                 while not self.up.wait(0.1):
                     if self.address is None:
-                        self.seen |= _children()  # Ray's processes as they start (``_wind_up``)
+                        self.seen |= _children() - self._before  # Ray's processes as they start (``_wind_up``)
                     if time.monotonic() > deadline:
                         raise GdsDataError(f"Ray did not start{f' at {self.address}' if self.address else ''} within "
                                            f"{bound:g} s (twice the stall_timeout setting, 2 minutes at least)")
@@ -205,7 +208,7 @@ class _RayOwner:
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
         if self.address is None:
-            self.seen |= _children()  # (Ray's processes: ``stop``)
+            self.seen |= _children() - self._before  # (Ray's processes: ``stop``)
         address = self.address or os.environ.get("RAY_ADDRESS")
         if isinstance(self.error, ConnectionError) and address:
             said = str(self.error).split(". ")[0].rstrip(".")  # (Ray's next sentence names an --address flag)
@@ -227,7 +230,7 @@ class _RayOwner:
         and the start is left to itself (``abandoned``: nothing waits on it)."""
         seen, deadline = self.seen, time.monotonic() + bound
         while not self.up.wait(0.1) and time.monotonic() < deadline:
-            alive = _children()
+            alive = _children() - self._before
             if seen - alive:
                 for pid in alive:
                     with contextlib.suppress(OSError):
@@ -250,12 +253,14 @@ class _RayOwner:
             self.up.set()
         self.done.wait()
 
-    def stop(self, bound: float = 120.0):
+    def stop(self, bound: float = 120.0, interrupted: bool = False):
         """Shut down the Ray this pack started (a cluster it joined only loses this driver), what a
-        failed start left included; waiting for that at most ``bound`` seconds (else said, and left)."""
+        failed start left included; waiting for that at most ``bound`` seconds (else said, and left).
+        ``interrupted`` (Ctrl-C, SIGTERM): where a process Ray started is gone, the signal went to the
+        whole process group; the rest are ended here, as a shutdown would wait on what is gone."""
         ended = threading.Thread(target=self.ray.shutdown, name="gdsdata-ray-shutdown", daemon=True)
         try:
-            if self.abandoned or self.seen - _children():  # (killed under it: the whole group had a SIGTERM)
+            if self.abandoned or interrupted and self.seen - _children():  # (a SIGTERM to the whole group)
                 # its shutdown would wait for the start, or for the processes that are gone: the rest go here
                 for pid in _children() & self.seen:
                     with contextlib.suppress(OSError):

@@ -625,10 +625,10 @@ def _fetched(url, where) -> str:
             root = path.rstrip("/")
             web = "http" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
             for name in sorted(fs.find(root)):
-                parts = name[len(root) + 1:].split("/") if name.startswith(root + "/") else []
-                parts = [unquote(part) if web else part for part in parts]  # (links are URL-quoted)
-                if not parts or any(part in ("", ".", "..") for part in parts):
-                    continue  # the folder itself, its parent, a link elsewhere
+                rel = name[len(root) + 1:] if name.startswith(root + "/") else ""
+                parts = (unquote(rel) if web else rel).split("/")  # (links are URL-quoted: %2F is a "/")
+                if any(part in ("", ".", "..") or "\\" in part for part in parts):
+                    continue  # the folder itself, its parent, a link elsewhere (never a path out of ``local``)
                 target = os.path.join(local, *parts)
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 fs.get_file(name, target)
