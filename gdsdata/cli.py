@@ -141,7 +141,7 @@ def _print_left_out(skipped, ignored, unreadable, special):
     if ignored:
         print(f"  ignored {len(ignored)} file(s): not images, or beside the class folders (pack_report.json lists "
               f"them)")
-    for what, entries in (("could not read", unreadable), ("skipped unopened", special)):
+    for what, entries in (("could not read", unreadable), ("left out", special)):  # (special: each says how)
         if entries:
             _print_entries(f"  {what} {len(entries)} folder(s) or file(s):", entries)
 

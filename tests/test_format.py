@@ -253,6 +253,23 @@ def test_a_shard_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch
     ds.close()
 
 
+def test_a_read_error_of_an_open_shard_names_it(tmp_path, monkeypatch):
+    """EIO from a failing drive while an open shard is read: gdsdata's error naming the file and the
+    reason (a bare OSError before)."""
+    target = _copy_golden(tmp_path)
+    ds = GDSDataset(str(target))
+    ds[0]  # the shard is open
+
+    def failing(fd, buffers, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(GdsDataError, match=re.escape(f"{target / fmt.shard_name(0)}: cannot be read (Input/output "
+                                                     f"error)")):
+        ds[1]
+    ds.close()
+
+
 def test_a_fifo_named_as_the_index_or_a_journal_is_refused_not_waited_on(tmp_path):
     """The index, a journal, a report or a data YAML that is a FIFO: one line naming it (readers,
     verify and a resume had waited on it for good); an overwrite replaces such a dataset."""

@@ -291,10 +291,12 @@ def test_an_lmdb_value_of_another_layout_is_named_with_the_reason_not_truncated(
     image = jpeg_bytes(photo(12))
     db = write_lmdb(str(tmp_path / "float.lmdb"), {b"1": (image, 0.9), b"2": (image, 1.5), b"3": (image, 1.0),
                                                    b"4": (image, 0), b"5": (image, np.int64(1)), b"6": (image, " 1 "),
-                                                   b"7": (image, "1_0"), b"8": (image, None), b"9": [image]},
+                                                   b"7": (image, "1_0"), b"8": (image, None), b"9": [image],
+                                                   b"10": (image, np.array(1.0)), b"11": (image, "+0")},
                     classes=["a", "b"])
     source = open_source(db)
-    assert [(item.rel, item.label) for item in source.items] == [("3", 1), ("4", 0), ("5", 1), ("6", 1)]
+    assert [(item.rel, item.label) for item in source.items] == [("3", 1), ("4", 0), ("5", 1), ("6", 1), ("10", 1),
+                                                                 ("11", 0)]
     assert source.ignored == []
     assert source.special == [
         {"path": "1", "reason": "its label 0.9 is not an integer: skipped"},
@@ -304,7 +306,7 @@ def test_an_lmdb_value_of_another_layout_is_named_with_the_reason_not_truncated(
         {"path": "9", "reason": "its value unpickles to a list, not an (image bytes, label) pair: skipped"}]
     source.close()
     result = pack(db, str(tmp_path / "ds"), workers=1)
-    assert result.packed == 4 and [entry["path"] for entry in result.special] == ["1", "2", "7", "8", "9"]
+    assert result.packed == 6 and [entry["path"] for entry in result.special] == ["1", "2", "7", "8", "9"]
 
 
 @contextmanager

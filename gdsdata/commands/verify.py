@@ -103,7 +103,8 @@ def _readable(reader, indices, problems, index, damaged):
     for i in indices:
         try:
             parts.append((*reader.read([i]), [i]))
-        except (OSError, GdsDataError) as e:
-            problems.append(cannot_read(index.describe(i), e))
+        except (OSError, GdsDataError) as e:  # (gdsdata's own error names the file and the reason already)
+            problems.append(cannot_read(index.describe(i), e) if isinstance(e, OSError) else
+                            f"{index.describe(i)}: {e}")
             damaged.setdefault(int(index.samples[i]["shard"]), []).append(i)
     return parts

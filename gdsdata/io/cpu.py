@@ -191,7 +191,10 @@ class CpuReader:
         for read in plan.reads:
             view = memoryview(buffer[read.buffer_offset:read.buffer_offset + read.size])
             with self.files.use(read.shard) as fd, stall.native("preadv"):
-                got = os.preadv(fd, [view], read.offset)
+                try:
+                    got = os.preadv(fd, [view], read.offset)
+                except OSError as e:  # (EIO: a failing drive) naming the file
+                    raise GdsDataError(cannot_read(self.index.shard_path(read.shard), e)) from e
             if got != read.size:
                 raise FormatError(f"{self.index.shard_path(read.shard)}: short read at offset "
                                   f"{read.offset} ({got} of {read.size} bytes): truncated shard")

@@ -7,9 +7,9 @@ Label conventions:
   torchvision's ImageFolder).
 - LMDB: the common folder-to-LMDB layout (``tools/make_lmdb.py`` writes it): keys are the sample
   index as ASCII digits, values ``pickle.dumps((encoded_bytes, label))``; optional keys
-  ``__len__`` and ``__classes__`` (pickled list of distinct names, refused otherwise); a value
-  whose image is not bytes, or of another layout (not a pair; a label that is not an integer: 1.5),
-  is skipped with the reason (``special``). Values are unpickled: pack only LMDBs you
+  ``__len__`` and ``__classes__`` (pickled list of distinct names, refused otherwise); a value of
+  another layout (not a pair; a label that is not an integer: 1.5) is listed with the reason
+  (``special``), one whose image is not bytes skipped with the reason. Values are unpickled: pack only LMDBs you
   trust. Keys name the samples; keys that are not UTF-8 are kept byte for byte, as folder names are.
 - tar (WebDataset): files grouped by their name up to the first dot of the last path component;
   one image member (``.jpg .jpeg .png ...``) and a ``.cls`` member holding the integer label per
@@ -24,7 +24,6 @@ Label conventions:
 """
 
 import functools
-import numbers
 import operator
 import os
 import pickle
@@ -285,7 +284,8 @@ class LmdbSource:
             self.classes = [str(k) for k in range(max(item.label for item in self.items) + 1)]
 
     def _list(self):
-        """Its (image bytes, label) values as items (the others ignored); returns ``__classes__``'s value."""
+        """Its (image bytes, label) values as items (the others listed in ``special`` with the reason);
+        returns ``__classes__``'s value."""
         with self.env.begin() as txn:
             raw_classes = txn.get(b"__classes__")
             for key, value in txn.cursor():
@@ -337,23 +337,25 @@ def _lmdb_value_problem(value):
         label = _decimal(given)
         return f"its label {given[:20]!r} is not an integer" if label is None else label
     try:
-        return operator.index(given)  # int, NumPy's and torch's integers
+        return operator.index(given)  # int (bool too), NumPy's and torch's integers
     except TypeError:
         pass
-    if not isinstance(given, numbers.Real) or isinstance(given, bool):
+    try:
+        value = float(given)  # floats, NumPy's and torch's scalars and one-value arrays
+    except (TypeError, ValueError):
         return f"its label is {_a(type(given).__name__)}, not an integer"
-    if not float(given).is_integer():  # 1.5 is no class index, nor 1
+    if not value.is_integer():  # 1.5 is no class index, nor 1
         return f"its label {given} is not an integer"
-    return int(given)
+    return int(value)
 
 
 def _decimal(text):
-    """The integer ``text`` (str or bytes) spells in ASCII digits, an optional minus and surrounding
+    """The integer ``text`` (str or bytes) spells in ASCII digits, an optional sign and surrounding
     whitespace, else None: ``int()`` would also read "1_0" as 10 and other scripts' digits."""
     if isinstance(text, bytes):
         text = text.decode("ascii", "replace")
     text = text.strip()
-    return int(text) if re.fullmatch(r"-?[0-9]+", text) else None
+    return int(text) if re.fullmatch(r"[-+]?[0-9]+", text) else None
 
 
 def _lmdb_classes(src, raw) -> list:
