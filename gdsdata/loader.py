@@ -821,7 +821,8 @@ class _EpochWindows:
                 lo, hi = int(self.bounds[run]), int(self.bounds[run + 1])
                 window = self.dataset.read_window(self.samples[lo:hi], int(self.uses[run]))
                 if window is not None:
-                    self.loads.submit(window.load_ahead)  # a failure stays with the window: its batches raise it
+                    # (a failure stays with the window: its batches raise it)
+                    self.loads.submit(_bounded_by(self.dataset, window.load_ahead))
                     self.stats.read_bytes += int(window.plan.total)
                 self.made[run] = window
         for run in [r for r in self.made if r < first]:  # windows no batch still to come draws from
@@ -857,7 +858,7 @@ class _Reading:
         self.dataset, self.planned, self.outputs, self.windows = dataset, planned, outputs, windows
         self.copies = copies
         self.thread, self.started = None, None
-        self.future = pool.submit(self._run)
+        self.future = pool.submit(_bounded_by(dataset, self._run))  # (its waits: as the pass's threads')
 
     def _run(self):
         self.thread, self.started = threading.current_thread(), time.monotonic()

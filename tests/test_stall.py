@@ -222,6 +222,35 @@ def test_waits_inside_a_dataset_take_the_bound_it_was_built_with(photos_dataset)
         ds.close()
 
 
+def test_streaming_reads_ahead_take_the_dataset_s_bound_too(photos_dataset):
+    """Streaming reads (``io_engine=direct``) run a batch's read on read-ahead threads of their own:
+    a wait there takes the dataset's bound as the pass's own threads do."""
+    import threading
+
+    from gdsdata import stall
+
+    with gdsdata.settings.set(stall_timeout=1, io_engine="direct"):
+        ds = gdsdata.GDSDataset(photos_dataset[2])
+    assert ds.load_path.reads == "direct"
+    busy = threading.Lock()
+    original = ds.read_staged
+
+    def waits_for_the_lock(*args, **kwargs):
+        with stall.held(busy, "the test's lock"):
+            return original(*args, **kwargs)
+
+    ds.read_staged = waits_for_the_lock
+    busy.acquire()
+    try:
+        started = time.monotonic()
+        with pytest.raises(gdsdata.StallError, match="the test's lock has been busy for 1 s"):
+            list(gdsdata.Loader(ds, 16, shuffle=None))
+        assert time.monotonic() - started < 30
+    finally:
+        busy.release()
+        ds.close()
+
+
 def test_stall_timeout_setting_is_validated():
     for bad in (0, -1, "soon"):
         with pytest.raises(ValueError, match="stall_timeout"):
