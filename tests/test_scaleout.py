@@ -135,15 +135,16 @@ def test_merge_takes_each_dataset_once(source, whole, tmp_path, capsys):
 
 
 def test_merge_of_two_packs_of_one_source_says_their_files_come_twice(source, whole, tmp_path, caplog):
-    """Two whole packs of one source (not a copy: their own ids) hold the same files: merged, each of
-    them twice, which a warning says (repeats may be meant: not refused); packs of other files do not."""
+    """Two whole packs of one source (not a copy: their own ids), or a pack and an append of it, hold
+    the same samples: merged, each of them twice, which a warning says (repeats may be meant: not
+    refused); parts of one pack do not."""
     again = str(tmp_path / "again")
     pack(source, again, workers=1, shard_size=SHARD)
     with caplog.at_level("WARNING", logger="gdsdata"):
         merge([whole, again], str(tmp_path / "m"))
-    said = [r.getMessage() for r in caplog.records if "packed from" in r.getMessage()]
-    assert said == [f"{whole} and {again} were both packed from {source} and hold {len(index_io.load(whole))} of the "
-                    f"same files: the merged dataset holds each of them twice"]
+    said = [r.getMessage() for r in caplog.records if "the same samples" in r.getMessage()]
+    assert said == [f"{whole} and {again} hold {len(index_io.load(whole))} of the same samples (the same file paths "
+                    f"and stored bytes): the merged dataset holds each of them twice"]
     assert len(index_io.load(str(tmp_path / "m"))) == 2 * len(index_io.load(whole))
     caplog.clear()
     halves = [str(tmp_path / f"half{k}") for k in range(2)]
@@ -151,7 +152,18 @@ def test_merge_of_two_packs_of_one_source_says_their_files_come_twice(source, wh
         pack(source, half, workers=1, shard_size=SHARD, num_parts=2, part=k)
     with caplog.at_level("WARNING", logger="gdsdata"):
         merge(halves, str(tmp_path / "parts"))
-    assert not [r for r in caplog.records if "packed from" in r.getMessage()]
+    assert not [r for r in caplog.records if "the same samples" in r.getMessage()]
+    caplog.clear()
+    first = str(tmp_path / "first")  # a pack of one half, then the other appended: it holds half 1's files too
+    extra = tmp_path / "extra"
+    write_photos(str(extra), 4, classes=2, start_seed=900)
+    pack(str(extra), first, workers=1, shard_size=SHARD)
+    pack(source, first, workers=1, shard_size=SHARD, append=True)
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        merge([first, whole], str(tmp_path / "appended"))
+    said = [r.getMessage() for r in caplog.records if "the same samples" in r.getMessage()]
+    assert said == [f"{first} and {whole} hold {len(index_io.load(whole))} of the same samples (the same file paths "
+                    f"and stored bytes): the merged dataset holds each of them twice"]
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import sys
+import zlib
 
 import numpy as np
 from tqdm import tqdm
@@ -32,7 +33,6 @@ from gdsdata.format.lock import (SHARDS_TAG, owned_target, reader_lock, remove_q
 from gdsdata.format.shards import open_regular, read_header
 from gdsdata.packing.detection import annotate
 from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_options
-from gdsdata.packing.sources import display
 
 log = logging.getLogger(__name__)
 
@@ -224,21 +224,20 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
 
 
 def _warn_repeats(parts, indexes):
-    """Whole datasets packed from one source that hold the same files (two packs of it, or a pack
-    and an append of it): joined, the merge holds each of those files twice; said, not refused
-    (repeating samples may be meant: oversampling a class)."""
-    seen = {}  # source -> [(dataset, its sample paths)]
-    for part, index in zip(parts, indexes):
-        source = index.meta.get("source")
-        if not source:
-            continue
-        paths = {index.path(i) for i in range(len(index))}
-        for other, theirs in seen.get(source, []):
-            both = len(paths & theirs)
+    """Whole datasets that hold the same samples (the same path and the same stored bytes: two packs
+    of one source, a pack and an append of it): joined, the merge holds each of those twice; said,
+    not refused (repeating samples may be meant: oversampling a class)."""
+    keys = []  # per dataset: each sample's (CRC-32 of its path, CRC-32 of its bytes), as one integer
+    for index in indexes:
+        paths = np.fromiter((zlib.crc32(index.path(i).encode("utf-8", "surrogateescape"))
+                             for i in range(len(index))), np.uint64, len(index))
+        keys.append(np.unique((paths << np.uint64(32)) | index.samples["crc32"].astype(np.uint64)))
+    for a in range(len(parts)):
+        for b in range(a + 1, len(parts)):
+            both = len(np.intersect1d(keys[a], keys[b], assume_unique=True))
             if both:
-                log.warning("%s and %s were both packed from %s and hold %d of the same files: the merged dataset "
-                            "holds each of them twice", other, part, display(source), both)
-        seen.setdefault(source, []).append((part, paths))
+                log.warning("%s and %s hold %d of the same samples (the same file paths and stored bytes): the "
+                            "merged dataset holds each of them twice", parts[a], parts[b], both)
 
 
 def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False, report=None) -> dict:
