@@ -113,6 +113,27 @@ def test_a_shard_cut_short_under_a_streaming_reader_is_named(photos_dataset, mod
     reader.close()
 
 
+def test_a_read_error_under_a_streaming_reader_names_the_shard(photos_dataset, mode, monkeypatch):
+    """EIO (a failing drive) from a read issued by a thread: gdsdata's error naming the shard and the
+    reason, not the system's bare OSError (native AIO's own errors are said so too)."""
+    from gdsdata.errors import GdsDataError
+
+    if mode == "direct":
+        pytest.skip("native AIO reads do not go through os.preadv")
+    _, _, root = photos_dataset
+    index = load_index(root)
+    reader = CpuReader(index, direct=True)
+    reader.read(np.arange(len(index.samples)))  # every shard opened and checked
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(GdsDataError, match=r"shard-\d+\.gds: cannot be read \(Input/output error\)"):
+        reader.read(np.arange(len(index.samples)))
+    reader.close()
+
+
 def _aio_or_skip():
     from gdsdata._native.aio import Context
 

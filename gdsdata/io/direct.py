@@ -39,7 +39,7 @@ import numpy as np
 
 from gdsdata import stall
 from gdsdata.errors import FormatError, GdsDataError
-from gdsdata.format.shards import check_opened, open_regular
+from gdsdata.format.shards import cannot_read, check_opened, open_regular
 from gdsdata.io.cpu import OpenShards
 from gdsdata.threads import DaemonPool
 
@@ -118,8 +118,8 @@ def _pread(handle: _Shard, dest: np.ndarray, offset: int) -> int:
         try:
             got = os.preadv(fd, [memoryview(dest[done:])], offset + done)
         except OSError as e:
-            if e.errno != errno.EINVAL or not direct:
-                raise
+            if e.errno != errno.EINVAL or not direct:  # (EIO: a failing drive) naming the file
+                raise GdsDataError(cannot_read(handle.path, e)) from e
             handle.reopen_buffered(f"O_DIRECT refused a read of {size - done} bytes at offset {offset + done}")
             continue
         if got == 0:
@@ -296,8 +296,9 @@ class DirectReads:
                                                    f"{piece.offset}")
                             threaded.append(self._pool.submit(self._piece, piece))
                         elif result < 0:
-                            error = OSError(-result, f"{self.index.shard_path(piece.shard)}: read of {piece.size} "
-                                                     f"bytes at offset {piece.offset}: {os.strerror(-result)}")
+                            error = GdsDataError(f"{self.index.shard_path(piece.shard)}: cannot be read ("
+                                                 f"{os.strerror(-result)}, a read of {piece.size} bytes at "
+                                                 f"offset {piece.offset})")
                         else:  # short: the rest (the end of the file, or a partial read)
                             threaded.append(self._pool.submit(self._piece, piece, result))
                     except BaseException as e:  # noqa: BLE001 - raised once nothing is in flight
