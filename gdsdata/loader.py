@@ -254,9 +254,9 @@ class Loader:
 
     def batches_left(self) -> int:
         """Batches the pass being iterated (or, after ``load_state_dict``, the next one) still delivers;
-        with no pass under way (none yet, the loop broke out of it, or it ended in an error), the next pass's: a whole
-        epoch, since each ``iter()`` starts the epoch again (``state_dict`` keeps where the broken
-        pass stood)."""
+        with no pass under way (none yet, the loop broke out of it, or it ended in an error), the
+        next pass's: a whole epoch, since each ``iter()`` starts the epoch again (``state_dict``
+        keeps where the broken pass stood)."""
         if self._running() is None and not self._resume:
             return len(self)
         return len(rank_batches(self.spec, self.epoch, self._consumed)) - self._done
@@ -958,8 +958,7 @@ def _read_overlapped(dataset, epochs, q, stop, stats, activity, sources, overlap
 def _stall_timeout(dataset) -> float:
     """A pass's stall bound: the lower of its dataset's setting (a dataset keeps the settings it was
     built with) and the one in force now (``settings.set`` around the loop)."""
-    with stall.bounded(_kept_bound(dataset)):
-        return stall.bound()
+    return stall.bound(_kept_bound(dataset))
 
 
 def _kept_bound(dataset):

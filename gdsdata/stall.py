@@ -19,16 +19,17 @@ from gdsdata.errors import StallError
 
 _calls = {}  # thread ident -> (native call, monotonic start)
 _kept = threading.local()  # .seconds: the bound of the dataset this thread works for (``bounded``)
+_PAUSE_SLACK = 1.0  # seconds a gap between two polls of a wait outlasts their interval by: a stopped process
 
 
-def bound() -> float:
-    """The stall bound of a wait on this thread: the stall_timeout setting in force, or the bound
-    of the dataset the thread works for (``bounded``: a dataset keeps the settings it was built
+def bound(kept: float = None) -> float:
+    """The stall bound of a wait: the stall_timeout setting in force, or ``kept`` (default: the bound
+    of the dataset this thread works for, ``bounded``; a dataset keeps the settings it was built
     with) where that is lower."""
     from gdsdata import settings
 
     now = settings.get("stall_timeout")
-    kept = getattr(_kept, "seconds", None)
+    kept = getattr(_kept, "seconds", None) if kept is None else kept
     return now if kept is None else min(kept, now)
 
 
@@ -41,7 +42,6 @@ def bounded(seconds: float):
         yield
     finally:
         _kept.seconds = outer
-_PAUSE_SLACK = 1.0  # seconds a gap between two polls of a wait outlasts their interval by: a stopped process
 
 
 def timeout_or_none(seconds: float):

@@ -58,11 +58,14 @@ class ShardWriter:
         self._file = None
         self._link = None
 
-    def _write(self, data):
+    def _put(self, data):
         try:
             self._file.write(data)
         except OSError as e:  # name the file: "No space left on device" alone says nothing of where
             raise OSError(e.errno, e.strerror, self._path + fmt.TMP_SUFFIX) from e
+
+    def _write(self, data):
+        self._put(data)
         self._crc = zlib.crc32(data, self._crc)  # the shard's CRC covers everything after the header block
         self._size += len(data)
 
@@ -89,10 +92,9 @@ class ShardWriter:
             raise OSError(e.errno, e.strerror, e.filename or self._path + fmt.TMP_SUFFIX) from e
         self._index = index
         self.next_shard += 1
+        self._put(bytes(self.alignment))  # header block, rewritten at close (outside the shard's CRC)
         self._crc = 0
-        self._size = 0
-        self._write(bytes(self.alignment))  # header block, rewritten at close (outside the shard's CRC)
-        self._crc = 0
+        self._size = self.alignment
         self._count = 0
         self._first = self.samples_written
 

@@ -1009,16 +1009,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                                f"removed or changed while it ran); no index written: pack again")
         index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
     except BaseException as e:
-        if append:  # the dataset's own index still in place: what this run wrote goes
-            if index_io.stamp(out) == base_stamp:
-                remove_written()
-                try:  # an index cut short
-                    os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
-                except FileNotFoundError:
-                    pass
-        else:  # an index cut short goes (finished shards and journals stay: --resume writes the index)
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
+        with contextlib.suppress(OSError):  # an index cut short (finished shards and journals stay for --resume)
+            os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
+        if append and index_io.stamp(out) == base_stamp:  # the dataset's own index still in place: this run's go
+            remove_written()
         if isinstance(e, OSError) and not append:
             report.update(status="failed", error=f"{e.strerror or e} while writing the index")
             try:

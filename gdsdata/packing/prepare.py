@@ -203,11 +203,10 @@ def _check_float(image: Image.Image):
     where they lie on that scale; on another (0..1, say, which PIL's conversion turns black) or
     none (NaN), refused, as no scale is known for them."""
     values = _pixels(image)
-    finite = bool(np.isfinite(values).all())
-    low, high = (float(values.min()), float(values.max())) if values.size and finite else (0.0, 0.0)
-    if not finite:
+    if not np.isfinite(values).all():
         raise BadImageError("32-bit float pixels that are not all finite (NaN or infinity): no 8-bit image "
                             "(convert it to 8 bits first)")
+    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
     if low < 0 or high > 255:
         raise BadImageError(f"32-bit float pixels from {low:g} to {high:g}: no 8-bit image without choosing a "
                             f"scale (convert it to 8 bits first)")

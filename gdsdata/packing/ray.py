@@ -189,14 +189,14 @@ class _RayOwner:
         quiet = _NoThreadNotice()
         logging.getLogger("ray._private.worker").addFilter(quiet)
         try:
-            self._before = _children() if self.address is None else set()
+            self._before = _children() if self.address is None else set()  # (not Ray's)
             threading.Thread(target=self._run, name="gdsdata-ray-init", daemon=True).start()
             bound = max(120.0, 2 * settings.get("stall_timeout"))  # (Ray starts in seconds; a cold cluster in a minute)
             deadline = time.monotonic() + bound
             try:
                 while not self.up.wait(0.1):
                     if self.address is None:
-                        self.seen |= _children() - self._before  # Ray's processes as they start (``_wind_up``)
+                        self.seen |= self._ray_processes()  # as they start (``_wind_up``)
                     if time.monotonic() > deadline:
                         raise GdsDataError(f"Ray did not start{f' at {self.address}' if self.address else ''} within "
                                            f"{bound:g} s (twice the stall_timeout setting, 2 minutes at least)")
@@ -208,7 +208,7 @@ class _RayOwner:
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
         if self.address is None:
-            self.seen |= _children() - self._before  # (Ray's processes: ``stop``)
+            self.seen |= self._ray_processes()  # (``stop``)
         address = self.address or os.environ.get("RAY_ADDRESS")
         if isinstance(self.error, ConnectionError) and address:
             said = str(self.error).split(". ")[0].rstrip(".")  # (Ray's next sentence names an --address flag)
@@ -228,16 +228,18 @@ class _RayOwner:
         Slurm) ends them too, and the start would then wait a minute for its GCS before Ray ends this
         process (exit status 1, no word of gdsdata's). The rest of its processes are then ended here
         and the start is left to itself (``abandoned``: nothing waits on it)."""
-        seen, deadline = self.seen, time.monotonic() + bound
+        deadline = time.monotonic() + bound
         while not self.up.wait(0.1) and time.monotonic() < deadline:
-            alive = _children() - self._before
-            if seen - alive:
-                for pid in alive:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
+            alive = self._ray_processes()
+            if self.seen - alive:
+                _kill(alive)
                 self.abandoned = True
                 return
-            seen |= alive
+            self.seen |= alive
+
+    def _ray_processes(self) -> set:
+        """The child processes of this one that Ray started (those before it left out)."""
+        return _children() - self._before
 
     def _run(self):
         try:
@@ -260,11 +262,9 @@ class _RayOwner:
         whole process group; the rest are ended here, as a shutdown would wait on what is gone."""
         ended = threading.Thread(target=self.ray.shutdown, name="gdsdata-ray-shutdown", daemon=True)
         try:
-            if self.abandoned or interrupted and self.seen - _children():  # (a SIGTERM to the whole group)
+            if self.abandoned or interrupted and self.seen - self._ray_processes():  # (a SIGTERM to the whole group)
                 # its shutdown would wait for the start, or for the processes that are gone: the rest go here
-                for pid in _children() & self.seen:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
+                _kill(self._ray_processes() & self.seen)
                 atexit.unregister(getattr(getattr(self.ray, "_private", None), "worker", self.ray).shutdown)
                 return
             ended.start()
@@ -293,6 +293,12 @@ def _children() -> set:
         if fields[1] == me and fields[0] != "Z":
             found.add(int(pid))
     return found
+
+
+def _kill(pids):
+    for pid in pids:
+        with contextlib.suppress(OSError):  # (gone meanwhile)
+            os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

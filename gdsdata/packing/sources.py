@@ -9,8 +9,8 @@ Label conventions:
   index as ASCII digits, values ``pickle.dumps((encoded_bytes, label))``; optional keys
   ``__len__`` and ``__classes__`` (pickled list of distinct names, refused otherwise); a value of
   another layout (not a pair; a label that is not an integer: 1.5) is listed with the reason
-  (``special``), one whose image is not bytes skipped with the reason. Values are unpickled: pack only LMDBs you
-  trust. Keys name the samples; keys that are not UTF-8 are kept byte for byte, as folder names are.
+  (``special``), one whose image is not bytes skipped with the reason. Values are unpickled: pack
+  only LMDBs you trust. Keys name the samples; keys that are not UTF-8 are kept byte for byte, as folder names are.
 - tar (WebDataset): files grouped by their name up to the first dot of the last path component;
   one image member (``.jpg .jpeg .png ...``) and a ``.cls`` member holding the integer label per
   sample. Class names are the labels as text. A sample's further image members (``x.png`` beside
@@ -292,11 +292,11 @@ class LmdbSource:
                 if key.startswith(b"__"):
                     continue
                 rel = bytes(key).decode("utf-8", "surrogateescape")  # the key's bytes, whatever they are
-                problem = _lmdb_value_problem(value)
-                if isinstance(problem, str):  # a value of another layout is reported, not fatal
+                label, problem = _lmdb_label(value)
+                if problem is not None:  # a value of another layout is reported, not fatal
                     self.special.append({"path": display(rel), "reason": f"{problem}: skipped"})
                     continue
-                self.items.append(Item(rel, problem, ref=bytes(key)))
+                self.items.append(Item(rel, label, ref=bytes(key)))
         return raw_classes
 
     def read(self, item):
@@ -324,29 +324,30 @@ class LmdbSource:
             self.env.close()
 
 
-def _lmdb_value_problem(value):
-    """An LMDB value's label, or (a str) why the value is not ``pickle.dumps((image_bytes, label))``."""
+def _lmdb_label(value) -> tuple:
+    """(an LMDB value's label, None), or (None, why the value is not ``pickle.dumps((image_bytes,
+    label))``)."""
     try:
         pair = pickle.loads(value)
     except Exception as e:  # noqa: BLE001 - whatever fails to unpickle is the same refusal
-        return f"its value does not unpickle ({type(e).__name__}: {e})"
+        return None, f"its value does not unpickle ({type(e).__name__}: {e})"
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        return f"its value unpickles to {_a(type(pair).__name__)}, not an (image bytes, label) pair"
+        return None, f"its value unpickles to {_a(type(pair).__name__)}, not an (image bytes, label) pair"
     given = pair[1]
     if isinstance(given, (str, bytes)):
         label = _decimal(given)
-        return f"its label {given[:20]!r} is not an integer" if label is None else label
+        return (None, f"its label {given[:20]!r} is not an integer") if label is None else (label, None)
     try:
-        return operator.index(given)  # int (bool too), NumPy's and torch's integers
+        return operator.index(given), None  # int (bool too), NumPy's and torch's integers
     except TypeError:
         pass
     try:
-        value = float(given)  # floats, NumPy's and torch's scalars and one-value arrays
+        number = float(given)  # floats, NumPy's and torch's scalars and one-value arrays
     except (TypeError, ValueError):
-        return f"its label is {_a(type(given).__name__)}, not an integer"
-    if not value.is_integer():  # 1.5 is no class index, nor 1
-        return f"its label {given} is not an integer"
-    return int(value)
+        return None, f"its label is {_a(type(given).__name__)}, not an integer"
+    if not number.is_integer():  # 1.5 is no class index, nor 1
+        return None, f"its label {given} is not an integer"
+    return int(number), None
 
 
 def _decimal(text):
