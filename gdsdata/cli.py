@@ -84,7 +84,7 @@ def _cmd_pack(args):
                   overwrite=args.overwrite, progress=_progress(args), num_parts=args.num_parts,
                   part=args.part or 0, resume=args.resume, append=args.append,
                   allow_empty_classes=args.allow_empty_classes, format=args.format,
-                  split=args.split or "train", annotations=args.annotations, shard_roots=args.shard_root)
+                  split=args.split, annotations=args.annotations, shard_roots=args.shard_root)
     rate = f"{result.new / result.seconds:.0f} images/s" if result.seconds else "-"
     whole = f"{_images(result.packed)} in {result.shards} shard(s), {_human(result.bytes)}"
     if args.append and not result.new:
@@ -169,6 +169,8 @@ def _print_labels(result, appended: bool):
               f"{labels['negatives']}")
     else:
         print(f"  boxes: {result.boxes}, images without objects (kept as negatives): {labels['negatives']}")
+    if labels.get("no_label_file"):
+        print(_one_line(f"  no label files: {labels['no_label_file']}; every image was packed without objects"))
     for key, what in (("bad_labels", "images left out for their labels"), ("dropped", "boxes dropped"),
                       ("clipped", "boxes clipped to the image"), ("duplicates", "duplicate boxes removed"),
                       ("orphans", "labels without an image")):
@@ -185,7 +187,7 @@ def _pack_on_ray(args, options):
                           shard_size=args.shard_size, alignment=args.alignment, strict=args.strict,
                           overwrite=args.overwrite, progress=_progress(args),
                           allow_empty_classes=args.allow_empty_classes, format=args.format,
-                          split=args.split or "train", annotations=args.annotations, shard_roots=args.shard_root)
+                          split=args.split, annotations=args.annotations, shard_roots=args.shard_root)
     report = summary["report"]
     rate = f"{summary['samples'] / summary['seconds']:.0f} images/s" if summary["seconds"] else "-"
     print(f"packed {_images(summary['samples'])} in {summary['shards']} shard(s), {_human(report['bytes'])} into "

@@ -81,6 +81,40 @@ def test_a_detection_source_packed_as_classes_is_told_its_format(synthetic, tmp_
         assert not os.path.exists(tmp_path / "out")
 
 
+def test_an_images_folder_packs_the_split_asked_for_and_never_two_splits_together(synthetic, tmp_path, capsys):
+    images = os.path.join(synthetic, "yolo", "images")  # holds train/ and val/
+    by_yaml = gdsdata.GDSDataset(pack(os.path.join(synthetic, "yolo", "data.yaml"), str(tmp_path / "yaml"),
+                                      format="yolo", split="val", workers=1).out)
+    val = gdsdata.GDSDataset(pack(images, str(tmp_path / "val"), format="yolo", split="val", workers=1).out)
+    assert len(val) == len(by_yaml) == 6
+    assert [val.target(i)["boxes"].tolist() for i in range(6)] == [by_yaml.target(i)["boxes"].tolist() for i in range(6)]
+    alone = gdsdata.GDSDataset(pack(os.path.join(images, "val"), str(tmp_path / "alone"), format="yolo",
+                                    workers=1).out)  # a split's own folder, no --split
+    assert len(alone) == 6
+    refused = {(images, None): "holds the folders of several splits (train, val); --split chooses the one to pack",
+               (images, "test"): "no test folder (its split folders: train, val)",
+               (os.path.join(images, "val"), "train"): "a folder of one split's images (no images/ or split "
+                                                       "folders in it): --split does not apply"}
+    for (src, split), message in refused.items():
+        with pytest.raises(SourceError, match=re.escape(message)):
+            pack(src, str(tmp_path / "refused"), format="yolo", split=split, workers=1)
+        assert not os.path.exists(tmp_path / "refused")
+    assert cli(["pack", "--format", "yolo", "--split", "train", os.path.join(images, "val"),
+                str(tmp_path / "cli")]) == 1
+    err = capsys.readouterr().err
+    assert "--split does not apply" in err and "Traceback" not in err and not os.path.exists(tmp_path / "cli")
+
+
+def test_a_yolo_folder_without_any_label_file_says_so_in_the_summary(synthetic, tmp_path, capsys):
+    folder = tmp_path / "unlabelled"
+    shutil.copytree(os.path.join(synthetic, "yolo", "images", "val"), folder)
+    assert cli(["pack", "--format", "yolo", str(folder), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "images without objects (kept as negatives): 6" in out
+    assert re.search(r"no label files: none of its 6 images has a label file .*; every image was packed "
+                     r"without objects", out)
+
+
 def test_a_split_packed_from_the_folder_takes_the_class_names_of_its_data_yaml(synthetic, tmp_path):
     folder = os.path.join(synthetic, "yolo")
     by_yaml = pack(os.path.join(folder, "data.yaml"), str(tmp_path / "yaml"), format="yolo", split="val", workers=1)

@@ -4,7 +4,9 @@ it found wrong in the labels, in the words of the file and line it found it in.
 
 YOLO (``--format yolo``), as Ultralytics reads it:
 - SRC is a data YAML (``path``, ``train``/``val``/``test``, ``names``), a dataset folder holding
-  ``images/<split>/``, or an images folder itself. A relative ``path`` is looked for from the YAML's
+  ``images/<split>/``, or an images folder: one split's images, or the folders of its splits
+  (``train/``, ``val/``, ...), of which ``split`` picks one (unasked, two or more are refused: packed
+  together, validation images would train). A relative ``path`` is looked for from the YAML's
   folder and where Ultralytics looks (the current folder, then its ``datasets_dir`` setting): a place
   that holds the split is the dataset, and two that would make it other files are refused; no
   ``path``: the YAML's folder. ``nc`` alone names the classes ``class_0``...; ``validation`` stands
@@ -48,6 +50,7 @@ What the labels may get wrong, and what packing does (each case named in ``pack_
 import json
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -358,12 +361,42 @@ def _images_under(top, others) -> list:
     return found
 
 
+# the folders a YOLO images folder holds its splits in (Ultralytics', Roboflow's and COCO's names)
+_SPLIT_NAME = re.compile(r"(train|val|valid|validation|test)(\d*)")
+
+
+def _split_folder(src, split):
+    """The folder of images a YOLO folder SRC packs: a dataset folder's ``images/<split>`` (train by
+    default); an images folder's ``<split>`` folder; else the folder itself, which holds one split
+    (``split`` then does not apply, and one holding the folders of several splits needs it)."""
+    if os.path.isdir(os.path.join(src, "images")):
+        folder = os.path.join(src, "images", split or "train")
+        if not os.path.isdir(folder):
+            raise SourceError(f"{display(src)}: no images/{split or 'train'} folder (--split chooses the split)")
+        return folder
+    try:
+        splits = sorted(e.name for e in os.scandir(src) if _SPLIT_NAME.fullmatch(e.name) and e.is_dir())
+    except OSError as e:
+        raise SourceError(f"{display(src)}: cannot list the folder ({e.strerror or e})") from e
+    if split is None:
+        if len(splits) > 1:
+            raise SourceError(f"{display(src)}: holds the folders of several splits ({', '.join(splits)}); "
+                              f"--split chooses the one to pack")
+        return src
+    if os.path.isdir(os.path.join(src, split)):
+        return os.path.join(src, split)
+    if splits:
+        raise SourceError(f"{display(src)}: no {split} folder (its split folders: {', '.join(splits)})")
+    raise SourceError(f"{display(src)}: a folder of one split's images (no images/ or split folders in it): "
+                      f"--split does not apply; leave it out, or give the dataset folder or its data YAML")
+
+
 class YoloSource(DetectionSource):
     format = "yolo"
     min_side = YOLO_MIN_SIDE
     image_formats = YOLO_IMAGE_FORMATS
 
-    def __init__(self, src, split="train", strict=False):
+    def __init__(self, src, split=None, strict=False):
         super().__init__()
         src = os.fspath(src)
         self.root = src
@@ -376,6 +409,7 @@ class YoloSource(DetectionSource):
             data = _load_yaml(src)
             if split == "val" and data.get("val") in (None, "") and data.get("validation"):
                 data["val"] = data["validation"]  # (Ultralytics renames the key)
+            split = split or "train"
             if data.get(split) in (None, ""):
                 known = [k for k in ("train", "val", "test") if data.get(k)]
                 raise SourceError(f"{display(src)}: no split {split!r} (the YAML has {', '.join(known) or 'none'}; "
@@ -393,9 +427,7 @@ class YoloSource(DetectionSource):
                 raise SourceError(f"{self.unreadable[0]['path']}: {self.unreadable[0]['reason']} (--strict)")
             self.root = os.path.abspath(base)
         else:
-            folder = os.path.join(src, "images", split) if os.path.isdir(os.path.join(src, "images")) else src
-            if not os.path.isdir(folder):
-                raise SourceError(f"{display(src)}: no images/{split} folder (--split chooses the split)")
+            folder = _split_folder(src, split)
             listed = self._split(folder)
             names = self._classes_txt(src, folder)
             named, keypoints = self._folder_yaml(src)  # (its kpt_shape also beside a classes.txt)
@@ -767,7 +799,7 @@ def _annotation(ann, files, label):
     return None, image_id, (*(float(v) for v in bbox), label[cid], fmt.BOX_CROWD if ann.get("iscrowd") else 0)
 
 
-def open_detection(format, src, *, split="train", annotations=None, strict=False):
+def open_detection(format, src, *, split=None, annotations=None, strict=False):
     """The detection source of ``format`` ("yolo" or "coco") at ``src``."""
     remote = next((p for p in (src, annotations) if p is not None and is_url(str(p))), None)
     if remote is not None:

@@ -481,7 +481,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
          shard_size: int = 1 << 30, alignment: int = fmt.DEFAULT_ALIGNMENT, workers: int = 0,
          strict: bool = False, overwrite: bool = False, progress: bool = False, num_parts: int = 1,
          part: int = 0, resume: bool = False, append: bool = False, allow_empty_classes: bool = False,
-         on_progress: "Callable[[int], None] | None" = None, format: str = "folder", split: str = "train",
+         on_progress: "Callable[[int], None] | None" = None, format: str = "folder", split: str | None = None,
          annotations: "str | os.PathLike | None" = None,
          shard_roots: "Sequence[str | os.PathLike] | None" = None) -> PackResult:
     """Pack an image source into a dataset folder (what ``gdsdata pack`` does).
@@ -523,8 +523,10 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         "folder" (classification: ImageFolder, LMDB, tar), or a detection source: "yolo" (``src``:
         an Ultralytics data YAML, a dataset folder with ``images/<split>``, or an images folder) or
         "coco" (``src``: the images folder; ``annotations``: the instances JSON).
-    split : str
-        YOLO: the split to pack ("train", "val", "test").
+    split : str, optional
+        YOLO: the split to pack ("train", "val", "test"; a data YAML's or a dataset folder's default:
+        "train"). An images folder holding split folders (``train/``, ``val/``...) needs it; one of a
+        single split's images refuses it.
     annotations : str or os.PathLike, optional
         COCO: the instances JSON.
     shard_roots : sequence of str or os.PathLike, optional

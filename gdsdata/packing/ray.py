@@ -53,7 +53,7 @@ def _import_ray():
 
 def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size=1 << 30,
                 alignment=fmt.DEFAULT_ALIGNMENT, strict=False, overwrite=False, progress=False,
-                allow_empty_classes=False, max_retries=3, format="folder", split="train", annotations=None,
+                allow_empty_classes=False, max_retries=3, format="folder", split=None, annotations=None,
                 shard_roots=None) -> dict:
     """Pack ``src`` into ``out`` with the parts as Ray tasks (``address``: a running cluster, None:
     start or join a local Ray). Returns the merge's summary plus ``parts``, ``cpus``, ``seconds``,
