@@ -8,8 +8,10 @@
 
 Evaluate a checkpoint on the validation set alone (top-1, CenterCrop) with --evaluate:
 
-    python examples/train_imagenet.py --train /data/train.gds --val /data/val.gds --arch resnet50 \
+    python examples/train_imagenet.py --train /data/train.gds --val /data/val.gds --arch resnet50 \\
         --checkpoint /ckpt/resnet50.pt --evaluate
+
+It evaluates at the crop size the checkpoint trained at, unless --size says otherwise.
 
 Run it again with the same --checkpoint after an interruption: it resumes mid-epoch, at the exact
 batch the checkpoint was written after (the Loader's state_dict is part of the checkpoint), also with
@@ -42,7 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=5e-5)
     parser.add_argument("--warmup-epochs", type=float, default=1.0)
-    parser.add_argument("--size", type=int, default=224, help="training crop")
+    parser.add_argument("--size", type=int, help="training crop (default 224; a checkpoint's own when resuming "
+                        "or evaluating one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", help="path to write every --checkpoint-every steps and resume from")
     parser.add_argument("--checkpoint-every", type=int, default=1000, help="steps")
@@ -132,10 +135,19 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     torch.backends.cudnn.benchmark = True
 
+    state = None  # the checkpoint to resume from or evaluate
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        state = load_checkpoint(args.checkpoint, device, args.arch)
+    elif args.evaluate:
+        sys.exit(f"train_imagenet.py: error: {args.checkpoint}: no such checkpoint to evaluate")
+    size = args.size or (state or {}).get("size") or 224  # a model trained at one size is evaluated at it
+    if state is not None and state.get("size", size) != size and rank == 0:
+        print(f"the checkpoint trained at --size {state['size']}; going on at --size {size}", flush=True)
+
     # images come as float16 on the GPU, float32 on the CPU; labels as int64, on the same device
     train_ds = open_dataset(args.train, device)
     train = gdsdata.Loader(train_ds, args.batch_size, shuffle=True, seed=args.seed, drop_last=True,
-                           transform=gdsdata.RandomResizedCrop(args.size, seed=args.seed))
+                           transform=gdsdata.RandomResizedCrop(size, seed=args.seed))
     val = None
     if args.val:
         val_ds = open_dataset(args.val, device)
@@ -143,7 +155,7 @@ def main(argv=None):
             sys.exit(f"train_imagenet.py: error: {args.val} holds other classes than {args.train} "
                      f"({len(val_ds.classes)} against {len(train_ds.classes)}, {_first_difference(val_ds, train_ds)})")
         val = gdsdata.Loader(val_ds, args.batch_size, shuffle=False,
-                             transform=gdsdata.CenterCrop(args.size))  # resized to size / 0.875 first
+                             transform=gdsdata.CenterCrop(size))  # resized to size / 0.875 first
     steps_per_epoch = len(train)  # batches per epoch for this rank, at this batch size and world size
 
     model = getattr(torchvision.models, args.arch)(num_classes=len(train_ds.classes))
@@ -157,9 +169,6 @@ def main(argv=None):
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
 
     if args.evaluate:  # the checkpoint's model alone (any --train, batch size, seed ...), on --val
-        if not os.path.exists(args.checkpoint):
-            sys.exit(f"train_imagenet.py: error: {args.checkpoint}: no such checkpoint to evaluate")
-        state = load_checkpoint(args.checkpoint, device, args.arch)
         try:
             getattr(model, "module", model).load_state_dict(state["model"])
         except RuntimeError as e:
@@ -174,8 +183,7 @@ def main(argv=None):
     if args.checkpoint:  # its folder made now, not found missing at the first save, after hours of training
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     step = 0  # optimizer steps taken, resumed ones included (of whatever batch size they had)
-    if args.checkpoint and os.path.exists(args.checkpoint):
-        state = load_checkpoint(args.checkpoint, device, args.arch)
+    if state is not None:
         try:  # the loader first: it tells another dataset (or another batch size, seed...) apart
             train.load_state_dict(state["loader"])  # the same on every rank: where the epoch stands
             getattr(model, "module", model).load_state_dict(state["model"])
@@ -216,7 +224,7 @@ def main(argv=None):
                 print(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.3f} "
                       f"lr {optimizer.param_groups[0]['lr']:.4f} {rate:.0f} images/s", flush=True)
             if args.checkpoint and step % args.checkpoint_every == 0:
-                save(args.checkpoint, model, optimizer, train, step, rank, args.arch)
+                save(args.checkpoint, model, optimizer, train, step, rank, args.arch, size)
             if args.max_steps and step >= args.max_steps:
                 break
         if val is not None and not (args.max_steps and step >= args.max_steps):
@@ -224,9 +232,9 @@ def main(argv=None):
             if rank == 0:
                 print(f"epoch {epoch}: validation top-1 {top1 * 100:.2f} %", flush=True)
         if args.checkpoint and train.epoch > epoch:  # the epoch over and validated: a resume starts the next one
-            save(args.checkpoint, model, optimizer, train, step, rank, args.arch)
+            save(args.checkpoint, model, optimizer, train, step, rank, args.arch, size)
     if args.checkpoint:
-        save(args.checkpoint, model, optimizer, train, step, rank, args.arch)
+        save(args.checkpoint, model, optimizer, train, step, rank, args.arch, size)
     if rank == 0:
         print(f"stopped at step {step}/{max(step, total_steps)} (epoch {train.epoch})" +
               (f", checkpoint {args.checkpoint}" if args.checkpoint else ""), flush=True)
@@ -251,14 +259,14 @@ def load_checkpoint(path, device, arch) -> dict:
     return state
 
 
-def save(path, model, optimizer, loader, step, rank, arch):
-    """Rank 0 writes the model (and its --arch), the optimizer and the Loader's state (the same on
-    every rank), atomically: a crash while writing leaves the previous checkpoint."""
+def save(path, model, optimizer, loader, step, rank, arch, size):
+    """Rank 0 writes the model (and its --arch and --size), the optimizer and the Loader's state (the
+    same on every rank), atomically: a crash while writing leaves the previous checkpoint."""
     if rank != 0:
         return
     tmp = f"{path}.tmp"
     torch.save({"model": getattr(model, "module", model).state_dict(), "optimizer": optimizer.state_dict(),
-                "loader": loader.state_dict(), "step": step, "arch": arch}, tmp)
+                "loader": loader.state_dict(), "step": step, "arch": arch, "size": size}, tmp)
     os.replace(tmp, path)
 
 

@@ -47,6 +47,13 @@ def test_train_checkpoint_resume_and_evaluate(photos_dataset, tmp_path):
     assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
     evaluated = _run([*common[:1], other, *common[2:], "--batch-size", "4", "--evaluate"], tmp_path)
     assert f"{ckpt} (step 14): validation top-1 " in evaluated and " loss " not in evaluated  # the model alone
+    last = second.split("epoch 1: validation top-1 ")[1].split()[0]
+    assert evaluated.split("validation top-1 ")[1].split()[0] == last
+    at = common.index("--size")  # without --size: at the size it trained at (32), not the default 224
+    unsized = _run([*common[:1], other, *common[2:at], *common[at + 2:], "--evaluate"], tmp_path)
+    assert unsized.split("validation top-1 ")[1].split()[0] == last and "going on at" not in unsized
+    larger = _run([*common[:1], other, *common[2:at], "--size", "48", *common[at + 2:], "--evaluate"], tmp_path)
+    assert "the checkpoint trained at --size 32; going on at --size 48" in larger
     for args, expected in (([*common[:5], "resnet34", *common[6:]], f"{ckpt} holds a resnet18; --arch resnet34"),
                            ([*common[:-4], "--checkpoint", str(tmp_path / "junk.pt")],
                             f"{tmp_path / 'junk.pt'}: not a checkpoint this example can read")):

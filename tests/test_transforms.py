@@ -178,11 +178,19 @@ def test_mean_and_std_on_the_0_1_scale_are_warned_about(make, caplog):
     would train on values of about -2 to 1100: said when made."""
     with caplog.at_level("WARNING", logger="gdsdata.transforms"):
         make(16, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
-    assert "look like values on the 0-1 scale" in caplog.text and "IMAGENET_MEAN" in caplog.text
+    assert "both look like values on the 0-1 scale" in caplog.text and "IMAGENET_MEAN" in caplog.text
+    for half, which in (({"mean": (0.485, 0.456, 0.406)}, "the mean looks"),  # the other left at its 0-255 default
+                        ({"std": (0.229, 0.224, 0.225)}, "the std looks")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gdsdata.transforms"):
+            make(16, **half)
+        assert f"{which} like values on the 0-1 scale" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="gdsdata.transforms"):
         make(16)
         make(16, mean=(0, 0, 0), std=(1, 1, 1))  # the pixels as they are, said outright
+        make(16, mean=(124, 116, 104), std=(1, 1, 1))  # the mean subtracted alone (Caffe's way)
+        make(16, mean=(0, 0, 0), std=(255, 255, 255))  # 0-1, as ToDtype(scale=True) gives
         make(16, mean=None, std=None)
     assert caplog.text == ""
 

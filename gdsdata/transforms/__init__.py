@@ -268,10 +268,15 @@ def _validate(t):
                              f"spread on the 0-255 scale (ImageNet's: gdsdata.transforms.IMAGENET_STD), or "
                              f"mean=None, std=None to skip normalisation")
         object.__setattr__(t, name, values)
-    if t.mean is not None and t.std is not None and max(t.mean + t.std) <= 1 and t.mean != (0.0, 0.0, 0.0):
-        log.warning("mean=%s, std=%s look like values on the 0-1 scale (torchvision's Normalize after ToDtype "
+    # either on the 0-1 scale is wrong on its own (mean=(0.485, ...) beside the default 0-255 std, say); a
+    # zero mean and a unit std leave values as they are, and are said outright
+    unit_mean = t.mean is not None and max(t.mean) <= 1 and t.mean != (0.0, 0.0, 0.0)
+    unit_std = t.std is not None and max(t.std) <= 1 and t.std != (1.0, 1.0, 1.0)
+    if unit_mean or unit_std:
+        log.warning("mean=%s, std=%s: %s like values on the 0-1 scale (torchvision's Normalize after ToDtype "
                     "with scale=True); gdsdata normalises pixels of 0-255: ImageNet's are "
-                    "gdsdata.transforms.IMAGENET_MEAN and IMAGENET_STD", t.mean, t.std)
+                    "gdsdata.transforms.IMAGENET_MEAN and IMAGENET_STD", t.mean, t.std,
+                    "both look" if unit_mean and unit_std else "the mean looks" if unit_mean else "the std looks")
 
 
 def output_dtype(transform, device: str | torch.device) -> torch.dtype:
