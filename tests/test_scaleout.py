@@ -166,6 +166,26 @@ def test_merge_of_two_packs_of_one_source_says_their_files_come_twice(source, wh
                     f"and stored bytes): the merged dataset holds each of them twice"]
 
 
+def test_merge_of_datasets_holding_other_images_under_the_same_paths_says_so(tmp_path, caplog):
+    """Two sources named alike (class0/00000.jpg in each, other pictures): merged, a path no longer
+    names one image, which a warning says apart from the samples they share outright."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_photos(str(a), 6, classes=2, start_seed=100)
+    shutil.copytree(a, b)
+    for seed, name in enumerate(("class0/00000.jpg", "class1/00003.jpg")):  # two pictures replaced, four the same
+        (b / name).write_bytes(jpeg_bytes(photo(700 + seed), quality=90))
+    packs = [str(tmp_path / "a.gds"), str(tmp_path / "b.gds")]
+    for src, out in zip((a, b), packs):
+        pack(str(src), out, workers=1, shard_size=SHARD)
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        merge(packs, str(tmp_path / "m"))
+    said = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert said == [f"{packs[0]} and {packs[1]} hold 4 of the same samples (the same file paths and stored bytes): "
+                    f"the merged dataset holds each of them twice",
+                    f"{packs[0]} and {packs[1]} hold other images under 2 of the same file paths: in the merged "
+                    f"dataset such a path (ds.source(i), pack_report.json) names two images"]
+
+
 @pytest.fixture
 def halves(source, tmp_path):
     """A source packed in two parts, and the command that packs part 1 again (--overwrite)."""

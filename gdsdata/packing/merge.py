@@ -14,12 +14,12 @@ reach (another host) fails the merge, which then leaves nothing.
 import contextlib
 import datetime
 import errno
+import hashlib
 import json
 import logging
 import os
 import shutil
 import sys
-import zlib
 
 import numpy as np
 from tqdm import tqdm
@@ -225,19 +225,29 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
 
 def _warn_repeats(parts, indexes):
     """Whole datasets that hold the same samples (the same path and the same stored bytes: two packs
-    of one source, a pack and an append of it): joined, the merge holds each of those twice; said,
-    not refused (repeating samples may be meant: oversampling a class)."""
-    keys = []  # per dataset: each sample's (CRC-32 of its path, CRC-32 of its bytes), as one integer
+    of one source, a pack and an append of it): joined, the merge holds each of those twice; and
+    ones that hold other images under the same paths (two sources named alike): joined, a path no
+    longer names one image. Said, not refused (repeats may be meant: oversampling a class)."""
+    paths, samples = [], []  # per dataset: a 64-bit hash of each path, and of each (path, bytes' CRC-32)
     for index in indexes:
-        paths = np.fromiter((zlib.crc32(index.path(i).encode("utf-8", "surrogateescape"))
-                             for i in range(len(index))), np.uint64, len(index))
-        keys.append(np.unique((paths << np.uint64(32)) | index.samples["crc32"].astype(np.uint64)))
+        records = index.samples
+        hashed = np.fromiter((int.from_bytes(hashlib.blake2b(index.strings[int(start):int(start) + int(length)],
+                                                             digest_size=8).digest(), "little")
+                              for start, length in zip(records["path_offset"], records["path_length"])),
+                             np.uint64, len(index))
+        paths.append(np.unique(hashed))
+        with np.errstate(over="ignore"):  # (a multiplicative mix, modulo 2**64)
+            samples.append(np.unique(hashed ^ (records["crc32"].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))))
     for a in range(len(parts)):
         for b in range(a + 1, len(parts)):
-            both = len(np.intersect1d(keys[a], keys[b], assume_unique=True))
-            if both:
+            same = len(np.intersect1d(samples[a], samples[b], assume_unique=True))
+            named = len(np.intersect1d(paths[a], paths[b], assume_unique=True)) - same
+            if same:
                 log.warning("%s and %s hold %d of the same samples (the same file paths and stored bytes): the "
-                            "merged dataset holds each of them twice", parts[a], parts[b], both)
+                            "merged dataset holds each of them twice", parts[a], parts[b], same)
+            if named > 0:
+                log.warning("%s and %s hold other images under %d of the same file paths: in the merged dataset "
+                            "such a path (ds.source(i), pack_report.json) names two images", parts[a], parts[b], named)
 
 
 def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False, report=None) -> dict:

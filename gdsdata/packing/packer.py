@@ -540,6 +540,13 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     PackResult
         Counts, sizes, time, and what was skipped, ignored or could not be read (also in
         ``out/pack_report.json``).
+
+    Raises
+    ------
+    GdsDataError
+        Its subclasses (``SourceError``, ``OutputExistsError``, ``FormatError``...) with the one line
+        the CLI prints. It names the CLI's options; each is the keyword of the same name here
+        (``--overwrite``: ``overwrite=True``, ``--resume``: ``resume=True``).
     """
     inherit = options is None  # (an append then stores its images as the dataset's were)
     options = options or PackOptions()
