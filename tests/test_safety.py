@@ -553,6 +553,18 @@ def test_a_worker_stuck_on_one_item_ends_as_that_item_skipped_within_the_bound(t
         (victim, "preparing it alone took longer than 2 s (the stall_timeout setting, GDSDATA_STALL_TIMEOUT)")]
 
 
+def test_a_worker_stopped_outright_is_killed_and_the_pack_exits(tmp_path):
+    """A worker stopped (SIGSTOP, a frozen cgroup) takes no SIGTERM until it runs again: it is killed
+    outright, so that neither the pack nor the interpreter's exit waits for it (they did for good)."""
+    victim = "class1/00007.jpg"
+    stop = "__import__('os').kill(__import__('os').getpid(), __import__('signal').SIGSTOP)"
+    src, out, done, took = _pack_with_stuck_items(tmp_path, f"job[0] == {victim!r} and {stop} is None")
+    assert done.returncode == 0, done.stderr
+    assert took < 60
+    report = json.loads((tmp_path / "ds" / "pack_report.json").read_text())
+    assert report["packed"] == 29 and [s["path"] for s in report["skipped"]] == [victim]
+
+
 def test_workers_that_stall_on_every_item_end_the_pack_in_one_line(tmp_path):
     """Workers stuck whatever they prepare are the machine's trouble, not the images': the pack
     stops with one line (not 30 items each skipped after the bound), and leaves no dataset."""

@@ -11,6 +11,7 @@ same samples and shard bytes as an uninterrupted pack. ``num_parts``/``part`` pa
 part of the source, with labels from the full class list, for ``merge.merge`` to join.
 """
 
+import concurrent.futures.process
 import contextlib
 import ctypes
 import datetime
@@ -348,17 +349,32 @@ def _stop(pool):
     that are gone are not waited for."""
     processes = list((getattr(pool, "_processes", None) or {}).values())  # none may outlive the pack
     calls, results = getattr(pool, "_call_queue", None), getattr(pool, "_result_queue", None)
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
             process.terminate()
-    for process in processes:
-        process.join(5)
+    _joined(processes, 5)
+    alive = [process for process in processes if process.is_alive()]
+    for process in alive:  # stopped (SIGSTOP, a frozen cgroup): SIGTERM waits for it to run again, SIGKILL does not
+        process.kill()
+    if alive and _joined(alive, 5) and manager is not None:
+        # one still in the kernel (uninterruptible): the interpreter's exit would join the pool's thread, which
+        # waits for that worker; it goes when the kernel lets it
+        getattr(concurrent.futures.process, "_threads_wakeups", {}).pop(manager, None)
     if calls is not None:
         calls.cancel_join_thread()
     writer = getattr(results, "_writer", None)
     if writer is not None and not any(process.is_alive() for process in processes):
         writer.close()
+
+
+def _joined(processes, seconds) -> bool:
+    """Join ``processes`` for at most ``seconds`` in all; whether any is still alive."""
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    return any(process.is_alive() for process in processes)
 
 
 def _results(jobs, workers):
