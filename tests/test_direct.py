@@ -182,7 +182,7 @@ def test_a_failure_while_handling_completions_raises_instead_of_hanging(photos_d
     monkeypatch.setattr(aio.Context, "reap", lambda self, wait_s: [(slot, -errno.EINVAL)
                                                                   for slot, _ in real_reap(self, wait_s)])
 
-    def no_descriptors(path):
+    def no_descriptors(path, fd_open=None):
         raise OSError(errno.EMFILE, "Too many open files", path)
 
     monkeypatch.setattr(direct, "_buffered", no_descriptors)
@@ -738,3 +738,52 @@ def test_close_leaves_a_context_with_reads_still_in_the_kernel(caplog):
         reads.close()
     assert idle.closed and not stuck.closed and not files.closed
     assert "3 direct read(s) of /data/ds still in the kernel: their contexts and shards stay open" in caplog.text
+
+
+@pytest.mark.parametrize("checksums", [False, True])
+def test_a_shard_read_buffered_after_o_direct_refused_it_is_still_the_one_opened(tmp_path, monkeypatch, checksums):
+    """O_DIRECT refusing a read (a device whose block is larger than the dataset's alignment) makes
+    the reader reopen the shard through the page cache: the file it had open, not whatever its path
+    names now. Packed again with --overwrite meanwhile, the path is another dataset's shard, whose
+    pixels would come under the old index's labels (checksums off) or as a "changed bytes" error."""
+    import fcntl
+
+    from conftest import write_photos
+    from PIL import Image
+    from gdsdata.errors import FormatError
+    from gdsdata.packing.packer import pack
+
+    first, second, out = tmp_path / "first", tmp_path / "second", str(tmp_path / "ds")
+    write_photos(str(first), 4, classes=1, start_seed=10)
+    write_photos(str(second), 4, classes=1, start_seed=20)  # the same names, other pictures
+    pack(str(first), out, workers=1)
+    refuse = threading.Event()
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset):  # once set, the device refuses O_DIRECT reads
+        if refuse.is_set() and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    try:
+        from gdsdata._native import aio
+
+        real_reap = aio.Context.reap
+        monkeypatch.setattr(aio.Context, "reap", lambda self, wait_s: [
+            (slot, -errno.EINVAL if refuse.is_set() else got) for slot, got in real_reap(self, wait_s)])
+    except ImportError:
+        pass
+    with gdsdata.settings.set(io_engine="direct"):
+        ds = gdsdata.GDSDataset(out, verify_checksums=checksums)
+        ds[1]  # the shard opened with O_DIRECT, its header checked
+        pack(str(second), out, workers=1, overwrite=True)
+        refuse.set()
+        try:
+            image, _ = ds[0]
+        except FormatError as e:
+            assert "not the shard this dataset's index was loaded with" in str(e)
+        else:  # the old dataset's pixels, as the index says
+            expected = np.asarray(Image.open(first / ds.source(0)).convert("RGB"))
+            assert np.abs(image.permute(1, 2, 0).numpy().astype(int) - expected).max() <= 1
+        ds.close()

@@ -268,5 +268,10 @@ def check_opened(head: bytes, path, index, shard: int):
         if (header["magic"] == fmt.SHARD_MAGIC and fmt.ident(header["dataset_id"]) == fmt.ident(record["origin_id"])
                 and header["shard_index"] == int(record["origin_index"])):
             return
-    raise FormatError(f"{path}: not the shard this dataset's index was loaded with (the dataset was replaced "
-                      f"or rewritten while open): open the dataset again")
+    raise FormatError(replaced_while_open(path))
+
+
+def replaced_while_open(path) -> str:
+    """What a reader says of a shard path that names another file than the one its index described."""
+    return (f"{path}: not the shard this dataset's index was loaded with (the dataset was replaced or rewritten "
+            f"while open): open the dataset again")

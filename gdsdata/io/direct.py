@@ -39,7 +39,7 @@ import numpy as np
 
 from gdsdata import stall
 from gdsdata.errors import FormatError, GdsDataError
-from gdsdata.format.shards import cannot_read, check_opened, open_regular
+from gdsdata.format.shards import cannot_read, check_opened, open_regular, replaced_while_open
 from gdsdata.io.cpu import OpenShards
 from gdsdata.threads import DaemonPool
 
@@ -68,7 +68,7 @@ class _Shard:
         with self.lock:
             if self.direct:
                 log.info("%s: read through the page cache, each range dropped after its read (%s)", self.path, why)
-                fd = _buffered(self.path)  # first: a failure leaves the handle as it was
+                fd = _buffered(self.path, self.fd)  # first: a failure leaves the handle as it was
                 self._retired.append(self.fd)
                 self.fd, self.direct = fd, False
 
@@ -79,16 +79,32 @@ class _Shard:
             os.close(fd)
 
 
-def _buffered(path) -> int:
-    """A descriptor for reads through the page cache without readahead: the pages read are dropped
-    after each read, and readahead would cache pages beyond them."""
-    fd = open_regular(path)
+def _buffered(path, fd_open: "int | None" = None) -> int:
+    """A descriptor for reads through the page cache without readahead (the pages read are dropped
+    after each read, and readahead would cache pages beyond them); with ``fd_open``, of the file it
+    has open: the shard whose header was checked, even where ``path`` names another file now (the
+    dataset packed again with --overwrite)."""
+    fd = None
+    if fd_open is not None:
+        try:
+            fd = os.open(f"/proc/self/fd/{fd_open}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # (no /proc): the path, if it still names that file
+            pass
+    if fd is None:
+        fd = open_regular(path)
     try:
+        if fd_open is not None and _identity(fd) != _identity(fd_open):
+            raise FormatError(replaced_while_open(path))
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _identity(fd) -> tuple:
+    status = os.fstat(fd)
+    return status.st_dev, status.st_ino
 
 
 def _open(index, path, shard) -> _Shard:
