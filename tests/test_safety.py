@@ -4,6 +4,7 @@ corrupted states, many shards under a low descriptor limit. One test (or a few) 
 the racy ones repeat many more times under ``pytest -m heavy`` (deselected by default: run before
 calling a change to them done)."""
 
+import errno
 import json
 import os
 import random
@@ -165,6 +166,33 @@ def test_an_append_stopped_while_its_index_is_written_leaves_nothing_of_it(src, 
     assert files() == before and verify(out) == []
     monkeypatch.setattr(packer.index_io, "write", real_write)
     assert pack(str(more), out, workers=1, append=True, shard_roots=drives).new == 30 and verify(out) == []
+
+
+def test_an_append_into_a_folder_made_read_only_says_its_own_error_not_its_clean_up_s(src, tmp_path, monkeypatch,
+                                                                                        caplog):
+    """The folder turned read-only under an append: the write that failed is what is said (with "the
+    dataset there is unchanged"), not the removal of what it wrote, which fails the same way."""
+    import gdsdata.packing.packer as packer
+
+    out = str(tmp_path / "ds")
+    pack(src, out, workers=1)
+    more = tmp_path / "more"
+    write_photos(str(more), 6, classes=1, start_seed=6600)
+    os.rename(more / "class0", more / "fresh")
+
+    def read_only(folder, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
+
+    def removal(path, dataset_id):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(packer.index_io, "write", read_only)
+    monkeypatch.setattr(packer, "remove_shard", removal)
+    with caplog.at_level("WARNING", logger="gdsdata"), pytest.raises(OSError) as raised:
+        pack(str(more), out, workers=1, append=True)
+    assert str(raised.value).startswith(f"[Errno {errno.EROFS}] Read-only file system while writing the index of "
+                                        f"{out}; the dataset there is unchanged"), raised.value
+    assert "left behind, it cannot be removed (Read-only file system)" in caplog.text
 
 
 def test_ctrl_c_between_the_swaps_two_renames_waits_for_the_second(src, tmp_path, monkeypatch):

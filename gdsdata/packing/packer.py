@@ -876,7 +876,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             names = (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.TMP_SUFFIX, journal)
             whole = not keep or not os.path.exists(journal)  # (a shard finished as its journal was cut short too)
             for path in [journal + fmt.TMP_SUFFIX] + ([os.path.join(folder, n) for n in names] if whole else []):
-                remove_shard(path, dataset_id)
+                try:
+                    remove_shard(path, dataset_id)
+                except OSError as e:  # (a folder made read-only meanwhile): what stopped the run is what is said
+                    log.warning("%s: left behind, it cannot be removed (%s)", path, e.strerror or e)
 
     def write_journal(shard, record):
         mine = range(position["shard_start"], len(records))
