@@ -348,13 +348,17 @@ def test_a_shard_gone_with_a_replaced_dataset_raises_format_error(photos_dataset
 
 # --- a damaged index header, odd shard files, damaged states ---------------------------------------
 @pytest.mark.parametrize("field, bit", [("num_samples", 6), ("num_samples", 0), ("strings_offset", 2),
-                                        ("num_shards", 1), ("meta_size", 3)])
+                                        ("num_shards", 1), ("meta_size", 3), ("dataset_id", 1), ("flags", 0),
+                                        ("reserved", 4)])
 def test_a_bit_flip_in_the_index_header_is_refused(photos_dataset, tmp_path, field, bit):
-    """The index checksum covers the body only: a flipped count or offset loaded as a smaller dataset
-    (or shifted names) that every checksum still passed."""
+    """The body's checksum covers the body only: a flipped count or offset loaded as a smaller dataset
+    (or shifted names) that every checksum still passed; a flipped dataset id passed verify, and made
+    the dataset's shards on other drives another's (an overwrite left them). The header's own
+    checksum refuses each."""
     import shutil
 
     from gdsdata.errors import FormatError
+    from gdsdata.format import index as index_io
 
     _, _, out = photos_dataset
     copy = str(tmp_path / "ds")
@@ -367,6 +371,10 @@ def test_a_bit_flip_in_the_index_header_is_refused(photos_dataset, tmp_path, fie
         GDSDataset(copy)
     with pytest.raises(FormatError, match="index"):
         verify(copy)
+    if field in ("dataset_id", "flags", "reserved"):  # what nothing else checks: the header's own checksum
+        with pytest.raises(FormatError, match="index header checksum mismatch"):
+            GDSDataset(copy)
+        assert index_io.header_id(copy) is None  # a damaged id owns no shards on other drives
 
 
 def test_a_shard_whose_open_hangs_holds_up_only_its_own_reads(photos_dataset, tmp_path, monkeypatch):

@@ -126,6 +126,7 @@ def write(out_dir, alignment, dataset_id, shards, samples, strings: bytes, meta:
         header["num_boxes"] = len(boxes)
     body = shards.tobytes() + samples.tobytes() + strings + meta_bytes + annotations
     header["body_crc32"] = zlib.crc32(body)
+    header["header_crc32"] = _header_crc(header)
     path = os.path.join(str(out_dir), fmt.INDEX_NAME)
     with open(path + fmt.TMP_SUFFIX, "wb") as f:
         f.write(header.tobytes())
@@ -143,6 +144,18 @@ def _section(raw, path, name, offset, size):
     return raw[offset:offset + size]
 
 
+def _header_crc(header) -> int:
+    """``header_crc32`` for ``header``: the CRC-32 of its bytes with that field zero; 1 for a CRC of
+    0 (which marks an index written before the field was)."""
+    zeroed = header.copy()
+    zeroed["header_crc32"] = 0
+    return zlib.crc32(zeroed.tobytes()) or 1
+
+
+def _header_intact(header) -> bool:
+    return int(header["header_crc32"]) in (0, _header_crc(header))
+
+
 def header_id(root) -> "bytes | None":
     """The dataset id in ``root``'s index header, without reading or checking the rest (the shards
     may be gone: a dataset being removed); None without a readable index."""
@@ -154,7 +167,9 @@ def header_id(root) -> "bytes | None":
     if len(raw) < fmt.INDEX_HEADER.itemsize:
         return None
     header = np.frombuffer(raw, fmt.INDEX_HEADER, count=1)[0]
-    return fmt.ident(header["dataset_id"]) if header["magic"] == fmt.INDEX_MAGIC else None
+    if header["magic"] != fmt.INDEX_MAGIC or not _header_intact(header):  # (a damaged id owns no shards)
+        return None
+    return fmt.ident(header["dataset_id"])
 
 
 def stamp(root):
@@ -218,6 +233,8 @@ def load(root, shards: bool = True) -> Index:
     body_start = fmt.INDEX_HEADER.itemsize
     if zlib.crc32(raw[body_start:]) != int(header["body_crc32"]):
         raise FormatError(f"{path}: index checksum mismatch (corrupt or truncated index)")
+    if not _header_intact(header):
+        raise FormatError(f"{path}: index header checksum mismatch (corrupt index)")
     _check_layout(sections, len(raw), path)
     try:
         meta = json.loads(meta_raw.decode("utf-8"))

@@ -77,7 +77,8 @@ INDEX_HEADER = np.dtype([
     ("body_crc32", "<u4"),
     ("annotations_offset", "<u8"),
     ("num_boxes", "<u8"),
-    ("reserved", "V12"),
+    ("header_crc32", "<u4"),  # 0 in indexes written before it was (they read as before)
+    ("reserved", "V8"),
 ])
 
 SHARD_RECORD = np.dtype([
