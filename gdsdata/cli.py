@@ -117,6 +117,9 @@ def _cmd_pack(args):
         print(f"  {len(empty)} class(es) hold no sample: {', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}")
     if result.report_path:
         print(f"  report: {result.report_path}")
+    elif result.finished_before:
+        print("  report: none (the pack that finished the dataset was stopped before writing it); the dataset is "
+              "complete")
     elif not (args.append and not result.new):
         print("  report: none (it could not be written: is the disk full?); the dataset is complete")
     return 0

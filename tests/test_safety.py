@@ -861,6 +861,37 @@ def test_a_full_disk_as_a_journal_is_written_names_the_journal(src, tmp_path, mo
     assert pack(src, out, resume=True, workers=1, shard_size=100_000).resumed_shards == 1 and verify(out) == []
 
 
+@pytest.mark.parametrize("append", [False, True])
+def test_an_interrupt_as_the_index_is_written_waits_for_the_report_that_describes_it(src, tmp_path, monkeypatch,
+                                                                                   append):
+    """Ctrl-C or SIGTERM right after the index went in place: the report is written before it acts
+    (an append's report still described the dataset before it, a pack's was missing)."""
+    from gdsdata.packing import packer
+
+    out, real_write = str(tmp_path / "ds"), packer.index_io.write
+    if append:
+        pack(src, out, workers=1)
+    more = tmp_path / "more"
+    write_photos(str(more), 5, classes=1, start_seed=6700)
+    os.rename(more / "class0", more / "fresh")
+
+    def interrupted(*args, **kwargs):
+        real_write(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # (a handler would have run by now)
+
+    monkeypatch.setattr(packer.index_io, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pack(str(more), out, workers=1, append=append)
+    report = json.loads(open(os.path.join(out, fmt.REPORT_NAME)).read())
+    assert report["status"] == "complete" and report["packed"] == len(load(out)) and verify(out) == []
+    assert report.get("appended") == (5 if append else None)
+    if not append:  # killed outright between the two (SIGKILL): a resume says so, not "is the disk full?"
+        os.unlink(os.path.join(out, fmt.REPORT_NAME))
+        code, said, _ = run_cli("pack", str(more), out, "--resume", "--workers", "1")
+        assert code == 0 and "report: none (the pack that finished the dataset was stopped before writing it)" in said
+
+
 def test_a_report_that_cannot_be_written_leaves_a_complete_dataset(src, tmp_path, monkeypatch):
     from gdsdata.packing import packer
 

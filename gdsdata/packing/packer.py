@@ -1035,7 +1035,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         if gone is not None:  # (the folder removed or changed under the pack: no index that names what is not there)
             raise GdsDataError(f"{os.path.join(folder, gone)}: gone before the pack could finish (the folder was "
                                f"removed or changed while it ran); no index written: pack again")
-        index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
+        with deferred_signals():  # the index and the report that describes it: Ctrl-C or SIGTERM waits for both
+            index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
+            report_path = _complete_report(folder, out, report)
     except BaseException as e:
         with contextlib.suppress(OSError):  # an index cut short (finished shards and journals stay for --resume)
             os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
@@ -1052,12 +1054,6 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                     "its shards are kept: free space, then run the same command with --resume")
             raise OSError(e.errno, f"{e.strerror or e} while writing the index of {display(out)}; {then}") from e
         raise
-    report_path = os.path.join(out, fmt.REPORT_NAME)
-    try:  # the index is in place: the dataset is complete, whether or not its report can be written
-        _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
-    except OSError as e:
-        log.warning("%s: the dataset is complete, but its report could not be written (%s)", out, e.strerror or e)
-        report_path = ""
     with deferred_signals():  # the index is authoritative now: its journals go, all of them, before an interrupt
         for shard in range(len(shard_table)):
             try:
@@ -1070,6 +1066,17 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                       meta.get("detection", {}).get("boxes", 0), len(samples) - carried,
                       [name for k, name in enumerate(base.classes) if relabel[k] != k] if append else [],
                       repaired=repaired)
+
+
+def _complete_report(folder, out, report) -> str:
+    """Write a complete dataset's report; its path in ``out``, or "" where it could not be written (the
+    index is in place: the dataset is complete whether or not it can)."""
+    try:
+        _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
+    except OSError as e:
+        log.warning("%s: the dataset is complete, but its report could not be written (%s)", out, e.strerror or e)
+        return ""
+    return os.path.join(out, fmt.REPORT_NAME)
 
 
 def _record_path(record, strings) -> str:
