@@ -12,6 +12,7 @@ from conftest import write_photos
 
 import gdsdata
 from gdsdata.format import layout as fmt
+from gdsdata.format.lock import OWNER_NAME
 from gdsdata.errors import BadImageError, OutputExistsError
 from gdsdata.packing.packer import pack
 
@@ -34,8 +35,9 @@ def shard_files(root):
 
 
 def remote_files(drives):
+    """The files on the drives, but each shard folder's name of its owner."""
     return sorted(os.path.join(d, f) for drive in drives if os.path.isdir(drive)
-                  for d, _, files in os.walk(drive) for f in files)
+                  for d, _, files in os.walk(drive) for f in files if f != OWNER_NAME)
 
 
 def spread_parts(src, tmp_path, drives, n=2):
@@ -412,6 +414,37 @@ def test_a_link_to_a_dataset_is_overwritten_where_it_points(src, tmp_path):
     pack(src, str(tmp_path / "alias"), workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
     assert os.path.islink(tmp_path / "alias") and gdsdata.verify(str(tmp_path / "alias")) == []
     assert remote_files(drives) == linked(real)
+
+
+def test_a_copy_of_the_folder_overwritten_or_removed_leaves_the_shards_of_the_dataset_it_copied(src, tmp_path,
+                                                                                                  caplog):
+    """``cp -a`` copies the links, not the shards: overwriting the copy (the same dataset id, links to
+    the same shards) removed the original's shards; they stay, with a warning naming their owner. A
+    renamed dataset still owns its own."""
+    import shutil
+
+    from gdsdata.format.lock import remove_dataset
+    from gdsdata.format import index as index_io
+
+    drives, original = roots(tmp_path), str(tmp_path / "ds")
+    pack(src, original, workers=1, shard_size=SHARD, shard_roots=drives)
+    copy = str(tmp_path / "elsewhere" / "ds")  # the same name in another folder: the same shard folders
+    shutil.copytree(original, copy, symlinks=True)
+    other = tmp_path / "other"
+    write_photos(str(other), 6, classes=2, start_seed=4400)
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        pack(str(other), copy, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
+    assert gdsdata.verify(original) == [] and gdsdata.verify(copy) == []
+    said = [r.getMessage() for r in caplog.records if "left in place" in r.getMessage()]
+    assert len(said) == len(drives) and all(f"are those of {original}, which " in m for m in said), said
+    assert sorted(remote_files(drives)) == sorted(linked(original) + linked(copy))
+    second = str(tmp_path / "second")  # a copy removed, as the next writer removes a killed writer's folders
+    shutil.copytree(original, second, symlinks=True)
+    remove_dataset(second, index_io.header_id(second))
+    assert gdsdata.verify(original) == []
+    os.rename(original, tmp_path / "renamed")  # the owner renamed: still the owner
+    pack(str(other), str(tmp_path / "renamed"), workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
+    assert sorted(remote_files(drives)) == sorted(linked(str(tmp_path / "renamed")) + linked(copy))
 
 
 def test_a_dataset_id_ending_in_a_zero_byte_still_owns_its_shards(src, tmp_path, monkeypatch):

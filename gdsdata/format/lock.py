@@ -22,7 +22,10 @@ A dataset packed onto several drives (``pack(shard_roots=)``) keeps its shards i
 ``NAME.gdsdata-shards-ID`` on each drive (ID: the pack's dataset id) and a symbolic link to each in
 its own folder; ``remove_dataset`` and ``remove_shard`` remove such shards with their links when
 given that id, and nothing a link points to elsewhere (a merge's links to its parts' shards, whose
-folders carry the parts' ids, stay the parts'; a renamed dataset still owns its shards).
+folders carry the parts' ids, stay the parts'; a renamed dataset still owns its shards). Each such
+folder names the dataset folder that made it (``.gdsdata-owner``: its path, device and inode, which a
+rename keeps): a copy of the dataset folder (``cp -a``, the same id, links to the same shards) removed
+or overwritten leaves them, with a warning naming their owner.
 """
 
 import contextlib
@@ -424,6 +427,39 @@ def shard_folder(root: str, name: str, dataset_id: bytes) -> str:
     return os.path.join(os.path.abspath(root), f"{name}{SHARDS_TAG}{dataset_id.hex()}")
 
 
+OWNER_NAME = ".gdsdata-owner"
+_said_foreign = set()  # shard folders already warned about in this process
+
+
+def make_shard_folder(folder: str, dataset_folder: str):
+    """Make ``folder`` (a ``shard_folder``) for the dataset being written in ``dataset_folder`` (the
+    folder that becomes the dataset: a rename keeps its device and inode), naming that folder its owner."""
+    os.makedirs(folder, exist_ok=True)
+    marker = os.path.join(folder, OWNER_NAME)
+    if os.path.exists(marker):
+        return
+    status = os.stat(dataset_folder)
+    tmp = f"{marker}.{os.getpid()}{TMP_SUFFIX}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"folder": os.path.realpath(dataset_folder), "device": status.st_dev, "inode": status.st_ino}, f)
+    os.replace(tmp, marker)
+
+
+def foreign_owner(shards: str, dataset_folder: str) -> "str | None":
+    """The folder ``shards`` (a ``shard_folder``) names as its owner, where that is not
+    ``dataset_folder`` (a copy of the owner: its links lead there too); None where it is, or where the
+    folder names none (made by a gdsdata before owners were recorded)."""
+    try:
+        with open(os.path.join(shards, OWNER_NAME), encoding="utf-8") as f:
+            owner = json.load(f)
+        status = os.stat(dataset_folder)
+        if (owner["device"], owner["inode"]) == (status.st_dev, status.st_ino):
+            return None
+        return str(owner["folder"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _target(link: str) -> "str | None":
     if not os.path.islink(link):
         return None
@@ -453,6 +489,13 @@ def remove_shard(path: str, dataset_id: "bytes | None"):
     its folder once empty)."""
     target = owned_target(path, dataset_id)
     doomed = [path]
+    owner = foreign_owner(os.path.dirname(target), os.path.dirname(path)) if target is not None else None
+    if owner is not None:  # the link of a copy: the shards stay their owner's
+        if os.path.dirname(target) not in _said_foreign:
+            _said_foreign.add(os.path.dirname(target))
+            log.warning("%s: left in place: its shards are those of %s, which %s is a copy of (cp -a copies the "
+                        "links, not the shards)", os.path.dirname(target), owner, os.path.dirname(path))
+        target = None
     if target is not None:
         final = target[:-len(TMP_SUFFIX)] if target.endswith(TMP_SUFFIX) else target
         doomed = [final, final + TMP_SUFFIX, path]
@@ -462,10 +505,17 @@ def remove_shard(path: str, dataset_id: "bytes | None"):
         except FileNotFoundError:
             pass
     if target is not None:
-        try:
-            os.rmdir(os.path.dirname(target))
-        except OSError:  # other shards of the dataset are still there
-            pass
+        drop_if_empty(os.path.dirname(target))
+
+
+def drop_if_empty(shards: str):
+    """Remove the shard folder ``shards`` where it holds no shard (the name of its owner alone)."""
+    try:
+        if os.listdir(shards) == [OWNER_NAME]:
+            os.unlink(os.path.join(shards, OWNER_NAME))
+        os.rmdir(shards)
+    except OSError:  # other shards are still there
+        pass
 
 
 def _index_id(folder: str) -> "bytes | None":

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 
 from gdsdata.format import layout as fmt
-from gdsdata.format.lock import shard_folder
+from gdsdata.format.lock import make_shard_folder, shard_folder
 from gdsdata.errors import FormatError
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class ShardWriter:
                 # crash leaves nothing there that out_dir does not name), then by its own name
                 folder = shard_folder(self.roots[(index + self.root_offset) % len(self.roots)], self.name,
                                       self.dataset_id)
-                os.makedirs(folder, exist_ok=True)
+                make_shard_folder(folder, self.out_dir)
                 self._path, self._link = os.path.join(folder, fmt.shard_name(index)), self._path
                 _symlink(self._path + fmt.TMP_SUFFIX, self._link + fmt.TMP_SUFFIX)
             self._file = open(self._path + fmt.TMP_SUFFIX, "wb")

@@ -28,8 +28,8 @@ from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import FormatError, SourceError
-from gdsdata.format.lock import (SHARDS_TAG, owned_target, reader_lock, remove_quietly, remove_shard, shard_folder,
-                                 writer_lock)
+from gdsdata.format.lock import (SHARDS_TAG, drop_if_empty, make_shard_folder, owned_target, reader_lock,
+                                 remove_quietly, remove_shard, shard_folder, writer_lock)
 from gdsdata.format.shards import open_regular, read_header
 from gdsdata.packing.detection import annotate
 from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_options
@@ -48,7 +48,7 @@ def _on_its_drive(src, dst, part_id, folder_of, placed, move):
     mine = folder_of(os.path.dirname(os.path.dirname(real)))
     name = os.path.join(mine, os.path.basename(dst))
     try:
-        os.makedirs(mine, exist_ok=True)
+        make_shard_folder(mine, os.path.dirname(dst))
         os.symlink(name, dst)  # first: whoever clears a merge killed outright finds all it placed through its links
         if move and owned_target(src, part_id):
             os.rename(real, name)  # the same drive: one step, no copy
@@ -59,7 +59,7 @@ def _on_its_drive(src, dst, part_id, folder_of, placed, move):
     except OSError as e:  # no hard links there (or no right to make them): a link to the part's shard
         if e.errno not in (errno.EPERM, errno.EMLINK, errno.EXDEV, errno.EOPNOTSUPP, errno.EACCES, errno.EROFS):
             raise
-        for undo, path in ((os.unlink, dst), (os.rmdir, mine)):  # the folder stays if other shards are there
+        for undo, path in ((os.unlink, dst), (drop_if_empty, mine)):  # the folder stays if other shards are there
             try:
                 undo(path)
             except OSError:
