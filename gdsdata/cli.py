@@ -565,15 +565,17 @@ def _reader_gone(fd: int) -> bool:
 
 def run():
     """The ``gdsdata`` command itself: ``main``, then the exit. SIGTERM unwinds as Ctrl-C does. After
-    either the process ends at once (everything is written and closed by then): waiting at exit for
-    the pool's helper threads, which a killed worker can leave blocked on a pipe, could hang."""
+    either, or a packing worker that even SIGKILL has not ended yet (in an uninterruptible wait in the
+    kernel), the process ends at once (everything is written and closed by then): waiting at exit for
+    the pool's helper threads, which a killed worker can leave blocked on a pipe or on itself, could hang."""
     global _COMMAND_PID
     _COMMAND_PID = os.getpid()
     signal.signal(signal.SIGTERM, _terminate)
     code = main()
     # the command is over: a TERM now ends the exit at once, not as an exception inside an atexit hook (Ray's)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if code in (130, 143):
+    packer = sys.modules.get("gdsdata.packing.packer")  # (imported only where the command packed)
+    if code in (130, 143) or (packer is not None and packer.workers_left()):  # (a worker the kernel holds)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -4,6 +4,7 @@ corrupted states, many shards under a low descriptor limit. One test (or a few) 
 the racy ones repeat many more times under ``pytest -m heavy`` (deselected by default: run before
 calling a change to them done)."""
 
+import contextlib
 import errno
 import json
 import os
@@ -548,19 +549,20 @@ def test_a_worker_killed_mid_pack_becomes_one_skipped_file(tmp_path):
     assert verify(out) == []
 
 
-def _pack_with_stuck_items(tmp_path, stuck: str, timeout="2"):
+def _pack_with_stuck_items(tmp_path, stuck: str, timeout="2", prelude=""):
     """``pack(workers=2)`` in a child whose workers hang for good on the items ``stuck`` (a Python
-    expression of ``job``) names, ``stall_timeout`` at ``timeout`` seconds."""
+    expression of ``job``) names, ``stall_timeout`` at ``timeout`` seconds; ``prelude``: code the
+    child runs first."""
     src = tmp_path / "src"
     write_photos(str(src), 30, classes=2, start_seed=50)
     out = str(tmp_path / "ds")
-    script = (f"import sys, threading; sys.path.insert(0, {ROOT!r}); import gdsdata.packing.packer as p\n"
+    script = (f"import sys, threading; sys.path.insert(0, {ROOT!r}); import gdsdata.packing.packer as p\n{prelude}"
               "real = p._prepare_item\n"
               f"def item(job):\n    if {stuck}: threading.Event().wait()\n"
               "    return real(job)\n"
               "p._prepare_item = item\n"
-              "from gdsdata.cli import main\n"
-              f"sys.exit(main(['pack', {str(src)!r}, {out!r}, '--workers', '2', '-q']))\n")
+              f"sys.argv = ['gdsdata', 'pack', {str(src)!r}, {out!r}, '--workers', '2', '-q']\n"
+              "from gdsdata.cli import run\nrun()\n")  # (the command's own exit)
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env=child_env(GDSDATA_STALL_TIMEOUT=timeout))
@@ -592,6 +594,25 @@ def test_a_worker_stopped_outright_is_killed_and_the_pack_exits(tmp_path):
     assert took < 60
     report = json.loads((tmp_path / "ds" / "pack_report.json").read_text())
     assert report["packed"] == 29 and [s["path"] for s in report["skipped"]] == [victim]
+
+
+def test_a_worker_even_sigkill_does_not_end_yet_leaves_the_command_free_to_exit(tmp_path):
+    """A worker in an uninterruptible wait in the kernel (a dead NFS server) ends only when the kernel
+    lets it: the command says its result and exits (the interpreter's exit waited for it). Played by
+    a stopped worker whose SIGKILL is not sent."""
+    pid_file = tmp_path / "stopped.pid"
+    stop = (f"(open({str(pid_file)!r}, 'w').write(str(__import__('os').getpid())) and "
+            "__import__('os').kill(__import__('os').getpid(), __import__('signal').SIGSTOP))")
+    prelude = "import multiprocessing.process as mp\nmp.BaseProcess.kill = lambda self: None\n"
+    try:
+        src, out, done, took = _pack_with_stuck_items(tmp_path, f"job[0] == 'class1/00007.jpg' and {stop} is None",
+                                                      prelude=prelude)
+        assert done.returncode == 0 and took < 90, done.stderr
+        assert json.loads((tmp_path / "ds" / "pack_report.json").read_text())["packed"] == 29
+    finally:
+        for pid in pid_file.read_text().split() if pid_file.exists() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def test_workers_that_stall_on_every_item_end_the_pack_in_one_line(tmp_path):
@@ -1014,7 +1035,7 @@ def _stop_and_resume(src, tmp_path, delay, spread, sig, code, said, group=False)
         pack(src, out, workers=2, shard_size=1_000_000, shard_roots=drives)
     assert len(load(out)) == 480 and verify(out) == []
     on_drives = sorted(os.path.basename(f) for d in drives for _, _, files in os.walk(d) for f in files
-                       if f != OWNER_NAME)
+                       if f != OWNER_NAME or files == [OWNER_NAME])  # (a shard folder left empty fails)
     assert on_drives == (sorted(n for n in os.listdir(out) if n.endswith(".gds")) if spread else [])
 
 

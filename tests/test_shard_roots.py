@@ -35,9 +35,10 @@ def shard_files(root):
 
 
 def remote_files(drives):
-    """The files on the drives, but each shard folder's name of its owner."""
+    """The files on the drives, but the name of its owner in a shard folder that holds shards (in one
+    left without any, it is what is left)."""
     return sorted(os.path.join(d, f) for drive in drives if os.path.isdir(drive)
-                  for d, _, files in os.walk(drive) for f in files if f != OWNER_NAME)
+                  for d, _, files in os.walk(drive) for f in files if f != OWNER_NAME or files == [OWNER_NAME])
 
 
 def spread_parts(src, tmp_path, drives, n=2):
@@ -445,6 +446,13 @@ def test_a_copy_of_the_folder_overwritten_or_removed_leaves_the_shards_of_the_da
     os.rename(original, tmp_path / "renamed")  # the owner renamed: still the owner
     pack(str(other), str(tmp_path / "renamed"), workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
     assert sorted(remote_files(drives)) == sorted(linked(str(tmp_path / "renamed")) + linked(copy))
+    moved = str(tmp_path / "moved" / "elsewhere")  # moved as mv moves it to another filesystem: copied, then removed
+    shutil.copytree(str(tmp_path / "renamed"), moved, symlinks=True)
+    shutil.rmtree(tmp_path / "renamed")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        pack(src, moved, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
+    assert sorted(remote_files(drives)) == sorted(linked(moved) + linked(copy)) and "left in place" not in caplog.text
 
 
 def test_a_dataset_id_ending_in_a_zero_byte_still_owns_its_shards(src, tmp_path, monkeypatch):

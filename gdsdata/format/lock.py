@@ -431,33 +431,57 @@ OWNER_NAME = ".gdsdata-owner"
 _said_foreign = set()  # shard folders already warned about in this process
 
 
-def make_shard_folder(folder: str, dataset_folder: str):
-    """Make ``folder`` (a ``shard_folder``) for the dataset being written in ``dataset_folder`` (the
-    folder that becomes the dataset: a rename keeps its device and inode), naming that folder its owner."""
+def identity(path_or_fd) -> tuple:
+    """(device, inode) of a file or folder (a path or an open descriptor)."""
+    status = os.stat(path_or_fd)
+    return status.st_dev, status.st_ino
+
+
+def make_shard_folder(folder: str, building: str, dataset_folder: str):
+    """Make ``folder`` (a ``shard_folder``) for the dataset being written in ``building`` (the folder
+    that becomes ``dataset_folder``, its final path), naming ``dataset_folder`` its owner."""
     os.makedirs(folder, exist_ok=True)
     marker = os.path.join(folder, OWNER_NAME)
     if os.path.exists(marker):
         return
-    status = os.stat(dataset_folder)
+    device, inode = identity(building)
     tmp = f"{marker}.{os.getpid()}{TMP_SUFFIX}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"folder": os.path.realpath(dataset_folder), "device": status.st_dev, "inode": status.st_ino}, f)
+        json.dump({"folder": os.path.realpath(dataset_folder), "device": device, "inode": inode}, f)
     os.replace(tmp, marker)
 
 
-def foreign_owner(shards: str, dataset_folder: str) -> "str | None":
-    """The folder ``shards`` (a ``shard_folder``) names as its owner, where that is not
-    ``dataset_folder`` (a copy of the owner: its links lead there too); None where it is, or where the
-    folder names none (made by a gdsdata before owners were recorded)."""
+def foreign_owner(shards: str, dataset_folder: str, dataset_id: "bytes | None") -> "str | None":
+    """The folder ``shards`` (a ``shard_folder``) names as its owner, where that is another dataset
+    folder than ``dataset_folder`` holding the same dataset (a ``cp -a`` copy's links lead there too);
+    else None: the folder names ``dataset_folder`` (by device and inode, or by its path now), names
+    no folder (made before owners were recorded), or a folder that no longer holds that dataset (the
+    dataset moved to another filesystem, whose copy then was its only one)."""
     try:
         with open(os.path.join(shards, OWNER_NAME), encoding="utf-8") as f:
             owner = json.load(f)
-        status = os.stat(dataset_folder)
-        if (owner["device"], owner["inode"]) == (status.st_dev, status.st_ino):
+        if (owner["device"], owner["inode"]) == identity(dataset_folder):
             return None
-        return str(owner["folder"])
+        folder = str(owner["folder"])
+        if not os.path.isdir(folder) or os.path.samefile(folder, dataset_folder):
+            return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    held = _index_id(folder)
+    return folder if held is not None and dataset_id is not None and held == dataset_id else None
+
+
+def drop_if_empty(shards: str):
+    """Remove the shard folder ``shards`` where it holds no shard (the name of its owner alone)."""
+    try:
+        for name in os.listdir(shards):
+            if name.startswith(OWNER_NAME):  # (and one a writer killed as it named the owner left)
+                os.unlink(os.path.join(shards, name))
+            else:
+                return
+        os.rmdir(shards)
+    except OSError:  # other shards are still there
+        pass
 
 
 def _target(link: str) -> "str | None":
@@ -489,12 +513,13 @@ def remove_shard(path: str, dataset_id: "bytes | None"):
     its folder once empty)."""
     target = owned_target(path, dataset_id)
     doomed = [path]
-    owner = foreign_owner(os.path.dirname(target), os.path.dirname(path)) if target is not None else None
+    shards = os.path.dirname(target) if target is not None else None
+    owner = foreign_owner(shards, os.path.dirname(path), dataset_id) if target is not None else None
     if owner is not None:  # the link of a copy: the shards stay their owner's
-        if os.path.dirname(target) not in _said_foreign:
-            _said_foreign.add(os.path.dirname(target))
+        if shards not in _said_foreign:
+            _said_foreign.add(shards)
             log.warning("%s: left in place: its shards are those of %s, which %s is a copy of (cp -a copies the "
-                        "links, not the shards)", os.path.dirname(target), owner, os.path.dirname(path))
+                        "links, not the shards)", shards, owner, os.path.dirname(path))
         target = None
     if target is not None:
         final = target[:-len(TMP_SUFFIX)] if target.endswith(TMP_SUFFIX) else target
@@ -505,17 +530,7 @@ def remove_shard(path: str, dataset_id: "bytes | None"):
         except FileNotFoundError:
             pass
     if target is not None:
-        drop_if_empty(os.path.dirname(target))
-
-
-def drop_if_empty(shards: str):
-    """Remove the shard folder ``shards`` where it holds no shard (the name of its owner alone)."""
-    try:
-        if os.listdir(shards) == [OWNER_NAME]:
-            os.unlink(os.path.join(shards, OWNER_NAME))
-        os.rmdir(shards)
-    except OSError:  # other shards are still there
-        pass
+        drop_if_empty(shards)
 
 
 def _index_id(folder: str) -> "bytes | None":

@@ -35,12 +35,13 @@ class ShardWriter:
     With ``roots`` (folders on other drives) shard k is written to ``roots[(k + root_offset) %
     len(roots)]`` (a part of a pack starts at its own root, so that parts of a shard or two still
     spread over every drive once merged), in the
-    pack's ``lock.shard_folder`` there (``name``: the dataset folder's name), and ``out_dir`` links
+    pack's ``lock.shard_folder`` there (``owner``: the dataset folder ``out_dir`` becomes, whose name
+    it carries and which it names as its owner; default ``out_dir``), and ``out_dir`` links
     to it: ``shard-k.gds.tmp`` while it is written (until its journal is), ``shard-k.gds`` once it
     is complete."""
 
     def __init__(self, out_dir, alignment, shard_size, dataset_id: bytes, first_shard: int = 0,
-                 first_sample: int = 0, on_close=None, roots=(), name=None, root_offset: int = 0):
+                 first_sample: int = 0, on_close=None, roots=(), owner=None, root_offset: int = 0):
         if alignment < 64 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
         self.out_dir = str(out_dir)
@@ -54,7 +55,7 @@ class ShardWriter:
         self.aborted = False  # abort() dropped a shard that was being written
         self.roots = [os.path.abspath(os.fspath(r)) for r in roots]
         self.root_offset = root_offset
-        self.name = name or os.path.basename(os.path.abspath(self.out_dir))
+        self.owner = os.path.abspath(os.fspath(owner or self.out_dir))
         self._file = None
         self._link = None
 
@@ -82,9 +83,9 @@ class ShardWriter:
         try:
             if self.roots:  # on a drive of its own: out_dir links to it while it is written (so that a
                 # crash leaves nothing there that out_dir does not name), then by its own name
-                folder = shard_folder(self.roots[(index + self.root_offset) % len(self.roots)], self.name,
-                                      self.dataset_id)
-                make_shard_folder(folder, self.out_dir)
+                folder = shard_folder(self.roots[(index + self.root_offset) % len(self.roots)],
+                                      os.path.basename(self.owner), self.dataset_id)
+                make_shard_folder(folder, self.out_dir, self.owner)
                 self._path, self._link = os.path.join(folder, fmt.shard_name(index)), self._path
                 _symlink(self._path + fmt.TMP_SUFFIX, self._link + fmt.TMP_SUFFIX)
             self._file = open(self._path + fmt.TMP_SUFFIX, "wb")

@@ -39,6 +39,7 @@ import numpy as np
 
 from gdsdata import stall
 from gdsdata.errors import FormatError, GdsDataError
+from gdsdata.format.lock import identity
 from gdsdata.format.shards import cannot_read, check_opened, open_regular, replaced_while_open
 from gdsdata.io.cpu import OpenShards
 from gdsdata.threads import DaemonPool
@@ -93,18 +94,13 @@ def _buffered(path, fd_open: "int | None" = None) -> int:
     if fd is None:
         fd = open_regular(path)
     try:
-        if fd_open is not None and _identity(fd) != _identity(fd_open):
+        if fd_open is not None and identity(fd) != identity(fd_open):
             raise FormatError(replaced_while_open(path))
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     except BaseException:
         os.close(fd)
         raise
     return fd
-
-
-def _identity(fd) -> tuple:
-    status = os.fstat(fd)
-    return status.st_dev, status.st_ino
 
 
 def _open(index, path, shard) -> _Shard:

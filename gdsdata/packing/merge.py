@@ -37,18 +37,19 @@ from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_opti
 log = logging.getLogger(__name__)
 
 
-def _on_its_drive(src, dst, part_id, folder_of, placed, move):
+def _on_its_drive(src, dst, part_id, out, folder_of, placed, move):
     """A shard a part keeps on another drive (``pack --shard-root``) gets a name in the merged
     dataset's own folder on that drive, linked from ``dst``: a hard link there (the part and the
     merged dataset each own theirs), or with ``move`` (``pack --ray``, whose parts go after the
-    merge) the part's own shard moved there. Returns None for a shard on no such drive."""
+    merge) the part's own shard moved there, the folder there naming ``out`` its owner. Returns None
+    for a shard on no such drive."""
     real = os.path.realpath(src)
     if SHARDS_TAG not in os.path.basename(os.path.dirname(real)):
         return None
     mine = folder_of(os.path.dirname(os.path.dirname(real)))
     name = os.path.join(mine, os.path.basename(dst))
     try:
-        make_shard_folder(mine, os.path.dirname(dst))
+        make_shard_folder(mine, os.path.dirname(dst), out)
         os.symlink(name, dst)  # first: whoever clears a merge killed outright finds all it placed through its links
         if move and owned_target(src, part_id):
             os.rename(real, name)  # the same drive: one step, no copy
@@ -302,10 +303,7 @@ def _merge(ordered, folder, out, copy, adopt=False, progress=False, report=None)
     except BaseException:
         for path in placed:
             remove_shard(path, None)
-            try:
-                os.rmdir(os.path.dirname(path))
-            except OSError:
-                pass
+            drop_if_empty(os.path.dirname(path))
         raise
 
 
@@ -321,7 +319,7 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
             for s in range(len(index.shards)):
                 src, dst = index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s))
                 drive = None if copy else _on_its_drive(
-                    src, dst, index.dataset_id, lambda root: shard_folder(root, os.path.basename(out), dataset_id),
+                    src, dst, index.dataset_id, out, lambda root: shard_folder(root, os.path.basename(out), dataset_id),
                     placed, adopt)
                 how.add(drive or _place(src, dst, copy))
                 _as_recorded(dst, part, s, index)

@@ -358,15 +358,24 @@ def _stop(pool):
     alive = [process for process in processes if process.is_alive()]
     for process in alive:  # stopped (SIGSTOP, a frozen cgroup): SIGTERM waits for it to run again, SIGKILL does not
         process.kill()
-    if alive and _joined(alive, 5) and manager is not None:
-        # one still in the kernel (uninterruptible): the interpreter's exit would join the pool's thread, which
-        # waits for that worker; it goes when the kernel lets it
-        getattr(concurrent.futures.process, "_threads_wakeups", {}).pop(manager, None)
+    if alive and _joined(alive, 5):  # one still in the kernel (uninterruptible): it goes when the kernel lets it
+        _LEFT.extend(process for process in alive if process.is_alive())
+        if manager is not None:  # the interpreter's exit joins the pool's thread, which waits for that worker
+            getattr(concurrent.futures.process, "_threads_wakeups", {}).pop(manager, None)
     if calls is not None:
         calls.cancel_join_thread()
     writer = getattr(results, "_writer", None)
     if writer is not None and not any(process.is_alive() for process in processes):
         writer.close()
+
+
+_LEFT = []  # packing workers a stop left alive (SIGKILL waits for an uninterruptible wait in the kernel to end)
+
+
+def workers_left() -> bool:
+    """Whether a stopped pool left a worker alive: then the interpreter's exit waits for it (its pool's
+    thread, not a daemon, joins it), and the command ends with ``os._exit`` once its output is out."""
+    return any(process.is_alive() for process in _LEFT)
 
 
 def _joined(processes, seconds) -> bool:
@@ -900,7 +909,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 remove_shard(os.path.join(folder, name), dataset_id)
     writer = ShardWriter(folder, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
                          first_sample=len(records), on_close=write_journal, roots=roots,
-                         name=os.path.basename(out), root_offset=part)
+                         owner=out, root_offset=part)
     unreadable = getattr(source, "unreadable", []) if part == 0 else []
     special = getattr(source, "special", []) if part == 0 else []
     report = report_opening(src, out, classes, roots,
