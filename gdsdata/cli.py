@@ -118,8 +118,8 @@ def _cmd_pack(args):
     if result.report_path:
         print(f"  report: {result.report_path}")
     elif result.finished_before:
-        print("  report: none (the pack that finished the dataset was stopped before writing it); the dataset is "
-              "complete")
+        print("  report: none (missing or unreadable: the pack that finished the dataset may have been stopped "
+              "before writing it); the dataset is complete")
     elif not (args.append and not result.new):
         print("  report: none (it could not be written: is the disk full?); the dataset is complete")
     return 0
@@ -409,7 +409,8 @@ def build_parser():
                    "URL: s3://, gs://, az://, ...), and the dataset folder to create")
     p.add_argument("--format", choices=("folder", "yolo", "coco"), default="folder",
                    help="folder (classification, default), yolo or coco (detection: boxes packed with the images)")
-    p.add_argument("--split", help="--format yolo: the split to pack (default train)")
+    p.add_argument("--split", help="--format yolo: the split to pack (a data YAML's or a dataset folder's default: "
+                                    "train; an images folder holding split folders needs it)")
     p.add_argument("--shard-size", type=_size, default=1 << 30, metavar="SIZE",
                    help="target shard size (default 1G)")
     p.add_argument("--shard-root", action="append", default=[], metavar="DIR",

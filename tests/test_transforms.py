@@ -192,6 +192,7 @@ def test_mean_and_std_on_the_0_1_scale_are_warned_about(make, caplog):
         make(16, mean=(124, 116, 104), std=(1, 1, 1))  # the mean subtracted alone (Caffe's way)
         make(16, mean=(0, 0, 0), std=(255, 255, 255))  # 0-1, as ToDtype(scale=True) gives
         make(16, mean=None, std=None)
+        make(16, mean=None, std=(0.229, 0.224, 0.225))  # no normalisation: the std unused
     assert caplog.text == ""
 
 

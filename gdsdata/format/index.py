@@ -222,6 +222,8 @@ def load(root, shards: bool = True) -> Index:
     header = np.frombuffer(raw, fmt.INDEX_HEADER, count=1)[0]
     if header["magic"] != fmt.INDEX_MAGIC:
         raise FormatError(f"{path}: not a gdsdata index (bad magic)")
+    if not _header_intact(header):  # (before the version: a damaged one is no newer format)
+        raise FormatError(f"{path}: index header checksum mismatch (corrupt index)")
     if header["version"] not in fmt.READABLE_VERSIONS:
         raise FormatError(f"{path}: format version {header['version']}; this gdsdata reads versions "
                           f"{', '.join(map(str, fmt.READABLE_VERSIONS))} (upgrade gdsdata, or pack again)")
@@ -233,8 +235,6 @@ def load(root, shards: bool = True) -> Index:
     body_start = fmt.INDEX_HEADER.itemsize
     if zlib.crc32(raw[body_start:]) != int(header["body_crc32"]):
         raise FormatError(f"{path}: index checksum mismatch (corrupt or truncated index)")
-    if not _header_intact(header):
-        raise FormatError(f"{path}: index header checksum mismatch (corrupt index)")
     _check_layout(sections, len(raw), path)
     try:
         meta = json.loads(meta_raw.decode("utf-8"))

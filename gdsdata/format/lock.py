@@ -23,9 +23,9 @@ A dataset packed onto several drives (``pack(shard_roots=)``) keeps its shards i
 its own folder; ``remove_dataset`` and ``remove_shard`` remove such shards with their links when
 given that id, and nothing a link points to elsewhere (a merge's links to its parts' shards, whose
 folders carry the parts' ids, stay the parts'; a renamed dataset still owns its shards). Each such
-folder names the dataset folder that made it (``.gdsdata-owner``: its path, device and inode, which a
-rename keeps): a copy of the dataset folder (``cp -a``, the same id, links to the same shards) removed
-or overwritten leaves them, with a warning naming their owner.
+folder names the dataset folder that made it (``.gdsdata-owner``: its path, device and inode): a copy
+of the dataset folder (``cp -a``, the same id, links to the same shards) removed or overwritten while
+that folder still holds the dataset leaves them, with a warning naming their owner.
 """
 
 import contextlib

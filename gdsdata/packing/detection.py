@@ -438,8 +438,9 @@ class YoloSource(DetectionSource):
             self.root = os.path.abspath(src)
         images = [path for _, path in sorted(listed)]  # Ultralytics' get_img_files order: its paths sorted as text
         if not images:
-            raise SourceError(f"{display(src)}: no image files in split {split!r} (extensions: "
-                              f"{' '.join(YOLO_IMAGE_EXTENSIONS)})")
+            split = split or ("train" if os.path.isdir(os.path.join(src, "images")) else None)  # (a YAML's is set)
+            where = f"in split {split!r}" if split else "in it"
+            raise SourceError(f"{display(src)}: no image files {where} (extensions: {' '.join(YOLO_IMAGE_EXTENSIONS)})")
         labels_of = {image: label_path(image) for image in images}
         parsed = {image: self._labels(labels_of[image], keypoints) for image in images}
         if all(rows is None and problem is None for rows, problem, _ in parsed.values()):

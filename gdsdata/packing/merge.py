@@ -229,24 +229,29 @@ def _warn_repeats(parts, indexes):
     of one source, a pack and an append of it): joined, the merge holds each of those twice; and
     ones that hold other images under the same paths (two sources named alike): joined, a path no
     longer names one image. Said, not refused (repeats may be meant: oversampling a class)."""
-    paths, samples = [], []  # per dataset: a 64-bit hash of each path, and of each (path, bytes' CRC-32)
+    paths, samples = [], []  # per dataset: its samples' path hashes (64-bit), and (path, bytes' CRC-32) mixed
     for index in indexes:
         records = index.samples
         hashed = np.fromiter((int.from_bytes(hashlib.blake2b(index.strings[int(start):int(start) + int(length)],
                                                              digest_size=8).digest(), "little")
                               for start, length in zip(records["path_offset"], records["path_length"])),
                              np.uint64, len(index))
-        paths.append(np.unique(hashed))
         with np.errstate(over="ignore"):  # (a multiplicative mix, modulo 2**64)
-            samples.append(np.unique(hashed ^ (records["crc32"].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))))
+            mixed = hashed ^ (records["crc32"].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        mixed, first = np.unique(mixed, return_index=True)
+        paths.append(hashed[first])  # the path of each distinct sample
+        samples.append(mixed)
     for a in range(len(parts)):
         for b in range(a + 1, len(parts)):
             same = len(np.intersect1d(samples[a], samples[b], assume_unique=True))
-            named = len(np.intersect1d(paths[a], paths[b], assume_unique=True)) - same
+            # paths both hold where one holds a sample the other does not (a path held twice counts once)
+            apart = np.union1d(paths[a][~np.isin(samples[a], samples[b], assume_unique=True)],
+                               paths[b][~np.isin(samples[b], samples[a], assume_unique=True)])
+            named = len(np.intersect1d(apart, np.intersect1d(paths[a], paths[b])))
             if same:
                 log.warning("%s and %s hold %d of the same samples (the same file paths and stored bytes): the "
                             "merged dataset holds each of them twice", parts[a], parts[b], same)
-            if named > 0:
+            if named:
                 log.warning("%s and %s hold other images under %d of the same file paths: in the merged dataset "
                             "such a path (ds.source(i), pack_report.json) names two images", parts[a], parts[b], named)
 

@@ -1044,9 +1044,11 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         if gone is not None:  # (the folder removed or changed under the pack: no index that names what is not there)
             raise GdsDataError(f"{os.path.join(folder, gone)}: gone before the pack could finish (the folder was "
                                f"removed or changed while it ran); no index written: pack again")
-        with deferred_signals():  # the index and the report that describes it: Ctrl-C or SIGTERM waits for both
+        with deferred_signals():  # the index, the report that describes it, the journals gone (the index is
+            # authoritative): Ctrl-C or SIGTERM waits for all three (then raised here, the dataset complete)
             index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
             report_path = _complete_report(folder, out, report)
+            _drop_journals(folder, len(shard_table))
     except BaseException as e:
         with contextlib.suppress(OSError):  # an index cut short (finished shards and journals stay for --resume)
             os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
@@ -1063,18 +1065,19 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                     "its shards are kept: free space, then run the same command with --resume")
             raise OSError(e.errno, f"{e.strerror or e} while writing the index of {display(out)}; {then}") from e
         raise
-    with deferred_signals():  # the index is authoritative now: its journals go, all of them, before an interrupt
-        for shard in range(len(shard_table)):
-            try:
-                os.unlink(_journal_path(folder, shard))
-            except FileNotFoundError:
-                pass
     log.info("packed %d images into %d shards in %.1f s", len(samples), len(shard_table), seconds)
     return PackResult(out, len(samples), converted, resized, len(shard_table), total, seconds,
                       skipped, ignored, unreadable, special, report_path, len(journals), report.get("labels"),
                       meta.get("detection", {}).get("boxes", 0), len(samples) - carried,
                       [name for k, name in enumerate(base.classes) if relabel[k] != k] if append else [],
                       repaired=repaired)
+
+
+def _drop_journals(folder, shards: int):
+    """The journals of a dataset whose index is in place (one that cannot go now, the next writer removes)."""
+    for shard in range(shards):
+        with contextlib.suppress(OSError):
+            os.unlink(_journal_path(folder, shard))
 
 
 def _complete_report(folder, out, report) -> str:

@@ -271,7 +271,7 @@ def _validate(t):
     # either on the 0-1 scale is wrong on its own (mean=(0.485, ...) beside the default 0-255 std, say); a
     # zero mean and a unit std leave values as they are, and are said outright
     unit_mean = t.mean is not None and max(t.mean) <= 1 and t.mean != (0.0, 0.0, 0.0)
-    unit_std = t.std is not None and max(t.std) <= 1 and t.std != (1.0, 1.0, 1.0)
+    unit_std = t.mean is not None and t.std is not None and max(t.std) <= 1 and t.std != (1.0, 1.0, 1.0)
     if unit_mean or unit_std:
         log.warning("mean=%s, std=%s: %s like values on the 0-1 scale (torchvision's Normalize after ToDtype "
                     "with scale=True); gdsdata normalises pixels of 0-255: ImageNet's are "
