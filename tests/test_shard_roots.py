@@ -4,6 +4,7 @@ failed, interrupted, resumed, overwritten and merged packs leave nothing behind 
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from conftest import write_photos
 import gdsdata
 from gdsdata.format import layout as fmt
 from gdsdata.format.lock import OWNER_NAME
-from gdsdata.errors import BadImageError, OutputExistsError
+from gdsdata.errors import BadImageError, GdsDataError, OutputExistsError
 from gdsdata.packing.packer import pack
 
 SHARD = 40_000  # a few photos a shard: 12 photos (about 14 KB each) make several shards
@@ -439,6 +440,17 @@ def test_a_copy_of_the_folder_overwritten_or_removed_leaves_the_shards_of_the_da
     said = [r.getMessage() for r in caplog.records if "left in place" in r.getMessage()]
     assert len(said) == len(drives) and all(f"are those of {original}, which " in m for m in said), said
     assert sorted(remote_files(drives)) == sorted(linked(original) + linked(copy))
+    backup = str(tmp_path / "backup" / "ds")  # a copy appended to: its shards would be named as the original's
+    shutil.copytree(original, backup, symlinks=True)
+    more = tmp_path / "more"
+    write_photos(str(more), 3, classes=1, start_seed=4500)
+    os.rename(more / "class0", more / "fresh")
+    with pytest.raises(GdsDataError, match=re.escape(f"{backup}: a copy of the dataset {original} (cp -a: its links "
+                                                     f"lead to that dataset's shards in ")):
+        pack(str(more), backup, workers=1, shard_size=SHARD, shard_roots=drives, append=True)
+    assert gdsdata.verify(original) == [] and gdsdata.verify(backup) == []
+    pack(str(more), original, workers=1, shard_size=SHARD, shard_roots=drives, append=True)
+    assert gdsdata.verify(original) == []
     second = str(tmp_path / "second")  # a copy removed, as the next writer removes a killed writer's folders
     shutil.copytree(original, second, symlinks=True)
     remove_dataset(second, index_io.header_id(second))

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 
-from gdsdata.errors import BusyError
+from gdsdata.errors import BusyError, GdsDataError
 from gdsdata.format.layout import JOURNAL_SUFFIX, TMP_SUFFIX, short_ident
 
 log = logging.getLogger(__name__)
@@ -437,12 +437,19 @@ def identity(path_or_fd) -> tuple:
     return status.st_dev, status.st_ino
 
 
-def make_shard_folder(folder: str, building: str, dataset_folder: str):
-    """Make ``folder`` (a ``shard_folder``) for the dataset being written in ``building`` (the folder
-    that becomes ``dataset_folder``, its final path), naming ``dataset_folder`` its owner."""
+def make_shard_folder(folder: str, building: str, dataset_folder: str, dataset_id: bytes):
+    """Make ``folder`` (a ``shard_folder``) for the dataset ``dataset_id`` being written in ``building``
+    (the folder that becomes ``dataset_folder``, its final path), naming ``dataset_folder`` its owner.
+    A copy of another folder that holds the dataset (an append to a ``cp -a`` copy) is refused: its
+    shards would take names the other dataset's shards have there."""
     os.makedirs(folder, exist_ok=True)
     marker = os.path.join(folder, OWNER_NAME)
     if os.path.exists(marker):
+        owner = foreign_owner(folder, building, dataset_id)
+        if owner is not None:
+            raise GdsDataError(f"{dataset_folder}: a copy of the dataset {owner} (cp -a: its links lead to that "
+                               f"dataset's shards in {folder}), where this write would put shards of its own; "
+                               f"copy it with `gdsdata merge {owner} COPY --copy` and write to that")
         return
     device, inode = identity(building)
     tmp = f"{marker}.{os.getpid()}{TMP_SUFFIX}"

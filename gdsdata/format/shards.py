@@ -85,7 +85,7 @@ class ShardWriter:
                 # crash leaves nothing there that out_dir does not name), then by its own name
                 folder = shard_folder(self.roots[(index + self.root_offset) % len(self.roots)],
                                       os.path.basename(self.owner), self.dataset_id)
-                make_shard_folder(folder, self.out_dir, self.owner)
+                make_shard_folder(folder, self.out_dir, self.owner, self.dataset_id)
                 self._path, self._link = os.path.join(folder, fmt.shard_name(index)), self._path
                 _symlink(self._path + fmt.TMP_SUFFIX, self._link + fmt.TMP_SUFFIX)
             self._file = open(self._path + fmt.TMP_SUFFIX, "wb")

@@ -49,7 +49,7 @@ def _on_its_drive(src, dst, part_id, out, folder_of, placed, move):
     mine = folder_of(os.path.dirname(os.path.dirname(real)))
     name = os.path.join(mine, os.path.basename(dst))
     try:
-        make_shard_folder(mine, os.path.dirname(dst), out)
+        make_shard_folder(mine, os.path.dirname(dst), out, None)
         os.symlink(name, dst)  # first: whoever clears a merge killed outright finds all it placed through its links
         if move and owned_target(src, part_id):
             os.rename(real, name)  # the same drive: one step, no copy
