@@ -177,26 +177,24 @@ def test_merge_of_datasets_holding_other_images_under_the_same_paths_says_so(tmp
     packs = [str(tmp_path / "a.gds"), str(tmp_path / "b.gds")]
     for src, out in zip((a, b), packs):
         pack(str(src), out, workers=1, shard_size=SHARD)
-    with caplog.at_level("WARNING", logger="gdsdata"):
-        merge(packs, str(tmp_path / "m"))
-    said = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
-    assert said == [f"{packs[0]} and {packs[1]} hold 4 of the same samples (the same file paths and stored bytes): "
-                    f"the merged dataset holds each of them twice",
-                    f"{packs[0]} and {packs[1]} hold other images under 2 of the same file paths: in the merged "
-                    f"dataset such a path (ds.source(i), pack_report.json) names two images"]
+
+    def warned(parts, same, named):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gdsdata"):
+            merge(parts, str(tmp_path / f"merged-{len(os.listdir(tmp_path))}"))
+        assert sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING") == [
+            f"{parts[0]} and {parts[1]} hold {same} of the same samples (the same file paths and stored bytes): the "
+            f"merged dataset holds each of them twice",
+            f"{parts[0]} and {parts[1]} hold other images under {named} of the same file paths: in the merged "
+            f"dataset such a path (ds.source(i), pack_report.json) names two images"]
+
+    warned(packs, 4, 2)
     # datasets that hold a path twice themselves (merges): a path is counted where the images under it differ
     twice = [str(tmp_path / name) for name in ("aa", "ab")]
     merge([str(pack(str(a), str(tmp_path / f"{n}.gds"), workers=1).out) for n in ("a1", "a2")], twice[0])
     merge([str(pack(str(src), str(tmp_path / f"{n}.gds"), workers=1).out) for n, src in (("b1", a), ("b2", b))],
           twice[1])
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="gdsdata"):
-        merge(twice, str(tmp_path / "m2"))
-    said = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
-    assert said == [f"{twice[0]} and {twice[1]} hold 6 of the same samples (the same file paths and stored bytes): "
-                    f"the merged dataset holds each of them twice",
-                    f"{twice[0]} and {twice[1]} hold other images under 2 of the same file paths: in the merged "
-                    f"dataset such a path (ds.source(i), pack_report.json) names two images"]
+    warned(twice, 6, 2)
 
 
 @pytest.fixture
