@@ -37,7 +37,7 @@ from gdsdata import stall
 from gdsdata import transforms as T
 from gdsdata.batch import PixelBatch, upload
 from gdsdata.dataset import SAMPLE_TRANSFORMS
-from gdsdata.errors import GdsDataError
+from gdsdata.errors import GdsDataError, StallError
 from gdsdata.transforms import detection as D
 from gdsdata.sampler import ShardSpec, batches_per_epoch, consumed_after, rank_batches, window_numbers
 
@@ -1051,12 +1051,14 @@ class _EpochIterator:
     """What ``iter(loader)`` hands out: one epoch of a pass. Once it has ended it stays ended, as a
     Python iterator does (``next()`` raises ``StopIteration`` again), while the pass it drew from
     reads on into the next epoch for the next ``iter()``. Holds the pass: dropping the iterator
-    mid-epoch stops the pass's threads."""
+    mid-epoch stops the pass's threads. A batch whose making raised (a corrupt sample, an error in a
+    transform) is skipped by the ``next()`` after the error, which goes on with the epoch's next
+    batch, as torch's DataLoader does (not after a stall, nor once another pass replaced this one)."""
 
-    __slots__ = ("_pass", "_ended", "__weakref__")
+    __slots__ = ("_pass", "_ended", "_failed", "__weakref__")
 
     def __init__(self, prefetcher):
-        self._pass, self._ended = prefetcher, False
+        self._pass, self._ended, self._failed = prefetcher, False, False
 
     def __iter__(self):
         return self
@@ -1065,9 +1067,15 @@ class _EpochIterator:
         if self._ended:
             raise StopIteration
         try:
+            if self._failed:
+                self._failed = False
+                self._pass = self._pass.after_failure()
             return self._pass.__next__()
         except StopIteration:
             self._ended = True
+            raise
+        except Exception as e:
+            self._failed = not isinstance(e, StallError) and self._pass.can_go_on()
             raise
 
     def __getattr__(self, name):  # the pass's stats, close() ... (not its private or special names)
@@ -1209,6 +1217,29 @@ class _Prefetcher:
         if self.whole_dict:  # Ultralytics' batch dict holds the images too
             return labels
         return images, labels
+
+    def can_go_on(self) -> bool:
+        """Whether the epoch can go on past the batch this pass failed on: its Loader holds it still
+        (no other pass replaced it, the dataset was not closed under it)."""
+        loader = self._loader()
+        return (self.closed_by is None and self.replaced is None and loader is not None
+                and loader._active is not None and loader._active() is self)
+
+    def after_failure(self) -> "_Prefetcher":
+        """A pass for the rest of the epoch after the batch this one failed on, which is skipped;
+        ``StopIteration`` where that was the epoch's last batch."""
+        loader = self._loader()
+        if not self.can_go_on():
+            raise StopIteration
+        loader._delivered(finished_epoch=False)  # (the batch that failed: counted, as a resume skips it)
+        rest = rank_batches(loader.spec, loader.epoch, loader._consumed)[loader._done:]
+        if not len(rest):
+            loader._delivered(finished_epoch=True)
+            raise StopIteration
+        after = _Prefetcher(loader, loader.epoch, rest)
+        loader._active = weakref.ref(after)
+        loader._last_stats = after.stats
+        return after
 
     def _batch_transformed(self, images, labels, number):
         """``batch_transform`` on a batch, in the training loop's thread and stream, with torch's

@@ -76,9 +76,41 @@ def test_a_pass_ended_by_an_error_counts_as_no_pass_while_its_iterator_lives_on(
             pass
     assert loader.batches_left() == 8 and len(loader.indices()) == 8
     assert loader.state_dict()["batches_done"] == 2
-    with pytest.raises(StopIteration):
-        next(batches)
+    assert len(list(batches)) == 5  # its next() goes on past the batch that failed, as a DataLoader's does
+    assert (loader.epoch, loader.state_dict()["batches_done"]) == (1, 0)
     assert len(list(loader)) == 8
+    loader.close()
+
+
+@pytest.mark.parametrize("bad", [1, 7])
+def test_the_next_batch_after_one_that_raised_goes_on_with_the_epoch(ds, bad):
+    """A loop that catches a batch's error and goes on gets the rest of the epoch, as from torch's
+    DataLoader (it ended quietly: one batch of eight, then StopIteration, the epoch not over)."""
+    expected = labels_of(gdsdata.Loader(ds, 8, shuffle=True, seed=4))
+    calls = []
+
+    def fails(images, labels):
+        calls.append(1)
+        if len(calls) == bad + 1:
+            raise ValueError("a bad batch")
+        return images, labels
+
+    loader = gdsdata.Loader(ds, 8, shuffle=True, seed=4, batch_transform=fails)
+    got, errors, batches = [], 0, iter(loader)
+    while True:
+        try:
+            _, labels = next(batches)
+        except StopIteration:
+            break
+        except ValueError:
+            errors += 1
+            continue
+        got.append(labels.tolist())
+    assert errors == 1 and got == expected[:bad] + expected[bad + 1:]
+    assert loader.epoch == 1 and loader.batches_left() == 8
+    again = gdsdata.Loader(ds, 8, shuffle=True, seed=4)
+    again.set_epoch(1)
+    assert labels_of(loader) == labels_of(again)
     loader.close()
 
 
