@@ -98,3 +98,22 @@ def test_batched_copy_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(memcpy_batch, "entry_point", lambda: None)
     with pytest.raises(GpuUnavailableError, match="cuMemcpyBatchAsync needs a driver for CUDA 12.8"):
         memcpy_batch.BatchCopy(0)
+
+
+def test_a_dataset_dropped_without_close_gives_its_descriptors_back_at_once(photos_dataset):
+    """A dataset dropped without close() closes its shards as it goes (the reader's opener pointed
+    back at the reader: a cycle only the garbage collector broke, with every shard held till then)."""
+    import gc
+
+    _, _, root = photos_dataset
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(10):
+            ds = gdsdata.GDSDataset(root)
+            ds[0], ds[len(ds) - 1]  # (two shards open)
+            del ds
+        assert len(os.listdir("/proc/self/fd")) <= before
+    finally:
+        gc.enable()

@@ -3,6 +3,7 @@
 import collections
 import contextlib
 import errno
+import functools
 import logging
 import os
 import resource
@@ -124,6 +125,17 @@ class OpenShards:
             self._closer(handle)
 
 
+def _open_checked(index, path, shard):
+    """A descriptor of shard ``shard`` at ``path``, its header checked against ``index``."""
+    fd = open_regular(path)
+    try:
+        check_opened(os.pread(fd, 4096, 0), path, index, shard)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class CpuReader:
     """Reads the payloads of a batch of samples into one host buffer. Safe across ``fork``: file
     descriptors are reopened in a child process. A bounded number of shard files is open at once
@@ -141,19 +153,12 @@ class CpuReader:
         self._pid = None
         self._lock = threading.Lock()
 
-    def _opener(self, path, shard):
-        fd = open_regular(path)
-        try:
-            check_opened(os.pread(fd, 4096, 0), path, self.index, shard)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
     @property
     def files(self) -> OpenShards:
         if self._files is None or self._pid != os.getpid():  # a forked child opens its own
-            self._files, self._direct = OpenShards(self.index, self._opener, os.close, self._max_open), None
+            # (the opener holds the index, not this reader: no cycle keeps a dropped reader's descriptors open)
+            self._files, self._direct = OpenShards(self.index, functools.partial(_open_checked, self.index), os.close,
+                                                   self._max_open), None
             self._pid, self._lock = os.getpid(), threading.Lock()
         return self._files
 
