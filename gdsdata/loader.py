@@ -1063,6 +1063,11 @@ class _EpochIterator:
     def __iter__(self):
         return self
 
+    def __len__(self) -> int:
+        """Batches per epoch for this rank, as ``len()`` of a DataLoader's iterator."""
+        loader = self._pass._loader()
+        return len(loader) if loader is not None else 0
+
     def __next__(self):
         if self._ended:
             raise StopIteration

@@ -341,6 +341,8 @@ def test_the_ultralytics_batch_dict_holds_the_same_boxes(det):
     assert len(batch["ori_shape"]) == 4 and batch["resized_shape"][0] == (96, 96)
     floats, _ = batches(ds, gdsdata.YoloAugment(imgsz=96, seed=2, dtype="float32"), n=1, shuffle=False)[0]
     assert floats.dtype == torch.float32 and torch.allclose(floats * 255, images.float(), atol=1e-3)
+    assert gdsdata.YoloAugment(imgsz=96, dtype=torch.float16).dtype == "float16"  # torch's dtypes, as the crops take
+    assert gdsdata.Letterbox(96, dtype=torch.float32).dtype == "float32"
 
 
 def test_wrong_transforms_and_options_get_one_clear_error(det):

@@ -51,6 +51,7 @@ def test_len_is_batches_per_epoch_whatever_was_iterated(ds):
     loader = gdsdata.Loader(ds, 8)  # 60 samples
     assert len(loader) == 8
     it = iter(loader)
+    assert len(it) == 8  # (as a DataLoader's iterator: tqdm(iter(loader)) and trainers take it)
     for _ in range(3):
         next(it)
     assert len(loader) == 8 and loader.batches_left() == 5

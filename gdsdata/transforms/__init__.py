@@ -238,9 +238,14 @@ def _pair(size) -> tuple:
     raise TypeError(f"size must be an int, a (height, width) pair of ints or [size], got {size!r}")
 
 
-def _validate(t):
-    if isinstance(t.dtype, torch.dtype):  # torch.float16 as well as "float16"
+def dtype_named(t):
+    """A transform's ``dtype`` given as a torch dtype (torch.float16 as well as "float16") made its name."""
+    if isinstance(t.dtype, torch.dtype):
         object.__setattr__(t, "dtype", next((name for name, d in _DTYPES.items() if d == t.dtype), t.dtype))
+
+
+def _validate(t):
+    dtype_named(t)
     if t.dtype is not None and t.dtype not in _DTYPES:
         raise ValueError(f"dtype must be None or one of {', '.join(_DTYPES)}, got {t.dtype!r}")
     if t.layout not in ("NCHW", "NHWC"):

@@ -30,7 +30,7 @@ import torch
 
 from gdsdata.args import is_integer
 from gdsdata.batch import upload
-from gdsdata.transforms import each_image, uniforms
+from gdsdata.transforms import dtype_named, each_image, uniforms
 
 _DRAWS = 16  # uniforms per output image: 0 mosaic?, 1-3 partners, 4-5 centre, 6 angle, 7 scale,
 #               8-9 shear, 10-11 translate, 12 flip lr, 13 flip ud, 14-15 spare; HSV gains below
@@ -57,7 +57,7 @@ class YoloAugment:
         Seed of every draw (with the epoch and the sample index).
     targets : {"torchvision", "ultralytics"}
         The batch form: ``(images, [target dict per image])`` or Ultralytics' batch dict.
-    dtype : {None, "float16", "float32"}
+    dtype : {None, "float16", "float32"} or the torch dtype of one
         None: uint8 images (what Ultralytics' trainer takes, dividing by 255 itself); a float dtype
         gives values in [0, 1].
     """
@@ -187,8 +187,9 @@ def _check_common(t):
         raise ValueError(f"pad must be an integer in 0..255, got {t.pad!r}")
     if t.targets not in TARGET_FORMS:
         raise ValueError(f"targets must be one of {', '.join(TARGET_FORMS)}, got {t.targets!r}")
+    dtype_named(t)
     if t.dtype not in (None, "float16", "float32"):
-        raise ValueError(f"dtype must be None (uint8), 'float16' or 'float32', got {t.dtype!r}")
+        raise ValueError(f"dtype must be None (uint8), 'float16' or 'float32' (or torch's), got {t.dtype!r}")
 
 
 # --- the plan: geometry and boxes, on the host ------------------------------------------------------
