@@ -1071,15 +1071,22 @@ class _EpochIterator:
     def __next__(self):
         if self._ended:
             raise StopIteration
-        try:
-            if self._failed:
-                self._failed = False
+        if self._failed:
+            self._failed = False
+            try:
                 self._pass = self._pass.after_failure()
+            except BaseException:  # (StopIteration too; a pass that could not be made ends the iterator)
+                self._ended = True
+                raise
+        try:
             return self._pass.__next__()
         except StopIteration:
             self._ended = True
             raise
         except Exception as e:
+            loader = self._pass._loader()
+            if loader is not None:
+                self._pass.failed_at = (loader.epoch, loader._done)
             self._failed = not isinstance(e, StallError) and self._pass.can_go_on()
             raise
 
@@ -1094,7 +1101,7 @@ class _Prefetcher:
     queues, and clean shutdown. At the end of an epoch it stops iterating but its threads read on into the next
     epoch; the Loader keeps it and hands it out again for that epoch."""
 
-    def __init__(self, loader: Loader, epoch, batches):  # batches: positions in the Loader's samples
+    def __init__(self, loader: Loader, epoch, batches, stats=None):  # batches: positions in the Loader's samples
         # A weak reference: a Loader holds the pass it carries into the next epoch, and a cycle would
         # keep a dropped Loader's threads reading (and holding staging buffers) until the garbage
         # collector happened to run. The threads hold neither.
@@ -1115,7 +1122,8 @@ class _Prefetcher:
         self.gpu_waits = collections.deque()  # (before, after) events around the loop stream's waits
         self.closed_by = None  # why the dataset closed this pass under a running loop
         self.replaced = None  # why the Loader ended this pass for another (a new iter(), a loaded state)
-        self.stats = PipelineStats()
+        self.failed_at = None  # (epoch, batches done) where a batch of this pass raised
+        self.stats = PipelineStats() if stats is None else stats
         self.batch_transform, self.seed, self.rank = loader.batch_transform, loader.spec.seed, loader.spec.rank
         self.first = (epoch, loader._done)  # the batches delivered of the epoch it starts in, before it
         # The threads hold no reference to this object, so dropping the iterator stops them.
@@ -1228,7 +1236,8 @@ class _Prefetcher:
         (no other pass replaced it, the dataset was not closed under it)."""
         loader = self._loader()
         return (self.closed_by is None and self.replaced is None and loader is not None
-                and loader._active is not None and loader._active() is self)
+                and loader._active is not None and loader._active() is self
+                and (self.failed_at is None or self.failed_at == (loader.epoch, loader._done)))
 
     def after_failure(self) -> "_Prefetcher":
         """A pass for the rest of the epoch after the batch this one failed on, which is skipped;
@@ -1236,12 +1245,17 @@ class _Prefetcher:
         loader = self._loader()
         if not self.can_go_on():
             raise StopIteration
-        loader._delivered(finished_epoch=False)  # (the batch that failed: counted, as a resume skips it)
-        rest = rank_batches(loader.spec, loader.epoch, loader._consumed)[loader._done:]
+        rest = rank_batches(loader.spec, loader.epoch, loader._consumed)[loader._done + 1:]
         if not len(rest):
+            loader._delivered(finished_epoch=False)
             loader._delivered(finished_epoch=True)
             raise StopIteration
-        after = _Prefetcher(loader, loader.epoch, rest)
+        loader._done += 1  # (the batch that failed: counted, as a resume skips it)
+        try:
+            after = _Prefetcher(loader, loader.epoch, rest, self.stats)
+        except BaseException:
+            loader._done -= 1
+            raise
         loader._active = weakref.ref(after)
         loader._last_stats = after.stats
         return after

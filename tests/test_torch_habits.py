@@ -115,6 +115,67 @@ def test_the_next_batch_after_one_that_raised_goes_on_with_the_epoch(ds, bad):
     loader.close()
 
 
+def test_going_on_after_an_error_keeps_its_epoch_and_its_count(ds, monkeypatch):
+    """The iterator goes on in its own epoch: a set_epoch between the error and the next next() ends
+    it (it went on in the new epoch, its first batch lost); a pass for the rest that cannot be made
+    ends it without counting batches never read; the stats go on counting the epoch's batches."""
+    import gdsdata.loader as L
+
+    made = []
+
+    def fails_fourth(images, labels):
+        made.append(1)
+        if len(made) == 4:
+            raise ValueError("a bad batch")
+        return images, labels
+
+    loader = gdsdata.Loader(ds, 8, shuffle=True, seed=4, batch_transform=fails_fourth)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    with pytest.raises(ValueError):
+        next(it)
+    loader.set_epoch(5)
+    assert list(it) == [] and (loader.epoch, loader.state_dict()["batches_done"]) == (5, 0)
+    expected = gdsdata.Loader(ds, 8, shuffle=True, seed=4)
+    expected.set_epoch(5)
+    assert labels_of(loader) == labels_of(expected)  # epoch 5 whole
+    assert loader.stats()["batches"] == 8
+
+    calls = []
+
+    def fails_second(images, labels):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("a bad batch")
+        return images, labels
+
+    loader = gdsdata.Loader(ds, 8, shuffle=False, batch_transform=fails_second)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ValueError):
+        next(it)
+    real = L._Prefetcher.__init__
+
+    def cannot(self, *args, **kwargs):
+        raise RuntimeError("no staging")
+
+    monkeypatch.setattr(L._Prefetcher, "__init__", cannot)
+    with pytest.raises(RuntimeError, match="no staging"):
+        next(it)
+    monkeypatch.setattr(L._Prefetcher, "__init__", real)
+    assert list(it) == [] and loader.state_dict()["batches_done"] == 1  # nothing counted that was not read
+    loader.close()
+    loader = gdsdata.Loader(ds, 8, shuffle=False, batch_transform=fails_second)
+    calls.clear()
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ValueError):
+        next(it)
+    assert len(list(it)) == 6 and loader.stats()["batches"] == 7  # the stats of the whole epoch
+    loader.close()
+
+
 def test_an_ended_iterator_stays_ended_while_its_pass_reads_the_next_epoch(ds):
     """A Python iterator that has ended keeps raising StopIteration (as a DataLoader's does): an old
     ``iter(loader)`` never hands out the next epoch's batches, nor counts them against the epoch
