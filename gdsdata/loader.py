@@ -1053,7 +1053,8 @@ class _EpochIterator:
     reads on into the next epoch for the next ``iter()``. Holds the pass: dropping the iterator
     mid-epoch stops the pass's threads. A batch whose making raised (a corrupt sample, an error in a
     transform) is skipped by the ``next()`` after the error, which goes on with the epoch's next
-    batch, as torch's DataLoader does (not after a stall, nor once another pass replaced this one)."""
+    batch, as torch's DataLoader does (not after a stall, a ``set_epoch``, nor once another pass
+    replaced this one)."""
 
     __slots__ = ("_pass", "_ended", "_failed", "__weakref__")
 
