@@ -91,8 +91,8 @@ def decode(staged, stream=None):
     calls.append(1)
     if len(calls) == 3:
         subprocess.Popen(["sh", "-c", "sleep 6; kill -CONT %d" % os.getpid()])
+        last = start = time.monotonic()  # (before the kill: the stop may come inside it, or just after)
         os.kill(os.getpid(), signal.SIGSTOP)
-        last = start = time.monotonic()
         while time.monotonic() - last < 3 and last - start < 15:  # until the stop has come and gone
             last = time.monotonic()
             time.sleep(0.01)
