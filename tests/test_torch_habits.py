@@ -19,6 +19,19 @@ def labels_of(loader):
     return [labels.tolist() for _, labels in loader]
 
 
+def fails_on(n):
+    """A batch_transform that raises ValueError("a bad batch") on its ``n``-th call, else passes the batch."""
+    calls = []
+
+    def transform(images, labels):
+        calls.append(1)
+        if len(calls) == n:
+            raise ValueError("a bad batch")
+        return images, labels
+
+    return transform
+
+
 def test_shuffle_takes_booleans(ds):
     on = labels_of(gdsdata.Loader(ds, 8, shuffle=True, seed=3))
     assert on == labels_of(gdsdata.Loader(ds, 8, True, seed=3))  # third positional, as DataLoader's
@@ -62,15 +75,7 @@ def test_a_pass_ended_by_an_error_counts_as_no_pass_while_its_iterator_lives_on(
     """The iterator of a pass a batch's error ended lives on in the traceback (and the loop's frame)
     until collected: the Loader no longer counts that dead pass's batches, as the next pass reads
     the whole epoch; its state keeps where it stood."""
-    calls = []
-
-    def fails_third(images, labels):
-        calls.append(1)
-        if len(calls) == 3:
-            raise ValueError("a bad batch")
-        return images, labels
-
-    loader = gdsdata.Loader(ds, 8, batch_transform=fails_third)  # 60 samples: 8 batches
+    loader = gdsdata.Loader(ds, 8, batch_transform=fails_on(3))  # 60 samples: 8 batches
     batches = iter(loader)
     with pytest.raises(ValueError, match="a bad batch"):
         for _ in batches:
@@ -88,15 +93,7 @@ def test_the_next_batch_after_one_that_raised_goes_on_with_the_epoch(ds, bad):
     """A loop that catches a batch's error and goes on gets the rest of the epoch, as from torch's
     DataLoader (it ended quietly: one batch of eight, then StopIteration, the epoch not over)."""
     expected = labels_of(gdsdata.Loader(ds, 8, shuffle=True, seed=4))
-    calls = []
-
-    def fails(images, labels):
-        calls.append(1)
-        if len(calls) == bad + 1:
-            raise ValueError("a bad batch")
-        return images, labels
-
-    loader = gdsdata.Loader(ds, 8, shuffle=True, seed=4, batch_transform=fails)
+    loader = gdsdata.Loader(ds, 8, shuffle=True, seed=4, batch_transform=fails_on(bad + 1))
     got, errors, batches = [], 0, iter(loader)
     while True:
         try:
@@ -121,15 +118,7 @@ def test_going_on_after_an_error_keeps_its_epoch_and_its_count(ds, monkeypatch):
     ends it without counting batches never read; the stats go on counting the epoch's batches."""
     import gdsdata.loader as L
 
-    made = []
-
-    def fails_fourth(images, labels):
-        made.append(1)
-        if len(made) == 4:
-            raise ValueError("a bad batch")
-        return images, labels
-
-    loader = gdsdata.Loader(ds, 8, shuffle=True, seed=4, batch_transform=fails_fourth)
+    loader = gdsdata.Loader(ds, 8, shuffle=True, seed=4, batch_transform=fails_on(4))
     it = iter(loader)
     for _ in range(3):
         next(it)
@@ -142,15 +131,7 @@ def test_going_on_after_an_error_keeps_its_epoch_and_its_count(ds, monkeypatch):
     assert labels_of(loader) == labels_of(expected)  # epoch 5 whole
     assert loader.stats()["batches"] == 8
 
-    calls = []
-
-    def fails_second(images, labels):
-        calls.append(1)
-        if len(calls) == 2:
-            raise ValueError("a bad batch")
-        return images, labels
-
-    loader = gdsdata.Loader(ds, 8, shuffle=False, batch_transform=fails_second)
+    loader = gdsdata.Loader(ds, 8, shuffle=False, batch_transform=fails_on(2))
     it = iter(loader)
     next(it)
     with pytest.raises(ValueError):
@@ -166,8 +147,7 @@ def test_going_on_after_an_error_keeps_its_epoch_and_its_count(ds, monkeypatch):
     monkeypatch.setattr(L._Prefetcher, "__init__", real)
     assert list(it) == [] and loader.state_dict()["batches_done"] == 1  # nothing counted that was not read
     loader.close()
-    loader = gdsdata.Loader(ds, 8, shuffle=False, batch_transform=fails_second)
-    calls.clear()
+    loader = gdsdata.Loader(ds, 8, shuffle=False, batch_transform=fails_on(2))
     it = iter(loader)
     next(it)
     with pytest.raises(ValueError):
