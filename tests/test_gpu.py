@@ -177,6 +177,26 @@ def test_mapped_shards_are_released_when_a_dataset_is_dropped_unclosed(raw_datas
         assert not registered
 
 
+def test_a_kvikio_dataset_dropped_without_close_gives_its_files_back_at_once(raw_shards):
+    """The GPU reader's shard opener holds the index, not the reader: a dataset dropped without
+    close() closes its kvikio file handles as it goes, not when the garbage collector runs."""
+    gc.collect()
+    gc.disable()
+    try:
+        with settings.set(io_engine="kvikio", staging="device", max_gap=0):
+            first = gdsdata.GDSDataset(raw_shards, device="cuda")  # (CUDA's and kvikio's own descriptors)
+            first.__getitems__([0, len(first) - 1])
+            first.close()
+            before = len(os.listdir("/proc/self/fd"))
+            for _ in range(5):
+                ds = gdsdata.GDSDataset(raw_shards, device="cuda")
+                ds.__getitems__([0, len(ds) - 1])  # (two shards open)
+                del ds
+            assert len(os.listdir("/proc/self/fd")) <= before
+    finally:
+        gc.enable()
+
+
 def test_automatic_mapped_engine_falls_back_to_kvikio(raw_dataset, monkeypatch, caplog):
     """Where CUDA cannot register the shards (a locked-memory limit, say), the automatic choice reads
     with kvikio into the same GPU staging and says why; an explicit io_engine=mapped raises."""

@@ -29,6 +29,7 @@ slots so that reading batch k+1 never overwrites what the GPU still reads of bat
 """
 
 import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -379,6 +380,16 @@ class MappedShards(ShardMaps):
         super().close()
 
 
+def _open_cufile(index, path, shard):
+    with open(open_regular(path), "rb") as f:
+        check_opened(f.read(4096), path, index, shard)
+    return import_kvikio().CuFile(path, "r")
+
+
+def _close_handle(handle):
+    handle.close()
+
+
 class GpuReader:
     """Reads planned batches into staging buffers, with kvikio, from memory maps, (``mixed``) each
     batch through whichever suits its reads, or (``mapped``) by the GPU from registered maps. With
@@ -392,7 +403,9 @@ class GpuReader:
         self.config = config
         self.copy = copy
         self.fallback = fallback
-        self._files = OpenShards(index, self._open_cufile, lambda handle: handle.close())
+        # (the opener holds the index, not the reader: a bound method made a cycle that kept every
+        # shard open until the garbage collector ran)
+        self._files = OpenShards(index, functools.partial(_open_cufile, index), _close_handle)
         self._lock = threading.Lock()
         self._retired = []
         self._start(engine)
@@ -425,11 +438,6 @@ class GpuReader:
             log.warning("%s; reading with io_engine=%s from now on", error, self.fallback)
             self._retired.append(self.maps)  # another thread may still be gathering from it: closed with the reader
             self._start(self.fallback)
-
-    def _open_cufile(self, path, shard):
-        with open(open_regular(path), "rb") as f:
-            check_opened(f.read(4096), path, self.index, shard)
-        return self.kvikio.CuFile(path, "r")
 
     def window(self, plan, uses: int):
         """A ``Window`` over ``plan`` for ``read`` (``io.direct``), or None: only streaming reads
