@@ -13,16 +13,24 @@ from dataclasses import asdict, dataclass, field
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def _commit() -> str:
+    """The checkout's commit, with "+changes" where its tracked files differ from it (then the
+    figures are not that commit's)."""
+    here = os.path.dirname(__file__)
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=here).stdout.strip()
+        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, cwd=here).returncode
+    except OSError:
+        return "unknown"
+    return (head + ("+changes" if changed == 1 else "")) if head else "unknown"
+
+
 def system_block() -> dict:
     from gdsdata.commands.doctor import report
 
     info = report()
-    try:
-        info["commit"] = os.environ.get("GDSDATA_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
-    except OSError:
-        info["commit"] = "unknown"
+    info["commit"] = os.environ.get("GDSDATA_COMMIT") or _commit()
     info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
     info["host speed"] = host_speed()
     return info
