@@ -12,7 +12,7 @@ the image border (their boxes are clipped to it). Deterministic for a given seed
 
 writes
 
-    OUT/yolo/data.yaml                     path, train, val, names
+    OUT/yolo/data.yaml                     train, val, names (paths relative to the YAML's folder)
     OUT/yolo/images/{train,val}/NNNNNN.jpg
     OUT/yolo/labels/{train,val}/NNNNNN.txt  class cx cy w h, normalised
     OUT/coco/annotations/instances_{train,val}.json
