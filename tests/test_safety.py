@@ -174,6 +174,7 @@ def test_an_append_into_a_folder_made_read_only_says_its_own_error_not_its_clean
                                                                                         caplog):
     """The folder turned read-only under an append: the write that failed is what is said (with "the
     dataset there is unchanged"), not the removal of what it wrote, which fails the same way."""
+    import gdsdata.format.lock as lock
     import gdsdata.packing.packer as packer
 
     out = str(tmp_path / "ds")
@@ -185,11 +186,11 @@ def test_an_append_into_a_folder_made_read_only_says_its_own_error_not_its_clean
     def read_only(folder, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
 
-    def removal(path, dataset_id):
+    def removal(path, *args):
         raise OSError(errno.EROFS, "Read-only file system", path)
 
     monkeypatch.setattr(packer.index_io, "write", read_only)
-    monkeypatch.setattr(packer, "remove_shard", removal)
+    monkeypatch.setattr(lock, "_remove_one", removal)
     with caplog.at_level("WARNING", logger="gdsdata"), pytest.raises(OSError) as raised:
         pack(str(more), out, workers=1, append=True)
     assert str(raised.value).startswith(f"[Errno {errno.EROFS}] Read-only file system while writing the index of "

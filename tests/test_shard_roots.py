@@ -167,6 +167,31 @@ def test_an_overwrite_removes_the_old_shards_from_the_roots(src, tmp_path):
     assert remote_files(drives) == [] and gdsdata.verify(out) == []
 
 
+def test_an_overwrite_reads_and_lists_each_shard_folder_once_not_once_a_shard(src, tmp_path, monkeypatch):
+    """Removing a dataset's shards from the roots reads each folder's owner and lists the folder (to
+    remove it once empty) once: a listing a shard made the removal of thousands of shards quadratic."""
+    import gdsdata.format.lock as lock
+
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    assert pack(src, out, workers=1, shard_size=SHARD // 2, shard_roots=drives).shards >= 6
+    old = remote_files(drives)
+    calls = {"owner": [], "listed": []}
+
+    def counting(key, real):
+        def counted(folder, *args):
+            calls[key].append(folder)
+            return real(folder, *args)
+        return counted
+
+    monkeypatch.setattr(lock, "foreign_owner", counting("owner", lock.foreign_owner))
+    monkeypatch.setattr(lock, "drop_if_empty", counting("listed", lock.drop_if_empty))
+    pack(src, out, workers=1, shard_size=SHARD, overwrite=True)  # into one folder: the roots' shards go
+    assert remote_files(drives) == [] and gdsdata.verify(out) == []
+    folders = {os.path.dirname(f) for f in old}
+    assert len(folders) == 2
+    assert sorted(calls["owner"]) == sorted(folders) and sorted(calls["listed"]) == sorted(folders), calls
+
+
 def test_parts_spread_their_shards_over_the_roots_once_merged(src, tmp_path):
     """Each part starts at a root of its own: parts of one shard each (pack --ray's) still use every
     drive once merged, where each part's first shard had gone to the first root."""

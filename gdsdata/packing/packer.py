@@ -43,7 +43,7 @@ from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
 from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_inherited_locks, remove_dataset,
-                                 remove_shard, swap_in, writer_lock)
+                                 remove_shards, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
 from gdsdata.packing.detection import annotate, open_detection
@@ -493,12 +493,14 @@ def _resume_state(out, signature, progress=False):
     kept = {fmt.shard_name(k) for k in range(len(journals))} | {
         fmt.shard_name(k) + fmt.JOURNAL_SUFFIX for k in range(len(journals))}
     owner = dataset_owner(out)  # (the first journal's id: the interrupted pack's, whether kept or not)
+    doomed = []
     for name in os.listdir(out):
         if gdsdata_owned(name) and name not in kept:
             if name.endswith(fmt.TMP_SUFFIX) and name[:-len(fmt.TMP_SUFFIX)] in kept:
                 os.unlink(os.path.join(out, name))  # the link to a kept shard while it was written
             else:
-                remove_shard(os.path.join(out, name), owner)
+                doomed.append(os.path.join(out, name))
+    remove_shards(doomed, owner)
     return journals
 
 
@@ -880,15 +882,15 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     def remove_written(keep=False):
         """What this run wrote, on every drive (``keep``: only a journal cut short; its finished shards stay
         for ``--resume``)."""
+        doomed = []
         for shard in range(len(shard_rows), writer.next_shard + 1):
             journal = _journal_path(folder, shard)
             names = (fmt.shard_name(shard), fmt.shard_name(shard) + fmt.TMP_SUFFIX, journal)
             whole = not keep or not os.path.exists(journal)  # (a shard finished as its journal was cut short too)
-            for path in [journal + fmt.TMP_SUFFIX] + ([os.path.join(folder, n) for n in names] if whole else []):
-                try:
-                    remove_shard(path, dataset_id)
-                except OSError as e:  # (a folder made read-only meanwhile): what stopped the run is what is said
-                    log.warning("%s: left behind, it cannot be removed (%s)", path, e.strerror or e)
+            doomed += [journal + fmt.TMP_SUFFIX] + ([os.path.join(folder, n) for n in names] if whole else [])
+        # (a folder made read-only meanwhile): what stopped the run is what is said
+        remove_shards(doomed, dataset_id, on_error=lambda path, e: log.warning(
+            "%s: left behind, it cannot be removed (%s)", path, e.strerror or e))
 
     def write_journal(shard, record):
         mine = range(position["shard_start"], len(records))
@@ -902,11 +904,13 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             "items_done": position["item"]})
 
     if append:  # what an append that failed left beyond the dataset's shards (its own, on every drive)
+        doomed = []
         for name in os.listdir(folder):
             number = name.split(".")[0].removeprefix("shard-")
             if gdsdata_owned(name) and name.startswith("shard-") and number.isdigit() and \
                     int(number) >= len(shard_rows):
-                remove_shard(os.path.join(folder, name), dataset_id)
+                doomed.append(os.path.join(folder, name))
+        remove_shards(doomed, dataset_id)
     writer = ShardWriter(folder, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
                          first_sample=len(records), on_close=write_journal, roots=roots,
                          owner=out, root_offset=part)
