@@ -29,7 +29,7 @@ from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import FormatError, SourceError
 from gdsdata.format.lock import (SHARDS_TAG, drop_if_empty, make_shard_folder, owned_target, reader_lock,
-                                 remove_quietly, remove_shard, shard_folder, writer_lock)
+                                 remove_quietly, remove_shards, shard_folder, writer_lock)
 from gdsdata.format.shards import open_regular, read_header
 from gdsdata.packing.detection import annotate
 from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_options
@@ -306,9 +306,9 @@ def _merge(ordered, folder, out, copy, adopt=False, progress=False, report=None)
         os.unlink(record)
         return summary
     except BaseException:
-        for path in placed:
-            remove_shard(path, None)
-            drop_if_empty(os.path.dirname(path))
+        remove_shards(placed, None)
+        for shards in {os.path.dirname(path) for path in placed}:
+            drop_if_empty(shards)
         raise
 
 
