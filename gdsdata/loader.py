@@ -718,8 +718,10 @@ def _release(dataset, kind, payload):
 class PipelineStats:
     """Host seconds the stages of a Loader pass spent since it began (``Loader.stats()``). GPU work
     is queued asynchronously: its time shows only where a host thread waits for it, and in
-    ``consumer_gpu_wait_s``, the time the training loop's stream stood still on the GPU waiting for
-    a batch's decode and transform (timed with CUDA events)."""
+    ``consumer_gpu_wait_s``, the time the training loop's stream stood idle on the GPU for want of
+    a batch: from the moment the work it had queued when it asked for the batch was done until the
+    batch's decode and transform were (CUDA events; a GPU left idle while the loop waited on the
+    host counts, a loop ahead of its GPU waits on the host alone)."""
 
     batches: int = 0  # batches handed to the training loop
     read_s: float = 0.0  # I/O thread: planning and reading batches into staging buffers
@@ -731,7 +733,7 @@ class PipelineStats:
     transform_idle_s: float = 0.0  # transform thread: waiting for a decoded batch (decode is behind)
     transform_blocked_s: float = 0.0  # transform thread: waiting to hand a batch on (the loop is behind)
     consumer_wait_s: float = 0.0  # the training loop waiting for its next batch
-    consumer_gpu_wait_s: float = 0.0  # the loop's CUDA stream waiting on the GPU for a batch's work
+    consumer_gpu_wait_s: float = 0.0  # the loop's CUDA stream idle on the GPU for want of a batch
     read_bytes: int = 0  # bytes the batches' reads covered (the holes they read through included)
 
     def add(self, field: str, seconds: float):
@@ -1182,6 +1184,9 @@ class _Prefetcher:
             raise StopIteration
         self._release_held()
         t0 = time.perf_counter()
+        # the GPU's side of the wait begins once the work the loop queued so far is done: timed from here,
+        # it counts a GPU left idle while this thread waits for the batch, not only the stream's own wait
+        asked = self._gpu_mark() if self.cuda else None
         timeout = _stall_timeout(self.dataset)
         waited = stall.Waited(_STOP_POLL_S)
         while True:
@@ -1210,7 +1215,7 @@ class _Prefetcher:
         images, labels, replaced = payload
         if event is not None:
             current = torch.cuda.current_stream(self.device)
-            self._time_gpu_wait(current, event)
+            self._time_gpu_wait(current, event, asked)
             if isinstance(images, PixelBatch):
                 tensors = [images.buffer]
                 self.held = images
@@ -1280,20 +1285,26 @@ class _Prefetcher:
                             f"transform of images alone as lambda images, labels: (t(images), labels)")
         return out
 
-    def _time_gpu_wait(self, stream, event):
-        """Make ``stream`` wait for ``event``, timing on the GPU how long it stands still for it
-        (events before and after the wait; added to the stats once they have completed)."""
+    def _gpu_mark(self):
+        """A timing event recorded on the loop's stream now (None when the timing is far behind)."""
         while self.gpu_waits and self.gpu_waits[0][1].query():
             before, after = self.gpu_waits.popleft()
             self.stats.consumer_gpu_wait_s += before.elapsed_time(after) / 1000
         if len(self.gpu_waits) >= 64:  # far behind: stop timing rather than hold events
-            stream.wait_event(event)
-            return
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(stream)
+            return None
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record(torch.cuda.current_stream(self.device))
+        return mark
+
+    def _time_gpu_wait(self, stream, event, asked):
+        """Make ``stream`` wait for ``event``, timing on the GPU how long it stands still from ``asked``
+        (``_gpu_mark`` when the loop asked for the batch) until the batch is ready (added to the stats
+        once the events have completed)."""
         stream.wait_event(event)
-        after.record(stream)
-        self.gpu_waits.append((before, after))
+        if asked is not None:
+            after = torch.cuda.Event(enable_timing=True)
+            after.record(stream)
+            self.gpu_waits.append((asked, after))
 
     def close(self, reason=None, grace=None, replaced=None):
         """Stop the threads, waiting for them at most ``grace`` seconds (default: the stall_timeout

@@ -349,8 +349,25 @@ def test_checksums_on_the_gpu_for_device_staging_by_default(raw_dataset, tmp_pat
             bad.__getitems__([2, 3, 4])
 
 
+def test_the_gpu_s_wait_counts_a_gpu_left_idle_while_the_loop_waits_on_the_host(photos_dataset):
+    """consumer_gpu_wait_s runs from the moment the work the loop had queued is done: a GPU with
+    nothing to do while the loop waits for its first batch (the pipeline starting) waited that long
+    (timed from the stream's own wait alone, it read about zero: the batch was ready by then)."""
+    ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+    loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32))
+    torch.cuda.synchronize()
+    it = iter(loader)
+    next(it)
+    host = loader.stats()["consumer_wait_s"]
+    torch.cuda.synchronize()
+    next(it)  # (the first batch's events are harvested at the next)
+    assert host > 0 and loader.stats()["consumer_gpu_wait_s"] >= 0.5 * host, (host, loader.stats())
+    loader.close()
+    ds.close()
+
+
 def test_the_loader_times_how_long_the_loops_stream_waits_for_batches(photos_dataset):
-    """consumer_gpu_wait_s: CUDA events around each wait of the loop's stream for a batch."""
+    """consumer_gpu_wait_s: CUDA events from each request of the loop to the batch it gets."""
     ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
     loader = gdsdata.Loader(ds, 8, transform=gdsdata.RandomResizedCrop(32))
     for epoch in range(2):
