@@ -20,7 +20,7 @@ between the two renames, so that ``out`` is missing, the complete replacement it
 
 A dataset packed onto several drives (``pack(shard_roots=)``) keeps its shards in a folder
 ``NAME.gdsdata-shards-ID`` on each drive (ID: the pack's dataset id) and a symbolic link to each in
-its own folder; ``remove_dataset`` and ``remove_shard`` remove such shards with their links when
+its own folder; ``remove_dataset`` and ``remove_shards`` remove such shards with their links when
 given that id, and nothing a link points to elsewhere (a merge's links to its parts' shards, whose
 folders carry the parts' ids, stay the parts'; a renamed dataset still owns its shards). Each such
 folder names the dataset folder that made it (``.gdsdata-owner``: its path, device and inode): a copy
@@ -514,16 +514,11 @@ def owned_target(link: str, dataset_id: "bytes | None") -> "str | None":
     return target if folder.endswith(names) else None
 
 
-def remove_shard(path: str, dataset_id: "bytes | None"):
-    """Remove the shard (or journal, or link being written) ``path``, and, where it links to a shard
-    the dataset with id ``dataset_id`` wrote on another drive, that shard (its temporary name too, and
-    its folder once empty)."""
-    remove_shards([path], dataset_id)
-
-
 def remove_shards(paths, dataset_id: "bytes | None", on_error=None):
-    """``remove_shard`` for each of ``paths``, reading each shard folder's owner once and removing the
-    folders left empty at the end (a listing of a folder per shard made the removal of a dataset of
+    """Remove each shard (or journal, or link being written) of ``paths``, and, where it links to a
+    shard the dataset with id ``dataset_id`` wrote on another drive, that shard (its temporary name
+    too, and its folder once empty). Each shard folder's owner is read once, and the folders left
+    empty are removed at the end (a listing of a folder per shard made the removal of a dataset of
     thousands of shards on other drives take minutes). ``on_error(path, error)``: an ``OSError`` that
     stopped a path's removal, after which the others go on (else the first one is raised)."""
     owners, emptied = {}, set()
