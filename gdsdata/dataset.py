@@ -105,7 +105,11 @@ class GDSDataset(torch.utils.data.Dataset):
                              f"(image, target) and moves the boxes with the image (torchvision v2 transforms do)")
         if transforms is not None and self.index.task == "detect":
             _tv_tensors(self.root)  # torchvision is needed: said now, not at the first sample
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):  # torch's list of every device type it knows, in a traceback
+            raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N', a torch.device), got {device!r}") \
+                from None
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.on_error = on_error

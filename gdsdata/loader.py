@@ -165,14 +165,18 @@ class Loader:
         seed = count("seed", seed, minimum=0)
         if seed >= 2**63:
             raise ValueError(f"seed must be below 2**63, got {seed}")
+        found = ""  # where a rank or world size not given came from, for the error below
         if rank is None or world_size is None:
             detected_rank, detected_world = _distributed_rank()
+            found = " (found in torch.distributed's process group)" if torch.distributed.is_available() and \
+                torch.distributed.is_initialized() else " (not given, and no torch.distributed process group " \
+                "is initialised: give rank= and world_size= both)"
             rank = detected_rank if rank is None else rank
             world_size = detected_world if world_size is None else world_size
         world_size = count("world_size", world_size)
         rank = count("rank", rank, minimum=0)
         if rank >= world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+            raise ValueError(f"rank {rank} is outside world_size {world_size}{found}")
         if not isinstance(drop_last, (bool, np.bool_)):
             raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
         self._data = dataset  # the GDSDataset read
@@ -374,9 +378,21 @@ class Loader:
         that sets the pace."""
         return None if self._last_stats is None else asdict(self._last_stats)
 
+    def __getattr__(self, name):
+        """A torch DataLoader attribute the Loader has not (``loader.sampler.set_epoch(epoch)``, say):
+        an AttributeError that says what the Loader does instead."""
+        if name in _DATALOADER_ONLY:
+            hint = "loader.set_epoch(epoch) does what DistributedSampler.set_epoch does; " \
+                if name in ("sampler", "batch_sampler") else ""
+            raise AttributeError(f"gdsdata.Loader has no {name} (a torch DataLoader attribute): {hint}"
+                                 f"{_DATALOADER_ONLY[name]}")
+        raise AttributeError(f"'Loader' object has no attribute {name!r}")
+
     def close(self) -> None:
-        """Stop the prefetch threads, if any (also those already reading the next epoch)."""
-        self._end_passes()
+        """Stop the prefetch threads, if any (also those already reading the next epoch). A loop still
+        running over the Loader gets ``RuntimeError`` from its next ``next()`` rather than an epoch
+        that ends early as if it were complete."""
+        self._end_passes("loader.close() stopped it before the epoch's end")
 
     def __enter__(self):
         """``with Loader(...) as loader:`` closes it at the end of the block (the dataset stays open)."""

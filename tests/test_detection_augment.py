@@ -4,6 +4,7 @@ its load_image would give) produce the same boxes and labels as the Loader's bat
 within interpolation differences; the letterbox against PIL; draws a pure function of (seed,
 epoch, index), so batches repeat and resume exactly; close_mosaic; Ultralytics' batch dict."""
 
+import math
 import os
 import random
 import subprocess
@@ -339,6 +340,10 @@ def test_the_ultralytics_batch_dict_holds_the_same_boxes(det):
                           xyxy[:, 3] - xyxy[:, 1]], 1)
     assert torch.allclose(batch["bboxes"], cxcywh, atol=1e-6)
     assert len(batch["ori_shape"]) == 4 and batch["resized_shape"][0] == (96, 96)
+    for k, (ori, ratio) in enumerate(zip(batch["ori_shape"], batch["ratio_pad"])):  # as Ultralytics' training
+        h0, w0 = ds[k][0].shape[1:]  # labels: the image's own size and its load_image ratios
+        r = 96 / max(h0, w0)
+        assert ori == (h0, w0) and ratio == (min(math.ceil(h0 * r), 96) / h0, min(math.ceil(w0 * r), 96) / w0)
     floats, _ = batches(ds, gdsdata.YoloAugment(imgsz=96, seed=2, dtype="float32"), n=1, shuffle=False)[0]
     assert floats.dtype == torch.float32 and torch.allclose(floats * 255, images.float(), atol=1e-3)
     assert gdsdata.YoloAugment(imgsz=96, dtype=torch.float16).dtype == "float16"  # torch's dtypes, as the crops take

@@ -211,6 +211,46 @@ def test_a_second_iter_inside_a_loop_ends_the_first_loudly(ds):
     loader.close()
 
 
+def test_close_during_a_loop_ends_it_loudly(ds):
+    """loader.close() (from the loop, or another thread) under a running loop: its next next() raises
+    rather than end the epoch after 3 of 8 batches as if it were whole; a loop that has ended stays
+    ended, and the Loader runs the next loop from the epoch's start."""
+    loader = gdsdata.Loader(ds, 8, seed=1)
+    seen = 0
+    with pytest.raises(RuntimeError, match=r"loader.close\(\) stopped it before the epoch's end"):
+        for _ in loader:
+            seen += 1
+            if seen == 3:
+                loader.close()
+    assert seen == 3 and loader.epoch == 0
+    ended = iter(loader)
+    assert len(list(ended)) == 8 and loader.epoch == 1
+    loader.close()
+    with pytest.raises(StopIteration):  # an iterator that ended stays ended
+        next(ended)
+    with gdsdata.Loader(ds, 8, seed=1) as inside:
+        assert len(list(inside)) == 8  # closed by the with block after the loop: nothing raised
+
+
+def test_torch_dataloader_attributes_say_what_the_loader_does_instead(ds):
+    """``loader.sampler.set_epoch(epoch)``, the DistributedSampler habit: an AttributeError (hasattr()
+    stays False) that names ``loader.set_epoch``."""
+    loader = gdsdata.Loader(ds, 8)
+    with pytest.raises(AttributeError, match=r"gdsdata.Loader has no sampler \(a torch DataLoader attribute\): "
+                                             r"loader.set_epoch\(epoch\) does what DistributedSampler"):
+        loader.sampler.set_epoch(1)
+    with pytest.raises(AttributeError, match="no num_workers .*its own I/O, decode and transform threads"):
+        loader.num_workers
+    assert not hasattr(loader, "collate_fn") and not hasattr(loader, "nothing_of_the_kind")
+    with pytest.raises(AttributeError, match="'Loader' object has no attribute 'nothing_of_the_kind'"):
+        loader.nothing_of_the_kind
+
+
+def test_a_device_torch_does_not_know_gets_one_line(photos_dataset):
+    with pytest.raises(ValueError, match=r"device must be 'cpu' or 'cuda' \(or 'cuda:N', a torch.device\), got 'gpu'"):
+        gdsdata.GDSDataset(photos_dataset[2], device="gpu")
+
+
 def test_set_epoch_during_a_pass_takes_the_next_pass_as_distributed_sampler_does(ds):
     """The pass reads its epoch to the end, the state stays its own, and the next pass reads the
     epoch set (before: the loader's epoch changed under the running pass, and it then counted on
@@ -435,6 +475,8 @@ def test_a_dataset_with_per_sample_transforms_is_refused(photos_dataset, given):
     (dict(batch_size=4, prefetch=0), ValueError, "prefetch"),
     (dict(batch_size=4, drop_last="no"), TypeError, "drop_last"),
     (dict(batch_size=4, rank=2, world_size=2), ValueError, "rank 2 is outside"),
+    (dict(batch_size=4, rank=1), ValueError, r"rank 1 is outside world_size 1 \(not given, and no torch.distributed "
+     r"process group is initialised: give rank= and world_size= both\)"),
     (dict(batch_size=4, indices=[0, 99]), IndexError, "99, out of range for 60"),
     (dict(batch_size=4, indices=[]), ValueError, "empty"),
     (dict(batch_size=4, indices=[0.5]), TypeError, "indices must be a 1-D sequence of integers"),

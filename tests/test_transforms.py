@@ -157,6 +157,9 @@ def test_center_crop_refuses_a_resize_under_its_size():
     (dict(mean=(1, 2, 3, 4)), ValueError, "mean must hold 3"),
     (dict(mean="rgb"), TypeError, "mean must be 3 numbers"),
     (dict(std=58.0), TypeError, "std must be 3 numbers"),
+    # one of the pair None beside a value of the caller's own would drop that value unsaid
+    (dict(mean=(100, 100, 100), std=None), ValueError, r"mean=\(100.0, 100.0, 100.0\) given with std=None"),
+    (dict(mean=None, std=(2, 2, 2)), ValueError, r"std=\(2.0, 2.0, 2.0\) given with mean=None"),
 ])
 def test_mean_and_std_are_checked_when_made(make, kwargs, error, match):
     """As torchvision's Normalize checks them: not at the first batch, in the Loader's thread."""
@@ -169,7 +172,9 @@ def test_mean_and_std_of_any_sequence_are_kept_as_floats():
     assert t.mean == (1.0, 2.0, 3.0) and t.std == (4.0, 5.0, 6.0) and hash(t) == hash(gdsdata.CenterCrop(
         16, mean=(1, 2, 3), std=(4, 5, 6)))
     assert gdsdata.RandomResizedCrop(16, mean=None, std=None).std is None
-    assert gdsdata.RandomResizedCrop(16, mean=None).mean is None  # mean=None skips normalisation
+    for t in (gdsdata.RandomResizedCrop(16, mean=None), gdsdata.CenterCrop(16, std=None)):
+        assert gdsdata.transforms._norm(t, torch.float32) == ((1.0,) * 3, (0.0,) * 3)  # beside the other's
+        # default, one None skips normalisation
 
 
 @pytest.mark.parametrize("make", [gdsdata.RandomResizedCrop, gdsdata.CenterCrop])
@@ -192,7 +197,6 @@ def test_mean_and_std_on_the_0_1_scale_are_warned_about(make, caplog):
         make(16, mean=(124, 116, 104), std=(1, 1, 1))  # the mean subtracted alone (Caffe's way)
         make(16, mean=(0, 0, 0), std=(255, 255, 255))  # 0-1, as ToDtype(scale=True) gives
         make(16, mean=None, std=None)
-        make(16, mean=None, std=(0.229, 0.224, 0.225))  # no normalisation: the std unused
     assert caplog.text == ""
 
 

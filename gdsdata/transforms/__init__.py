@@ -82,6 +82,7 @@ class RandomResizedCrop:
     mean, std : 3 floats or None
         Per-channel normalisation on the 0-255 scale; None skips it (floats of 0-255; for floats of
         0-1, as torchvision's ``ToDtype(scale=True)`` gives, mean=(0, 0, 0), std=(255, 255, 255)).
+        One None beside a value of your own for the other is refused (it would drop that value).
     dtype : str, torch.dtype or None
         "float16", "bfloat16", "float32" or "uint8", or the torch dtype of one of those names (uint8
         is never normalised); None: float16 on the GPU, float32 on the CPU.
@@ -273,6 +274,13 @@ def _validate(t):
                              f"spread on the 0-255 scale (ImageNet's: gdsdata.transforms.IMAGENET_STD), or "
                              f"mean=None, std=None to skip normalisation")
         object.__setattr__(t, name, values)
+    # normalising takes both, as torchvision's Normalize does: one None beside the other's default skips
+    # it, but one None beside a value of the caller's own would drop that value unsaid
+    for given, missing, default in (("mean", "std", IMAGENET_MEAN), ("std", "mean", IMAGENET_STD)):
+        value = getattr(t, given)
+        if getattr(t, missing) is None and value is not None and value != tuple(map(float, default)):
+            raise ValueError(f"{given}={value} given with {missing}=None: normalising takes both (each "
+                             f"channel's mean and spread on the 0-255 scale), or mean=None, std=None to skip it")
     # either on the 0-1 scale is wrong on its own (mean=(0.485, ...) beside the default 0-255 std, say); a
     # zero mean and a unit std leave values as they are, and are said outright
     unit_mean = t.mean is not None and max(t.mean) <= 1 and t.mean != (0.0, 0.0, 0.0)

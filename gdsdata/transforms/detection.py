@@ -208,7 +208,8 @@ class Plan:
     boxes: list
     labels: list
     hsv: np.ndarray
-    shapes: list  # per output: ((h0, w0), ((ratio_h, ratio_w), (padw, padh)) or None)
+    shapes: list  # per output: ((h0, w0), ratio_pad), Ultralytics' ratio_pad: ((ratio_h, ratio_w), (padw, padh))
+    #               for Letterbox, the loaded image's (ratio_h, ratio_w) for YoloAugment
     size: tuple  # the outputs' (height, width)
 
 
@@ -298,7 +299,8 @@ def plan(t: "YoloAugment | Letterbox", heights, widths, boxes: list, labels: lis
     h, w = lh[m], lw[m]  # (n, 4) placed sizes
     rect = np.zeros((n, 4, 6), np.int64)  # x1a, y1a, x2a, y2a, padw, padh
     canvas = np.stack([w[:, 0], h[:, 0]], axis=1).astype(np.float64)
-    shapes = [((int(h0[k]), int(w0[k])), None) for k in range(n)]
+    # Ultralytics' training labels: the output's own image's size and its load_image ratios (ratio_h, ratio_w)
+    shapes = [((int(h0[k]), int(w0[k])), (int(lh[k]) / int(h0[k]), int(lw[k]) / int(w0[k]))) for k in range(n)]
     size = (s, s)
     if not augment:  # LetterBox (centred, never enlarged) of the loaded image on an s x s square, or the batch's
         size = rect_shape(h0, w0, s, t.stride) if t.rect else size
@@ -503,7 +505,7 @@ def batch_form(t: "YoloAugment | Letterbox", p: Plan, images: torch.Tensor, name
     if t.targets == "torchvision":
         targets = [{"boxes": _to(b, np.float32, device), "labels": _to(lab, np.int64, device)}
                    for b, lab in zip(p.boxes, p.labels)]
-        if all(ratio_pad is not None for _, ratio_pad in p.shapes):  # Letterbox: where each image came from
+        if isinstance(t, Letterbox):  # where each image came from
             sizes = _to(np.array([shape for shape, _ in p.shapes], np.int64).reshape(-1, 2), np.int64, device)
             ratio_pad = _to(np.array([[*ratio, *pad] for _, (ratio, pad) in p.shapes], np.float64).reshape(-1, 4),
                             np.float32, device)
