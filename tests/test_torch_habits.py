@@ -240,10 +240,10 @@ def test_torch_dataloader_attributes_say_what_the_loader_does_instead(ds):
                                              r"loader.set_epoch\(epoch\) does what DistributedSampler"):
         loader.sampler.set_epoch(1)
     with pytest.raises(AttributeError, match="no num_workers .*its own I/O, decode and transform threads"):
-        loader.num_workers
+        _ = loader.num_workers
     assert not hasattr(loader, "collate_fn") and not hasattr(loader, "nothing_of_the_kind")
     with pytest.raises(AttributeError, match="'Loader' object has no attribute 'nothing_of_the_kind'"):
-        loader.nothing_of_the_kind
+        _ = loader.nothing_of_the_kind
 
 
 def test_a_device_torch_does_not_know_gets_one_line(photos_dataset):
