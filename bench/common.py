@@ -7,6 +7,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -52,6 +53,61 @@ def steal_pct(before, after):
     if before is None or after is None or after[1] == before[1]:
         return None
     return round(100 * (after[0] - before[0]) / (after[1] - before[1]), 2)
+
+
+# NVML's reasons for holding the clocks down (nvmlClocksEventReason*): the power cap, and the slowdowns
+_POWER_CAP, _SLOWDOWN = 0x4, 0x8 | 0x20 | 0x40 | 0x80  # (hardware, software thermal, hardware thermal, power brake)
+
+
+class GpuClocks:
+    """The GPU's SM clock (MHz), its power draw (W) and NVML's reasons for holding its clocks down,
+    sampled every ``interval`` seconds on a thread between ``start()`` and ``stop()``: so that a row
+    run at lower clocks (the power cap, heat) can be told from one that lost to its input pipeline.
+    ``stop()`` gives the medians and the shares (%) of samples at the power cap or slowed down, or
+    None where NVML (nvidia-ml-py) is missing or does not answer."""
+
+    def __init__(self, device=0, interval=0.1, nvml=None):
+        self.device, self.interval, self.samples = device, interval, []
+        self._stop, self._thread = threading.Event(), None
+        try:
+            if nvml is None:
+                import pynvml as nvml
+            nvml.nvmlInit()
+            self.nvml, self.handle = nvml, nvml.nvmlDeviceGetHandleByIndex(device)
+        except Exception:  # noqa: BLE001 - no NVML: the row goes without clocks
+            self.nvml = self.handle = None
+
+    def _sample(self):
+        nvml = self.nvml
+        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        return (nvml.nvmlDeviceGetClockInfo(self.handle, nvml.NVML_CLOCK_SM),
+                nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000, reasons(self.handle))
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            try:
+                self.samples.append(self._sample())
+            except Exception:  # noqa: BLE001 - a sample NVML did not give is left out
+                pass
+
+    def start(self):
+        if self.handle is not None:
+            self._thread = threading.Thread(target=self._run, name="gpu-clocks", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self):
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        if not self.samples:
+            return None
+        clocks, watts, reasons = zip(*self.samples)
+        share = lambda bits: round(100 * sum(1 for r in reasons if r & bits) / len(reasons), 1)  # noqa: E731
+        return {"sm_mhz": statistics.median(clocks), "watts": round(statistics.median(watts)),
+                "power_capped_pct": share(_POWER_CAP), "slowed_pct": share(_SLOWDOWN), "samples": len(reasons)}
 
 
 def host_speed() -> str:

@@ -30,7 +30,9 @@ thread and DataLoader workers included); "GPU MiB" is the device memory in use d
 epochs beyond what the same process used after training on synthetic input (the model, its
 activations and the CUDA context), i.e. what the input pipeline holds. A row also gives the share
 of the host's CPU time its hypervisor took during the timed epochs ("steal", where above 0), and the
-system block the host's speed, so that runs on a busy or slow host can be told apart.
+system block the host's speed, so that runs on a busy or slow host can be told apart; and, where
+NVML answers, the GPU's median SM clock and power over the timed epochs and how often NVML said
+the power cap or heat held its clocks down, so that a row run at lower clocks can be told apart too.
 ``--streams current,side,high`` adds rows with the train step on a side stream, and on a side stream
 of the highest priority (whose kernels the GPU schedules before the pipeline's). A row that makes no
 step for --stall seconds is a hang.
@@ -199,7 +201,7 @@ def run_row(args):
     """One (model, input, stream) row in this process; prints one JSON line."""
     import torch
 
-    from common import cpu_seconds, host_cpu_times, steal_pct
+    from common import GpuClocks, cpu_seconds, host_cpu_times, steal_pct
 
     model = _Model(args.model, args.stream)
     progress = {"steps": 0, "t": time.monotonic()}
@@ -242,9 +244,11 @@ def run_row(args):
     else:
         epoch = _dataloader(args.src, args.workers)
     rates, cpu, used, steps, stages, host = [], [], [], 0, None, None
+    clocks = GpuClocks(_nvml_index(torch))
     for e in range(1 + args.epochs):
         if e == 1:
             host = host_cpu_times()
+            clocks.start()  # the GPU's clocks and power over the timed epochs
             if hasattr(epoch, "stats"):
                 stages = epoch.stats()
         torch.cuda.synchronize()
@@ -261,6 +265,7 @@ def run_row(args):
             cpu.append((cpu_seconds() - c0) / n * 1000)
             used.append(_device_used() - baseline)
     steal = steal_pct(host, host_cpu_times())  # the hypervisor's share of the host's CPU over the timed epochs
+    gpu_clocks = clocks.stop()
     if stages is not None:  # the Loader's stage times over the timed epochs, ms per batch
         from common import stage_ms
 
@@ -275,8 +280,17 @@ def run_row(args):
                       "stages_ms_per_batch": stages, "gpu_profile": profiled,
                       "path": getattr(epoch, "path", ""), "images_per_s": statistics.median(rates),
                       "rates": rates, "cpu_s_per_1k": statistics.median(cpu),
-                      "gpu_mib": max(used) / 2**20, "steps": steps, "host_steal_pct": steal}), flush=True)
+                      "gpu_mib": max(used) / 2**20, "steps": steps, "host_steal_pct": steal,
+                      "gpu_clocks": gpu_clocks}), flush=True)
     os._exit(0)  # no teardown: DataLoader workers and pipelines end with the process
+
+
+def _nvml_index(torch):
+    """NVML's index of the current CUDA device (they differ under CUDA_VISIBLE_DEVICES)."""
+    try:
+        return torch.cuda._get_nvml_device_index(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - a torch without it: CUDA's own order
+        return torch.cuda.current_device()
 
 
 def gpu_profile(model, epoch, steps, skip=5):
@@ -478,6 +492,10 @@ def _print_row(result):
     print(f"  {model:<9} {source:<10} {stream:<7} {result['images_per_s']:>8.0f} images/s  "
           f"{result['cpu_s_per_1k']:.2f} CPU-s/1k  {result['gpu_mib']:>6.0f} MiB  [{result['path']}]"
           + (f"  steal {result['host_steal_pct']} %" if result.get("host_steal_pct") else ""), flush=True)
+    if result.get("gpu_clocks"):
+        c = result["gpu_clocks"]
+        print(f"      GPU: SM {c['sm_mhz']:.0f} MHz, {c['watts']} W (medians), at the power cap "
+              f"{c['power_capped_pct']} % and slowed down {c['slowed_pct']} % of the time", flush=True)
     if result.get("stages_ms_per_batch"):
         print("      ms per batch: " + ", ".join(f"{k} {v}" for k, v in result["stages_ms_per_batch"].items()),
               flush=True)

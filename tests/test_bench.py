@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -128,3 +129,43 @@ def test_the_system_block_says_how_fast_the_host_runs():
         assert common.host_cpu_times() is None
     assert common.steal_pct((10, 1000), (13, 1200)) == 1.5
     assert common.steal_pct(None, (13, 1200)) is None and common.steal_pct((1, 5), (1, 5)) is None
+
+
+def test_gpu_clocks_give_medians_and_the_shares_held_down():
+    """bench's NVML sampler on a stand-in NVML: medians of the SM clock and power, and the share of
+    samples at the power cap or slowed; without NVML, nothing (the row goes without)."""
+    GpuClocks = _bench_common().GpuClocks
+
+    class Nvml:
+        NVML_CLOCK_SM = 1
+        readings = iter([(1980, 500_000, 0), (1755, 690_000, 0x4), (1800, 700_000, 0x4 | 0x20),
+                         (1980, 520_000, 0x1)] * 2)  # then no more: a sample NVML does not give is left out
+
+        def nvmlInit(self):
+            pass
+
+        def nvmlDeviceGetHandleByIndex(self, index):
+            return index
+
+        def nvmlDeviceGetClockInfo(self, handle, kind):
+            self.now = next(self.readings)
+            return self.now[0]
+
+        def nvmlDeviceGetPowerUsage(self, handle):
+            return self.now[1]
+
+        def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+            return self.now[2]
+
+    clocks = GpuClocks(0, interval=0.001, nvml=Nvml()).start()
+    deadline = time.monotonic() + 10
+    while len(clocks.samples) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert clocks.stop() == {"sm_mhz": 1890, "watts": 605, "power_capped_pct": 50.0, "slowed_pct": 25.0,
+                             "samples": 8}
+
+    class Missing:
+        def nvmlInit(self):
+            raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    assert GpuClocks(0, nvml=Missing()).start().stop() is None
