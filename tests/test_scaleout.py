@@ -385,6 +385,64 @@ def test_sigkill_at_random_points_then_resume(bigger, tmp_path):
     assert interrupted >= 6
 
 
+def _killed_pack(src, out, until):
+    """A pack of ``src`` killed (SIGKILL) once its finished shards' journals satisfy ``until`` (a list of
+    them, in shard order); None where it finished first."""
+    proc = subprocess.Popen(_pack_cmd(src, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, journals = time.time() + 60, []
+    while proc.poll() is None and time.time() < deadline:
+        names = sorted(n for n in os.listdir(out) if n.endswith(fmt.JOURNAL_SUFFIX)) if os.path.isdir(out) else []
+        if len(names) > len(journals):
+            try:
+                journals = [json.load(open(os.path.join(out, n))) for n in names]
+            except ValueError:  # (one being written: read again)
+                continue
+            if until(journals):
+                break
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return None if os.path.exists(os.path.join(out, fmt.INDEX_NAME)) else journals
+
+
+@pytest.mark.parametrize("change", ["rewritten", "repaired"])
+def test_a_resume_packs_again_what_changed_in_the_source_since_the_interrupted_pack(tmp_path, caplog, change):
+    """A file rewritten in place after the pack was stopped (same name and label, other pixels), or a
+    file the pack skipped as broken then repaired: the resume keeps the finished shards before the
+    first one packed from (or skipping) a changed file and packs the rest again, so the dataset equals
+    an uninterrupted pack of the source as it is now, never the old pixels under the file's name."""
+    from PIL import Image
+
+    src, out = str(tmp_path / "src"), str(tmp_path / "ds")
+    write_photos(src, 160, classes=4, start_seed=2000)
+    broken = os.path.join(src, "class0", "zz_broken.jpg")  # (last of the first class: an early shard skips it)
+    with open(broken, "wb") as f:
+        f.write(b"\xff\xd8\xff nothing")
+    if change == "rewritten":  # a file of the second shard, with two more finished after it
+        journals = _killed_pack(src, out, lambda js: len(js) >= 3)
+        if journals is None:
+            pytest.skip("the pack finished before it was killed")
+        shard, rel = 1, journals[1]["paths"][0]
+        changed = os.path.join(src, rel)
+        before = os.stat(changed)
+        Image.open(changed).transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(changed, quality=90)
+        os.utime(changed, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # (a coarse clock: a newer time)
+    else:  # the shard that skipped the broken file, and one more finished after it
+        journals = _killed_pack(src, out, lambda js: len(js) >= 2 and bool(js[-2]["skipped"]))
+        if journals is None or not journals[-1]["skipped"]:
+            pytest.skip("the pack finished before it was killed")
+        shard, rel = next(k for k, j in enumerate(journals) if j["skipped"]), "class0/zz_broken.jpg"
+        shutil.copy(os.path.join(src, "class1", "00001.jpg"), broken)
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        pack(src, out, resume=True, shard_size=SHARD, workers=1)
+    assert f"{rel}: changed since the interrupted pack read it; packing again from {fmt.shard_name(shard)} on" \
+        in caplog.text
+    fresh = str(tmp_path / "fresh")
+    pack(src, fresh, shard_size=SHARD, workers=1)
+    assert samples_of(out) == samples_of(fresh)
+    assert (rel == "class0/zz_broken.jpg") == ("class0/zz_broken.jpg" in [s[0] for s in samples_of(out)[1]])
+
+
 def test_a_resume_of_a_finished_or_missing_pack_is_the_pack(source, whole, tmp_path):
     """``--resume`` as a retry wrapper passes it every time: a pack that finished, resumed with its
     source and options, is left as it is (and succeeds); with others it is refused; a pack that

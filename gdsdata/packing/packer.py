@@ -458,10 +458,41 @@ def _listing_digest(items, classes=None) -> str:
     return digest.hexdigest()
 
 
-def _resume_state(out, signature, progress=False):
+def _stamp(item):
+    """What a source item's bytes were before a worker read them: a local file's size and modification
+    time (ns), a tar member's as its header gives them; None where the listing says nothing of the
+    kind (an LMDB value, an object store's object) or the file cannot be looked at now."""
+    try:
+        if isinstance(item.ref, tuple) and hasattr(item.ref[1], "mtime"):  # (a tar member: path, TarInfo)
+            return [item.ref[1].size, int(item.ref[1].mtime * 1e9)]
+        if item.path is None or is_url(item.path):
+            return None
+        st = os.stat(item.path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _changed_source(journal, items):
+    """The first source item a journal's shard was packed from (or skipped) that has changed since
+    (``_stamp``), as its path or name, or None. ``items``: the listing's items by name, and by the
+    name as reports print it."""
+    named = list(zip(journal["paths"], journal.get("stamps") or ()))
+    skipped = {entry["path"] for entry in journal["skipped"]}
+    named += [(rel, stamp) for rel, stamp in (journal.get("skipped_stamps") or {}).items() if rel in skipped]
+    for rel, stamp in named:
+        item = items.get(rel)
+        if stamp is not None and item is not None and _stamp(item) != stamp:
+            return item.path or item.rel
+    return None
+
+
+def _resume_state(out, signature, progress=False, items=()):
     """What an interrupted pack finished: the longest run of shards 0..k-1 whose journal matches
-    this pack and whose bytes match the journal (each read whole: a bar on stderr with
-    ``progress``). Everything after them is removed. (None found: a pack from the start.)"""
+    this pack, whose bytes match the journal (each read whole: a bar on stderr with ``progress``)
+    and whose source ``items`` are as they were when packed (``_stamp``). Everything after them is
+    removed. (None found: a pack from the start.)"""
+    by_name = {display(item.rel): item for item in items} | {item.rel: item for item in items}
     listed = [os.path.join(out, name[:-len(fmt.JOURNAL_SUFFIX)]) for name in os.listdir(out)
               if name.endswith(fmt.JOURNAL_SUFFIX)]
     total = sum(os.path.getsize(path) for path in listed if os.path.isfile(path))
@@ -487,6 +518,11 @@ def _resume_state(out, signature, progress=False):
             size, _, _, crc = journal["shard"][:4]
             if not os.path.exists(shard_path) or os.path.getsize(shard_path) != size or \
                     data_crc32(shard_path, signature["alignment"]) != crc:
+                break
+            changed = _changed_source(journal, by_name)
+            if changed is not None:  # packed as it was before the change: this shard and the rest again
+                log.warning("%s: changed since the interrupted pack read it; packing again from %s on",
+                            display(changed), fmt.shard_name(len(journals)))
                 break
             bar.update(size)
             journals.append(journal)
@@ -851,12 +887,13 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                  "part": [part, num_parts], "items": len(items), "listing": _listing_digest(items)}
     if resume and os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
         return _finished(out, src, signature, source, items, started)
-    journals = _resume_state(out, signature, progress) if resume else []
+    journals = _resume_state(out, signature, progress, items) if resume else []
     if resume and not journals:
         log.warning("%s: nothing to resume (no finished shard of an interrupted pack there): packing from the start",
                     out)
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped, repaired = [], bytearray(), [], []
+    stamps, skipped_stamps = [], {}  # each record's source file as it was read (journals: what a resume checks)
     shard_rows = []
     converted = resized = done = 0
     base_stamp = index_io.stamp(out) if append else None  # which index file the dataset held when it began
@@ -866,12 +903,15 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         dataset_id, records, strings, shard_rows = base.dataset_id, base.samples.tolist(), bytearray(base.strings), \
             base.shards.tolist()
         records = [row[:4] + (relabel[row[4]],) + row[5:] for row in records]
+        stamps = [None] * len(records)
         converted, resized = base.flag_counts()
     for journal in journals:
         for row, rel in zip(journal["samples"], journal["paths"]):
             path_bytes = rel.encode("utf-8", "surrogateescape")
             records.append(tuple(row[:1]) + (len(strings),) + tuple(row[2:]))
             strings += path_bytes
+        stamps += journal.get("stamps") or [None] * len(journal["samples"])
+        skipped_stamps.update(journal.get("skipped_stamps") or {})
         shard_rows.append(tuple(journal["shard"][:4]) + (dataset_id, journal["shard"][5], 0))
         skipped[:] = journal["skipped"]
         repaired[:] = journal.get("repaired", [])
@@ -900,6 +940,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             "shard": [int(v) if not isinstance(v, bytes) else v.hex() for v in record],
             "samples": [list(records[k]) for k in mine],
             "paths": [_record_path(records[k], strings) for k in mine],
+            "stamps": [stamps[k] for k in mine], "skipped_stamps": dict(skipped_stamps),
             "skipped": skipped, "repaired": repaired, "converted": converted, "resized": resized,
             "items_done": position["item"]})
 
@@ -921,7 +962,13 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                              "repaired": repaired},
                             part={"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
                             if num_parts > 1 else None)
-    jobs = (_job(source, item, options) for item in items[done:])
+    reading = {}  # each item's file as it was before its worker read it, until its result comes
+
+    def jobs():
+        for item in items[done:]:
+            reading[item.rel] = _stamp(item)
+            yield _job(source, item, options)
+
     labels = {item.rel: item.label for item in items}
     task = getattr(source, "task", "classify")
     sizes = {item.rel: item.size for item in items if item.size is not None}
@@ -932,7 +979,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         with bar:
             if on_progress is not None:
                 on_progress(0)
-            for rel, prepared, reason in _results(jobs, workers):
+            for rel, prepared, reason in _results(jobs(), workers):
+                stamp = reading.pop(rel, None)
                 bar.update()
                 if on_progress is not None:
                     on_progress(1)
@@ -958,6 +1006,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                     if strict:
                         raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
                     skipped.append({"path": display(rel), "reason": reason})
+                    skipped_stamps[display(rel)] = stamp
                     log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
                     position["item"] += 1
                     continue
@@ -967,6 +1016,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                                 prepared.width, prepared.height, zlib.crc32(prepared.payload), len(path_bytes),
                                 prepared.codec, prepared.components, prepared.subsampling, prepared.flags))
                 strings += path_bytes
+                stamps.append(stamp)
                 converted += bool(prepared.flags & fmt.FLAG_CONVERTED)
                 resized += bool(prepared.flags & fmt.FLAG_RESIZED)
                 if prepared.warning:  # (after add: a journal it closed holds its own shard's, not this one)
