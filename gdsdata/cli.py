@@ -5,6 +5,7 @@ Ctrl-C 130 and SIGTERM 143, after the same clean-up.
 """
 
 import argparse
+import codecs
 import json
 import logging
 import os
@@ -491,7 +492,29 @@ def build_parser():
     return parser
 
 
+def _names_as_read(error):
+    """The CLI's output encoding errors: a file name's bytes that are not UTF-8 (Python's surrogate
+    escapes) written as the bytes they were, as Python writes them under a UTF-8 locale; any other
+    character the encoding lacks as a backslash escape."""
+    if isinstance(error, UnicodeEncodeError):
+        chunk = error.object[error.start:error.end]
+        if all(0xDC80 <= ord(c) <= 0xDCFF for c in chunk):
+            return bytes(ord(c) - 0xDC00 for c in chunk), error.end
+        return codecs.backslashreplace_errors(error)
+    raise error
+
+
+def _output_takes_any_name():
+    """Strict output streams (PYTHONIOENCODING=utf-8 sets them so) would fail a finished pack, or an
+    inspect, on a file name that is not UTF-8: they take such names as ``_names_as_read`` does."""
+    codecs.register_error("gdsdata-names", _names_as_read)
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="gdsdata-names")
+
+
 def main(argv=None):
+    _output_takes_any_name()
     try:
         args = build_parser().parse_args(argv)
     except BrokenPipeError:  # help piped into a reader that stopped early (| head)

@@ -342,6 +342,25 @@ def test_an_append_stores_its_images_as_the_dataset_did(small_src, tmp_path):
     assert pack(extra, out, append=True).new == 1 and load(out).meta["options"]["max_side"] == 40
 
 
+def test_names_that_are_not_utf8_pass_a_strict_output_encoding(tmp_path):
+    """PYTHONIOENCODING=utf-8 (set in many containers) makes stdout strict: a class or file name whose
+    bytes are not UTF-8 is still printed (as the bytes it is), and a finished pack, an inspect and a
+    verify exit 0 rather than fail on their own summary."""
+    src = tmp_path / "src"
+    write_photos(str(src), 4, classes=1)
+    os.makedirs(os.path.join(os.fsencode(src), b"cl\xffass"))
+    with open(os.path.join(os.fsencode(src), b"cl\xffass", b"x\xfe.jpg"), "wb") as f:
+        f.write((src / "class0" / "00000.jpg").read_bytes())
+    out = os.path.join(os.fsencode(tmp_path), b"out\xff.gds")
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    said = {}
+    for args in (["pack", os.fsencode(src), out, "-q"], ["inspect", out], ["verify", out]):
+        proc = subprocess.run([sys.executable, "-m", "gdsdata.cli", *args], capture_output=True, env=env, timeout=300)
+        assert proc.returncode == 0, (args[0], proc.stdout[-2000:], proc.stderr[-2000:])
+        said[args[0]] = proc.stdout
+    assert b"cl\xffass" in said["inspect"]  # the class's name, as its bytes
+
+
 def test_a_file_name_with_a_newline_or_an_escape_stays_on_its_line(tmp_path):
     """A name's control characters are printed escaped: an error stays one line, a summary's entry
     too, and a terminal's escape sequence is not sent to the terminal (the report keeps the name)."""
