@@ -328,7 +328,8 @@ def test_a_file_that_is_no_image_is_one_reason_also_after_ultralytics_is_importe
 def test_sixteen_bit_gray_images_keep_their_high_byte(tmp_path):
     """A 16-bit gray PNG or TIFF is stored as OpenCV reads it (each pixel's high byte), not as PIL's
     conversion gives it (clipped to white); 32-bit integer pixels within 8 bits stay as they are,
-    beyond them (no scale known) the file is skipped with the reason."""
+    beyond them (no scale known) the file is skipped with the reason, and so is one of 12 bits or
+    fewer in 16 (its high bytes: 16 levels of gray or fewer, black under 256)."""
     values = (np.arange(64 * 48, dtype=np.uint32).reshape(48, 64) * 21) % 65536
     (tmp_path / "src" / "a").mkdir(parents=True)
     Image.fromarray(values.astype(np.uint16)).save(tmp_path / "src" / "a" / "sixteen.png")
@@ -337,10 +338,16 @@ def test_sixteen_bit_gray_images_keep_their_high_byte(tmp_path):
     wide = values.astype(np.int32) * 2 - 70000
     Image.fromarray(wide, "I").save(tmp_path / "src" / "a" / "wide.tif")
     Image.fromarray((values % 1000).astype(np.int32), "I").save(tmp_path / "src" / "a" / "i32.tif")  # no known scale
+    Image.fromarray((values % 4096).astype(np.uint16)).save(tmp_path / "src" / "a" / "twelve.png")  # 12 bits in 16
+    Image.fromarray((values % 200).astype(np.uint16)).save(tmp_path / "src" / "a" / "dark.png")
     result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1, options=PackOptions(codec="raw"))
     assert sorted((s["path"], s["reason"]) for s in result.skipped) == [
+        ("a/dark.png", "16-bit pixels from 0 to 199: their high bytes, the 8-bit image OpenCV reads, hold 1 level(s) "
+                       "(black); convert it to 8 bits with its own scale first"),
         ("a/i32.tif", "32-bit integer pixels from 0 to 999: no 8-bit image without choosing a scale (convert it "
                       "to 8 bits first)"),
+        ("a/twelve.png", "16-bit pixels from 0 to 4095: their high bytes, the 8-bit image OpenCV reads, hold 16 "
+                         "level(s); convert it to 8 bits with its own scale first"),
         ("a/wide.tif", f"32-bit integer pixels from -70000 to {wide.max()}: no 8-bit image without choosing a "
                        f"scale (convert it to 8 bits first)")]
     ds = GDSDataset(str(tmp_path / "ds"))

@@ -185,9 +185,10 @@ def _to_rgb(image: Image.Image, source_format: str = "") -> Image.Image:
 
 def _eight_bit(image: Image.Image, source_format: str) -> Image.Image:
     """A 16-bit gray image as 8-bit gray, keeping each pixel's high byte as OpenCV does when it reads
-    one in colour (PIL's own conversion clips every value over 255 to white). 32-bit integer pixels
-    ("I"): within 0..255 as they are; from a PNG (16 bits, as older PILs open them) by their high
-    byte; otherwise refused, as no scale is known for them."""
+    one in colour (PIL's own conversion clips every value over 255 to white); refused where no value
+    reaches 4096 (12 bits or fewer: 16 levels of gray or fewer, black under 256). 32-bit integer
+    pixels ("I"): within 0..255 as they are; from a PNG (16 bits, as older PILs open them) as 16-bit
+    ones; otherwise refused, as no scale is known for them."""
     values = _pixels(image)
     low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
     if image.mode == "I" and 0 <= low and high <= 255:
@@ -195,6 +196,10 @@ def _eight_bit(image: Image.Image, source_format: str) -> Image.Image:
     if image.mode == "I" and not (source_format == "png" and 0 <= low and high <= 65535):
         raise BadImageError(f"32-bit integer pixels from {low} to {high}: no 8-bit image without choosing a scale "
                             f"(convert it to 8 bits first)")
+    if high < 4096:  # 12 bits or fewer in 16 (a sensor's or a scanner's): their high bytes are 16 levels or fewer
+        raise BadImageError(f"16-bit pixels from {low} to {high}: their high bytes, the 8-bit image OpenCV reads, "
+                            f"hold {(high >> 8) + 1} level(s){' (black)' if high < 256 else ''}; convert it to 8 "
+                            f"bits with its own scale first")
     return Image.fromarray((values.astype(np.uint32) >> 8).astype(np.uint8), "L")
 
 
