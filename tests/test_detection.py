@@ -269,7 +269,8 @@ def test_coco_ids_crowds_and_bad_annotations(tmp_path):
 
 def test_coco_ids_as_its_api_matches_them_and_each_bad_annotation_with_its_own_reason(tmp_path):
     """An image id listed twice: the last record (COCO's API keeps it, and torchvision); an id that is
-    text or not whole is no id; each annotation without a box says what it lacks, naming its image;
+    text or not whole is no id; each annotation without a box (or with an iscrowd other than 0 or 1)
+    says what it lacks, naming its image;
     a crowd region over an object is no repeat of it; --strict stops at a bad annotation."""
     ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (64, 48), "d.jpg": (64, 48),
                                                      "e.jpg": (64, 48)}, [
@@ -277,7 +278,8 @@ def test_coco_ids_as_its_api_matches_them_and_each_bad_annotation_with_its_own_r
         {"image_id": 1, "category_id": 1, "bbox": [1, 1, 10, 10], "iscrowd": 1},  # a crowd region there too
         {"image_id": 2, "category_id": 1, "segmentation": [[1, 1, 9, 1, 9, 9]]},  # no bbox
         {"image_id": "2", "category_id": 1, "bbox": [2, 2, 5, 5]},  # text: names no image 2
-        {"image_id": 2, "category_id": 1, "bbox": [1, 2, 3]}], [(1, "x")])
+        {"image_id": 2, "category_id": 1, "bbox": [1, 2, 3]},
+        {"image_id": 2, "category_id": 1, "bbox": [3, 3, 5, 5], "iscrowd": "yes"}], [(1, "x")])  # not 0 or 1
     data = json.loads(pathlib.Path(ann).read_text())
     data["images"][2]["id"] = 1  # d.jpg also claims id 1, after a.jpg: it is the one kept
     data["images"][3]["id"] = 4.5
@@ -292,6 +294,7 @@ def test_coco_ids_as_its_api_matches_them_and_each_bad_annotation_with_its_own_r
     assert dropped["annotation 3 (b.jpg)"] == "no bbox (a segmentation alone: gdsdata packs boxes)"
     assert dropped["annotation 4"] == "image_id: id '2' is not an integer"
     assert dropped["annotation 5 (b.jpg)"].startswith("bbox is not [x, y, w, h] numbers: [1, 2, 3]")
+    assert dropped["annotation 6 (b.jpg)"] == 'iscrowd is "yes", not 0 or 1'
     with pytest.raises(SourceError, match=r"annotation 3 \(b.jpg\): no bbox .*\(--strict\)"):
         pack(images, str(tmp_path / "ds2"), format="coco", annotations=ann, workers=1, strict=True)
 

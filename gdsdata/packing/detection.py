@@ -659,7 +659,8 @@ class CocoSource(DetectionSource):
             raise SourceError(f"{display(annotations)}: not a JSON file ({e})") from e
         where = display(annotations)
         if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "categories")):
-            raise SourceError(f"{where}: not COCO instances (needs lists 'images', 'annotations', 'categories')")
+            raise SourceError(f"{where}: not COCO instances (needs lists 'images' and 'categories', and "
+                              f"'annotations' for boxes)")
         try:
             categories = sorted(data["categories"], key=lambda c: _coco_id(c["id"]))
             self.category_ids = [_coco_id(c["id"]) for c in categories]
@@ -797,7 +798,10 @@ def _annotation(ann, files, label):
     if not (isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                              and np.isfinite(v) for v in bbox)):
         return f"bbox is not [x, y, w, h] numbers: {json.dumps(bbox)[:60]}", image_id, None
-    return None, image_id, (*(float(v) for v in bbox), label[cid], fmt.BOX_CROWD if ann.get("iscrowd") else 0)
+    crowd = ann.get("iscrowd", 0)
+    if crowd not in (0, 1):  # (COCO's 0 or 1; True and 1.0 equal 1)
+        return f"iscrowd is {json.dumps(crowd)[:30]}, not 0 or 1", image_id, None
+    return None, image_id, (*(float(v) for v in bbox), label[cid], fmt.BOX_CROWD if crowd else 0)
 
 
 def open_detection(format, src, *, split=None, annotations=None, strict=False):
