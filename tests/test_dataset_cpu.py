@@ -165,6 +165,26 @@ def test_verify_says_a_shard_damaged_between_its_samples_keeps_them_intact(photo
                            f"samples): every sample of it passes its checksum and decodes"]
 
 
+@pytest.mark.parametrize("at", [10, 100, 4000], ids=["reserved0", "reserved", "padding"])
+def test_verify_says_a_damaged_byte_in_a_shard_header_s_unused_bytes(photos_dataset, tmp_path, at):
+    """A byte set where a shard's header holds nothing (its reserved fields, the padding up to its
+    first sample): beyond the shard's data checksum and unseen by reading, said by verify."""
+    import shutil
+
+    from gdsdata.format.index import load
+
+    out = str(tmp_path / "ds")
+    shutil.copytree(photos_dataset[2], out)
+    shard = load(out).shard_path(0)
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        f.write(b"\x01")
+    assert verify(out) == [f"{shard}: its header's reserved bytes, or the padding after it, are not zero: damage "
+                           f"outside every sample (reading is unaffected; packing again mends it)"]
+    ds = gdsdata.GDSDataset(out)
+    assert len(ds[0][0])  # reading is unaffected
+
+
 def test_verify_goes_on_past_a_shard_cut_short_and_a_missing_one(tmp_path):
     """Every problem listed: a shard cut short and a missing one each said once, the samples of the
     other shards still checked (verify had stopped at the first bad shard)."""

@@ -10,7 +10,7 @@ from gdsdata import settings
 from gdsdata.decode.cpu import check_crc, decode
 from gdsdata.errors import GdsDataError
 from gdsdata.io.cpu import CpuReader
-from gdsdata.format.shards import cannot_read, data_crc32
+from gdsdata.format.shards import cannot_read, data_crc32, unused_bytes_set
 
 
 def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: bool = False) -> list:
@@ -38,6 +38,16 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
         except OSError as e:
             return None, cannot_read(index.shard_path(shard), e)
 
+    def header_slack(shard):
+        """A line where the shard's unused header bytes are not zero, else None."""
+        try:
+            if unused_bytes_set(index.shard_path(shard), index.alignment):
+                return (f"{index.shard_path(shard)}: its header's reserved bytes, or the padding after it, are not "
+                        f"zero: damage outside every sample (reading is unaffected; packing again mends it)")
+        except OSError as e:
+            return cannot_read(index.shard_path(shard), e)
+        return None
+
     with ThreadPoolExecutor(settings.get("cpu_threads")) as pool:
         unreadable = set()  # shards every sample of which is left unchecked (said once, for the shard)
         mismatched = {}  # shard whose checksum fails: where its line is in problems (said in full at the end)
@@ -49,6 +59,8 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
             elif crc != int(record["crc32"]):
                 mismatched[shard] = len(problems)
                 problems.append(f"{index.shard_path(shard)}: shard checksum mismatch")
+            if problem is None and (slack := header_slack(shard)) is not None:
+                problems.append(slack)
         reader = CpuReader(index)
 
         def check(job):

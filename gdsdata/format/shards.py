@@ -259,6 +259,17 @@ def read_header(path, expected_index: int, dataset_id: bytes, alignment: int, nu
     return header
 
 
+def unused_bytes_set(path, alignment: int) -> bool:
+    """Whether a shard's bytes that hold nothing are other than zero: its header's reserved fields
+    and the padding after the header up to ``alignment`` (damage the shard's data checksum, which
+    begins at ``alignment``, does not cover, and reading does not notice). ``verify`` says so."""
+    with open(open_regular(path), "rb") as f:
+        head = f.read(alignment)
+    header = fmt.SHARD_HEADER
+    reserved = [(header.fields[name][1], header.fields[name][0].itemsize) for name in ("reserved0", "reserved")]
+    return any(head[at:at + size].strip(b"\0") for at, size in reserved) or bool(head[header.itemsize:].strip(b"\0"))
+
+
 def check_opened(head: bytes, path, index, shard: int):
     """Check the first bytes of a shard file just opened against the index the reader holds: a
     dataset replaced while it was open (packed again with ``--overwrite``) has shards of another id,
