@@ -1047,3 +1047,13 @@ def test_a_label_path_that_is_a_folder_or_a_fifo_is_that_image_s_problem(tmp_pat
     assert result.packed == 1 and sorted(bad) == ["images/train/b.jpg", "images/train/c.jpg"], bad
     assert "a folder where a label file belongs" in bad["images/train/b.jpg"]
     assert "a FIFO where a label file belongs" in bad["images/train/c.jpg"]
+
+
+def test_a_data_yaml_that_is_a_fifo_is_said_so(tmp_path):
+    """Given where the data YAML or the dataset folder goes, a FIFO is named as neither (opening it would
+    wait for a writer; listing it failed as 'not a directory')."""
+    fifo = str(tmp_path / "data.yaml")
+    os.mkfifo(fifo)
+    with pytest.raises(SourceError, match=r"data.yaml: not a regular file or a folder: --format yolo takes a data "
+                                          r"YAML or a folder"):
+        pack(fifo, str(tmp_path / "ds"), format="yolo", workers=1)

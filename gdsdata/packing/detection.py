@@ -402,6 +402,9 @@ class YoloSource(DetectionSource):
         self.root = src
         if not os.path.exists(src):
             raise SourceError(f"{display(src)}: no such file or folder")
+        if not os.path.isfile(src) and not os.path.isdir(src):  # (a FIFO's reader would wait for a writer)
+            raise SourceError(f"{display(src)}: not a regular file or a folder: --format yolo takes a data YAML "
+                              f"or a folder")
         names, keypoints, self._others = None, None, []
         if os.path.isfile(src):
             if not src.endswith((".yaml", ".yml")):
