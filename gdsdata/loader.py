@@ -1133,6 +1133,7 @@ class _Prefetcher:
                            and loader.transform.targets == "ultralytics")  # the batch is one dict
         self.queue = queue.Queue(maxsize=loader.prefetch)
         self.stop = threading.Event()
+        self._closing = threading.RLock()  # one close() at a time: the loop's own, another thread's, the GC's
         # a CUDA stream per stage: the next batch's decode never queues behind this one's transform
         self.streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in (_DECODE, _TRANSFORM)]
         self.staged = queue.Queue(maxsize=2)
@@ -1191,13 +1192,17 @@ class _Prefetcher:
             self.held.release(torch.cuda.current_stream(self.device) if self.cuda else None)
             self.held = None
 
+    def _closed(self):
+        """Raise what ends a closed pass's ``next()``: why it was closed under the loop, else the end."""
+        if self.closed_by is not None:
+            raise GdsDataError(f"the Loader's dataset was closed while it was reading ({self.closed_by})")
+        if self.replaced is not None:
+            raise RuntimeError(f"this gdsdata Loader iterator has ended: {self.replaced}")
+        raise StopIteration
+
     def __next__(self):
         if self.threads is None:
-            if self.closed_by is not None:
-                raise GdsDataError(f"the Loader's dataset was closed while it was reading ({self.closed_by})")
-            if self.replaced is not None:
-                raise RuntimeError(f"this gdsdata Loader iterator has ended: {self.replaced}")
-            raise StopIteration
+            self._closed()
         self._release_held()
         t0 = time.perf_counter()
         # the GPU's side of the wait begins once the work the loop queued so far is done: timed from here,
@@ -1211,6 +1216,9 @@ class _Prefetcher:
                 self.stats.consumer_wait_s += time.perf_counter() - t0
                 break
             except queue.Empty:
+                if self.stop.is_set():  # closed by another thread meanwhile (loader.close(), the dataset's close())
+                    with self._closing:  # (its close() done)
+                        self._closed()
                 if not self.threads[-1].is_alive() and self.queue.empty():
                     self.close()
                     raise GdsDataError("gdsdata Loader: its transform thread stopped without a result") from None
@@ -1326,6 +1334,10 @@ class _Prefetcher:
         """Stop the threads, waiting for them at most ``grace`` seconds (default: the stall_timeout
         setting); with ``reason`` (the dataset was closed under the loop) or ``replaced`` (the Loader
         started another pass) the next ``next()`` raises instead of ending the epoch quietly."""
+        with self._closing:  # (a second close() finds the first's work done)
+            self._close(reason, grace, replaced)
+
+    def _close(self, reason, grace, replaced):
         if self.threads is None:
             return
         self.closed_by, self.replaced = reason, replaced

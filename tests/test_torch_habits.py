@@ -232,6 +232,32 @@ def test_close_during_a_loop_ends_it_loudly(ds):
         assert len(list(inside)) == 8  # closed by the with block after the loop: nothing raised
 
 
+def test_close_from_another_thread_while_the_loop_waits_for_a_batch(photos_dataset):
+    """The loop waiting on a batch (a slow decode) when another thread closes the Loader (a watchdog, a
+    signal handler's thread): RuntimeError from that next(), not an error from the closed pass's parts."""
+    import threading
+    import time
+
+    ds = gdsdata.GDSDataset(photos_dataset[2])
+    decode = ds._backend.decode
+
+    def slow(staged, stream=None):
+        time.sleep(0.5)
+        return decode(staged, stream)
+
+    ds._backend.decode = slow
+    loader = gdsdata.Loader(ds, 8, prefetch=1)
+    it = iter(loader)
+    next(it)
+    closer = threading.Timer(0.2, loader.close)  # while next() waits for the next batch's decode
+    closer.start()
+    with pytest.raises(RuntimeError, match=r"loader.close\(\) stopped it before the epoch's end"):
+        for _ in it:  # (each next() waits about half a second: the close comes during one)
+            pass
+    closer.join()
+    ds.close()
+
+
 def test_torch_dataloader_attributes_say_what_the_loader_does_instead(ds):
     """``loader.sampler.set_epoch(epoch)``, the DistributedSampler habit: an AttributeError (hasattr()
     stays False) that names ``loader.set_epoch``."""
