@@ -4,6 +4,7 @@ import io
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -66,6 +67,17 @@ def loader_threads() -> set:
     return {t for t in threading.enumerate()
             if t.name in ("gdsdata-read", "gdsdata-decode", "gdsdata-transform")
             or t.name.startswith(("gdsdata-read-ahead", "gdsdata-window"))}
+
+
+def slow_decode(ds, seconds):
+    """Make each batch's decode of ``ds`` (the decode thread's call) take ``seconds`` longer."""
+    original = ds._backend.decode
+
+    def slow(staged, stream=None):
+        time.sleep(seconds)
+        return original(staged, stream)
+
+    ds._backend.decode = slow
 
 
 def photo(seed, label=0, noise=2.0, scale=0.5) -> Image.Image:

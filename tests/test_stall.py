@@ -9,7 +9,7 @@ import pytest
 
 import gdsdata
 from gdsdata import stall
-from conftest import child_env, loader_threads
+from conftest import child_env, loader_threads, slow_decode
 
 
 def _stuck_decode(ds, at_batch, release):
@@ -60,13 +60,7 @@ def test_a_slow_but_moving_pipeline_is_not_a_stall(photos_dataset):
     """Each batch takes longer than nothing, but none takes longer than the bound."""
     _, _, out = photos_dataset
     ds = gdsdata.GDSDataset(out)
-    original = ds._backend.decode
-
-    def slow(staged, stream=None):
-        time.sleep(0.3)
-        return original(staged, stream)
-
-    ds._backend.decode = slow
+    slow_decode(ds, 0.3)
     with gdsdata.settings.set(stall_timeout=1.0):
         batches = list(gdsdata.Loader(ds, 16, shuffle=None))
     assert len(batches) == 4
@@ -173,14 +167,7 @@ def test_the_bound_a_dataset_was_built_with_holds_for_its_loaders(photos_dataset
     own and the one in force around the loop holds)."""
     with gdsdata.settings.set(stall_timeout=1):
         ds = gdsdata.GDSDataset(photos_dataset[2])
-
-    original = ds._backend.decode
-
-    def slow(staged, stream=None):
-        time.sleep(3)
-        return original(staged, stream)
-
-    ds._backend.decode = slow
+    slow_decode(ds, 3)
     try:
         with pytest.raises(gdsdata.StallError, match=r"decode thread made no progress .*=1 s\)"):
             list(gdsdata.Loader(ds, 16, shuffle=None))

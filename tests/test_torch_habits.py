@@ -236,16 +236,11 @@ def test_close_from_another_thread_while_the_loop_waits_for_a_batch(photos_datas
     """The loop waiting on a batch (a slow decode) when another thread closes the Loader (a watchdog, a
     signal handler's thread): RuntimeError from that next(), not an error from the closed pass's parts."""
     import threading
-    import time
+
+    from conftest import slow_decode
 
     ds = gdsdata.GDSDataset(photos_dataset[2])
-    decode = ds._backend.decode
-
-    def slow(staged, stream=None):
-        time.sleep(0.5)
-        return decode(staged, stream)
-
-    ds._backend.decode = slow
+    slow_decode(ds, 0.5)
     loader = gdsdata.Loader(ds, 8, prefetch=1)
     it = iter(loader)
     next(it)
