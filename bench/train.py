@@ -13,7 +13,8 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
               gdsdata:direct streams from storage (io_engine=direct: the page cache dropped, or the
               pack's files evicted, before the row; every epoch then comes from the drive),
               gdsdata:direct_block the same with shuffle="block" (each shuffle window's whole blocks
-              read at once)
+              read at once), gdsdata:prefetchN with N batches ready ahead (Loader(prefetch=N);
+              2 by default)
   raw         the same over a raw-pixel pack of the images (shorter side 256), each sample's CRC-32
               checked where it lands in GPU staging (the GPU kernel, by default); raw:nocrc without
               (what the checksums cost)
@@ -119,11 +120,11 @@ def _synthetic(count):
     return epoch
 
 
-def _gdsdata(root, antialias=True, verify=None, shuffle=True):
+def _gdsdata(root, antialias=True, verify=None, shuffle=True, prefetch=2):
     import gdsdata
 
     ds = gdsdata.GDSDataset(root, device="cuda", verify_checksums=verify)
-    loader = gdsdata.Loader(ds, BATCH, shuffle=shuffle, drop_last=True,
+    loader = gdsdata.Loader(ds, BATCH, shuffle=shuffle, drop_last=True, prefetch=prefetch,
                             transform=gdsdata.RandomResizedCrop(224, dtype="float16", antialias=antialias))
     state = {"epoch": 0}
 
@@ -230,13 +231,14 @@ def run_row(args):
             from gdsdata import settings
 
             variant = args.input.split(":", 1)[1]
-            settings.set(**({} if variant == "bilinear" else _variant(variant)))
+            settings.set(**({} if variant == "bilinear" or variant.startswith("prefetch") else _variant(variant)))
             if variant.startswith("direct"):  # from the drive: nothing of the pack in the page cache
                 from common import drop_caches
 
                 drop_caches([os.path.join(d, f) for d, _, files in os.walk(args.jpeg) for f in files])
         epoch = _gdsdata(args.jpeg, antialias=args.input != "gdsdata:bilinear",
-                         shuffle="block" if args.input == "gdsdata:direct_block" else True)
+                         shuffle="block" if args.input == "gdsdata:direct_block" else True,
+                         prefetch=int(args.input.split(":prefetch", 1)[1]) if ":prefetch" in args.input else 2)
     elif args.input in ("raw", "raw:nocrc"):
         epoch = _gdsdata(args.raw, verify=False if args.input == "raw:nocrc" else None)
     elif args.input == "dali":
