@@ -21,6 +21,11 @@ class CorruptSampleError(GdsDataError):
     """A stored sample fails its checksum or cannot be decoded."""
 
 
+class SourceGoneError(SourceError):
+    """The source's storage stopped answering while a pack read it (a dropped mount, a network down):
+    not one file's fault, so the pack stops (resumable) rather than skip every file after it."""
+
+
 class BadImageError(GdsDataError):
     """A source image cannot be packed (empty, truncated, not an image); packing skips it."""
 

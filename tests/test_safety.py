@@ -839,6 +839,55 @@ def test_a_full_disk_names_the_file_and_the_pack_resumes(src, small_disk, tmp_pa
     assert verify(out) == []
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("error", [OSError(errno.ENOTCONN, "Transport endpoint is not connected"),
+                                   ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")],
+                         ids=["mount-dropped", "network"])
+def test_a_source_whose_storage_goes_away_stops_the_pack_and_it_resumes(src, tmp_path, monkeypatch, workers, error):
+    """A dropped network mount mid-pack fails every read after it: not each file's fault, so the pack
+    stops in one line naming the file and keeps its finished shards for --resume (skipping would go
+    on into a dataset that looks whole with the rest of the files left out); a file that is itself
+    unreadable (EIO, EACCES) is still skipped with its reason."""
+    from gdsdata.errors import SourceGoneError
+    from gdsdata.packing import packer
+
+    out, calls, read = str(tmp_path / "ds"), [], packer._read_regular
+
+    def drops(path):
+        calls.append(path)
+        if len(calls) > 20:  # (in a worker: its own count, past 20 of its reads)
+            raise error
+        return read(path)
+
+    monkeypatch.setattr(packer, "_read_regular", drops)
+    with pytest.raises(SourceGoneError, match=r"\.jpg: cannot read: .*(not connected|reset by peer) \(the source's "
+                                              r"storage, not this file: the pack stops rather than skip the files "
+                                              r"after it\); \d+ finished shard\(s\) kept: once it answers again, "
+                                              r"run the same command with --resume"):
+        pack(src, out, workers=workers, shard_size=100_000)
+    assert fmt.INDEX_NAME not in os.listdir(out)
+    monkeypatch.undo()
+    pack(src, out, resume=True, workers=1, shard_size=100_000)
+    reference = str(tmp_path / "reference")
+    pack(src, reference, workers=1, shard_size=100_000)
+    assert load(out).samples["crc32"].tolist() == load(reference).samples["crc32"].tolist()
+
+
+def test_a_file_that_cannot_be_read_is_skipped_with_its_reason(src, tmp_path, monkeypatch):
+    from gdsdata.packing import packer
+
+    read = packer._read_regular
+
+    def bad_sector(path):
+        if path.endswith("00004.jpg"):
+            raise OSError(errno.EIO, "Input/output error")
+        return read(path)
+
+    monkeypatch.setattr(packer, "_read_regular", bad_sector)
+    result = pack(src, str(tmp_path / "ds"), workers=1)
+    assert [(s["path"], s["reason"]) for s in result.skipped] == [("class1/00004.jpg", "cannot read: Input/output error")]
+
+
 def test_a_full_disk_while_the_index_is_written_names_the_dataset_and_the_pack_resumes(src, tmp_path, monkeypatch):
     from gdsdata.format import index as index_io
 

@@ -15,6 +15,7 @@ import concurrent.futures.process
 import contextlib
 import ctypes
 import datetime
+import errno
 import hashlib
 import itertools
 import json
@@ -41,7 +42,8 @@ from gdsdata import __version__, settings
 from gdsdata.args import is_integer
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
-from gdsdata.errors import BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError
+from gdsdata.errors import (BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError,
+                            SourceGoneError)
 from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_inherited_locks, remove_dataset,
                                  remove_shards, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
@@ -86,6 +88,13 @@ def scan(src):
     return source.classes, [(item.rel, item.label) for item in source.items], source.ignored
 
 
+# read errors that say the storage is gone (a network filesystem's mount dropped, a network down), not
+# that one file is bad: skipping would go on skipping every file after it into a dataset that looks whole
+_STORAGE_GONE = {getattr(errno, name) for name in (
+    "ENOTCONN", "ESTALE", "ETIMEDOUT", "EHOSTDOWN", "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH", "ENETRESET",
+    "ECONNABORTED", "ECONNRESET", "ECONNREFUSED", "ENODEV", "ENOMEDIUM") if hasattr(errno, name)}
+
+
 def _prepare_item(job):
     rel, path, data, options, error = job
     if error is not None:
@@ -96,6 +105,9 @@ def _prepare_item(job):
         except BadImageError as e:
             return rel, None, str(e)
         except OSError as e:
+            if e.errno in _STORAGE_GONE or isinstance(e, (ConnectionError, TimeoutError)):
+                raise SourceGoneError(f"{display(path)}: cannot read: {e.strerror or e} (the source's storage, "
+                                      f"not this file: the pack stops rather than skip the files after it)") from None
             return rel, None, f"cannot read: {e.strerror or e}"
         except Exception as e:  # noqa: BLE001 - a remote read's failure, whatever its library raises
             return rel, None, f"cannot read: {type(e).__name__}: {e}"
@@ -1033,7 +1045,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     except BaseException as e:
         writer.abort()  # the shard being written, never finished, goes
         # resumable: finished shards stay (not those of an overwrite's replacement, nor an append's, which go)
-        keep = isinstance(e, (KeyboardInterrupt, OSError)) and folder == out and not append
+        keep = isinstance(e, (KeyboardInterrupt, OSError, SourceGoneError)) and folder == out and not append
         remove_written(keep)
         finished = sum(os.path.exists(_journal_path(folder, k)) for k in range(len(shard_rows), writer.next_shard))
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
@@ -1044,6 +1056,12 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
         except OSError:  # the disk may be full: the error says what happened
             pass
+        if isinstance(e, SourceGoneError):
+            kept = finished + len(journals) if keep else 0
+            then = (f"{kept} finished shard(s) kept: once it answers again, run the same command with --resume"
+                    if kept else "the dataset there is unchanged" if append or folder != out else "nothing kept")
+            raise SourceGoneError(f"{e}; {then}" + ("" if kept else "; once it answers again, run the same command")) \
+                from None
         if isinstance(e, OSError) and keep:
             hint = (f"; {finished + len(journals)} finished shard(s) kept: free space, then run the same command "
                     f"with --resume" if finished + len(journals) else "")
