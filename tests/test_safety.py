@@ -885,7 +885,8 @@ def test_a_file_that_cannot_be_read_is_skipped_with_its_reason(src, tmp_path, mo
 
     monkeypatch.setattr(packer, "_read_regular", bad_sector)
     result = pack(src, str(tmp_path / "ds"), workers=1)
-    assert [(s["path"], s["reason"]) for s in result.skipped] == [("class1/00004.jpg", "cannot read: Input/output error")]
+    skipped = [(s["path"], s["reason"]) for s in result.skipped]
+    assert skipped == [("class1/00004.jpg", "cannot read: Input/output error")]
 
 
 def test_a_full_disk_while_the_index_is_written_names_the_dataset_and_the_pack_resumes(src, tmp_path, monkeypatch):
