@@ -49,7 +49,7 @@ from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_in
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
 from gdsdata.packing.detection import annotate, open_detection
-from gdsdata.packing.sources import (FolderSource, Listing, RemoteFolderSource, display, is_url, local_path,
+from gdsdata.packing.sources import (FolderSource, Item, Listing, RemoteFolderSource, display, is_url, local_path,
                                      open_source, read_url)
 from gdsdata.stall import slices
 
@@ -96,30 +96,34 @@ _STORAGE_GONE = {getattr(errno, name) for name in (
 
 
 def _prepare_item(job):
-    rel, path, data, options, error = job
+    """(name, the prepared image or None, why not or None, the source's stamp as read: ``_stamp``)."""
+    rel, path, data, options, error, stamp = job
     if error is not None:
-        return rel, None, error
+        return rel, None, error, stamp
     if data is None:
         try:
-            data = read_url(path) if is_url(path) else _read_regular(path)
+            if is_url(path):
+                data = read_url(path)
+            else:
+                data, stamp = _read_regular(path)
         except BadImageError as e:
-            return rel, None, str(e)
+            return rel, None, str(e), stamp
         except OSError as e:
             if e.errno in _STORAGE_GONE or isinstance(e, (ConnectionError, TimeoutError)):
                 raise SourceGoneError(f"{display(path)}: cannot read: {e.strerror or e} (the source's storage, "
                                       f"not this file: the pack stops rather than skip the files after it)") from None
-            return rel, None, f"cannot read: {e.strerror or e}"
+            return rel, None, f"cannot read: {e.strerror or e}", stamp
         except Exception as e:  # noqa: BLE001 - a remote read's failure, whatever its library raises
-            return rel, None, f"cannot read: {type(e).__name__}: {e}"
+            return rel, None, f"cannot read: {type(e).__name__}: {e}", stamp
     try:
-        return rel, prepare(data, options), None
+        return rel, prepare(data, options), None, stamp
     except BadImageError as e:
-        return rel, None, str(e)
+        return rel, None, str(e), stamp
 
 
-def _read_regular(path) -> bytes:
-    """A regular file's bytes; anything else (a FIFO or device swapped in since the scan) is refused
-    without blocking on it."""
+def _read_regular(path) -> tuple:
+    """A regular file's bytes, and its size and modification time as it was opened (``_stamp``);
+    anything else (a FIFO or device swapped in since the scan) is refused without blocking on it."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         info = os.fstat(fd)
@@ -132,17 +136,19 @@ def _read_regular(path) -> bytes:
                 break
             chunks.append(chunk)
             size += len(chunk)
-        return b"".join(chunks)
+        return b"".join(chunks), [info.st_size, info.st_mtime_ns]
     finally:
         os.close(fd)
 
 
 def _job(source, item, options):
-    """What a packing worker gets for ``item``: its path, or the bytes the source read here."""
+    """What a packing worker gets for ``item``: its path, or the bytes the source read here (with
+    their stamp, a tar member's from its header)."""
+    stamp = _stamp(item) if item.path is None else None  # (a file's: the worker's, as it opens it)
     try:
-        return item.rel, item.path, source.read(item), options, None
+        return item.rel, item.path, source.read(item), options, None, stamp
     except BadImageError as e:
-        return item.rel, None, None, options, str(e)
+        return item.rel, None, None, options, str(e), stamp
 
 
 _OWNED = re.compile(r"(?:(?:{index}|{report}|shard-\d{{5,}}\.gds(?:{journal})?)(?:{tmp})?"
@@ -259,23 +265,35 @@ def _isolated(job, context, bound):
     if not any(receive.poll(wait) for wait in slices(bound)):  # (a result, or end-of-file: the process died)
         process.kill()
         process.join(5)  # (one stuck in the kernel, in uninterruptible sleep, dies when its call returns)
-        return job[0], None, _STALLED.format(bound=bound)
+        return job[0], None, _STALLED.format(bound=bound), _stamp_of(job)
     try:
         result = receive.recv()
     except EOFError:
         result = None
     process.join()
+    if isinstance(result, SourceGoneError):
+        raise result
     if result is not None:
         return result
     code = process.exitcode
     how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}")
     hint = " (out of memory?)" if code == -signal.SIGKILL else ""
-    return job[0], None, f"the packing worker died preparing it: {how}{hint}"
+    return job[0], None, f"the packing worker died preparing it: {how}{hint}", _stamp_of(job)
+
+
+def _stamp_of(job):
+    """A job's source stamp, where its worker gave none back (it stalled or died): looked at here."""
+    rel, path, *_, stamp = job
+    return stamp if stamp is not None else _stamp(Item(rel, 0, path=path))
 
 
 def _send_result(job, send, parent):
     _quiet_worker(parent)
-    send.send(_prepare_item(job))
+    try:
+        result = _prepare_item(job)
+    except SourceGoneError as e:  # (the storage, not the item: the pack stops, as in a pool's worker)
+        result = e
+    send.send(result)
     send.close()
 
 
@@ -344,8 +362,8 @@ def _alone(jobs, context, bound) -> list:
     results = []
     for job in jobs:
         results.append(_isolated(job, context, bound))
-        if len(results) == 2 and all(reason == _STALLED.format(bound=bound) for _, _, reason in results):
-            stalled = [rel for rel, _, _ in results]
+        if len(results) == 2 and all(reason == _STALLED.format(bound=bound) for _, _, reason, _ in results):
+            stalled = [rel for rel, *_ in results]
             raise GdsDataError(f"packing workers make no progress: {stalled[0]} and {stalled[1]} each took longer "
                                f"than {bound:g} s alone, one after the other (the machine rather than the "
                                f"images? GDSDATA_STALL_TIMEOUT raises the bound; --workers 1 packs in this process)")
@@ -974,12 +992,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                              "repaired": repaired},
                             part={"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
                             if num_parts > 1 else None)
-    reading = {}  # each item's file as it was before its worker read it, until its result comes
-
-    def jobs():
-        for item in items[done:]:
-            reading[item.rel] = _stamp(item)
-            yield _job(source, item, options)
+    jobs = (_job(source, item, options) for item in items[done:])
 
     labels = {item.rel: item.label for item in items}
     task = getattr(source, "task", "classify")
@@ -991,8 +1004,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         with bar:
             if on_progress is not None:
                 on_progress(0)
-            for rel, prepared, reason in _results(jobs(), workers):
-                stamp = reading.pop(rel, None)
+            for rel, prepared, reason, stamp in _results(jobs, workers):
                 bar.update()
                 if on_progress is not None:
                     on_progress(1)
