@@ -489,9 +489,10 @@ def _listing_digest(items, classes=None) -> str:
 
 
 def _stamp(item):
-    """What a source item's bytes were before a worker read them: a local file's size and modification
-    time (ns), a tar member's as its header gives them; None where the listing says nothing of the
-    kind (an LMDB value, an object store's object) or the file cannot be looked at now."""
+    """A source item's size and modification time (ns) as they are now: a local file's, a tar
+    member's as its header gives them; None where the listing says nothing of the kind (an LMDB
+    value, an object store's object) or the file cannot be looked at. A pack's journals hold each
+    item's as it was read; a resume compares them."""
     try:
         if isinstance(item.ref, tuple) and hasattr(item.ref[1], "mtime"):  # (a tar member: path, TarInfo)
             return [item.ref[1].size, int(item.ref[1].mtime * 1e9)]
@@ -508,8 +509,7 @@ def _changed_source(journal, items):
     (``_stamp``), as its path or name, or None. ``items``: the listing's items by name, and by the
     name as reports print it."""
     named = list(zip(journal["paths"], journal.get("stamps") or ()))
-    skipped = {entry["path"] for entry in journal["skipped"]}
-    named += [(rel, stamp) for rel, stamp in (journal.get("skipped_stamps") or {}).items() if rel in skipped]
+    named += (journal.get("skipped_stamps") or {}).items()  # (those skipped within its shard's span)
     for rel, stamp in named:
         item = items.get(rel)
         if stamp is not None and item is not None and _stamp(item) != stamp:
@@ -923,7 +923,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                     out)
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped, repaired = [], bytearray(), [], []
-    stamps, skipped_stamps = [], {}  # each record's source file as it was read (journals: what a resume checks)
+    stamps, skipped_stamps = [], {}  # each record's source as read, and each file skipped since the last journal's
     shard_rows = []
     converted = resized = done = 0
     base_stamp = index_io.stamp(out) if append else None  # which index file the dataset held when it began
@@ -941,7 +941,6 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             records.append(tuple(row[:1]) + (len(strings),) + tuple(row[2:]))
             strings += path_bytes
         stamps += journal.get("stamps") or [None] * len(journal["samples"])
-        skipped_stamps.update(journal.get("skipped_stamps") or {})
         shard_rows.append(tuple(journal["shard"][:4]) + (dataset_id, journal["shard"][5], 0))
         skipped[:] = journal["skipped"]
         repaired[:] = journal.get("repaired", [])
@@ -970,9 +969,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             "shard": [int(v) if not isinstance(v, bytes) else v.hex() for v in record],
             "samples": [list(records[k]) for k in mine],
             "paths": [_record_path(records[k], strings) for k in mine],
-            "stamps": [stamps[k] for k in mine], "skipped_stamps": dict(skipped_stamps),
+            "stamps": [stamps[k] for k in mine], "skipped_stamps": dict(skipped_stamps),  # (its shard's alone)
             "skipped": skipped, "repaired": repaired, "converted": converted, "resized": resized,
             "items_done": position["item"]})
+        skipped_stamps.clear()
 
     if append:  # what an append that failed left beyond the dataset's shards (its own, on every drive)
         doomed = []
