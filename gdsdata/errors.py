@@ -23,7 +23,15 @@ class CorruptSampleError(GdsDataError):
 
 class SourceGoneError(SourceError):
     """The source's storage stopped answering while a pack read it (a dropped mount, a network down):
-    not one file's fault, so the pack stops (resumable) rather than skip every file after it."""
+    not one file's fault, so the pack stops (resumable) rather than skip every file after it.
+    ``what``: the file and the error; ``then``: what was kept and what to run, where known."""
+
+    def __init__(self, what: str, then: str = None):
+        super().__init__(what, then)
+        self.what, self.then = what, then
+
+    def __str__(self):
+        return self.what if self.then is None else f"{self.what}; {self.then}"
 
 
 class BadImageError(GdsDataError):

@@ -1203,7 +1203,8 @@ class _Prefetcher:
     def __next__(self):
         if self.threads is None:
             self._closed()
-        self._release_held()
+        with self._closing:  # (a close() from another thread releases it too: once)
+            self._release_held()
         t0 = time.perf_counter()
         # the GPU's side of the wait begins once the work the loop queued so far is done: timed from here,
         # it counts a GPU left idle while this thread waits for the batch, not only the stream's own wait
@@ -1216,10 +1217,11 @@ class _Prefetcher:
                 self.stats.consumer_wait_s += time.perf_counter() - t0
                 break
             except queue.Empty:
-                if self.stop.is_set():  # closed by another thread meanwhile (loader.close(), the dataset's close())
-                    with self._closing:  # (its close() done)
+                threads = self.threads
+                if threads is None or self.stop.is_set():  # closed by another thread meanwhile (loader.close(),
+                    with self._closing:  # the dataset's close()): once its close() is done, why
                         self._closed()
-                if not self.threads[-1].is_alive() and self.queue.empty():
+                if not threads[-1].is_alive() and self.queue.empty():
                     self.close()
                     raise GdsDataError("gdsdata Loader: its transform thread stopped without a result") from None
                 # a stall: this loop has waited the bound (of running time: not while the process was

@@ -279,7 +279,8 @@ def test_coco_ids_as_its_api_matches_them_and_each_bad_annotation_with_its_own_r
         {"image_id": 2, "category_id": 1, "segmentation": [[1, 1, 9, 1, 9, 9]]},  # no bbox
         {"image_id": "2", "category_id": 1, "bbox": [2, 2, 5, 5]},  # text: names no image 2
         {"image_id": 2, "category_id": 1, "bbox": [1, 2, 3]},
-        {"image_id": 2, "category_id": 1, "bbox": [3, 3, 5, 5], "iscrowd": "yes"}], [(1, "x")])  # not 0 or 1
+        {"image_id": 2, "category_id": 1, "bbox": [3, 3, 5, 5], "iscrowd": "yes"},  # not 0 or 1
+        {"image_id": 1, "category_id": 1, "bbox": [20, 20, 9, 9], "iscrowd": None}], [(1, "x")])  # null: 0
     data = json.loads(pathlib.Path(ann).read_text())
     data["images"][2]["id"] = 1  # d.jpg also claims id 1, after a.jpg: it is the one kept
     data["images"][3]["id"] = 4.5
@@ -287,7 +288,7 @@ def test_coco_ids_as_its_api_matches_them_and_each_bad_annotation_with_its_own_r
     result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
     ds = gdsdata.GDSDataset(result.out)
     assert [ds.index.path(k) for k in range(len(ds))] == ["d.jpg", "b.jpg"]
-    assert ds.target(0)["iscrowd"].tolist() == [0, 1]  # (d.jpg holds image 1's annotations)
+    assert ds.target(0)["iscrowd"].tolist() == [0, 1, 0]  # (d.jpg holds image 1's annotations)
     bad = {d["path"]: d["reason"] for d in result.labels["bad_labels"]}
     assert "image id 1 is listed again (for d.jpg)" in bad["a.jpg"] and "4.5 is not an integer" in bad["e.jpg"]
     dropped = {d["label"]: d["reason"] for d in result.labels["dropped"]}

@@ -873,6 +873,63 @@ def test_a_source_whose_storage_goes_away_stops_the_pack_and_it_resumes(src, tmp
     assert load(out).samples["crc32"].tolist() == load(reference).samples["crc32"].tolist()
 
 
+def test_a_tar_source_whose_storage_goes_away_stops_the_pack(tmp_path, monkeypatch):
+    """Tar shards (read in the pack's own process) on a mount that drops: the pack stops in one line
+    naming the tar, as for a folder's files, rather than skip every sample after it."""
+    import io
+    import tarfile
+
+    from gdsdata.errors import SourceGoneError
+
+    tar_path = str(tmp_path / "shard-000.tar")
+    with tarfile.open(tar_path, "w") as tar:
+        for k in range(12):
+            for name, data in ((f"{k:04d}.jpg", jpeg_bytes(photo(k))), (f"{k:04d}.cls", str(k % 2).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    real, reads = tarfile.TarFile.extractfile, []
+
+    def extractfile(self, member):
+        reads.append(member)
+        if str(getattr(member, "name", member)).endswith(".jpg") and len(reads) > 17:  # (past the labels' reads)
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real(self, member)
+
+    monkeypatch.setattr(tarfile.TarFile, "extractfile", extractfile)
+    with pytest.raises(SourceGoneError, match=r"shard-000.tar: cannot read: Stale file handle \(the source's storage"):
+        pack(tar_path, str(tmp_path / "ds"), workers=1)
+
+
+def test_a_file_that_could_not_be_read_is_packed_by_a_resume_once_it_is_back(src, tmp_path, monkeypatch, caplog):
+    """A file the pack skipped as unreadable (an I/O error), put back before the interrupted pack is
+    resumed (its change time moves): the resume packs again from the shard that skipped it."""
+    from gdsdata.packing import packer
+
+    out, read = str(tmp_path / "ds"), packer._read_regular
+    names = sorted(os.path.join(dirpath, n) for dirpath, _, files in os.walk(src) for n in files)
+    bad, last = names[3], names[-2]
+
+    def flaky(path):
+        if path == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        if path == last:
+            raise KeyboardInterrupt  # (stopped there: finished shards and journals stay)
+        return read(path)
+
+    monkeypatch.setattr(packer, "_read_regular", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        pack(src, out, workers=1, shard_size=100_000)
+    monkeypatch.undo()
+    os.utime(bad)  # put back (a restore, a chmod: the change time moves)
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        result = pack(src, out, resume=True, workers=1, shard_size=100_000)
+    assert f"{bad}: changed since the interrupted pack read it" in caplog.text and not result.skipped
+    reference = str(tmp_path / "reference")
+    pack(src, reference, workers=1, shard_size=100_000)
+    assert load(out).samples["crc32"].tolist() == load(reference).samples["crc32"].tolist()
+
+
 def test_a_file_that_cannot_be_read_is_skipped_with_its_reason(src, tmp_path, monkeypatch):
     from gdsdata.packing import packer
 

@@ -801,7 +801,7 @@ def _annotation(ann, files, label):
     if not (isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                              and np.isfinite(v) for v in bbox)):
         return f"bbox is not [x, y, w, h] numbers: {json.dumps(bbox)[:60]}", image_id, None
-    crowd = ann.get("iscrowd", 0)
+    crowd = ann.get("iscrowd") or 0  # (null or missing: not a crowd, as COCO's API reads it)
     if crowd not in (0, 1):  # (COCO's 0 or 1; True and 1.0 equal 1)
         return f"iscrowd is {json.dumps(crowd)[:30]}, not 0 or 1", image_id, None
     return None, image_id, (*(float(v) for v in bbox), label[cid], fmt.BOX_CROWD if crowd else 0)

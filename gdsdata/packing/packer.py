@@ -15,7 +15,6 @@ import concurrent.futures.process
 import contextlib
 import ctypes
 import datetime
-import errno
 import hashlib
 import itertools
 import json
@@ -29,7 +28,7 @@ import sys
 import time
 import zlib
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout  # (not yet the builtin before Python 3.11)
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
@@ -50,7 +49,7 @@ from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
 from gdsdata.packing.detection import annotate, open_detection
 from gdsdata.packing.sources import (FolderSource, Item, Listing, RemoteFolderSource, display, is_url, local_path,
-                                     open_source, read_url)
+                                     open_source, read_url, storage_gone)
 from gdsdata.stall import slices
 
 log = logging.getLogger(__name__)
@@ -88,13 +87,6 @@ def scan(src):
     return source.classes, [(item.rel, item.label) for item in source.items], source.ignored
 
 
-# read errors that say the storage is gone (a network filesystem's mount dropped, a network down), not
-# that one file is bad: skipping would go on skipping every file after it into a dataset that looks whole
-_STORAGE_GONE = {getattr(errno, name) for name in (
-    "ENOTCONN", "ESTALE", "ETIMEDOUT", "EHOSTDOWN", "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH", "ENETRESET",
-    "ECONNABORTED", "ECONNRESET", "ECONNREFUSED", "ENODEV", "ENOMEDIUM") if hasattr(errno, name)}
-
-
 def _prepare_item(job):
     """(name, the prepared image or None, why not or None, the source's stamp as read: ``_stamp``)."""
     rel, path, data, options, error, stamp = job
@@ -109,10 +101,10 @@ def _prepare_item(job):
         except BadImageError as e:
             return rel, None, str(e), stamp
         except OSError as e:
-            if e.errno in _STORAGE_GONE or isinstance(e, (ConnectionError, TimeoutError)):
+            if storage_gone(e):
                 raise SourceGoneError(f"{display(path)}: cannot read: {e.strerror or e} (the source's storage, "
                                       f"not this file: the pack stops rather than skip the files after it)") from None
-            return rel, None, f"cannot read: {e.strerror or e}", stamp
+            return rel, None, f"cannot read: {e.strerror or e}", _stamp(Item(rel, 0, path=path))
         except Exception as e:  # noqa: BLE001 - a remote read's failure, whatever its library raises
             return rel, None, f"cannot read: {type(e).__name__}: {e}", stamp
     try:
@@ -136,7 +128,7 @@ def _read_regular(path) -> tuple:
                 break
             chunks.append(chunk)
             size += len(chunk)
-        return b"".join(chunks), [info.st_size, info.st_mtime_ns]
+        return b"".join(chunks), file_stamp(info)
     finally:
         os.close(fd)
 
@@ -265,7 +257,7 @@ def _isolated(job, context, bound):
     if not any(receive.poll(wait) for wait in slices(bound)):  # (a result, or end-of-file: the process died)
         process.kill()
         process.join(5)  # (one stuck in the kernel, in uninterruptible sleep, dies when its call returns)
-        return job[0], None, _STALLED.format(bound=bound), _stamp_of(job)
+        return job[0], None, _STALLED.format(bound=bound), job[-1]  # (not looked at here: a hung mount hangs a stat)
     try:
         result = receive.recv()
     except EOFError:
@@ -278,13 +270,7 @@ def _isolated(job, context, bound):
     code = process.exitcode
     how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}")
     hint = " (out of memory?)" if code == -signal.SIGKILL else ""
-    return job[0], None, f"the packing worker died preparing it: {how}{hint}", _stamp_of(job)
-
-
-def _stamp_of(job):
-    """A job's source stamp, where its worker gave none back (it stalled or died): looked at here."""
-    rel, path, *_, stamp = job
-    return stamp if stamp is not None else _stamp(Item(rel, 0, path=path))
+    return job[0], None, f"the packing worker died preparing it: {how}{hint}", job[-1]
 
 
 def _send_result(job, send, parent):
@@ -488,11 +474,18 @@ def _listing_digest(items, classes=None) -> str:
     return digest.hexdigest()
 
 
+def file_stamp(st) -> list:
+    """A file's stamp from its stat: size, modification and change times (ns; the change time moves
+    with a chmod or a file put back in place too)."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def _stamp(item):
-    """A source item's size and modification time (ns) as they are now: a local file's, a tar
-    member's as its header gives them; None where the listing says nothing of the kind (an LMDB
-    value, an object store's object) or the file cannot be looked at. A pack's journals hold each
-    item's as it was read; a resume compares them."""
+    """A source item's stamp as it is now: a local file's (``file_stamp``), a tar member's size and
+    modification time as its header gives them; None where the listing says nothing of the kind (an
+    LMDB value, an object store's object) or the file cannot be looked at. A pack's journals hold
+    each item's as it was read (a file that could not be read: as it could be looked at then); a
+    resume compares them."""
     try:
         if isinstance(item.ref, tuple) and hasattr(item.ref[1], "mtime"):  # (a tar member: path, TarInfo)
             return [item.ref[1].size, int(item.ref[1].mtime * 1e9)]
@@ -501,7 +494,7 @@ def _stamp(item):
         st = os.stat(item.path)
     except OSError:
         return None
-    return [st.st_size, st.st_mtime_ns]
+    return file_stamp(st)
 
 
 def _changed_source(journal, items):
@@ -510,11 +503,10 @@ def _changed_source(journal, items):
     name as reports print it."""
     named = list(zip(journal["paths"], journal.get("stamps") or ()))
     named += (journal.get("skipped_stamps") or {}).items()  # (those skipped within its shard's span)
-    for rel, stamp in named:
-        item = items.get(rel)
-        if stamp is not None and item is not None and _stamp(item) != stamp:
-            return item.path or item.rel
-    return None
+    checked = [(items[rel], stamp) for rel, stamp in named if stamp is not None and rel in items]
+    with ThreadPoolExecutor(16) as pool:  # (a stat each: many at once on a network filesystem)
+        now = list(pool.map(_stamp, [item for item, _ in checked]))
+    return next((item.path or item.rel for (item, stamp), current in zip(checked, now) if current != stamp), None)
 
 
 def _resume_state(out, signature, progress=False, items=()):
@@ -917,8 +909,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                  "part": [part, num_parts], "items": len(items), "listing": _listing_digest(items)}
     if resume and os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
         return _finished(out, src, signature, source, items, started)
+    begun = resume and os.path.isdir(out) and any(name.endswith(fmt.JOURNAL_SUFFIX) for name in os.listdir(out))
     journals = _resume_state(out, signature, progress, items) if resume else []
-    if resume and not journals:
+    if resume and not begun:
         log.warning("%s: nothing to resume (no finished shard of an interrupted pack there): packing from the start",
                     out)
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
@@ -1072,7 +1065,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             kept = finished + len(journals) if keep else 0
             then = (f"{kept} finished shard(s) kept: once it answers again, run the same command with --resume"
                     if kept else "the dataset there is unchanged" if append or folder != out else "nothing kept")
-            raise SourceGoneError(f"{e}; {then}" + ("" if kept else "; once it answers again, run the same command")) \
+            raise SourceGoneError(e.what, then + ("" if kept else "; once it answers again, run the same command")) \
                 from None
         if isinstance(e, OSError) and keep:
             hint = (f"; {finished + len(journals)} finished shard(s) kept: free space, then run the same command "

@@ -191,7 +191,7 @@ def _eight_bit(image: Image.Image, source_format: str) -> Image.Image:
     ones; otherwise refused, as no scale is known for them."""
     values = _pixels(image)
     low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
-    if image.mode == "I" and 0 <= low and high <= 255:
+    if image.mode == "I" and source_format != "png" and 0 <= low and high <= 255:  # (a PNG's are 16-bit ones)
         return Image.fromarray(values.astype(np.uint8), "L")
     if image.mode == "I" and not (source_format == "png" and 0 <= low and high <= 65535):
         raise BadImageError(f"32-bit integer pixels from {low} to {high}: no 8-bit image without choosing a scale "

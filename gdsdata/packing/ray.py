@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from gdsdata import settings
 from gdsdata.format import layout as fmt
-from gdsdata.errors import GdsDataError, SourceError, Terminated
+from gdsdata.errors import GdsDataError, SourceError, SourceGoneError, Terminated
 from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_quietly, writer_lock
 from gdsdata.format.shards import open_regular
 from gdsdata.packing.detection import DetectionSource, open_detection
@@ -127,7 +127,11 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                                 continue
                             except Exception as e:  # noqa: BLE001 - Ray wraps what the task raised
                                 error = e
-                            if isinstance(getattr(error, "cause", None) or error, GdsDataError):
+                            cause = getattr(error, "cause", None) or error
+                            if isinstance(cause, SourceGoneError):  # (the parts go: no --resume to run)
+                                raise GdsDataError(f"part {k} of {parts} stopped: {cause.what}; run the same "
+                                                   f"command once the source answers again") from None
+                            if isinstance(cause, GdsDataError):
                                 raise GdsDataError(f"part {k} of {parts} failed: {_reason(error)}") from None
                             if failures[k] >= max_retries:
                                 raise GdsDataError(f"part {k} of {parts} failed after {max_retries} retries: "

@@ -23,6 +23,7 @@ Label conventions:
   huge id would otherwise make hundreds of millions of classes.
 """
 
+import errno
 import functools
 import operator
 import os
@@ -35,7 +36,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from gdsdata.errors import BadImageError, SourceError
+from gdsdata.errors import BadImageError, SourceError, SourceGoneError
 from gdsdata.format.layout import INDEX_NAME
 
 # The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
@@ -74,6 +75,18 @@ class Item:
     boxes: object = field(default=None, compare=False)  # detection sources: BOX_RECORD rows
     size: tuple = None  # (width, height) the annotations were made for (COCO), checked when packed
     image_id: int = None  # COCO's image id (kept in the index: evaluation with COCO's API needs it)
+
+
+# read errors that say the storage is gone (a network filesystem's mount dropped, a network down), not
+# that one file is bad: skipping would go on skipping every file after it into a dataset that looks whole
+_STORAGE_GONE = {getattr(errno, name) for name in (
+    "ENOTCONN", "ESTALE", "ETIMEDOUT", "EHOSTDOWN", "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH", "ENETRESET",
+    "ECONNABORTED", "ECONNRESET", "ECONNREFUSED", "ENODEV", "ENOMEDIUM") if hasattr(errno, name)}
+
+
+def storage_gone(error: OSError) -> bool:
+    """Whether a read's error says the source's storage is gone rather than that the file is bad."""
+    return error.errno in _STORAGE_GONE or isinstance(error, (ConnectionError, TimeoutError))
 
 
 def display(name: str) -> str:
@@ -494,7 +507,13 @@ class TarSource:
         path, member = item.ref
         try:
             return self.tars[path].extractfile(member).read()
-        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        except OSError as e:
+            if storage_gone(e):
+                raise SourceGoneError(f"{display(path)}: cannot read: {e.strerror or e} (the source's storage, not "
+                                      f"this sample: the pack stops rather than skip the samples after it)") from None
+            raise BadImageError(f"cannot read it from {display(os.path.basename(path))} "
+                                f"({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
+        except (tarfile.TarError, EOFError, ValueError) as e:
             raise BadImageError(f"cannot read it from {display(os.path.basename(path))} "
                                 f"({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
 
