@@ -29,29 +29,24 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
     last_ends = index_io.last_sample_ends(index)
 
     def shard_crc(shard):
-        """(the shard's CRC-32 or None, what made it unreadable)."""
+        """(the shard's CRC-32 or None, what made it unreadable, a line where the bytes of its header
+        that hold nothing are not zero or None)."""
         problem = index_io.shard_problem(index, shard, int(last_ends[shard]))
         if problem is not None:
-            return None, problem
+            return None, problem, None
+        path = index.shard_path(shard)
         try:
-            return data_crc32(index.shard_path(shard), index.alignment), None
+            crc = data_crc32(path, index.alignment)
+            slack = unused_bytes_set(path, index.alignment)
         except OSError as e:
-            return None, cannot_read(index.shard_path(shard), e)
-
-    def header_slack(shard):
-        """A line where the shard's unused header bytes are not zero, else None."""
-        try:
-            if unused_bytes_set(index.shard_path(shard), index.alignment):
-                return (f"{index.shard_path(shard)}: its header's reserved bytes, or the padding after it, are not "
-                        f"zero: damage outside every sample (reading is unaffected; packing again mends it)")
-        except OSError as e:
-            return cannot_read(index.shard_path(shard), e)
-        return None
+            return None, cannot_read(path, e), None
+        return crc, None, (f"{path}: its header's reserved bytes, or the padding after it, are not zero: damage "
+                           f"outside every sample (reading is unaffected; packing again mends it)" if slack else None)
 
     with ThreadPoolExecutor(settings.get("cpu_threads")) as pool:
         unreadable = set()  # shards every sample of which is left unchecked (said once, for the shard)
         mismatched = {}  # shard whose checksum fails: where its line is in problems (said in full at the end)
-        for shard, (record, (crc, problem)) in enumerate(zip(index.shards, pool.map(shard_crc,
+        for shard, (record, (crc, problem, slack)) in enumerate(zip(index.shards, pool.map(shard_crc,
                                                                                     range(len(index.shards))))):
             if problem is not None:
                 unreadable.add(shard)
@@ -59,7 +54,7 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
             elif crc != int(record["crc32"]):
                 mismatched[shard] = len(problems)
                 problems.append(f"{index.shard_path(shard)}: shard checksum mismatch")
-            if problem is None and (slack := header_slack(shard)) is not None:
+            if slack is not None:
                 problems.append(slack)
         reader = CpuReader(index)
 

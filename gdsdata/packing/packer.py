@@ -49,7 +49,7 @@ from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
 from gdsdata.packing.detection import annotate, open_detection
 from gdsdata.packing.sources import (FolderSource, Item, Listing, RemoteFolderSource, display, is_url, local_path,
-                                     open_source, read_url, storage_gone)
+                                     gone, open_source, read_url, storage_gone)
 from gdsdata.stall import slices
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,7 @@ def _prepare_item(job):
             return rel, None, str(e), stamp
         except OSError as e:
             if storage_gone(e):
-                raise SourceGoneError(f"{display(path)}: cannot read: {e.strerror or e} (the source's storage, "
-                                      f"not this file: the pack stops rather than skip the files after it)") from None
+                raise gone(path, e) from None
             return rel, None, f"cannot read: {e.strerror or e}", _stamp(Item(rel, 0, path=path))
         except Exception as e:  # noqa: BLE001 - a remote read's failure, whatever its library raises
             return rel, None, f"cannot read: {type(e).__name__}: {e}", stamp
@@ -114,7 +113,7 @@ def _prepare_item(job):
 
 
 def _read_regular(path) -> tuple:
-    """A regular file's bytes, and its size and modification time as it was opened (``_stamp``);
+    """A regular file's bytes, and its stamp as it was opened (``file_stamp``);
     anything else (a FIFO or device swapped in since the scan) is refused without blocking on it."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
@@ -986,7 +985,6 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                             part={"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
                             if num_parts > 1 else None)
     jobs = (_job(source, item, options) for item in items[done:])
-
     labels = {item.rel: item.label for item in items}
     task = getattr(source, "task", "classify")
     sizes = {item.rel: item.size for item in items if item.size is not None}
@@ -1061,15 +1059,15 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 _write_json(os.path.join(folder, fmt.REPORT_NAME), report)
         except OSError:  # the disk may be full: the error says what happened
             pass
+        kept = finished + len(journals) if keep else 0  # (finished shards a --resume goes on from)
         if isinstance(e, SourceGoneError):
-            kept = finished + len(journals) if keep else 0
             then = (f"{kept} finished shard(s) kept: once it answers again, run the same command with --resume"
                     if kept else "the dataset there is unchanged" if append or folder != out else "nothing kept")
             raise SourceGoneError(e.what, then + ("" if kept else "; once it answers again, run the same command")) \
                 from None
         if isinstance(e, OSError) and keep:
-            hint = (f"; {finished + len(journals)} finished shard(s) kept: free space, then run the same command "
-                    f"with --resume" if finished + len(journals) else "")
+            hint = (f"; {kept} finished shard(s) kept: free space, then run the same command "
+                    f"with --resume" if kept else "")
             raise OSError(e.errno, f"{e.strerror or e} while writing {e.filename or out}{hint}",
                           out) from e
         if isinstance(e, OSError):  # an overwrite's replacement, built aside, or an append's shards: removed

@@ -89,6 +89,13 @@ def storage_gone(error: OSError) -> bool:
     return error.errno in _STORAGE_GONE or isinstance(error, (ConnectionError, TimeoutError))
 
 
+def gone(path: str, error: OSError, what: str = "file") -> SourceGoneError:
+    """The error a pack stops with where a read of ``path`` (a file, a tar of samples) found the
+    storage gone (``storage_gone``)."""
+    return SourceGoneError(f"{display(path)}: cannot read: {error.strerror or error} (the source's storage, not "
+                           f"this {what}: the pack stops rather than skip the {what}s after it)")
+
+
 def display(name: str) -> str:
     """A path as reports print it: bytes that are not UTF-8 as \\xNN escapes, faithfully."""
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
@@ -507,13 +514,9 @@ class TarSource:
         path, member = item.ref
         try:
             return self.tars[path].extractfile(member).read()
-        except OSError as e:
-            if storage_gone(e):
-                raise SourceGoneError(f"{display(path)}: cannot read: {e.strerror or e} (the source's storage, not "
-                                      f"this sample: the pack stops rather than skip the samples after it)") from None
-            raise BadImageError(f"cannot read it from {display(os.path.basename(path))} "
-                                f"({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
-        except (tarfile.TarError, EOFError, ValueError) as e:
+        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+            if isinstance(e, OSError) and storage_gone(e):
+                raise gone(path, e, "sample") from None
             raise BadImageError(f"cannot read it from {display(os.path.basename(path))} "
                                 f"({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
 
