@@ -273,9 +273,10 @@ def run_row(args):
 
         stages = stage_ms(epoch.stats(), stages)
     profiled = None
-    if args.profile and args.input != "synthetic":
+    if args.profile:  # (on synthetic input: the step's own kernel time, to set beside the others)
         try:  # after the timed epochs: whatever happens here leaves the row's figures as measured
-            profiled = gpu_profile(model, epoch, args.profile)
+            profiled = gpu_profile(model, epoch, args.profile, trace=args.trace and os.path.join(
+                args.trace, f"{args.model}-{args.input.replace(':', '-')}-{args.stream}-{os.getpid()}.json"))
         except Exception as e:  # noqa: BLE001 - reported in the row instead
             profiled = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps({"hang": False, "model": args.model, "input": args.input, "stream": args.stream,
@@ -295,10 +296,11 @@ def _nvml_index(torch):
         return torch.cuda.current_device()
 
 
-def gpu_profile(model, epoch, steps, skip=5):
+def gpu_profile(model, epoch, steps, skip=5, trace=None):
     """What the GPU does per batch over ``steps`` train steps inside an epoch (torch.profiler, after
     ``skip`` steps): the busiest stream's kernel time (the step's), the input pipeline's kernels on the
-    other streams by name, and the copies."""
+    other streams by name, and the copies; the whole timeline also to ``trace`` (a Chrome trace, gzipped)
+    when given."""
     import tempfile
 
     import torch
@@ -317,6 +319,13 @@ def gpu_profile(model, epoch, steps, skip=5):
     steps = max(done, 1)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
+        if trace:
+            import gzip
+            import shutil
+
+            os.makedirs(os.path.dirname(trace), exist_ok=True)
+            with open(f.name, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
         events = [e for e in json.load(open(f.name))["traceEvents"]
                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     if not events:  # no GPU activity recorded (no CUDA, or a profiler without CUPTI)
@@ -358,6 +367,8 @@ def spawn(args, model, source, stream, paths):
     command = [sys.executable, os.path.abspath(__file__), "--row", model, source, stream, "--src", src,
                "--jpeg", jpeg, "--raw", raw, "--count", str(args.count), "--epochs", str(args.epochs),
                "--workers", str(args.workers), "--stall", str(args.stall), "--profile", str(args.profile)]
+    if args.trace:
+        command += ["--trace", os.path.abspath(args.trace)]
     t0 = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.row_timeout)
@@ -401,6 +412,8 @@ def main(argv=None):
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="per row, STEPS more steps under torch.profiler: the step's and the pipeline's GPU "
                              "time per batch")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="with --profile: each row's GPU timeline there, as a gzipped Chrome trace")
     parser.add_argument("--out", default="bench-results", help="folder for train.json")
     parser.add_argument("--chart", nargs=2, metavar=("JSON", "PNG"), help="draw train.json as a chart and exit")
     parser.add_argument("--row", nargs=3, metavar=("MODEL", "INPUT", "STREAM"), help=argparse.SUPPRESS)
@@ -503,8 +516,8 @@ def _print_row(result):
               flush=True)
     if result.get("gpu_profile") and "error" not in result["gpu_profile"]:
         gp = result["gpu_profile"]
-        print(f"      GPU ms per batch: the step's kernels {gp['step_kernels_ms']}; the pipeline's: "
-              + ", ".join(f"{k} {v}" for k, v in gp["pipeline_ms"].items()), flush=True)
+        print(f"      GPU ms per batch: the step's kernels {gp['step_kernels_ms']}" + ("; the pipeline's: " + ", ".join(
+              f"{k} {v}" for k, v in gp["pipeline_ms"].items()) if gp["pipeline_ms"] else ""), flush=True)
 
 
 def summary(results) -> list:
