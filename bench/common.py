@@ -110,6 +110,49 @@ class GpuClocks:
                 "power_capped_pct": share(_POWER_CAP), "slowed_pct": share(_SLOWDOWN), "samples": len(reasons)}
 
 
+class ThreadCpu:
+    """The CPU time each thread of this process used between ``start()`` and ``stop()``
+    (``/proc/self/task``, Linux), by thread name with its number left off (``gdsdata-gather_3`` counts
+    as ``gdsdata-gather``; native threads by their kernel name): which of the training thread and the
+    input pipeline's threads took the host's time. ``stop(per)`` gives milliseconds per ``per`` items
+    (batches), the busiest first; None where ``/proc`` has no per-thread times."""
+
+    def __init__(self):
+        self.before = None
+
+    @staticmethod
+    def _read():
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        names[threading.main_thread().native_id] = "training loop"
+        times = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # the thread ended
+                continue
+            comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 1:].split()
+            name = names.get(int(tid), comm).rstrip("0123456789").rstrip("_-") or comm
+            times[int(tid)] = (name, int(rest[11]) + int(rest[12]))  # utime + stime, clock ticks
+        return times
+
+    def start(self):
+        try:
+            self.before = self._read()
+        except OSError:
+            self.before = None
+        return self
+
+    def stop(self, per: int):
+        if self.before is None or not per:
+            return None
+        tick_ms, by_name = 1000 / os.sysconf("SC_CLK_TCK"), {}
+        for tid, (name, ticks) in self._read().items():
+            used = ticks - self.before.get(tid, (name, 0))[1]
+            by_name[name] = by_name.get(name, 0) + used * tick_ms / per
+        return {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
 def host_speed() -> str:
     """How fast this host's CPUs run now, to tell runs on a busy or slow host apart: one thread's
     memory copy (GB/s, best of 5 over 64 MiB), a pure Python loop (million iterations a second), the

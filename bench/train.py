@@ -202,7 +202,7 @@ def run_row(args):
     """One (model, input, stream) row in this process; prints one JSON line."""
     import torch
 
-    from common import GpuClocks, cpu_seconds, host_cpu_times, steal_pct
+    from common import GpuClocks, ThreadCpu, cpu_seconds, host_cpu_times, steal_pct
 
     model = _Model(args.model, args.stream)
     progress = {"steps": 0, "t": time.monotonic()}
@@ -246,11 +246,12 @@ def run_row(args):
     else:
         epoch = _dataloader(args.src, args.workers)
     rates, cpu, used, steps, stages, host = [], [], [], 0, None, None
-    clocks = GpuClocks(_nvml_index(torch))
+    clocks, threads, timed_steps = GpuClocks(_nvml_index(torch)), ThreadCpu(), 0
     for e in range(1 + args.epochs):
         if e == 1:
             host = host_cpu_times()
             clocks.start()  # the GPU's clocks and power over the timed epochs
+            threads.start()  # and each thread's CPU time
             if hasattr(epoch, "stats"):
                 stages = epoch.stats()
         torch.cuda.synchronize()
@@ -266,8 +267,9 @@ def run_row(args):
             rates.append(n / seconds)
             cpu.append((cpu_seconds() - c0) / n * 1000)
             used.append(_device_used() - baseline)
+            timed_steps += n // BATCH
     steal = steal_pct(host, host_cpu_times())  # the hypervisor's share of the host's CPU over the timed epochs
-    gpu_clocks = clocks.stop()
+    gpu_clocks, thread_cpu = clocks.stop(), threads.stop(timed_steps)
     if stages is not None:  # the Loader's stage times over the timed epochs, ms per batch
         from common import stage_ms
 
@@ -284,7 +286,7 @@ def run_row(args):
                       "path": getattr(epoch, "path", ""), "images_per_s": statistics.median(rates),
                       "rates": rates, "cpu_s_per_1k": statistics.median(cpu),
                       "gpu_mib": max(used) / 2**20, "steps": steps, "host_steal_pct": steal,
-                      "gpu_clocks": gpu_clocks}), flush=True)
+                      "gpu_clocks": gpu_clocks, "thread_cpu_ms_per_batch": thread_cpu}), flush=True)
     os._exit(0)  # no teardown: DataLoader workers and pipelines end with the process
 
 
@@ -511,6 +513,9 @@ def _print_row(result):
         c = result["gpu_clocks"]
         print(f"      GPU: SM {c['sm_mhz']:.0f} MHz, {c['watts']} W (medians), at the power cap "
               f"{c['power_capped_pct']} % and slowed down {c['slowed_pct']} % of the time", flush=True)
+    if result.get("thread_cpu_ms_per_batch"):
+        print("      CPU ms per batch by thread: " + ", ".join(
+              f"{k} {v}" for k, v in list(result["thread_cpu_ms_per_batch"].items())[:10]), flush=True)
     if result.get("stages_ms_per_batch"):
         print("      ms per batch: " + ", ".join(f"{k} {v}" for k, v in result["stages_ms_per_batch"].items()),
               flush=True)
