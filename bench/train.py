@@ -278,7 +278,7 @@ def run_row(args):
     if args.profile:  # (on synthetic input: the step's own kernel time, to set beside the others)
         try:  # after the timed epochs: whatever happens here leaves the row's figures as measured
             profiled = gpu_profile(model, epoch, args.profile, trace=args.trace and os.path.join(
-                args.trace, f"{args.model}-{args.input.replace(':', '-')}-{args.stream}-{os.getpid()}.json"))
+                args.trace, f"{args.model}-{args.input.replace(':', '-')}-{args.stream}-{os.getpid()}"))
         except Exception as e:  # noqa: BLE001 - reported in the row instead
             profiled = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps({"hang": False, "model": args.model, "input": args.input, "stream": args.stream,
@@ -301,8 +301,8 @@ def _nvml_index(torch):
 def gpu_profile(model, epoch, steps, skip=5, trace=None):
     """What the GPU does per batch over ``steps`` train steps inside an epoch (torch.profiler, after
     ``skip`` steps): the busiest stream's kernel time (the step's), the input pipeline's kernels on the
-    other streams by name, and the copies; the whole timeline also to ``trace`` (a Chrome trace, gzipped)
-    when given."""
+    other streams by name, and the copies; the whole timeline also to ``trace``-NNsteps.json.gz (a Chrome
+    trace; bench/timeline.py reads it) when given."""
     import tempfile
 
     import torch
@@ -326,7 +326,7 @@ def gpu_profile(model, epoch, steps, skip=5, trace=None):
             import shutil
 
             os.makedirs(os.path.dirname(trace), exist_ok=True)
-            with open(f.name, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            with open(f.name, "rb") as src, gzip.open(f"{trace}-{steps}steps.json.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
         events = [e for e in json.load(open(f.name))["traceEvents"]
                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]

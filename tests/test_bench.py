@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -169,3 +170,51 @@ def test_gpu_clocks_give_medians_and_the_shares_held_down():
             raise OSError("libnvidia-ml.so.1: cannot open shared object file")
 
     assert GpuClocks(0, nvml=Missing()).start().stop() is None
+
+
+def test_thread_cpu_names_each_threads_time_per_batch():
+    """bench's per-thread CPU account: a thread that spins for a while counts under its name (its
+    number left off), the training loop under its own; a thread started after start() counts whole."""
+    ThreadCpu = _bench_common().ThreadCpu
+    account = ThreadCpu().start()
+    done, spun = threading.Event(), threading.Event()
+
+    def spin():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        done.wait(10)  # alive until stop() has read it
+
+    worker = threading.Thread(target=spin, name="gdsdata-gather_3", daemon=True)
+    worker.start()
+    assert spun.wait(30)
+    used = account.stop(per=3)
+    done.set()
+    worker.join()
+    assert 80 <= used["gdsdata-gather"] <= 200, used  # ~300 ms over 3 batches, at the clock tick's grain
+    assert list(used)[0] == "gdsdata-gather"  # the busiest first
+
+
+def test_timeline_splits_the_steps_idle_time():
+    """bench/timeline.py on a made-up trace of one step: the step's stream (7) busy 0-10, 12-20 and
+    30-40 us, another stream's kernel at 10-11 (in the step's first gap), a copy at 20-25; the gaps:
+    2 us (1 beside a kernel, 1 empty) and 10 us (5 beside the copy, 5 empty)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import timeline
+
+    def k(stream, ts, dur, corr, cat="kernel"):
+        return {"cat": cat, "ts": ts, "dur": dur, "args": {"stream": stream, "correlation": corr}}
+
+    events = [k(7, 0, 10, 1), k(7, 12, 8, 2), k(7, 30, 10, 3), k(9, 10, 1, 4), k(9, 20, 5, 5, "gpu_memcpy"),
+              *({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": tid,
+                 "args": {"correlation": c}} for ts, tid, c in ((-5, 1, 1), (10, 1, 2), (25, 1, 3), (5, 2, 4)))]
+    r = timeline.analyse(events, steps=1)
+    assert (r["step_kernels_busy_ms"], r["step_idle_ms"], r["idle_beside_other_kernels_ms"],
+            r["idle_beside_copies_only_ms"], r["idle_gpu_empty_ms"]) == (0.028, 0.012, 0.001, 0.005, 0.006)
+    assert r["other_kernels_busy_ms"] == 0.001 and r["other_kernels_beside_step_ms"] == 0.0
+    assert r["launch_to_start_us"] == {"p10": 2, "p50": 5, "p90": 5}
+    train = next(t for t in r["threads"] if t["thread"] == 1)
+    assert train["kernels"] == 3 and train["on_step_stream"] == 3 and train["median_launch_us"] == 2
+    other = next(t for t in r["threads"] if t["thread"] == 2)
+    assert other["on_step_stream"] == 0.0
