@@ -174,7 +174,7 @@ def _print_labels(result, appended: bool):
     else:
         print(f"  boxes: {result.boxes}, images without objects (kept as negatives): {labels['negatives']}")
     if labels.get("no_label_file"):
-        print(_one_line(f"  no label files: {labels['no_label_file']}; every image was packed without objects"))
+        print(_one_line(f"  no labels: {labels['no_label_file']}; every image was packed without objects"))
     for key, what in (("bad_labels", "images left out for their labels"), ("dropped", "boxes dropped"),
                       ("clipped", "boxes clipped to the image"), ("duplicates", "duplicate boxes removed"),
                       ("orphans", "labels without an image")):

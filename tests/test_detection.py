@@ -112,7 +112,7 @@ def test_a_yolo_folder_without_any_label_file_says_so_in_the_summary(synthetic, 
     assert cli(["pack", "--format", "yolo", str(folder), str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "images without objects (kept as negatives): 6" in out
-    assert re.search(r"no label files: none of its 6 images has a label file .*; every image was packed "
+    assert re.search(r"no labels: none of its 6 images has a label file .*; every image was packed "
                      r"without objects", out)
 
 
@@ -1058,3 +1058,26 @@ def test_a_data_yaml_that_is_a_fifo_is_said_so(tmp_path):
     with pytest.raises(SourceError, match=r"data.yaml: not a regular file or a folder: --format yolo takes a data "
                                           r"YAML or a folder"):
         pack(fifo, str(tmp_path / "ds"), format="yolo", workers=1)
+
+
+def test_a_coco_file_without_annotations_is_warned_about(tmp_path, caplog, capsys):
+    """A COCO file with images and no annotations (a test split's image_info file) packs every image
+    without objects, as COCO's API reads it, with a warning saying so; one with annotations does not."""
+    ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (64, 48), "b.jpg": (32, 32)},
+                             [{"image_id": 1, "category_id": 1, "bbox": [1, 2, 10, 10]}], [(1, "dot")])
+    with caplog.at_level("WARNING", logger="gdsdata.packing.detection"):
+        pack(images, str(tmp_path / "some"), format="coco", annotations=ann, workers=1)
+    assert "without objects" not in caplog.text
+    for key, said in ((None, "no 'annotations' list"), ([], "an empty 'annotations' list")):
+        data = json.load(open(ann))
+        data.pop("annotations") if key is None else data.update(annotations=key)
+        info = str(tmp_path / f"info-{said[:2]}.json")
+        json.dump(data, open(info, "w"))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gdsdata.packing.detection"):
+            result = pack(images, str(tmp_path / f"ds-{said[:2]}"), format="coco", annotations=info, workers=1)
+        assert result.labels["negatives"] == 2 and result.labels["no_label_file"] == f"it lists 2 images and {said}"
+        assert f"{info}: it lists 2 images and {said}: every image is packed without objects" in caplog.text
+    capsys.readouterr()
+    assert cli(["pack", "--format", "coco", info, images, str(tmp_path / "cli"), "-q"]) == 0
+    assert f"no labels: it lists 2 images and {said}; every image was packed without objects" in capsys.readouterr().out

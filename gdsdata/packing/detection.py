@@ -78,7 +78,8 @@ class LabelReport:
     """What a detection source found in its labels."""
 
     negatives: int = 0
-    no_label_file: str = None  # (YOLO) where the first image's label file was looked for, when no image has one
+    no_label_file: str = None  # why no image has labels (YOLO: where the first one's file was looked for; COCO:
+    # a file without annotations)
     clipped: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
     duplicates: list = field(default_factory=list)
@@ -691,6 +692,10 @@ class CocoSource(DetectionSource):
                     f"last record of an id, so this one is left out")})
             records[image_id] = record
         files = {image_id: str(records[image_id].get("file_name")) for image_id in sorted(records)}
+        if files and not data.get("annotations"):  # (a test split's image_info file lists images alone)
+            self.report.no_label_file = (f"it lists {len(files)} images and "
+                                         f"{'an empty' if 'annotations' in data else 'no'} 'annotations' list")
+            log.warning("%s: %s: every image is packed without objects", where, self.report.no_label_file)
         by_image = {image_id: [] for image_id in files}
         for k, ann in enumerate(data.get("annotations") or []):
             name = f"annotation {ann.get('id', k)}" if isinstance(ann, dict) else f"annotation #{k}"
