@@ -146,8 +146,12 @@ class ThreadCpu:
     def stop(self, per: int):
         if self.before is None or not per:
             return None
+        try:
+            now = self._read()
+        except OSError:
+            return None
         tick_ms, by_name = 1000 / os.sysconf("SC_CLK_TCK"), {}
-        for tid, (name, ticks) in self._read().items():
+        for tid, (name, ticks) in now.items():
             used = ticks - self.before.get(tid, (name, 0))[1]
             by_name[name] = by_name.get(name, 0) + used * tick_ms / per
         return {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v > 0}
