@@ -595,6 +595,8 @@ def run():
     global _COMMAND_PID
     _COMMAND_PID = os.getpid()
     signal.signal(signal.SIGTERM, _terminate)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where the caller ignores Ctrl-C)
+        signal.signal(signal.SIGINT, _interrupt)
     code = main()
     # the command is over: a TERM now ends the exit at once, not as an exception inside an atexit hook (Ray's)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -617,7 +619,28 @@ def _terminate(signum, frame):
     from gdsdata.errors import Terminated
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding: a second TERM (Slurm repeats it) waits for it
+    _quiet_unraisable()
     raise Terminated()
+
+
+def _interrupt(signum, frame):
+    if os.getpid() != _COMMAND_PID:  # a packing worker forked with this handler: Ctrl-C is the parent's to report
+        return
+    _quiet_unraisable()
+    raise KeyboardInterrupt
+
+
+def _quiet_unraisable():
+    """The command unwinds from Ctrl-C or SIGTERM, which can land inside any Python code, also
+    inside the standard library's (multiprocessing's ``Finalize`` interrupted in its ``__init__``
+    fails later in its finaliser): what Python could then only print as "Exception ignored in ..."
+    with a traceback goes to the debug log; the command's one line says what ended it."""
+    def hook(unraisable):
+        logging.getLogger("gdsdata.cli").debug(
+            "while stopping, in %r: %s", unraisable.object, unraisable.exc_value,
+            exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
+
+    sys.unraisablehook = hook
 
 
 def _left_behind(args) -> str:

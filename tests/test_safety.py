@@ -15,6 +15,7 @@ import signal
 import struct
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -1291,3 +1292,35 @@ def test_a_lock_file_that_is_not_a_file_is_named(tmp_path):
     os.mkdir(lock)
     with pytest.raises(OSError, match=f"{lock}, the lock file of ds, cannot be opened: Is a directory"):
         pack(str(src), out, workers=1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_inside_library_code_leaves_no_ignored_exception_traceback(tmp_path, sig):
+    """Ctrl-C or SIGTERM can land inside the standard library's code (multiprocessing's
+    ``Finalize.__init__`` cut short, whose finaliser then fails): what Python reports only as
+    "Exception ignored in ..." goes to the debug log, so the command still says one line."""
+    script = tmp_path / "stop.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        from gdsdata import cli
+
+        cli._COMMAND_PID = os.getpid()
+        signal.signal(signal.SIGTERM, cli._terminate)
+        signal.signal(signal.SIGINT, cli._interrupt)
+
+        class HalfMade:  # as a Finalize whose __init__ the signal cut short
+            def __del__(self):
+                raise AttributeError("'Finalize' object has no attribute '_key'")
+
+        try:
+            half = HalfMade()
+            os.kill(os.getpid(), {int(sig)})
+            time.sleep(10)
+        except KeyboardInterrupt as e:
+            del half
+            print(type(e).__name__)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == [
+        "Terminated" if sig == signal.SIGTERM else "KeyboardInterrupt"], done.stdout + done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
