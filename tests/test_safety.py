@@ -1324,3 +1324,27 @@ def test_a_signal_inside_library_code_leaves_no_ignored_exception_traceback(tmp_
     assert done.returncode == 0 and done.stdout.split() == [
         "Terminated" if sig == signal.SIGTERM else "KeyboardInterrupt"], done.stdout + done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_write_error_other_than_a_full_disk_does_not_advise_freeing_space(src, tmp_path, monkeypatch, capsys):
+    """A journal that cannot be written for another reason (its folder made read-only, a file removed
+    under the pack) keeps the finished shards and says to resume once that is put right, not to free
+    space; a full disk still says so."""
+    from gdsdata.cli import main
+    from gdsdata.packing import packer
+
+    dump = json.dump
+    for number, reason, advice in ((30, "Read-only file system", "once that is put right, run the same command"),
+                                   (28, "No space left on device", "free space, then run the same command")):
+        out = str(tmp_path / f"ds{number}")
+
+        def failing(payload, f, number=number, reason=reason, **kwargs):
+            if f.name.endswith(fmt.JOURNAL_SUFFIX + fmt.TMP_SUFFIX) and "shard-00001" in f.name:
+                raise OSError(number, reason)
+            return dump(payload, f, **kwargs)
+
+        monkeypatch.setattr(packer.json, "dump", failing)
+        assert main(["pack", src, out, "-q", "--workers", "1", "--shard-size", "100000"]) == 1
+        said = one_line(capsys.readouterr().err)
+        assert f"{reason} while writing" in said and f"1 finished shard(s) kept: {advice} with --resume" in said
+        assert (number == 28) == ("free space" in said)

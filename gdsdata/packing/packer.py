@@ -15,6 +15,7 @@ import concurrent.futures.process
 import contextlib
 import ctypes
 import datetime
+import errno
 import hashlib
 import itertools
 import json
@@ -891,6 +892,14 @@ def _device_of(path) -> int:
     return os.stat(path).st_dev
 
 
+def _then_resume(error: OSError) -> str:
+    """What to do before ``--resume`` after a write error: make room where the disk or quota is full,
+    else put right what the error says (a file removed under the pack, a read-only remount...)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space, then run the same command with --resume"
+    return "once that is put right, run the same command with --resume"
+
+
 def _pack(source, src, folder, out, options, shard_size, alignment, workers, strict, progress,
           num_parts, part, resume, append, started, on_progress=None, roots=(), inherit=False):
     """Pack into ``folder`` (``out`` itself, or where an overwrite builds its replacement); messages
@@ -1066,8 +1075,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             raise SourceGoneError(e.what, then + ("" if kept else "; once it answers again, run the same command")) \
                 from None
         if isinstance(e, OSError) and keep:
-            hint = (f"; {kept} finished shard(s) kept: free space, then run the same command "
-                    f"with --resume" if kept else "")
+            hint = f"; {kept} finished shard(s) kept: {_then_resume(e)}" if kept else ""
             raise OSError(e.errno, f"{e.strerror or e} while writing {e.filename or out}{hint}",
                           out) from e
         if isinstance(e, OSError):  # an overwrite's replacement, built aside, or an append's shards: removed
@@ -1137,7 +1145,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 pass
         if isinstance(e, OSError):
             then = ("the dataset there is unchanged" if append or folder != out else
-                    "its shards are kept: free space, then run the same command with --resume")
+                    f"its shards are kept: {_then_resume(e)}")
             raise OSError(e.errno, f"{e.strerror or e} while writing the index of {display(out)}; {then}") from e
         raise
     log.info("packed %d images into %d shards in %.1f s", len(samples), len(shard_table), seconds)
