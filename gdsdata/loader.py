@@ -184,6 +184,10 @@ class Loader:
         self.spec = ShardSpec(size, world_size, rank, batch_size, bool(drop_last), _shuffle(shuffle), seed,
                               count("block_size", block_size), count("window", window))
         _check_transforms(dataset, transform, batch_transform, pixels)
+        if isinstance(transform, D.Letterbox) and transform.rect and self.spec.shuffle:
+            log.warning("Letterbox(rect=True) pads each batch to the rectangle its images need: shuffled, a batch "
+                        "mixes shapes and pads most of them (Ultralytics turns shuffle off for rect); pass "
+                        "indices=gdsdata.Letterbox.rect_order(dataset), shuffle=False")
         self.transform, self.batch_transform, self.pixels, self.prefetch = transform, batch_transform, pixels, prefetch
         self.epoch = 0
         self._consumed = None  # mask of samples delivered by earlier segments of this epoch
@@ -584,12 +588,15 @@ def _no_sample_transforms(dataset):
     pipeline does not, and training on untransformed batches would go unnoticed."""
     given = [name for name in SAMPLE_TRANSFORMS if getattr(dataset, name, None) is not None]
     if given:
+        own = ("its own transform=gdsdata.YoloAugment(...) (training) or gdsdata.Letterbox(...) (evaluation), "
+               "which moves the boxes with the pixels" if getattr(dataset, "task", "classify") == "detect" else
+               "its own transform= (gdsdata.RandomResizedCrop or CenterCrop) and batch_transform=(images, labels) "
+               "-> (images, labels)")
         raise ValueError(
             f"{getattr(dataset, 'root', 'the dataset')} was opened with GDSDataset(..., {'=, '.join(given)}=), which "
-            f"ds[i] applies per sample but gdsdata.Loader does not: the Loader applies its own transform= "
-            f"(gdsdata.RandomResizedCrop or CenterCrop) and batch_transform=(images, labels) -> (images, labels) to "
-            f"whole batches; open the dataset without them and pass them to the Loader, or keep them and read the "
-            f"dataset with torch's DataLoader")
+            f"ds[i] applies per sample but gdsdata.Loader does not: the Loader applies {own} to whole batches; open "
+            f"the dataset without them and pass the Loader its transform, or keep them and read the dataset with "
+            f"torch's DataLoader")
 
 
 def _index_array(values, name) -> np.ndarray:

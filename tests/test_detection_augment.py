@@ -391,3 +391,24 @@ def test_a_classification_batch_transform_may_return_dict_labels():
     loader = gdsdata.Loader(golden, 2, transform=gdsdata.CenterCrop(32), batch_transform=lambda im, y: (im, {"y": y}))
     images, labels = next(iter(loader))
     assert images.shape == (2, 3, 32, 32) and set(labels) == {"y"}
+
+
+def test_a_detection_loader_says_what_it_takes(det, caplog):
+    """A detection dataset opened with torchvision transforms= is refused naming the detection
+    Loader's own transforms (not the classification crops it would refuse next); Letterbox(rect=True)
+    shuffled is warned about, with the order Ultralytics' rect batches use."""
+    ds = gdsdata.GDSDataset(det, transforms=lambda image, target: (image, target))
+    with pytest.raises(ValueError, match=r"opened with GDSDataset\(..., transforms=\).*the Loader applies its own "
+                                         r"transform=gdsdata.YoloAugment\(...\) \(training\) or gdsdata.Letterbox"):
+        gdsdata.Loader(ds, 4, transform=gdsdata.Letterbox(S))
+    ds.close()
+    ds = gdsdata.GDSDataset(det)
+    with caplog.at_level("WARNING", logger="gdsdata.loader"):
+        gdsdata.Loader(ds, 4, shuffle=False, indices=gdsdata.Letterbox.rect_order(ds),
+                       transform=gdsdata.Letterbox(S, rect=True))
+        gdsdata.Loader(ds, 4, transform=gdsdata.Letterbox(S))
+    assert "rect" not in caplog.text
+    with caplog.at_level("WARNING", logger="gdsdata.loader"):
+        gdsdata.Loader(ds, 4, transform=gdsdata.Letterbox(S, rect=True))
+    assert "shuffle=False" in caplog.text and "rect_order" in caplog.text
+    ds.close()
