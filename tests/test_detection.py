@@ -1081,3 +1081,24 @@ def test_a_coco_file_without_annotations_is_warned_about(tmp_path, caplog, capsy
     capsys.readouterr()
     assert cli(["pack", "--format", "coco", info, images, str(tmp_path / "cli"), "-q"]) == 0
     assert f"no labels: it lists 2 images and {said}; every image was packed without objects" in capsys.readouterr().out
+
+
+def test_an_image_left_out_takes_its_box_notes_with_it(tmp_path, capsys):
+    """A COCO record whose size is the file's turned a quarter: the image is left out with that
+    reason, and its box that lay outside the declared size is not also reported as dropped (it was
+    checked against a size the image does not have); another image's dropped box still is."""
+    ann, images = write_coco(str(tmp_path / "src"), {"a.jpg": (240, 320), "b.jpg": (64, 64)}, [
+        {"image_id": 1, "category_id": 1, "bbox": [70, 250, 20, 60]},  # inside 240x320, outside 320x240
+        {"image_id": 2, "category_id": 1, "bbox": [100, 100, 5, 5]},  # outside b.jpg
+    ], [(1, "dot")])
+    data = json.load(open(ann))
+    data["images"][0].update(width=320, height=240)  # a.jpg's record turned a quarter
+    json.dump(data, open(ann, "w"))
+    result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1)
+    assert [s["path"] for s in result.skipped] == ["a.jpg"] and "turned a quarter" in result.skipped[0]["reason"]
+    assert [d["label"] for d in result.labels["dropped"]] == ["annotation 2 (b.jpg)"]
+    report = json.load(open(os.path.join(result.out, fmt.REPORT_NAME)))
+    assert [d["label"] for d in report["labels"]["dropped"]] == ["annotation 2 (b.jpg)"]
+    assert cli(["pack", "--format", "coco", ann, images, str(tmp_path / "cli"), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "annotation 1 (a.jpg)" not in out and "annotation 2 (b.jpg)" in out and "turned a quarter" in out

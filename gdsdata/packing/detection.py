@@ -47,6 +47,7 @@ What the labels may get wrong, and what packing does (each case named in ``pack_
   (``orphans``); images without labels: kept as negatives (``negatives``).
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -85,6 +86,25 @@ class LabelReport:
     duplicates: list = field(default_factory=list)
     bad_labels: list = field(default_factory=list)
     orphans: list = field(default_factory=list)
+    _noted: dict = field(default_factory=dict, repr=False)  # image -> the notes its boxes added, (list, entry)
+
+    @contextlib.contextmanager
+    def noting(self, image: str):
+        """Around the making of ``image``'s boxes (its name as the pack reports it): remember the notes
+        they add (boxes dropped, clipped, repeated), which ``forget`` takes back."""
+        kinds = ("dropped", "clipped", "duplicates")
+        before = {kind: len(getattr(self, kind)) for kind in kinds}
+        yield
+        added = [(kind, entry) for kind in kinds for entry in getattr(self, kind)[before[kind]:]]
+        if added:
+            self._noted[image] = added
+
+    def forget(self, image: str):
+        """``image`` was left out of the pack after all (its file not the size its labels were drawn
+        on, say): the notes on its boxes go with it, the reason it was left out says what matters."""
+        for kind, entry in self._noted.pop(image, ()):
+            entries = getattr(self, kind)
+            entries[:] = [e for e in entries if e is not entry]
 
     def as_dict(self) -> dict:
         return {"negatives": self.negatives, "clipped": self.clipped, "dropped": self.dropped,
@@ -479,7 +499,8 @@ class YoloSource(DetectionSource):
                 label_file = display(os.path.relpath(labels_of[image], self.root))
                 self.report.bad_labels.append({"path": display(rel), "reason": f"{label_file}: {problem}"})
                 continue
-            boxes = self._boxes(rows, keys, os.path.relpath(labels_of[image], self.root))
+            with self.report.noting(display(rel)):
+                boxes = self._boxes(rows, keys, os.path.relpath(labels_of[image], self.root))
             self.report.negatives += not len(boxes)
             self.items.append(Item(rel, 0, path=image, boxes=boxes))
         self.ignored = [display(os.path.relpath(path, self.root)) for path in self._others]
@@ -734,9 +755,10 @@ class CocoSource(DetectionSource):
                 continue
             width, height = size
             xyxy = [(x / width, y / height, (x + w) / width, (y + h) / height) for _, x, y, w, h, _, _ in anns]
-            boxes = boxes_from_xyxy(xyxy, [a[5] for a in anns], [a[6] for a in anns],
-                                    lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report,
-                                    shown=_coco_bbox(width, height))
+            with self.report.noting(display(file_name)):
+                boxes = boxes_from_xyxy(xyxy, [a[5] for a in anns], [a[6] for a in anns],
+                                        lambda k, anns=anns, name=file_name: f"{anns[k][0]} ({name})", self.report,
+                                        shown=_coco_bbox(width, height))
             self.report.negatives += not len(boxes)
             self.items.append(Item(file_name, 0, path=path, boxes=boxes, size=(width, height), image_id=image_id))
         if strict and self.report.bad_labels:

@@ -48,7 +48,7 @@ from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_in
                                  remove_shards, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
-from gdsdata.packing.detection import annotate, open_detection
+from gdsdata.packing.detection import LabelReport, annotate, open_detection
 from gdsdata.packing.sources import (FolderSource, Item, Listing, RemoteFolderSource, display, is_url, local_path,
                                      gone, open_source, read_url, storage_gone)
 from gdsdata.stall import slices
@@ -944,6 +944,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         stamps += journal.get("stamps") or [None] * len(journal["samples"])
         shard_rows.append(tuple(journal["shard"][:4]) + (dataset_id, journal["shard"][5], 0))
         skipped[:] = journal["skipped"]
+        if isinstance(getattr(source, "report", None), LabelReport):
+            for item in skipped:
+                source.report.forget(item["path"])
         repaired[:] = journal.get("repaired", [])
         converted, resized, done = journal["converted"], journal["resized"], journal["items_done"]
     position = {"item": done, "shard_start": len(records)}  # source items consumed; this shard's first record
@@ -1031,6 +1034,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                         raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
                     skipped.append({"path": display(rel), "reason": reason})
                     skipped_stamps[display(rel)] = stamp
+                    if isinstance(getattr(source, "report", None), LabelReport):  # its boxes' notes go with it
+                        source.report.forget(display(rel))
                     log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
                     position["item"] += 1
                     continue
