@@ -925,6 +925,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped, repaired = [], bytearray(), [], []
     stamps, skipped_stamps = [], {}  # each record's source as read, and each file skipped since the last journal's
+    # a detection source's label report: an image left out takes its boxes' notes with it
+    label_report = source.report if isinstance(getattr(source, "report", None), LabelReport) else None
     shard_rows = []
     converted = resized = done = 0
     base_stamp = index_io.stamp(out) if append else None  # which index file the dataset held when it began
@@ -944,9 +946,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         stamps += journal.get("stamps") or [None] * len(journal["samples"])
         shard_rows.append(tuple(journal["shard"][:4]) + (dataset_id, journal["shard"][5], 0))
         skipped[:] = journal["skipped"]
-        if isinstance(getattr(source, "report", None), LabelReport):
+        if label_report is not None:
             for item in skipped:
-                source.report.forget(item["path"])
+                label_report.forget(item["path"])
         repaired[:] = journal.get("repaired", [])
         converted, resized, done = journal["converted"], journal["resized"], journal["items_done"]
     position = {"item": done, "shard_start": len(records)}  # source items consumed; this shard's first record
@@ -1034,8 +1036,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                         raise BadImageError(f"{display(os.path.join(src, rel))}: {reason}")
                     skipped.append({"path": display(rel), "reason": reason})
                     skipped_stamps[display(rel)] = stamp
-                    if isinstance(getattr(source, "report", None), LabelReport):  # its boxes' notes go with it
-                        source.report.forget(display(rel))
+                    if label_report is not None:
+                        label_report.forget(display(rel))
                     log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
                     position["item"] += 1
                     continue
