@@ -14,7 +14,8 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
               pack's files evicted, before the row; every epoch then comes from the drive),
               gdsdata:direct_block the same with shuffle="block" (each shuffle window's whole blocks
               read at once), gdsdata:prefetchN with N batches ready ahead (Loader(prefetch=N);
-              2 by default)
+              2 by default), gdsdata:queuesN with CUDA_DEVICE_MAX_CONNECTIONS=N (gdsdata's import
+              sets 32 where the environment does not; CUDA's default 8)
   raw         the same over a raw-pixel pack of the images (shorter side 256), each sample's CRC-32
               checked where it lands in GPU staging (the GPU kernel, by default); raw:nocrc without
               (what the checksums cost)
@@ -59,6 +60,9 @@ sys.path.insert(0, HERE)
 
 BATCH = 256
 INPUTS = ("synthetic", "gdsdata", "raw", "dali", "dataloader")
+# CUDA's hardware work queues as the bench was started (before its own import of gdsdata sets them):
+# what every row but gdsdata's gets
+QUEUES = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
 
 
 # --- one row, in its own process ------------------------------------------------------------------
@@ -204,6 +208,8 @@ def run_row(args):
 
     from common import GpuClocks, ThreadCpu, cpu_seconds, host_cpu_times, steal_pct
 
+    if args.input.startswith(("gdsdata", "raw")):
+        import gdsdata  # noqa: F401 - first, as a training script would: it sets CUDA's work queues before CUDA starts
     model = _Model(args.model, args.stream)
     progress = {"steps": 0, "t": time.monotonic()}
 
@@ -231,7 +237,8 @@ def run_row(args):
             from gdsdata import settings
 
             variant = args.input.split(":", 1)[1]
-            settings.set(**({} if variant == "bilinear" or variant.startswith("prefetch") else _variant(variant)))
+            settings.set(**({} if variant == "bilinear" or variant.startswith(("prefetch", "queues"))
+                             else _variant(variant)))
             if variant.startswith("direct"):  # from the drive: nothing of the pack in the page cache
                 from common import drop_caches
 
@@ -286,6 +293,7 @@ def run_row(args):
                       "path": getattr(epoch, "path", ""), "images_per_s": statistics.median(rates),
                       "rates": rates, "cpu_s_per_1k": statistics.median(cpu),
                       "gpu_mib": max(used) / 2**20, "steps": steps, "host_steal_pct": steal,
+                      "cuda_queues": int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or 8),
                       "gpu_clocks": gpu_clocks, "thread_cpu_ms_per_batch": thread_cpu}), flush=True)
     os._exit(0)  # no teardown: DataLoader workers and pipelines end with the process
 
@@ -371,9 +379,13 @@ def spawn(args, model, source, stream, paths):
                "--workers", str(args.workers), "--stall", str(args.stall), "--profile", str(args.profile)]
     if args.trace:
         command += ["--trace", os.path.abspath(args.trace)]
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    queues = source.split(":queues", 1)[1] if ":queues" in source else QUEUES
+    if queues is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = queues
     t0 = time.monotonic()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.row_timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.row_timeout, env=env)
         out, err, rc = done.stdout, done.stderr, done.returncode
     except subprocess.TimeoutExpired as e:
         out, err, rc = e.stdout or "", e.stderr or "", "timeout"
@@ -508,6 +520,7 @@ def _print_row(result):
     model, source, stream = result["model"], result["input"], result["stream"]
     print(f"  {model:<9} {source:<10} {stream:<7} {result['images_per_s']:>8.0f} images/s  "
           f"{result['cpu_s_per_1k']:.2f} CPU-s/1k  {result['gpu_mib']:>6.0f} MiB  [{result['path']}]"
+          f"  queues {result.get('cuda_queues', 8)}"
           + (f"  steal {result['host_steal_pct']} %" if result.get("host_steal_pct") else ""), flush=True)
     if result.get("gpu_clocks"):
         c = result["gpu_clocks"]

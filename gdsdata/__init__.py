@@ -4,6 +4,8 @@ GPU (cuFile/kvikio reads, nvJPEG hardware decode) or on the CPU through one Data
 __version__ = "0.1.0"
 
 from gdsdata import settings  # noqa: E402
+
+settings.claim_cuda_queues()  # before CUDA starts: see settings
 from gdsdata.errors import (  # noqa: E402
     BadImageError,
     BusyError,

@@ -41,6 +41,12 @@ made) and ``stall_timeout`` is read as each Loader pass and each pack starts.
 
 ``GDSDATA_NVJPEG_LIBRARY`` (read by ``nvjpeg.py`` when it loads the library) names libnvjpeg's path
 when it does not come from NVIDIA's wheels.
+
+``import gdsdata`` sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (CUDA's hardware work queues per
+context; CUDA's default 8) when the environment does not set it and CUDA has not started yet: beside
+a training step on the same GPU, nvJPEG's decode then shares fewer queues with the step's kernels
+(docs/design.md, "The GPU the step shares"). A value in the environment is kept; the GPU path warns
+when it is below 8 (the decode starves behind the step's kernels). ``cuda_queues()`` says which.
 """
 
 import contextlib
@@ -48,6 +54,7 @@ import difflib
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import types
 
@@ -175,6 +182,44 @@ def _warn_unknown_variables():
             close = difflib.get_close_matches(variable, settings, n=1, cutoff=0.8)
             logging.getLogger(__name__).warning("%s is no gdsdata setting, so it is ignored%s", variable,
                                                 f" (did you mean {close[0]}?)" if close else "")
+
+
+CUDA_QUEUES = 32  # the CUDA_DEVICE_MAX_CONNECTIONS gdsdata asks for
+_CUDA_DEFAULT_QUEUES = 8
+_cuda_queues = None  # (queues, who chose them), from claim_cuda_queues()
+
+
+def _cuda_started() -> bool:
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a torch still being imported
+        return False
+
+
+def claim_cuda_queues():
+    """Set ``CUDA_DEVICE_MAX_CONNECTIONS`` to ``CUDA_QUEUES`` unless the environment sets it or CUDA
+    has started (run by ``import gdsdata``; CUDA reads the variable when it makes its context)."""
+    global _cuda_queues
+    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if raw is not None:
+        try:
+            _cuda_queues = (int(raw), "CUDA_DEVICE_MAX_CONNECTIONS in the environment")
+        except ValueError:
+            _cuda_queues = (_CUDA_DEFAULT_QUEUES, f"CUDA's default (CUDA_DEVICE_MAX_CONNECTIONS={raw!r} is no number)")
+    elif _cuda_started():
+        _cuda_queues = (_CUDA_DEFAULT_QUEUES, "CUDA's default: CUDA started before gdsdata was imported")
+    else:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(CUDA_QUEUES)
+        _cuda_queues = (CUDA_QUEUES, "set by gdsdata")
+    return _cuda_queues
+
+
+def cuda_queues():
+    """(hardware work queues of this process's CUDA context, who chose them): what ``import gdsdata``
+    found or set."""
+    return _cuda_queues or claim_cuda_queues()
 
 
 # A bad variable is raised where the settings are first used, not while gdsdata is imported (where

@@ -122,3 +122,37 @@ def test_byte_settings_take_sizes():
         settings.set(max_gap="lots")
     with pytest.raises(ValueError, match="expected an integer"):
         settings.set(io_threads="8M")
+
+
+def _queues(code, **env):
+    run = subprocess.run([sys.executable, "-c", code], env={"PATH": "", **env}, capture_output=True, text=True,
+                         check=True)
+    return json.loads(run.stdout)
+
+
+def test_import_asks_cuda_for_32_work_queues_unless_told_otherwise():
+    # CUDA reads CUDA_DEVICE_MAX_CONNECTIONS when it makes its context: gdsdata sets it on import,
+    # keeps the environment's, and leaves a CUDA that has already started alone (saying so)
+    said = ("import json, os, gdsdata; print(json.dumps([os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'), "
+            "gdsdata.settings.cuda_queues()]))")
+    assert _queues(said) == ["32", [32, "set by gdsdata"]]
+    kept = [1, "CUDA_DEVICE_MAX_CONNECTIONS in the environment"]
+    assert _queues(said, CUDA_DEVICE_MAX_CONNECTIONS="1") == ["1", kept]
+    started = ("import sys, types; sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace("
+               "is_initialized=lambda: True)); " + said)
+    assert _queues(started) == [None, [8, "CUDA's default: CUDA started before gdsdata was imported"]]
+
+
+def test_the_gpu_path_warns_of_too_few_work_queues(monkeypatch, caplog):
+    from gdsdata.backends import gpu
+
+    for queues, level in ((1, "WARNING"), (8, "INFO"), (32, None)):
+        monkeypatch.setattr(settings, "_cuda_queues", (queues, "CUDA_DEVICE_MAX_CONNECTIONS in the environment"))
+        monkeypatch.setattr(gpu, "_queues_checked", False)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="gdsdata.backends.gpu"):
+            gpu._check_cuda_queues()
+            gpu._check_cuda_queues()  # said once a process
+        assert [r.levelname for r in caplog.records] == ([level] if level else [])
+        if level:
+            assert f"CUDA runs {queues} hardware work queue" in caplog.text

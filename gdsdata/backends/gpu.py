@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import torch
 
-from gdsdata import stall
+from gdsdata import settings, stall
 from gdsdata.batch import PixelBatch, Staged
 from gdsdata.decode.gpu import GpuDecoder
 from gdsdata.errors import GpuUnavailableError
@@ -16,6 +16,27 @@ from gdsdata.io.gpu import GpuReader, SlotPool
 from gdsdata.io.plan import max_gap, plan_reads
 
 log = logging.getLogger(__name__)
+
+
+_queues_checked = False
+
+
+def _check_cuda_queues():
+    """Say once (a warning where it starves the decode) when CUDA runs with fewer hardware work queues
+    than gdsdata asks for (settings.claim_cuda_queues)."""
+    global _queues_checked
+    if _queues_checked:
+        return
+    _queues_checked = True
+    queues, why = settings.cuda_queues()
+    if queues < 8:
+        log.warning("CUDA runs %d hardware work queue(s) (%s): nvJPEG's decode waits behind a training step's "
+                    "kernels and can feed it at a fraction of its rate; %d or more keep it fed "
+                    "(docs/usage.md, \"CUDA's work queues\")", queues, why, 8)
+    elif queues < settings.CUDA_QUEUES:
+        log.info("CUDA runs %d hardware work queues (%s); gdsdata asks for %d: import gdsdata before CUDA "
+                 "starts, or set CUDA_DEVICE_MAX_CONNECTIONS=%d", queues, why, settings.CUDA_QUEUES,
+                 settings.CUDA_QUEUES)
 
 
 class GpuBackend:
@@ -43,6 +64,8 @@ class GpuBackend:
         self._kernel_failed = False  # the CRC-32 kernel could not run here: checked through the host
         self._fallen_back = None  # load_path once reads fell back from mapped (built once, not per batch)
         log.info("GPU path on %s: %s (%s)", device, self.path.describe(), "; ".join(self.path.why))
+        if not index.all_raw:
+            _check_cuda_queues()
 
     @property
     def load_path(self) -> load_paths.LoadPath:

@@ -26,6 +26,8 @@ def _torch_block():
     props = torch.cuda.get_device_properties(0)
     info["gpu"] = f"{torch.cuda.device_count()} x {props.name} ({props.total_memory / 2**30:.0f} GiB)"
     info["cuda runtime (torch)"] = torch.version.cuda
+    queues, why = settings.cuda_queues()
+    info["cuda work queues"] = f"{queues} ({why})"
     try:
         import pynvml  # nvidia-ml-py
 
