@@ -17,3 +17,30 @@ def count(name: str, value, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
     return int(value)
+
+
+def skip_limit(value):
+    """A pack's ``max_skipped``, checked: None (no limit), a count of files (an int, 0 or more) or a
+    share of the files to pack (a string "P%", 0 to 100). Returns it as given (a "P%" string with
+    its spaces taken out); ``skips_allowed`` turns it into a count."""
+    if value is None or is_integer(value):
+        if value is not None and value < 0:
+            raise ValueError(f"max_skipped must be 0 or more, got {value}")
+        return None if value is None else int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            if text.endswith("%") and 0 <= float(text[:-1]) <= 100:
+                return text
+            if not text.endswith("%"):
+                return skip_limit(int(text))
+        except ValueError:
+            pass
+    raise ValueError(f"max_skipped must be a count of files (10) or a share of them (0.5%), got {value!r}")
+
+
+def skips_allowed(limit, files: int):
+    """How many of ``files`` a pack may skip under ``skip_limit``'s ``limit`` (None: any number)."""
+    if limit is None or is_integer(limit):
+        return limit
+    return int(float(limit[:-1]) / 100 * files)

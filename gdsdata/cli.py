@@ -43,6 +43,17 @@ def _integer(low: int, high: int | None = None):
     return parse
 
 
+def _skip_limit(text: str):
+    """An argparse type: --max-skipped's count or share (a usage error for anything else)."""
+    from gdsdata.args import skip_limit
+
+    try:
+        return skip_limit(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of files (10) nor a share of them "
+                                         f"(0.5%)") from None
+
+
 def _packed_options(out) -> dict:
     """How the dataset at ``out`` stored its images (its index's record of the pack's options), or
     nothing where there is none to read (the append then says why it cannot go on)."""
@@ -85,7 +96,8 @@ def _cmd_pack(args):
                   overwrite=args.overwrite, progress=_progress(args), num_parts=args.num_parts,
                   part=args.part or 0, resume=args.resume, append=args.append,
                   allow_empty_classes=args.allow_empty_classes, format=args.format,
-                  split=args.split, annotations=args.annotations, shard_roots=args.shard_root)
+                  split=args.split, annotations=args.annotations, shard_roots=args.shard_root,
+                  max_skipped=args.max_skipped)
     rate = f"{result.new / result.seconds:.0f} images/s" if result.seconds else "-"
     whole = f"{_images(result.packed)} in {result.shards} shard(s), {_human(result.bytes)}"
     if args.append and not result.new:
@@ -191,7 +203,8 @@ def _pack_on_ray(args, options):
                           shard_size=args.shard_size, alignment=args.alignment, strict=args.strict,
                           overwrite=args.overwrite, progress=_progress(args),
                           allow_empty_classes=args.allow_empty_classes, format=args.format,
-                          split=args.split, annotations=args.annotations, shard_roots=args.shard_root)
+                          split=args.split, annotations=args.annotations, shard_roots=args.shard_root,
+                          max_skipped=args.max_skipped)
     report = summary["report"]
     rate = f"{summary['samples'] / summary['seconds']:.0f} images/s" if summary["seconds"] else "-"
     print(f"packed {_images(summary['samples'])} in {summary['shards']} shard(s), {_human(report['bytes'])} into "
@@ -245,7 +258,8 @@ def _pack_usage(args) -> str | None:
 def _cmd_merge(args):
     from gdsdata.packing.merge import merge
 
-    summary = merge(args.parts, args.out, copy=args.copy, overwrite=args.overwrite, progress=_progress(args))
+    summary = merge(args.parts, args.out, copy=args.copy, overwrite=args.overwrite, progress=_progress(args),
+                    max_skipped=args.max_skipped)
     print(f"merged {summary['parts']} dataset(s) into {summary['out']}: {summary['samples']} samples, "
           f"{summary['shards']} shard(s) {'/'.join(summary['shards_placed'])}")
     return 0
@@ -432,6 +446,9 @@ def build_parser():
                    help="raw codec: downscale so the shorter side is PX (default: keep)")
     p.add_argument("--strict", action="store_true",
                    help="stop at the first bad or unreadable file or folder instead of skipping it")
+    p.add_argument("--max-skipped", type=_skip_limit, metavar="N|P%",
+                   help="stop as --strict does once more files than N (or P%% of the files) are skipped or "
+                        "unreadable; a part counts its own files, --ray all of them before the merge")
     p.add_argument("--max-pixels", type=_integer(0), default=PACK_DEFAULTS.max_pixels, metavar="N",
                    help=f"refuse images that declare more pixels, before decoding them "
                         f"(default {PACK_DEFAULTS.max_pixels:,}, Pillow's; 0: no limit)")
@@ -459,6 +476,9 @@ def build_parser():
     p.add_argument("parts", nargs="+", help="part datasets")
     p.add_argument("out", help="merged dataset folder to create")
     p.add_argument("--copy", action="store_true", help="copy shard data instead of linking it")
+    p.add_argument("--max-skipped", type=_skip_limit, metavar="N|P%",
+                   help="refuse the merge when the parts skipped or could not read more than N files together "
+                        "(or P%% of their files), as their pack_report.json files list")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
     p.set_defaults(run=_cmd_merge)

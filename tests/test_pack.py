@@ -13,6 +13,7 @@ from gdsdata.format import layout as fmt
 from gdsdata.dataset import GDSDataset
 from gdsdata.errors import BadImageError, OutputExistsError, SourceError
 from gdsdata.packing.prepare import PackOptions
+from gdsdata.packing.merge import merge
 from gdsdata.packing.packer import pack
 
 
@@ -478,3 +479,53 @@ def test_images_beside_the_class_folders_are_listed_as_ignored(tmp_path):
     result = pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1)
     assert result.packed == 3 and result.ignored == ["stray.jpg"]
     assert json.loads((tmp_path / "ds" / "pack_report.json").read_text())["ignored"] == ["stray.jpg"]
+
+
+def _with_bad_files(root, photos=10, bad=3):
+    """``photos`` good JPEGs and ``bad`` files that are no images, in class folders."""
+    paths = write_photos(root, photos)
+    for k in range(bad):
+        with open(os.path.join(root, f"class{k % 3}", f"bad{k}.jpg"), "wb") as f:
+            f.write(b"\xff\xd8\xff not a JPEG")
+    return paths
+
+
+def test_max_skipped_stops_a_pack_that_skips_more_and_keeps_one_that_does_not(tmp_path):
+    """--max-skipped N (or P% of the files): past it the pack stops as --strict does (no dataset, a
+    failed report listing what was skipped); within it the pack completes, each skipped file listed."""
+    src = str(tmp_path / "src")
+    paths = _with_bad_files(src)  # 13 files, 3 of them bad
+    for limit in (2, "20%"):  # 20 % of 13: 2
+        out = str(tmp_path / f"over-{limit}".replace("%", "pc"))
+        with pytest.raises(BadImageError, match=rf"3 file\(s\) skipped or unreadable, more than --max-skipped "
+                                                rf"{limit}.*allows; the last: class2/bad2.jpg: "):
+            pack(src, out, max_skipped=limit, workers=1)
+        assert sorted(os.listdir(out)) == [fmt.REPORT_NAME]
+        with open(os.path.join(out, fmt.REPORT_NAME)) as f:
+            report = json.load(f)
+        assert report["status"] == "failed" and len(report["skipped"]) == 3
+    for k, limit in enumerate((3, "25%", "3")):
+        result = pack(src, str(tmp_path / f"within-{k}"), max_skipped=limit, workers=1)
+        assert result.packed == len(paths) and sorted(s["path"] for s in result.skipped) == \
+            [f"class{k}/bad{k}.jpg" for k in range(3)]
+    for wrong in (-1, "x", "101%", 1.5, True):
+        with pytest.raises((ValueError, TypeError)):
+            pack(src, str(tmp_path / "never"), max_skipped=wrong)
+    assert not os.path.exists(tmp_path / "never")
+
+
+def test_max_skipped_counts_every_part_together_at_the_merge(tmp_path):
+    src = str(tmp_path / "src")
+    paths = _with_bad_files(src, photos=12, bad=4)
+    parts = [str(tmp_path / f"part{k}") for k in range(2)]
+    for k, part in enumerate(parts):
+        pack(src, part, num_parts=2, part=k, workers=1, max_skipped="50%")  # (a part's share of its own files)
+    out = str(tmp_path / "merged")
+    with pytest.raises(BadImageError, match=r"the 2 parts .*: 4 file\(s\) skipped or unreadable, more than "
+                                            r"--max-skipped 3 allows"):
+        merge(parts, out, max_skipped=3)
+    assert not os.path.exists(out)
+    assert merge(parts, out, max_skipped="25%")["samples"] == len(paths)  # 25 % of 16: 4
+    os.remove(os.path.join(parts[1], fmt.REPORT_NAME))
+    with pytest.raises(SourceError, match="no readable pack_report.json to count its skipped files by"):
+        merge(parts, str(tmp_path / "merged2"), max_skipped=10)

@@ -27,12 +27,13 @@ from tqdm import tqdm
 from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
-from gdsdata.errors import FormatError, SourceError
+from gdsdata.args import skip_limit, skips_allowed
+from gdsdata.errors import BadImageError, FormatError, SourceError
 from gdsdata.format.lock import (SHARDS_TAG, drop_if_empty, make_shard_folder, owned_target, reader_lock,
                                  remove_quietly, remove_shards, shard_folder, writer_lock)
 from gdsdata.format.shards import open_regular, read_header
 from gdsdata.packing.detection import annotate
-from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_options
+from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_options, too_many_skipped
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,8 @@ def _check_parts(parts, indexes):
     return [(part, index) for part, index, _ in ordered]
 
 
-def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, progress: bool = False) -> dict:
+def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, progress: bool = False,
+          max_skipped: "int | str | None" = None) -> dict:
     """Join the parts of one pack into one dataset (what ``gdsdata merge`` does).
 
     Parameters
@@ -210,6 +212,9 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
         Replace a dataset in ``out``.
     progress : bool
         A progress bar (tqdm, on stderr) of the shard bytes placed: copying may take long.
+    max_skipped : int or str, optional
+        Refuse the merge when the parts together skipped or could not read more files than this
+        (a count, or a share of all their files: "0.5%"), as their ``pack_report.json`` files list.
 
     Returns
     -------
@@ -221,7 +226,7 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
     with writer_lock(out, f"merge of {len(parts)} part(s)"), contextlib.ExitStack() as reading:
         for part in parts:  # no writer of a part while its shards are placed (other merges may read it too)
             reading.enter_context(reader_lock(part, f"merge into {out}"))
-        return merge_checked(parts, out, copy=copy, overwrite=overwrite, progress=progress)
+        return merge_checked(parts, out, copy=copy, overwrite=overwrite, progress=progress, max_skipped=max_skipped)
 
 
 def _warn_repeats(parts, indexes):
@@ -256,7 +261,8 @@ def _warn_repeats(parts, indexes):
                             "such a path (ds.source(i), pack_report.json) names two images", parts[a], parts[b], named)
 
 
-def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False, report=None) -> dict:
+def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False, report=None,
+                  max_skipped=None) -> dict:
     """``merge`` for a caller that holds ``out``'s writer lock already (``pack --ray``); ``adopt``:
     the parts go after the merge, and the shards they wrote on other drives become ``out``'s;
     ``report``: a function of the merged index's metadata and shard table giving the
@@ -270,6 +276,9 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     if not any(len(index) for index in indexes):  # as one pack of those files would fail
         raise SourceError(f"none of the {len(parts)} parts holds an image: every file failed to decode "
                           f"({_first_reasons(parts)})")
+    max_skipped = skip_limit(max_skipped)
+    if max_skipped is not None:
+        _check_skipped(parts, sum(len(index) for index in indexes), max_skipped)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
         return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report),
@@ -280,15 +289,35 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
         raise
 
 
+def _left_out(part, lists=("skipped",)):
+    """The files a part's report lists under ``lists`` ({"path", "reason"} each), or None without a
+    readable report."""
+    try:
+        with open(open_regular(os.path.join(part, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
+            report = json.load(f)
+        return [item for name in lists for item in report.get(name) or []]
+    except (OSError, ValueError, FormatError, AttributeError):
+        return None
+
+
+def _check_skipped(parts, packed, max_skipped):
+    """Refuse a merge whose parts skipped, or could not read, more files together than ``max_skipped``
+    allows of all their files (each part's report says which)."""
+    left_out = []
+    for part in parts:
+        listed = _left_out(part, ("unreadable", "skipped"))
+        if listed is None:
+            raise SourceError(f"{part}: no readable {fmt.REPORT_NAME} to count its skipped files by (--max-skipped)")
+        left_out += listed
+    allowed = skips_allowed(max_skipped, packed + len(left_out))
+    if len(left_out) > allowed:
+        raise BadImageError(too_many_skipped(f"the {len(parts)} parts (each one's {fmt.REPORT_NAME} lists its own)",
+                                             left_out, max_skipped, allowed, packed + len(left_out), listed=False))
+
+
 def _first_reasons(parts, most=3) -> str:
     """The first files the parts' reports list as skipped, with why."""
-    skipped = []
-    for part in parts:
-        try:
-            with open(open_regular(os.path.join(part, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
-                skipped += json.load(f).get("skipped") or []
-        except (OSError, ValueError, FormatError):
-            continue
+    skipped = [item for part in parts for item in _left_out(part) or []]
     said = "; ".join(f"{item['path']}: {item['reason']}" for item in skipped[:most])
     return (said + (" ..." if len(skipped) > most else "")) or f"each part's {fmt.REPORT_NAME} says why"
 

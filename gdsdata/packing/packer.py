@@ -39,7 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gdsdata import __version__, settings
-from gdsdata.args import is_integer
+from gdsdata.args import is_integer, skip_limit, skips_allowed
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import (BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError,
@@ -567,8 +567,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
          strict: bool = False, overwrite: bool = False, progress: bool = False, num_parts: int = 1,
          part: int = 0, resume: bool = False, append: bool = False, allow_empty_classes: bool = False,
          on_progress: "Callable[[int], None] | None" = None, format: str = "folder", split: str | None = None,
-         annotations: "str | os.PathLike | None" = None,
-         shard_roots: "Sequence[str | os.PathLike] | None" = None) -> PackResult:
+         annotations: "str | os.PathLike | None" = None, shard_roots: "Sequence[str | os.PathLike] | None" = None,
+         max_skipped: "int | str | None" = None) -> PackResult:
     """Pack an image source into a dataset folder (what ``gdsdata pack`` does).
 
     Parameters
@@ -589,6 +589,9 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         one after another: no worker is ended if an image stalls (for debugging).
     strict : bool
         Stop at the first bad or unreadable file or folder instead of skipping it.
+    max_skipped : int or str, optional
+        Stop as ``strict`` does once more files are skipped or unreadable than this: a count (10)
+        or a share of the files to pack ("0.5%"; a part's share of its own files). None: no limit.
     overwrite : bool
         Replace a dataset in ``out``: the new one is built aside and swapped in when complete.
     progress : bool
@@ -652,6 +655,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
     if not is_integer(workers) or workers < 0:
         raise ValueError(f"workers must be 0 (every core) or a number of processes, got {workers!r}")
+    max_skipped = skip_limit(max_skipped)
     roots = shard_roots_of(shard_roots, out, src if isinstance(src, str) else None)
     # 1: this process alone, without the stall bound (the automatic choice is always a pool: bounded)
     workers = workers or max(2, settings.usable_cores())
@@ -674,7 +678,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         with writer_lock(out, f"{what} of {annotations if format == 'coco' and annotations else name}"):
             def build(folder):
                 return _pack(source, name, folder, out, options, shard_size, alignment, workers, strict,
-                             progress, num_parts, part, resume, append, started, on_progress, roots, inherit)
+                             progress, num_parts, part, resume, append, started, on_progress, roots, inherit,
+                             max_skipped)
 
             if resume and os.path.isdir(out):
                 check_output(out, False, resume=True)  # (an interrupted pack's files, or a finished one's, only)
@@ -684,6 +689,16 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
             return into(out, overwrite, build)  # (a resume with nothing to resume packs from the start)
     finally:
         source.close()
+
+
+def too_many_skipped(src, left_out, max_skipped, allowed, files, listed=True) -> str:
+    """The line of a pack stopped by ``max_skipped``: how many, the limit, and the last file left out
+    (``listed``: the failed pack's report, written where the dataset was to be, lists them all)."""
+    share = f" ({allowed} of {files} files)" if isinstance(max_skipped, str) else ""
+    last = left_out[-1]
+    return (f"{display(src)}: {len(left_out)} file(s) skipped or unreadable, more than --max-skipped "
+            f"{max_skipped}{share} allows; the last: {last['path']}: {last['reason']}"
+            + (f" ({fmt.REPORT_NAME} lists them)" if listed else ""))
 
 
 def _appendable(out, source, alignment):
@@ -901,7 +916,7 @@ def _then_resume(error: OSError) -> str:
 
 
 def _pack(source, src, folder, out, options, shard_size, alignment, workers, strict, progress,
-          num_parts, part, resume, append, started, on_progress=None, roots=(), inherit=False):
+          num_parts, part, resume, append, started, on_progress=None, roots=(), inherit=False, max_skipped=None):
     """Pack into ``folder`` (``out`` itself, or where an overwrite builds its replacement); messages
     and the report name ``out``."""
     classes, everything = source.classes, source.items
@@ -1004,7 +1019,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     sizes = {item.rel: item.size for item in items if item.size is not None}
     min_side = getattr(source, "min_side", 0)  # YOLO: Ultralytics leaves out images under 10 pixels a side,
     formats = getattr(source, "image_formats", None)  # and those whose content is not one of its formats
+    allowed = skips_allowed(max_skipped, len(items))
     try:
+        if allowed is not None and len(skipped) + len(unreadable) > allowed:  # (the listing's, a resume's)
+            raise BadImageError(too_many_skipped(src, skipped + unreadable, max_skipped, allowed, len(items)))
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
             if on_progress is not None:
@@ -1039,6 +1057,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                     if label_report is not None:
                         label_report.forget(display(rel))
                     log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
+                    if allowed is not None and len(skipped) + len(unreadable) > allowed:
+                        raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed,
+                                                             len(items)))
                     position["item"] += 1
                     continue
                 shard, offset = writer.add(prepared.payload)  # may close a shard: its journal ends here

@@ -54,7 +54,7 @@ def _import_ray():
 def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size=1 << 30,
                 alignment=fmt.DEFAULT_ALIGNMENT, strict=False, overwrite=False, progress=False,
                 allow_empty_classes=False, max_retries=3, format="folder", split=None, annotations=None,
-                shard_roots=None) -> dict:
+                shard_roots=None, max_skipped=None) -> dict:
     """Pack ``src`` into ``out`` with the parts as Ray tasks (``address``: a running cluster, None:
     start or join a local Ray). Returns the merge's summary plus ``parts``, ``cpus``, ``seconds``,
     ``skipped`` (how many), ``report`` (what ``out/pack_report.json`` holds, as a pack without Ray
@@ -62,10 +62,13 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     ``shard_roots``: as ``pack``'s (folders every node sees at the same paths); each part writes its
     shards there and the merge moves them, on their drives, into ``out``'s own folders. A Ray this
     call starts (or joins) is shut down when it returns or fails; one already running in the process
-    is left as it is."""
+    is left as it is. ``max_skipped``: as ``pack``'s, of every part's files together, checked before
+    the merge (nothing is written then)."""
+    from gdsdata.args import skip_limit
     from gdsdata.packing.merge import merge_checked
     from gdsdata.packing.packer import check_output, dataset_owner, shard_roots_of, within
 
+    max_skipped = skip_limit(max_skipped)
     ray = _import_ray()
     started = time.perf_counter()
     src = local_path(src)
@@ -147,7 +150,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                 union = _JoinedReport(src, out, [reports[k] for k in range(parts)], kwargs["shard_roots"], started,
                                 parts, cpus)
                 summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
-                                        overwrite=overwrite, adopt=True, report=union)
+                                        overwrite=overwrite, adopt=True, report=union, max_skipped=max_skipped)
         except KeyboardInterrupt as e:
             interrupted = True
             if signal.SIGTERM in came and not isinstance(e, Terminated):
