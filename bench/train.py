@@ -61,7 +61,8 @@ sys.path.insert(0, HERE)
 BATCH = 256
 INPUTS = ("synthetic", "gdsdata", "raw", "dali", "dataloader")
 # CUDA's hardware work queues as the bench was started (before its own import of gdsdata sets them):
-# what every row but gdsdata's gets
+# what every row gets but gdsdata's and raw's (their processes import gdsdata first, as a training
+# script does)
 QUEUES = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
 
 
@@ -250,8 +251,10 @@ def run_row(args):
         epoch = _gdsdata(args.raw, verify=False if args.input == "raw:nocrc" else None)
     elif args.input == "dali":
         epoch = _dali(args.src, args.workers)
-    else:
+    elif args.input == "dataloader":
         epoch = _dataloader(args.src, args.workers)
+    else:
+        raise SystemExit(f"unknown input {args.input!r} (queuesN, nocrc and the others are gdsdata's variants)")
     rates, cpu, used, steps, stages, host = [], [], [], 0, None, None
     clocks, threads, timed_steps = GpuClocks(_nvml_index(torch)), ThreadCpu(), 0
     for e in range(1 + args.epochs):
@@ -293,7 +296,7 @@ def run_row(args):
                       "path": getattr(epoch, "path", ""), "images_per_s": statistics.median(rates),
                       "rates": rates, "cpu_s_per_1k": statistics.median(cpu),
                       "gpu_mib": max(used) / 2**20, "steps": steps, "host_steal_pct": steal,
-                      "cuda_queues": int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or 8),
+                      "cuda_queues": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or "8 (CUDA's default)",
                       "gpu_clocks": gpu_clocks, "thread_cpu_ms_per_batch": thread_cpu}), flush=True)
     os._exit(0)  # no teardown: DataLoader workers and pipelines end with the process
 
