@@ -34,9 +34,9 @@ def _check_cuda_queues():
                     "kernels and can feed it at a fraction of its rate; %d or more keep it fed "
                     "(docs/usage.md, \"CUDA's work queues\")", queues, why, 8)
     elif queues < settings.CUDA_QUEUES:
-        log.info("CUDA runs %d hardware work queues (%s); gdsdata asks for %d: import gdsdata before CUDA "
-                 "starts, or set CUDA_DEVICE_MAX_CONNECTIONS=%d", queues, why, settings.CUDA_QUEUES,
-                 settings.CUDA_QUEUES)
+        log.info("CUDA runs %d hardware work queues (%s); gdsdata asks for %d where it can (%s)", queues, why,
+                 settings.CUDA_QUEUES, "import gdsdata before CUDA starts" if "started" in why else
+                 f"CUDA_DEVICE_MAX_CONNECTIONS={settings.CUDA_QUEUES}")
 
 
 class GpuBackend:
