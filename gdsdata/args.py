@@ -21,8 +21,8 @@ def count(name: str, value, minimum: int = 1) -> int:
 
 def skip_limit(value):
     """A pack's ``max_skipped``, checked: None (no limit), a count of files (an int, 0 or more) or a
-    share of the files to pack (a string "P%", 0 to 100). Returns it as given (a "P%" string with
-    its spaces taken out); ``skips_allowed`` turns it into a count."""
+    share of the files to pack (a string "P%", 0 to 100). Returns the count as an int, the share as
+    its string (stripped); ``skips_allowed`` turns either into a count."""
     if value is None or is_integer(value):
         if value is not None and value < 0:
             raise ValueError(f"max_skipped must be 0 or more, got {value}")

@@ -1019,10 +1019,11 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     sizes = {item.rel: item.size for item in items if item.size is not None}
     min_side = getattr(source, "min_side", 0)  # YOLO: Ultralytics leaves out images under 10 pixels a side,
     formats = getattr(source, "image_formats", None)  # and those whose content is not one of its formats
-    allowed = skips_allowed(max_skipped, len(items))
+    files = len(items) + len(unreadable)  # (what a share counts: the image files, those not read included)
+    allowed = skips_allowed(max_skipped, files)
     try:
         if allowed is not None and len(skipped) + len(unreadable) > allowed:  # (the listing's, a resume's)
-            raise BadImageError(too_many_skipped(src, skipped + unreadable, max_skipped, allowed, len(items)))
+            raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed, files))
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
             if on_progress is not None:
@@ -1058,8 +1059,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                         label_report.forget(display(rel))
                     log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
                     if allowed is not None and len(skipped) + len(unreadable) > allowed:
-                        raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed,
-                                                             len(items)))
+                        raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed, files))
                     position["item"] += 1
                     continue
                 shard, offset = writer.add(prepared.payload)  # may close a shard: its journal ends here
