@@ -1,6 +1,8 @@
 """Checks of the arguments users pass (Loader, transforms, pack, dataset indices): one clear line
 for a wrong type or a value out of range, the same test everywhere."""
 
+from fractions import Fraction
+
 import numpy as np
 
 
@@ -43,4 +45,4 @@ def skips_allowed(limit, files: int):
     """How many of ``files`` a pack may skip under ``skip_limit``'s ``limit`` (None: any number)."""
     if limit is None or is_integer(limit):
         return limit
-    return int(float(limit[:-1]) / 100 * files)
+    return int(Fraction(limit[:-1].strip()) * files / 100)  # (exact: 29% of 100 is 29, not 28.999...)

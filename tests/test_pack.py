@@ -526,6 +526,30 @@ def test_max_skipped_counts_every_part_together_at_the_merge(tmp_path):
         merge(parts, out, max_skipped=3)
     assert not os.path.exists(out)
     assert merge(parts, out, max_skipped="25%")["samples"] == len(paths)  # 25 % of 16: 4
-    os.remove(os.path.join(parts[1], fmt.REPORT_NAME))
-    with pytest.raises(SourceError, match="no readable pack_report.json to count its skipped files by"):
+    report = os.path.join(parts[1], fmt.REPORT_NAME)
+    for damaged in ('{"skipped": 5}', '{"skipped": "abc"}', '{"skipped": [{"reason": "no path"}]}', "{"):
+        with open(report, "w") as f:
+            f.write(damaged)
+        with pytest.raises(SourceError, match=r"no readable pack_report.json \(missing or damaged\) to count"):
+            merge(parts, str(tmp_path / "merged2"), max_skipped=10)
+    os.remove(report)
+    with pytest.raises(SourceError, match="no readable pack_report.json"):
         merge(parts, str(tmp_path / "merged2"), max_skipped=10)
+    assert not os.path.exists(tmp_path / "merged2")
+
+
+def test_max_skipped_shares_are_exact_and_an_overwrite_past_it_keeps_the_dataset(tmp_path):
+    from gdsdata.args import skips_allowed
+
+    assert [skips_allowed(share, 100) for share in ("29%", "57%", "12.5%", "0%", "100%")] == [29, 57, 12, 0, 100]
+    assert skips_allowed("58%", 50) == 29 and skips_allowed(7, 50) == 7 and skips_allowed(None, 50) is None
+    src, good = str(tmp_path / "src"), str(tmp_path / "good")
+    _with_bad_files(src)
+    pack(src, good, workers=1, max_skipped=3)
+    with open(os.path.join(good, fmt.REPORT_NAME)) as f:
+        kept = f.read()
+    with pytest.raises(BadImageError, match=r"the last: class2/bad2.jpg: [^(]*$"):  # (no report lists them)
+        pack(src, good, workers=1, overwrite=True, max_skipped=2)
+    with open(os.path.join(good, fmt.REPORT_NAME)) as f:
+        assert f.read() == kept
+    assert len(GDSDataset(good)) == 10

@@ -295,9 +295,12 @@ def _left_out(part, lists=("skipped",)):
     try:
         with open(open_regular(os.path.join(part, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
             report = json.load(f)
-        return [item for name in lists for item in report.get(name) or []]
-    except (OSError, ValueError, FormatError, AttributeError):
+        listed = [item for name in lists for item in report.get(name) or []]
+    except (OSError, ValueError, FormatError, AttributeError, TypeError):
         return None
+    if not all(isinstance(item, dict) and isinstance(item.get("path"), str) for item in listed):
+        return None  # (a report damaged or written by hand)
+    return [{"path": item["path"], "reason": str(item.get("reason", ""))} for item in listed]
 
 
 def _check_skipped(parts, packed, max_skipped):
@@ -307,7 +310,8 @@ def _check_skipped(parts, packed, max_skipped):
     for part in parts:
         listed = _left_out(part, ("unreadable", "skipped"))
         if listed is None:
-            raise SourceError(f"{part}: no readable {fmt.REPORT_NAME} to count its skipped files by (--max-skipped)")
+            raise SourceError(f"{part}: no readable {fmt.REPORT_NAME} (missing or damaged) to count its skipped files "
+                              f"by (--max-skipped)")
         left_out += listed
     allowed = skips_allowed(max_skipped, packed + len(left_out))
     if len(left_out) > allowed:

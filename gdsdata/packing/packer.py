@@ -693,7 +693,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
 
 def too_many_skipped(src, left_out, max_skipped, allowed, files, listed=True) -> str:
     """The line of a pack stopped by ``max_skipped``: how many, the limit, and the last file left out
-    (``listed``: the failed pack's report, written where the dataset was to be, lists them all)."""
+    (``listed``: the failed pack's report, written in OUT, lists them all; not after an overwrite,
+    which leaves OUT's dataset and report as they were, nor an append)."""
     share = f" ({allowed} of {files} files)" if isinstance(max_skipped, str) else ""
     last = left_out[-1]
     return (f"{display(src)}: {len(left_out)} file(s) skipped or unreadable, more than --max-skipped "
@@ -1023,7 +1024,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     allowed = skips_allowed(max_skipped, files)
     try:
         if allowed is not None and len(skipped) + len(unreadable) > allowed:  # (the listing's, a resume's)
-            raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed, files))
+            raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed, files,
+                                                 listed=folder == out and not append))
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
             if on_progress is not None:
@@ -1059,7 +1061,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                         label_report.forget(display(rel))
                     log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
                     if allowed is not None and len(skipped) + len(unreadable) > allowed:
-                        raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed, files))
+                        raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed, files,
+                                                             listed=folder == out and not append))
                     position["item"] += 1
                     continue
                 shard, offset = writer.add(prepared.payload)  # may close a shard: its journal ends here
