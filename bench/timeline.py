@@ -52,6 +52,20 @@ def _total(spans) -> float:
     return sum(b - a for a, b in spans)
 
 
+def stream_of(event):
+    """The CUDA stream of a trace's GPU event."""
+    return event.get("args", {}).get("stream", event.get("tid"))
+
+
+def step_stream(gpu_events):
+    """The train step's stream: the one whose kernels were busy longest (bench/train.py's rule too)."""
+    busy = collections.Counter()
+    for e in gpu_events:
+        if e["cat"] == "kernel":
+            busy[stream_of(e)] += e["dur"]
+    return busy.most_common(1)[0][0] if busy else None
+
+
 def analyse(events, steps: int) -> dict:
     """The figures above, in ms a step (us for latencies), from a trace's events."""
     gpu = [e for e in events if e.get("cat") in GPU and "dur" in e]
@@ -59,19 +73,12 @@ def analyse(events, steps: int) -> dict:
     if not gpu:
         raise ValueError("no GPU activity in the trace (profiled without CUDA, or CUPTI missing)")
 
-    def stream(e):
-        return e.get("args", {}).get("stream", e.get("tid"))
-
-    busy = collections.Counter()
-    for e in gpu:
-        if e["cat"] == "kernel":
-            busy[stream(e)] += e["dur"]
-    step_stream = busy.most_common(1)[0][0]
-    step = [e for e in gpu if stream(e) == step_stream and e["cat"] == "kernel"]
+    stream, step_on = stream_of, step_stream(gpu)
+    step = [e for e in gpu if stream(e) == step_on and e["cat"] == "kernel"]
     t0, t1 = min(e["ts"] for e in step), max(e["ts"] + e["dur"] for e in step)
     step_busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in step])
     idle = [[a, b] for (_, a), (b, _) in zip(step_busy[:-1], step_busy[1:])]
-    others = [e for e in gpu if stream(e) != step_stream and t0 <= e["ts"] <= t1]
+    others = [e for e in gpu if stream(e) != step_on and t0 <= e["ts"] <= t1]
     other_kernels = _union([(e["ts"], e["ts"] + e["dur"]) for e in others if e["cat"] == "kernel"])
     other_any = _union([(e["ts"], e["ts"] + e["dur"]) for e in others])
     idle_total = _total(idle)
@@ -108,7 +115,7 @@ def analyse(events, steps: int) -> dict:
                      "inside_ms": round(sum(e["dur"] for e in mine) / per, 3),
                      "median_launch_us": round(statistics.median(launches), 1) if launches else None,
                      "kernels": round(len(launched) / steps, 1),
-                     "on_step_stream": round(sum(1 for k in launched if stream(k) == step_stream) / steps, 1),
+                     "on_step_stream": round(sum(1 for k in launched if stream(k) == step_on) / steps, 1),
                      "top": [n for n, _ in collections.Counter(e["name"] for e in mine).most_common(3)]})
     out["threads"] = sorted(rows, key=lambda r: -r["calls"])[:8]
     return out
