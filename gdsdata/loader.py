@@ -184,11 +184,9 @@ class Loader:
         self.spec = ShardSpec(size, world_size, rank, batch_size, bool(drop_last), _shuffle(shuffle), seed,
                               count("block_size", block_size), count("window", window))
         _check_transforms(dataset, transform, batch_transform, pixels)
-        if isinstance(transform, D.Letterbox) and transform.rect and self.spec.shuffle:
-            log.warning("Letterbox(rect=True) pads each batch to the rectangle its images need: shuffled, a batch "
-                        "mixes shapes and pads most of them (Ultralytics turns shuffle off for rect); pass "
-                        "indices=gdsdata.Letterbox.rect_order(dataset), shuffle=False")
         self.transform, self.batch_transform, self.pixels, self.prefetch = transform, batch_transform, pixels, prefetch
+        self._rect_warned = None  # the Letterbox(rect=True) last warned about (said once, not each epoch)
+        self._warn_rect()
         self.epoch = 0
         self._consumed = None  # mask of samples delivered by earlier segments of this epoch
         self._done = 0  # batches delivered in the current segment
@@ -353,9 +351,21 @@ class Loader:
     def _mapped(self, batches):
         return _mapped(batches, self._indices)
 
+    def _warn_rect(self):
+        """Warn of a ``Letterbox(rect=True)`` in a shuffled Loader (at construction, and at the pass
+        after ``loader.transform`` is set to one)."""
+        transform = self.transform
+        if isinstance(transform, D.Letterbox) and transform.rect and self.spec.shuffle and \
+                transform is not self._rect_warned:
+            self._rect_warned = transform
+            log.warning("Letterbox(rect=True) pads each batch to the rectangle its images need: shuffled, a batch "
+                        "mixes shapes and pads most of them (Ultralytics turns shuffle off for rect); pass "
+                        "indices=gdsdata.Letterbox.rect_order(dataset), shuffle=False")
+
     # --- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator:
         _check_transforms(self._data, self.transform, self.batch_transform, self.pixels)  # (perhaps set since)
+        self._warn_rect()
         self._take_next_epoch()
         if not self._resume:  # a new pass starts its epoch from the beginning
             self._consumed, self._done = None, 0

@@ -411,4 +411,12 @@ def test_a_detection_loader_says_what_it_takes(det, caplog):
     with caplog.at_level("WARNING", logger="gdsdata.loader"):
         gdsdata.Loader(ds, 4, transform=gdsdata.Letterbox(S, rect=True))
     assert "shuffle=False" in caplog.text and "rect_order" in caplog.text
+    loader = gdsdata.Loader(ds, 4, transform=gdsdata.Letterbox(S))  # set to one between epochs: said at the pass
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gdsdata.loader"):
+        loader.transform = gdsdata.Letterbox(S, rect=True)
+        for _ in range(2):  # (once, not at each epoch)
+            next(iter(loader))
+    assert caplog.text.count("rect_order") == 1
+    loader.close()
     ds.close()
