@@ -446,6 +446,10 @@ def main(argv=None):
     if args.chart:
         return chart(*args.chart)
 
+    unknown = [i for i in args.inputs.split(",") if i and not (i in INPUTS or i == "raw:nocrc" or
+                                                              (i.startswith("gdsdata:") and i != "gdsdata:"))]
+    if unknown:  # (said before the images are made, not by each row after its warm-up)
+        parser.error(f"unknown input(s) {', '.join(unknown)}: of {', '.join(INPUTS)}, raw:nocrc and gdsdata:VARIANT")
     from common import print_system_block, system_block
 
     os.makedirs(args.out, exist_ok=True)

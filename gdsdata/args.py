@@ -1,6 +1,7 @@
 """Checks of the arguments users pass (Loader, transforms, pack, dataset indices): one clear line
 for a wrong type or a value out of range, the same test everywhere."""
 
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -21,23 +22,23 @@ def count(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+_COUNT = re.compile(r"[0-9]+")
+_SHARE = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)%")
+
+
 def skip_limit(value):
-    """A pack's ``max_skipped``, checked: None (no limit), a count of files (an int, 0 or more) or a
-    share of the files to pack (a string "P%", 0 to 100). Returns the count as an int, the share as
-    its string (stripped); ``skips_allowed`` turns either into a count."""
-    if value is None or is_integer(value):
-        if value is not None and value < 0:
-            raise ValueError(f"max_skipped must be 0 or more, got {value}")
-        return None if value is None else int(value)
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            if text.endswith("%") and 0 <= float(text[:-1]) <= 100:
-                return text
-            if not text.endswith("%"):
-                return skip_limit(int(text))
-        except ValueError:
-            pass
+    """A pack's ``max_skipped``, checked: None (no limit), a count of files (an int, or its digits,
+    0 or more) or a share of the files to pack (a string "P%", 0 to 100). Returns the count as an
+    int, the share as its string (stripped); ``skips_allowed`` turns either into a count."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return count("max_skipped", value, minimum=0)
+    text = value.strip()
+    if _COUNT.fullmatch(text):
+        return int(text)
+    if _SHARE.fullmatch(text) and Fraction(text[:-1]) <= 100:
+        return text
     raise ValueError(f"max_skipped must be a count of files (10) or a share of them (0.5%), got {value!r}")
 
 

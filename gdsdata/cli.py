@@ -50,8 +50,9 @@ def _skip_limit(text: str):
     try:
         return skip_limit(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of files (10) nor a share of them "
-                                         f"(0.5%)") from None
+        below = text.strip().startswith("-") and text.strip()[1:].isdigit()
+        raise argparse.ArgumentTypeError(f"{text.strip()} is below 0" if below else f"{text!r} is neither a count of "
+                                         f"files (10) nor a share of them (0.5%)") from None
 
 
 def _packed_options(out) -> dict:

@@ -356,7 +356,7 @@ class Loader:
         after ``loader.transform`` is set to one)."""
         transform = self.transform
         if isinstance(transform, D.Letterbox) and transform.rect and self.spec.shuffle and \
-                transform is not self._rect_warned:
+                transform != self._rect_warned:  # (one made afresh each epoch with the same arguments: said once)
             self._rect_warned = transform
             log.warning("Letterbox(rect=True) pads each batch to the rectangle its images need: shuffled, a batch "
                         "mixes shapes and pads most of them (Ultralytics turns shuffle off for rect); pass "

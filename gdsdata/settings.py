@@ -185,7 +185,9 @@ def _warn_unknown_variables():
 
 
 CUDA_QUEUES = 32  # the CUDA_DEVICE_MAX_CONNECTIONS gdsdata asks for
-_CUDA_DEFAULT_QUEUES = 8
+CUDA_DEFAULT_QUEUES = 8  # CUDA's own
+SET_BY_GDSDATA = "set by gdsdata"
+STARTED_FIRST = "CUDA's default: CUDA started before gdsdata was imported"
 _cuda_queues = None  # (queues, who chose them), from claim_cuda_queues()
 
 
@@ -204,22 +206,32 @@ def claim_cuda_queues():
     global _cuda_queues
     raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if raw is not None:
-        try:
-            _cuda_queues = (int(raw), "CUDA_DEVICE_MAX_CONNECTIONS in the environment")
-        except ValueError:
-            _cuda_queues = (_CUDA_DEFAULT_QUEUES, f"CUDA's default (CUDA_DEVICE_MAX_CONNECTIONS={raw!r} is no number)")
+        _cuda_queues = _queues_of(raw)
     elif _cuda_started():
-        _cuda_queues = (_CUDA_DEFAULT_QUEUES, "CUDA's default: CUDA started before gdsdata was imported")
+        _cuda_queues = (CUDA_DEFAULT_QUEUES, STARTED_FIRST)
     else:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(CUDA_QUEUES)
-        _cuda_queues = (CUDA_QUEUES, "set by gdsdata")
+        _cuda_queues = (CUDA_QUEUES, SET_BY_GDSDATA)
     return _cuda_queues
+
+
+def _queues_of(raw: str):
+    try:
+        return int(raw), "CUDA_DEVICE_MAX_CONNECTIONS in the environment"
+    except ValueError:
+        return CUDA_DEFAULT_QUEUES, f"CUDA's default (CUDA_DEVICE_MAX_CONNECTIONS={raw!r} is no number)"
 
 
 def cuda_queues():
     """(hardware work queues of this process's CUDA context, who chose them): what ``import gdsdata``
-    found or set."""
-    return _cuda_queues or claim_cuda_queues()
+    found or set, or the environment's value where the script changed it since (CUDA takes the
+    value it finds when it starts)."""
+    if _cuda_queues is None:
+        return claim_cuda_queues()
+    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if _cuda_queues[1] == SET_BY_GDSDATA and raw != str(CUDA_QUEUES):
+        return _queues_of(raw) if raw is not None else (CUDA_DEFAULT_QUEUES, "CUDA's default (the variable unset)")
+    return _cuda_queues
 
 
 # A bad variable is raised where the settings are first used, not while gdsdata is imported (where

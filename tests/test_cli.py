@@ -109,13 +109,19 @@ def test_errors_are_one_line(small_src, tmp_path):
                           "1 file(s) skipped or unreadable, more than --max-skipped 0 allows; the last: "
                           "class0/broken.jpg")
     assert run("pack", small_src, str(tmp_path / "m1"), "--max-skipped", "10%", "-q")[0] == 0  # 1 of 10 files
+    for k in range(2):  # the parts' reports counted together by merge --max-skipped (nothing written past it)
+        assert run("pack", small_src, str(tmp_path / f"p{k}"), "--num-parts", "2", "--part", str(k), "-q")[0] == 0
+    parts = [str(tmp_path / "p0"), str(tmp_path / "p1")]
+    assert_one_line_error(*run("merge", *parts, str(tmp_path / "pm"), "--max-skipped", "0", "-q")[::2],
+                          "1 file(s) skipped or unreadable, more than --max-skipped 0 allows; class0/broken.jpg: ")
+    assert not os.path.exists(tmp_path / "pm")
     assert_one_line_error(*run("inspect", small_src)[::2], "not a finished gdsdata dataset")
     assert_one_line_error(*run("inspect", os.path.join(out, fmt.shard_name(0)))[::2], "a file, not a dataset folder")
     for option, value, said in (("--quality", "0", "0 is outside 1..100"), ("--workers", "-3", "-3 is outside 0..4096"),
                                 ("--shard-size", "0", "'0' is no size (at least 1 byte)"),
                                 ("--num-parts", "0", "0 is below 1"), ("--max-side", "x", "'x' is not an integer"),
                                 ("--max-skipped", "5x", "'5x' is neither a count of files (10) nor a share of them "
-                                                        "(0.5%)")):
+                                                        "(0.5%)"), ("--max-skipped", "-1", "-1 is below 0")):
         rc, _, err = run("pack", small_src, str(tmp_path / "q"), option, value)  # a usage error, as argparse's
         assert rc == 2 and err == f"gdsdata pack: error: argument {option}: {said} (see gdsdata pack --help)\n"
     assert not os.path.exists(tmp_path / "q")

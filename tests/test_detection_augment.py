@@ -414,8 +414,8 @@ def test_a_detection_loader_says_what_it_takes(det, caplog):
     loader = gdsdata.Loader(ds, 4, transform=gdsdata.Letterbox(S))  # set to one between epochs: said at the pass
     caplog.clear()
     with caplog.at_level("WARNING", logger="gdsdata.loader"):
-        loader.transform = gdsdata.Letterbox(S, rect=True)
-        for _ in range(2):  # (once, not at each epoch)
+        for _ in range(2):  # (once, not at each epoch, also for one made afresh each epoch)
+            loader.transform = gdsdata.Letterbox(S, rect=True)
             next(iter(loader))
     assert caplog.text.count("rect_order") == 1
     loader.close()

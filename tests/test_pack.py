@@ -508,7 +508,7 @@ def test_max_skipped_stops_a_pack_that_skips_more_and_keeps_one_that_does_not(tm
         result = pack(src, str(tmp_path / f"within-{k}"), max_skipped=limit, workers=1)
         assert result.packed == len(paths) and sorted(s["path"] for s in result.skipped) == \
             [f"class{k}/bad{k}.jpg" for k in range(3)]
-    for wrong in (-1, "x", "101%", 1.5, True):
+    for wrong in (-1, "x", "101%", "+2", "1e3", "nan%", 1.5, True):
         with pytest.raises((ValueError, TypeError)):
             pack(src, str(tmp_path / "never"), max_skipped=wrong)
     assert not os.path.exists(tmp_path / "never")
@@ -521,8 +521,8 @@ def test_max_skipped_counts_every_part_together_at_the_merge(tmp_path):
     for k, part in enumerate(parts):
         pack(src, part, num_parts=2, part=k, workers=1, max_skipped="50%")  # (a part's share of its own files)
     out = str(tmp_path / "merged")
-    with pytest.raises(BadImageError, match=r"the 2 parts .*: 4 file\(s\) skipped or unreadable, more than "
-                                            r"--max-skipped 3 allows"):
+    with pytest.raises(BadImageError, match=r"part0, .*part1: 4 file\(s\) skipped or unreadable, more than "
+                                            r"--max-skipped 3 allows; class0/bad0.jpg: .* \.\.\.$"):
         merge(parts, out, max_skipped=3)
     assert not os.path.exists(out)
     assert merge(parts, out, max_skipped="25%")["samples"] == len(paths)  # 25 % of 16: 4
@@ -548,8 +548,22 @@ def test_max_skipped_shares_are_exact_and_an_overwrite_past_it_keeps_the_dataset
     pack(src, good, workers=1, max_skipped=3)
     with open(os.path.join(good, fmt.REPORT_NAME)) as f:
         kept = f.read()
-    with pytest.raises(BadImageError, match=r"the last: class2/bad2.jpg: [^(]*$"):  # (no report lists them)
-        pack(src, good, workers=1, overwrite=True, max_skipped=2)
+    with pytest.raises(BadImageError, match=r"allows; class0/bad0.jpg: [^(]*; class2/bad2.jpg: [^(]*$"):
+        pack(src, good, workers=1, overwrite=True, max_skipped=2)  # (no report in OUT lists them: the line does)
     with open(os.path.join(good, fmt.REPORT_NAME)) as f:
         assert f.read() == kept
     assert len(GDSDataset(good)) == 10
+
+
+def test_max_skipped_counts_files_the_listing_could_not_read(tmp_path):
+    src = str(tmp_path / "src")
+    _with_bad_files(src, bad=1)
+    os.symlink(str(tmp_path / "gone.jpg"), os.path.join(src, "class1", "link.jpg"))  # listed, never readable
+    out = str(tmp_path / "over")
+    with pytest.raises(BadImageError, match=r"2 file\(s\) skipped or unreadable, more than --max-skipped 1 allows"):
+        pack(src, out, workers=1, max_skipped=1)
+    with open(os.path.join(out, fmt.REPORT_NAME)) as f:
+        report = json.load(f)
+    assert (len(report["unreadable"]), len(report["skipped"])) == (1, 1)
+    result = pack(src, str(tmp_path / "within"), workers=1, max_skipped="17%")  # 17 % of 12 files: 2
+    assert result.packed == 10 and len(result.unreadable) == 1

@@ -141,6 +141,8 @@ def test_import_asks_cuda_for_32_work_queues_unless_told_otherwise():
     started = ("import sys, types; sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace("
                "is_initialized=lambda: True)); " + said)
     assert _queues(started) == [None, [8, "CUDA's default: CUDA started before gdsdata was imported"]]
+    changed = said.replace("print(", "os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = '2'; print(")  # (after import)
+    assert _queues(changed) == ["2", [2, "CUDA_DEVICE_MAX_CONNECTIONS in the environment"]]
 
 
 def test_the_gpu_path_warns_of_too_few_work_queues(monkeypatch, caplog):

@@ -29,13 +29,13 @@ def _check_cuda_queues():
         return
     _queues_checked = True
     queues, why = settings.cuda_queues()
-    if queues < 8:
+    if queues < settings.CUDA_DEFAULT_QUEUES:
         log.warning("CUDA runs %d hardware work queue(s) (%s): nvJPEG's decode waits behind a training step's "
                     "kernels and can feed it at a fraction of its rate; %d or more keep it fed "
-                    "(docs/usage.md, \"CUDA's work queues\")", queues, why, 8)
+                    "(docs/usage.md, \"CUDA's work queues\")", queues, why, settings.CUDA_DEFAULT_QUEUES)
     elif queues < settings.CUDA_QUEUES:
         log.info("CUDA runs %d hardware work queues (%s); gdsdata asks for %d where it can (%s)", queues, why,
-                 settings.CUDA_QUEUES, "import gdsdata before CUDA starts" if "started" in why else
+                 settings.CUDA_QUEUES, "import gdsdata before CUDA starts" if why == settings.STARTED_FIRST else
                  f"CUDA_DEVICE_MAX_CONNECTIONS={settings.CUDA_QUEUES}")
 
 

@@ -27,13 +27,13 @@ from tqdm import tqdm
 from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
-from gdsdata.args import skip_limit, skips_allowed
-from gdsdata.errors import BadImageError, FormatError, SourceError
+from gdsdata.args import skip_limit
+from gdsdata.errors import FormatError, SourceError
 from gdsdata.format.lock import (SHARDS_TAG, drop_if_empty, make_shard_folder, owned_target, reader_lock,
                                  remove_quietly, remove_shards, shard_folder, writer_lock)
 from gdsdata.format.shards import open_regular, read_header
 from gdsdata.packing.detection import annotate
-from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, into, packed_options, too_many_skipped
+from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options, reasons
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,7 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
     """
     out = os.path.realpath(os.fspath(out))
     _given_once(parts, out)
+    max_skipped = skip_limit(max_skipped)  # (a bad value said before anything is locked or read)
     with writer_lock(out, f"merge of {len(parts)} part(s)"), contextlib.ExitStack() as reading:
         for part in parts:  # no writer of a part while its shards are placed (other merges may read it too)
             reading.enter_context(reader_lock(part, f"merge into {out}"))
@@ -262,11 +263,13 @@ def _warn_repeats(parts, indexes):
 
 
 def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False, report=None,
-                  max_skipped=None) -> dict:
+                  max_skipped=None, left_out=None) -> dict:
     """``merge`` for a caller that holds ``out``'s writer lock already (``pack --ray``); ``adopt``:
     the parts go after the merge, and the shards they wrote on other drives become ``out``'s;
     ``report``: a function of the merged index's metadata and shard table giving the
-    ``pack_report.json`` written beside the index once it is (as a pack writes its own)."""
+    ``pack_report.json`` written beside the index once it is (as a pack writes its own);
+    ``max_skipped``: checked against the files the parts' reports list as skipped or unreadable, or
+    against ``left_out`` where given: (what to name, those files)."""
     if not parts:
         raise SourceError("merge needs at least one part")
     out = os.path.realpath(os.fspath(out))
@@ -276,9 +279,9 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     if not any(len(index) for index in indexes):  # as one pack of those files would fail
         raise SourceError(f"none of the {len(parts)} parts holds an image: every file failed to decode "
                           f"({_first_reasons(parts)})")
-    max_skipped = skip_limit(max_skipped)
     if max_skipped is not None:
-        _check_skipped(parts, sum(len(index) for index in indexes), max_skipped)
+        what, listed = left_out or _skipped_by(parts)
+        check_skipped(what, listed, sum(len(index) for index in indexes), skip_limit(max_skipped), listed=False)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
         return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report),
@@ -303,9 +306,8 @@ def _left_out(part, lists=("skipped",)):
     return [{"path": item["path"], "reason": str(item.get("reason", ""))} for item in listed]
 
 
-def _check_skipped(parts, packed, max_skipped):
-    """Refuse a merge whose parts skipped, or could not read, more files together than ``max_skipped``
-    allows of all their files (each part's report says which)."""
+def _skipped_by(parts):
+    """(the parts' names, the files their reports list as skipped or unreadable), for --max-skipped."""
     left_out = []
     for part in parts:
         listed = _left_out(part, ("unreadable", "skipped"))
@@ -313,17 +315,13 @@ def _check_skipped(parts, packed, max_skipped):
             raise SourceError(f"{part}: no readable {fmt.REPORT_NAME} (missing or damaged) to count its skipped files "
                               f"by (--max-skipped)")
         left_out += listed
-    allowed = skips_allowed(max_skipped, packed + len(left_out))
-    if len(left_out) > allowed:
-        raise BadImageError(too_many_skipped(f"the {len(parts)} parts (each one's {fmt.REPORT_NAME} lists its own)",
-                                             left_out, max_skipped, allowed, packed + len(left_out), listed=False))
+    return (", ".join(parts) if len(parts) <= 3 else f"{parts[0]} and {len(parts) - 1} more parts"), left_out
 
 
-def _first_reasons(parts, most=3) -> str:
+def _first_reasons(parts) -> str:
     """The first files the parts' reports list as skipped, with why."""
-    skipped = [item for part in parts for item in _left_out(part) or []]
-    said = "; ".join(f"{item['path']}: {item['reason']}" for item in skipped[:most])
-    return (said + (" ..." if len(skipped) > most else "")) or f"each part's {fmt.REPORT_NAME} says why"
+    return reasons([item for part in parts for item in _left_out(part) or []]) or \
+        f"each part's {fmt.REPORT_NAME} says why"
 
 
 def _merge(ordered, folder, out, copy, adopt=False, progress=False, report=None):

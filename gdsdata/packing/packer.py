@@ -691,15 +691,26 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         source.close()
 
 
-def too_many_skipped(src, left_out, max_skipped, allowed, files, listed=True) -> str:
-    """The line of a pack stopped by ``max_skipped``: how many, the limit, and the last file left out
-    (``listed``: the failed pack's report, written in OUT, lists them all; not after an overwrite,
-    which leaves OUT's dataset and report as they were, nor an append)."""
+def reasons(left_out, most=3) -> str:
+    """The first files of a report's list, each with why it was left out."""
+    said = "; ".join(f"{item['path']}: {item['reason']}" for item in left_out[:most])
+    return said + (" ..." if len(left_out) > most else "")
+
+
+def check_skipped(what, left_out, packed, max_skipped, listed=True):
+    """Raise ``BadImageError`` when ``left_out`` (files skipped or unreadable, as a report lists them)
+    is more than ``max_skipped`` allows of ``packed`` plus them. The line says how many, the limit,
+    and (``listed``: a failed report in OUT lists them all) the last file, or else the first ones."""
+    files = packed + len(left_out)
+    allowed = skips_allowed(max_skipped, files)
+    if allowed is None or len(left_out) <= allowed:
+        return
     share = f" ({allowed} of {files} files)" if isinstance(max_skipped, str) else ""
     last = left_out[-1]
-    return (f"{display(src)}: {len(left_out)} file(s) skipped or unreadable, more than --max-skipped "
-            f"{max_skipped}{share} allows; the last: {last['path']}: {last['reason']}"
-            + (f" ({fmt.REPORT_NAME} lists them)" if listed else ""))
+    which = (f"the last: {last['path']}: {last['reason']} ({fmt.REPORT_NAME} lists them)" if listed else
+             f"{reasons(left_out)}")
+    raise BadImageError(f"{what}: {len(left_out)} file(s) skipped or unreadable, more than --max-skipped "
+                        f"{max_skipped}{share} allows; {which}")
 
 
 def _appendable(out, source, alignment):
@@ -1020,12 +1031,11 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     sizes = {item.rel: item.size for item in items if item.size is not None}
     min_side = getattr(source, "min_side", 0)  # YOLO: Ultralytics leaves out images under 10 pixels a side,
     formats = getattr(source, "image_formats", None)  # and those whose content is not one of its formats
-    files = len(items) + len(unreadable)  # (what a share counts: the image files, those not read included)
-    allowed = skips_allowed(max_skipped, files)
+    listed = folder == out and not append  # (a failed report in OUT lists what was left out; an overwrite or
+    # an append that fails leaves OUT's dataset and report as they were)
     try:
-        if allowed is not None and len(skipped) + len(unreadable) > allowed:  # (the listing's, a resume's)
-            raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed, files,
-                                                 listed=folder == out and not append))
+        if max_skipped is not None:  # (the listing's, a resume's)
+            check_skipped(display(src), unreadable + skipped, len(items) - len(skipped), max_skipped, listed)
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
             if on_progress is not None:
@@ -1060,9 +1070,9 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                     if label_report is not None:
                         label_report.forget(display(rel))
                     log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
-                    if allowed is not None and len(skipped) + len(unreadable) > allowed:
-                        raise BadImageError(too_many_skipped(src, unreadable + skipped, max_skipped, allowed, files,
-                                                             listed=folder == out and not append))
+                    if max_skipped is not None:
+                        check_skipped(display(src), unreadable + skipped, len(items) - len(skipped), max_skipped,
+                                      listed)
                     position["item"] += 1
                     continue
                 shard, offset = writer.add(prepared.payload)  # may close a shard: its journal ends here

@@ -150,7 +150,10 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                 union = _JoinedReport(src, out, [reports[k] for k in range(parts)], kwargs["shard_roots"], started,
                                 parts, cpus)
                 summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
-                                        overwrite=overwrite, adopt=True, report=union, max_skipped=max_skipped)
+                                        overwrite=overwrite, adopt=True, report=union, max_skipped=max_skipped,
+                                        left_out=(f"pack --ray of {display(src)}", [  # (from what the parts returned)
+                                            item for k in range(parts) for key in ("unreadable", "skipped")
+                                            for item in reports[k].get(key) or []]))
         except KeyboardInterrupt as e:
             interrupted = True
             if signal.SIGTERM in came and not isinstance(e, Terminated):
