@@ -682,6 +682,30 @@ def test_a_link_loop_neither_repeats_nor_mislabels(tmp_path):
         pack(str(deep), str(tmp_path / "alias-ds"), workers=1)
 
 
+def test_links_deep_in_nested_folders_are_caught_as_at_the_top(tmp_path):
+    """Folders nested 300 deep (their real paths are followed down the tree, not resolved anew at each
+    folder): the image at the bottom is listed, a loop and a link into another class there are not
+    followed."""
+    src = tmp_path / "src"
+    write_photos(str(src), 2, classes=2, start_seed=95)
+    bottom = src / "class0"
+    for _ in range(300):
+        bottom = bottom / "n"
+    bottom.mkdir(parents=True)
+    os.rename(src / "class0" / "00000.jpg", bottom / "deep.jpg")
+    os.symlink("../../..", bottom / "up")
+    os.symlink(str(src / "class1"), bottom / "other")
+    result = pack(str(src), str(tmp_path / "ds"), workers=1)
+    ds = gdsdata.GDSDataset(str(tmp_path / "ds"))
+    chain = "/".join(["class0"] + ["n"] * 300)
+    assert [(ds.source(i), ds.targets[i]) for i in range(len(ds))] == [(f"{chain}/deep.jpg", 0),
+                                                                       ("class1/00001.jpg", 1)]
+    assert [(item["path"], item["reason"]) for item in result.unreadable] == [
+        (f"{chain}/other", "a link to class1, outside its class's folder in the source: not read here"),
+        (f"{chain}/up", f"the same folder as {'/'.join(['class0'] + ['n'] * 297)} (a link loop or a second link "
+                        f"to it): not read twice")]
+
+
 def test_two_class_names_for_one_folder_are_refused(tmp_path):
     """A class folder that is a link to another class's folder: ImageFolder would label its images
     both ways; the pack stops naming both (it had kept the second as a class without samples)."""
