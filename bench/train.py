@@ -14,8 +14,9 @@ batch 256, 224 px) consumes batches from each input, in one run over the same im
               pack's files evicted, before the row; every epoch then comes from the drive),
               gdsdata:direct_block the same with shuffle="block" (each shuffle window's whole blocks
               read at once), gdsdata:prefetchN with N batches ready ahead (Loader(prefetch=N);
-              2 by default), gdsdata:queuesN with CUDA_DEVICE_MAX_CONNECTIONS=N (gdsdata's import
-              sets 32 where the environment does not; CUDA's default 8)
+              2 by default); any input with :queuesN (gdsdata:queues8, dali:queues32) runs its row
+              with CUDA_DEVICE_MAX_CONNECTIONS=N (gdsdata's import sets 32 where the environment
+              does not; CUDA's default 8)
   raw         the same over a raw-pixel pack of the images (shorter side 256), each sample's CRC-32
               checked where it lands in GPU staging (the GPU kernel, by default); raw:nocrc without
               (what the checksums cost)
@@ -192,6 +193,12 @@ def _dataloader(src, workers):
     return epoch
 
 
+def _without_queues(name: str) -> str:
+    """An input's name without its ``:queuesN`` (CUDA_DEVICE_MAX_CONNECTIONS=N for its row)."""
+    base, _, queues = name.rpartition(":queues")
+    return base if base and queues.isdigit() else name
+
+
 def _variant(name):
     """The settings of a ``gdsdata:NAME`` input: an nvJPEG backend by nvJPEG's name, ``nocrc`` (no
     checksums) or ``direct`` (streaming reads past the page cache)."""
@@ -209,7 +216,8 @@ def run_row(args):
 
     from common import GpuClocks, ThreadCpu, cpu_seconds, host_cpu_times, steal_pct
 
-    if args.input.startswith(("gdsdata", "raw")):
+    source = _without_queues(args.input)  # (":queuesN" on any input: the row's environment, set by spawn)
+    if source.startswith(("gdsdata", "raw")):
         import gdsdata  # noqa: F401 - first, as a training script would: it sets CUDA's work queues before CUDA starts
     model = _Model(args.model, args.stream)
     progress = {"steps": 0, "t": time.monotonic()}
@@ -231,30 +239,29 @@ def run_row(args):
     torch.cuda.synchronize()
     del warm, images, labels
     baseline = _device_used()
-    if args.input == "synthetic":
+    if source == "synthetic":
         epoch = _synthetic(args.count)
-    elif args.input.startswith("gdsdata"):
-        if ":" in args.input:
+    elif source.startswith("gdsdata"):
+        if ":" in source:
             from gdsdata import settings
 
-            variant = args.input.split(":", 1)[1]
-            settings.set(**({} if variant == "bilinear" or variant.startswith(("prefetch", "queues"))
-                             else _variant(variant)))
+            variant = source.split(":", 1)[1]
+            settings.set(**({} if variant == "bilinear" or variant.startswith("prefetch") else _variant(variant)))
             if variant.startswith("direct"):  # from the drive: nothing of the pack in the page cache
                 from common import drop_caches
 
                 drop_caches([os.path.join(d, f) for d, _, files in os.walk(args.jpeg) for f in files])
-        epoch = _gdsdata(args.jpeg, antialias=args.input != "gdsdata:bilinear",
-                         shuffle="block" if args.input == "gdsdata:direct_block" else True,
-                         prefetch=int(args.input.split(":prefetch", 1)[1]) if ":prefetch" in args.input else 2)
-    elif args.input in ("raw", "raw:nocrc"):
-        epoch = _gdsdata(args.raw, verify=False if args.input == "raw:nocrc" else None)
-    elif args.input == "dali":
+        epoch = _gdsdata(args.jpeg, antialias=source != "gdsdata:bilinear",
+                         shuffle="block" if source == "gdsdata:direct_block" else True,
+                         prefetch=int(source.split(":prefetch", 1)[1]) if ":prefetch" in source else 2)
+    elif source in ("raw", "raw:nocrc"):
+        epoch = _gdsdata(args.raw, verify=False if source == "raw:nocrc" else None)
+    elif source == "dali":
         epoch = _dali(args.src, args.workers)
-    elif args.input == "dataloader":
+    elif source == "dataloader":
         epoch = _dataloader(args.src, args.workers)
     else:
-        raise SystemExit(f"unknown input {args.input!r} (queuesN, nocrc and the others are gdsdata's variants)")
+        raise SystemExit(f"unknown input {args.input!r}")
     rates, cpu, used, steps, stages, host = [], [], [], 0, None, None
     clocks, threads, timed_steps = GpuClocks(_nvml_index(torch)), ThreadCpu(), 0
     for e in range(1 + args.epochs):
@@ -385,7 +392,7 @@ def spawn(args, model, source, stream, paths):
     if args.trace:
         command += ["--trace", os.path.abspath(args.trace)]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    queues = source.split(":queues", 1)[1] if ":queues" in source else QUEUES
+    queues = source.rpartition(":queues")[2] if _without_queues(source) != source else QUEUES
     if queues is not None:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = queues
     t0 = time.monotonic()
@@ -446,10 +453,11 @@ def main(argv=None):
     if args.chart:
         return chart(*args.chart)
 
-    unknown = [i for i in args.inputs.split(",") if i and not (i in INPUTS or i == "raw:nocrc" or
-                                                              (i.startswith("gdsdata:") and i != "gdsdata:"))]
+    unknown = [i for i in args.inputs.split(",") if i and not (
+        _without_queues(i) in (*INPUTS, "raw:nocrc") or (i.startswith("gdsdata:") and i != "gdsdata:"))]
     if unknown:  # (said before the images are made, not by each row after its warm-up)
-        parser.error(f"unknown input(s) {', '.join(unknown)}: of {', '.join(INPUTS)}, raw:nocrc and gdsdata:VARIANT")
+        parser.error(f"unknown input(s) {', '.join(unknown)}: of {', '.join(INPUTS)}, raw:nocrc, gdsdata:VARIANT, "
+                     f"each also with :queuesN")
     from common import print_system_block, system_block
 
     os.makedirs(args.out, exist_ok=True)
@@ -460,12 +468,12 @@ def main(argv=None):
         return
     models, streams = args.models.split(","), args.streams.split(",")
     inputs = [i for i in args.inputs.split(",") if i]
-    if "dali" in inputs:
+    if any(_without_queues(i) == "dali" for i in inputs):
         try:
             import nvidia.dali  # noqa: F401
         except ImportError as e:
             print(f"DALI not importable ({e}): its rows skipped")
-            inputs.remove("dali")
+            inputs = [i for i in inputs if _without_queues(i) != "dali"]
     results = []
     if args.soak:
         print(f"\n== soak: {args.soak} fresh processes per row, {1 + args.epochs} epochs each ==")

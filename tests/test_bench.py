@@ -1,5 +1,6 @@
 """Smoke-run every benchmark pipeline that can run on a CPU, at tiny size (the numbers mean nothing)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -218,3 +219,30 @@ def test_timeline_splits_the_steps_idle_time():
     assert train["kernels"] == 3 and train["on_step_stream"] == 3 and train["median_launch_us"] == 2
     other = next(t for t in r["threads"] if t["thread"] == 2)
     assert other["on_step_stream"] == 0.0
+
+
+def test_the_training_client_gives_each_row_its_queues_and_refuses_unknown_inputs(monkeypatch):
+    """bench/train.py: ``:queuesN`` on any input sets CUDA_DEVICE_MAX_CONNECTIONS for that row's
+    process; other rows get the environment the bench was started in (not the 32 its own import of
+    gdsdata set); an unknown input stops the run before any image is made."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import train
+
+    assert [train._without_queues(n) for n in ("gdsdata:queues8", "dali:queues32", "raw:nocrc:queues4",
+                                              "gdsdata:nocrc", "synthetic:queuesx")] == \
+        ["gdsdata", "dali", "raw:nocrc", "gdsdata:nocrc", "synthetic:queuesx"]
+    seen = {}
+
+    def run(command, env, **kw):
+        seen[command[command.index("--row") + 2]] = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+        return subprocess.CompletedProcess(command, 0, '{"hang": false}', "")
+
+    monkeypatch.setattr(train.subprocess, "run", run)
+    monkeypatch.setattr(train, "QUEUES", None)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # (as gdsdata's import in the bench sets it)
+    args = argparse.Namespace(trace=None, count=1, epochs=1, workers=1, stall=1, profile=0, row_timeout=5)
+    for source in ("synthetic", "dali:queues16", "gdsdata:queues8"):
+        train.spawn(args, "resnet18", source, "current", ("s", "j", "r"))
+    assert seen == {"synthetic": None, "dali:queues16": "16", "gdsdata:queues8": "8"}
+    with pytest.raises(SystemExit):
+        train.main(["--inputs", "synthetic,foo:queues2", "--models", ""])
