@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import mean_abs_diff, pil_reference, write_photos
+from conftest import jpeg_bytes, mean_abs_diff, photo, pil_reference, write_photos
 from PIL import Image
 
 from gdsdata.format import layout as fmt
@@ -567,3 +567,24 @@ def test_max_skipped_counts_files_the_listing_could_not_read(tmp_path):
     assert (len(report["unreadable"]), len(report["skipped"])) == (1, 1)
     result = pack(src, str(tmp_path / "within"), workers=1, max_skipped="17%")  # 17 % of 12 files: 2
     assert result.packed == 10 and len(result.unreadable) == 1
+
+
+def test_max_skipped_on_append_counts_only_files_the_dataset_did_not_leave_out_before(tmp_path):
+    """An append tries again the files its dataset's report lists as skipped: under --max-skipped
+    they count once (at the pack that first skipped them), not at each append."""
+    src, out = str(tmp_path / "src"), str(tmp_path / "ds")
+    _with_bad_files(src, photos=6, bad=2)
+    pack(src, out, workers=1, max_skipped=2)
+    result = pack(src, out, append=True, workers=1, max_skipped=0)  # nothing new: the same two bad files
+    assert result.new == 0 and len(result.skipped) == 2
+    with open(os.path.join(src, "class0", "zz_new_bad.jpg"), "wb") as f:
+        f.write(b"\xff\xd8\xff broken")
+    with open(os.path.join(src, "class1", "zz_new.jpg"), "wb") as f:
+        f.write(jpeg_bytes(photo(500)))
+    with pytest.raises(BadImageError, match=r"1 file\(s\) skipped or unreadable, more than --max-skipped 0 "
+                                            r"allows; class0/zz_new_bad.jpg: "):
+        pack(src, out, append=True, workers=1, max_skipped=0)
+    assert len(GDSDataset(out)) == 6  # (the dataset as it was)
+    result = pack(src, out, append=True, workers=1, max_skipped=1)
+    assert result.new == 1 and len(GDSDataset(out)) == 7
+    assert pack(src, out, append=True, workers=1, max_skipped=0).new == 0  # its report lists all three now

@@ -31,9 +31,10 @@ from gdsdata.args import skip_limit
 from gdsdata.errors import FormatError, SourceError
 from gdsdata.format.lock import (SHARDS_TAG, drop_if_empty, make_shard_folder, owned_target, reader_lock,
                                  remove_quietly, remove_shards, shard_folder, writer_lock)
-from gdsdata.format.shards import open_regular, read_header
+from gdsdata.format.shards import read_header
 from gdsdata.packing.detection import annotate
-from gdsdata.packing.packer import PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options, reasons
+from gdsdata.packing.packer import (PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options, reasons,
+                                    report_lists)
 
 log = logging.getLogger(__name__)
 
@@ -292,25 +293,11 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
         raise
 
 
-def _left_out(part, lists=("skipped",)):
-    """The files a part's report lists under ``lists`` ({"path", "reason"} each), or None without a
-    readable report."""
-    try:
-        with open(open_regular(os.path.join(part, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
-            report = json.load(f)
-        listed = [item for name in lists for item in report.get(name) or []]
-    except (OSError, ValueError, FormatError, AttributeError, TypeError):
-        return None
-    if not all(isinstance(item, dict) and isinstance(item.get("path"), str) for item in listed):
-        return None  # (a report damaged or written by hand)
-    return [{"path": item["path"], "reason": str(item.get("reason", ""))} for item in listed]
-
-
 def _skipped_by(parts):
     """(the parts' names, the files their reports list as skipped or unreadable), for --max-skipped."""
     left_out = []
     for part in parts:
-        listed = _left_out(part, ("unreadable", "skipped"))
+        listed = report_lists(part, ("unreadable", "skipped"))
         if listed is None:
             raise SourceError(f"{part}: no readable {fmt.REPORT_NAME} (missing or damaged) to count its skipped files "
                               f"by (--max-skipped)")
@@ -320,7 +307,7 @@ def _skipped_by(parts):
 
 def _first_reasons(parts) -> str:
     """The first files the parts' reports list as skipped, with why."""
-    return reasons([item for part in parts for item in _left_out(part) or []]) or \
+    return reasons([item for part in parts for item in report_lists(part) or []]) or \
         f"each part's {fmt.REPORT_NAME} says why"
 
 

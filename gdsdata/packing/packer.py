@@ -697,6 +697,20 @@ def reasons(left_out, most=3) -> str:
     return said + (" ..." if len(left_out) > most else "")
 
 
+def report_lists(folder, lists=("skipped",)):
+    """The files the ``pack_report.json`` in ``folder`` (a dataset, a part) lists under ``lists``
+    ({"path", "reason"} each), or None without a readable one."""
+    try:
+        with open(open_regular(os.path.join(folder, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
+            report = json.load(f)
+        listed = [item for name in lists for item in report.get(name) or []]
+    except (OSError, ValueError, FormatError, AttributeError, TypeError):
+        return None
+    if not all(isinstance(item, dict) and isinstance(item.get("path"), str) for item in listed):
+        return None  # (a report damaged or written by hand)
+    return [{"path": item["path"], "reason": str(item.get("reason", ""))} for item in listed]
+
+
 def check_skipped(what, left_out, packed, max_skipped, listed=True):
     """Raise ``BadImageError`` when ``left_out`` (files skipped or unreadable, as a report lists them)
     is more than ``max_skipped`` allows of ``packed`` plus them. The line says how many, the limit,
@@ -1033,9 +1047,17 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     formats = getattr(source, "image_formats", None)  # and those whose content is not one of its formats
     listed = folder == out and not append  # (a failed report in OUT lists what was left out; an overwrite or
     # an append that fails leaves OUT's dataset and report as they were)
+    # an append tries again the files its dataset's report lists as left out: they count once, not each time
+    known = {item["path"] for item in report_lists(out, ("unreadable", "skipped")) or []} \
+        if append and max_skipped is not None else set()
+
+    def check_left_out():
+        left_out = [item for item in unreadable + skipped if item["path"] not in known]
+        check_skipped(display(src), left_out, len(items) - len(skipped), max_skipped, listed)
+
     try:
         if max_skipped is not None:  # (the listing's, a resume's)
-            check_skipped(display(src), unreadable + skipped, len(items) - len(skipped), max_skipped, listed)
+            check_left_out()
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
             if on_progress is not None:
@@ -1071,8 +1093,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                         label_report.forget(display(rel))
                     log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
                     if max_skipped is not None:
-                        check_skipped(display(src), unreadable + skipped, len(items) - len(skipped), max_skipped,
-                                      listed)
+                        check_left_out()
                     position["item"] += 1
                     continue
                 shard, offset = writer.add(prepared.payload)  # may close a shard: its journal ends here
