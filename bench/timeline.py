@@ -73,12 +73,12 @@ def analyse(events, steps: int) -> dict:
     if not gpu:
         raise ValueError("no GPU activity in the trace (profiled without CUDA, or CUPTI missing)")
 
-    stream, step_on = stream_of, step_stream(gpu)
-    step = [e for e in gpu if stream(e) == step_on and e["cat"] == "kernel"]
+    step_on = step_stream(gpu)
+    step = [e for e in gpu if stream_of(e) == step_on and e["cat"] == "kernel"]
     t0, t1 = min(e["ts"] for e in step), max(e["ts"] + e["dur"] for e in step)
     step_busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in step])
     idle = [[a, b] for (_, a), (b, _) in zip(step_busy[:-1], step_busy[1:])]
-    others = [e for e in gpu if stream(e) != step_on and t0 <= e["ts"] <= t1]
+    others = [e for e in gpu if stream_of(e) != step_on and t0 <= e["ts"] <= t1]
     other_kernels = _union([(e["ts"], e["ts"] + e["dur"]) for e in others if e["cat"] == "kernel"])
     other_any = _union([(e["ts"], e["ts"] + e["dur"]) for e in others])
     idle_total = _total(idle)
@@ -115,7 +115,7 @@ def analyse(events, steps: int) -> dict:
                      "inside_ms": round(sum(e["dur"] for e in mine) / per, 3),
                      "median_launch_us": round(statistics.median(launches), 1) if launches else None,
                      "kernels": round(len(launched) / steps, 1),
-                     "on_step_stream": round(sum(1 for k in launched if stream(k) == step_on) / steps, 1),
+                     "on_step_stream": round(sum(1 for k in launched if stream_of(k) == step_on) / steps, 1),
                      "top": [n for n, _ in collections.Counter(e["name"] for e in mine).most_common(3)]})
     out["threads"] = sorted(rows, key=lambda r: -r["calls"])[:8]
     return out

@@ -353,16 +353,13 @@ def gpu_profile(model, epoch, steps, skip=5, trace=None):
     from timeline import step_stream, stream_of
 
     step_on = step_stream(events)
-    per_stream = {}
-    for e in events:
-        per_stream.setdefault(stream_of(e), []).append(e)
     pipeline = {}
     for e in events:
         if stream_of(e) != step_on:
             key = "copies" if e["cat"] != "kernel" else e["name"][:60]
             pipeline[key] = pipeline.get(key, 0.0) + e["dur"] / 1e3 / steps
     return {"steps": steps,
-            "step_kernels_ms": round(sum(e["dur"] for e in per_stream.get(step_on, [])) / 1e3 / steps, 3),
+            "step_kernels_ms": round(sum(e["dur"] for e in events if stream_of(e) == step_on) / 1e3 / steps, 3),
             "pipeline_ms": {k: round(v, 3) for k, v in sorted(pipeline.items(), key=lambda kv: -kv[1])[:8]}}
 
 

@@ -269,8 +269,8 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     the parts go after the merge, and the shards they wrote on other drives become ``out``'s;
     ``report``: a function of the merged index's metadata and shard table giving the
     ``pack_report.json`` written beside the index once it is (as a pack writes its own);
-    ``max_skipped``: checked against the files the parts' reports list as skipped or unreadable, or
-    against ``left_out`` where given: (what to name, those files)."""
+    ``max_skipped`` (from ``args.skip_limit``): checked against the files the parts' reports list as
+    skipped or unreadable, or against ``left_out`` where given: (what to name, those files)."""
     if not parts:
         raise SourceError("merge needs at least one part")
     out = os.path.realpath(os.fspath(out))
@@ -282,7 +282,7 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
                           f"({_first_reasons(parts)})")
     if max_skipped is not None:
         what, listed = left_out or _skipped_by(parts)
-        check_skipped(what, listed, sum(len(index) for index in indexes), skip_limit(max_skipped), listed=False)
+        check_skipped(what, listed, sum(len(index) for index in indexes), max_skipped, listed=False)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
         return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report),

@@ -702,12 +702,20 @@ def report_lists(folder, lists=("skipped",)):
     ({"path", "reason"} each), or None without a readable one."""
     try:
         with open(open_regular(os.path.join(folder, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
-            report = json.load(f)
+            return listed_in(json.load(f), lists)
+    except (OSError, ValueError, FormatError):
+        return None
+
+
+def listed_in(report, lists=("skipped",)):
+    """The files a report (a ``pack_report.json``'s dict) lists under ``lists``, or None where they
+    are not lists of {"path", "reason"} (a report damaged or written by hand)."""
+    try:
         listed = [item for name in lists for item in report.get(name) or []]
-    except (OSError, ValueError, FormatError, AttributeError, TypeError):
+    except (AttributeError, TypeError):
         return None
     if not all(isinstance(item, dict) and isinstance(item.get("path"), str) for item in listed):
-        return None  # (a report damaged or written by hand)
+        return None
     return [{"path": item["path"], "reason": str(item.get("reason", ""))} for item in listed]
 
 
@@ -1050,13 +1058,18 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     # an append tries again the files its dataset's report lists as left out: they count once, not each time
     known = {item["path"] for item in report_lists(out, ("unreadable", "skipped")) or []} \
         if append and max_skipped is not None else set()
+    left_out = {"count": sum(item["path"] not in known for item in unreadable + skipped)}  # (the listing's, a
+    # resume's; counted as files are skipped, the list made only to say it)
 
-    def check_left_out():
-        left_out = [item for item in unreadable + skipped if item["path"] not in known]
-        check_skipped(display(src), left_out, len(items) - len(skipped), max_skipped, listed)
+    def check_left_out(item=None):
+        left_out["count"] += item is not None and item["path"] not in known
+        allowed = skips_allowed(max_skipped, len(items) - len(skipped) + left_out["count"])
+        if left_out["count"] > allowed:
+            check_skipped(display(src), [item for item in unreadable + skipped if item["path"] not in known],
+                          len(items) - len(skipped), max_skipped, listed)
 
     try:
-        if max_skipped is not None:  # (the listing's, a resume's)
+        if max_skipped is not None:
             check_left_out()
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
@@ -1093,7 +1106,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                         label_report.forget(display(rel))
                     log.info("skipped %s: %s", display(rel), reason)  # (the report lists them, the CLI says them)
                     if max_skipped is not None:
-                        check_left_out()
+                        check_left_out(skipped[-1])
                     position["item"] += 1
                     continue
                 shard, offset = writer.add(prepared.payload)  # may close a shard: its journal ends here

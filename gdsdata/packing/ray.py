@@ -66,7 +66,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     the merge (nothing is written then)."""
     from gdsdata.args import skip_limit
     from gdsdata.packing.merge import merge_checked
-    from gdsdata.packing.packer import check_output, dataset_owner, shard_roots_of, within
+    from gdsdata.packing.packer import check_output, dataset_owner, listed_in, shard_roots_of, within
 
     max_skipped = skip_limit(max_skipped)
     ray = _import_ray()
@@ -152,8 +152,8 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                 summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
                                         overwrite=overwrite, adopt=True, report=union, max_skipped=max_skipped,
                                         left_out=(f"pack --ray of {display(src)}", [  # (from what the parts returned)
-                                            item for k in range(parts) for key in ("unreadable", "skipped")
-                                            for item in reports[k].get(key) or []]))
+                                            item for k in range(parts)
+                                            for item in listed_in(reports[k], ("unreadable", "skipped")) or []]))
         except KeyboardInterrupt as e:
             interrupted = True
             if signal.SIGTERM in came and not isinstance(e, Terminated):
