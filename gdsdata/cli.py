@@ -448,8 +448,9 @@ def build_parser():
     p.add_argument("--strict", action="store_true",
                    help="stop at the first bad or unreadable file or folder instead of skipping it")
     p.add_argument("--max-skipped", type=_skip_limit, metavar="N|P%",
-                   help="stop as --strict does once more files than N (or P%% of the files) are skipped or "
-                        "unreadable; a part counts its own files, --ray all of them before the merge")
+                   help="stop as --strict does once more files than N (or P%% of the files) are skipped, "
+                        "unreadable or (detection) left out for their labels; a part counts its own files, "
+                        "--ray all of them before the merge")
     p.add_argument("--max-pixels", type=_integer(0), default=PACK_DEFAULTS.max_pixels, metavar="N",
                    help=f"refuse images that declare more pixels, before decoding them "
                         f"(default {PACK_DEFAULTS.max_pixels:,}, Pillow's; 0: no limit)")
@@ -478,8 +479,9 @@ def build_parser():
     p.add_argument("out", help="merged dataset folder to create")
     p.add_argument("--copy", action="store_true", help="copy shard data instead of linking it")
     p.add_argument("--max-skipped", type=_skip_limit, metavar="N|P%",
-                   help="refuse the merge when the parts skipped or could not read more than N files together "
-                        "(or P%% of their files), as their pack_report.json files list")
+                   help="refuse the merge when the parts left out more than N files together (or P%% of their "
+                        "files: skipped, unreadable or left out for their labels), as their pack_report.json "
+                        "files list")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
     p.set_defaults(run=_cmd_merge)

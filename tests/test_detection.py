@@ -404,6 +404,36 @@ def yolo_tree(root, labels: dict, names=("a", "b"), sizes=None):
     return os.path.join(root, "data.yaml")
 
 
+def test_max_skipped_counts_images_left_out_for_their_labels(tmp_path):
+    """An image left out for its labels is a sample the dataset lacks, as a file that failed to decode
+    is: --max-skipped counts it (part 0 of a --num-parts pack, which holds the source's label report),
+    merge --max-skipped counts it from that report, and an append does not count it again."""
+    from gdsdata.errors import BadImageError
+
+    src = str(tmp_path / "src")
+    yaml_path = yolo_tree(src, {**{f"good{k}": "0 0.5 0.5 0.2 0.2\n" for k in range(5)},
+                                "words": "0 0.5 zero 0.1 0.1\n", "class": "7 0.5 0.5 0.1 0.1\n"})
+    out = str(tmp_path / "over")
+    for limit in (1, "25%"):  # 25 % of 7 files: 1
+        with pytest.raises(BadImageError, match=r"2 file\(s\) left out \(skipped, unreadable or bad labels\), more "
+                                                r"than --max-skipped .*; the last: images.train.words.jpg: "
+                                                r"labels.train.words.txt: line 1: .*not numbers"):
+            pack(yaml_path, out, format="yolo", workers=1, max_skipped=limit)
+        assert sorted(os.listdir(out)) == [fmt.REPORT_NAME]  # (the failed report lists them)
+        report = json.loads(pathlib.Path(out, fmt.REPORT_NAME).read_text())
+        assert report["status"] == "failed" and len(report["labels"]["bad_labels"]) == 2
+    ds = str(tmp_path / "ds")
+    assert pack(yaml_path, ds, format="yolo", workers=1, max_skipped="30%").packed == 5  # 30 % of 7: 2
+    assert pack(yaml_path, ds, format="yolo", workers=1, append=True, max_skipped=0).new == 0  # counted before
+    parts = [str(tmp_path / f"part{k}") for k in range(2)]
+    for k, part in enumerate(parts):
+        pack(yaml_path, part, format="yolo", workers=1, num_parts=2, part=k)
+    with pytest.raises(BadImageError, match=r"part0, .*part1: 2 file\(s\) left out .* allows; .*class.jpg: "):
+        gdsdata.merge(parts, str(tmp_path / "merged"), max_skipped=1)
+    assert not os.path.exists(tmp_path / "merged")
+    assert gdsdata.merge(parts, str(tmp_path / "merged"), max_skipped=2)["samples"] == 5
+
+
 def test_yolo_bad_labels_are_reported_as_the_module_says(tmp_path):
     src = str(tmp_path / "src")
     yaml_path = yolo_tree(src, {

@@ -33,8 +33,8 @@ from gdsdata.format.lock import (SHARDS_TAG, drop_if_empty, make_shard_folder, o
                                  remove_quietly, remove_shards, shard_folder, writer_lock)
 from gdsdata.format.shards import read_header
 from gdsdata.packing.detection import annotate
-from gdsdata.packing.packer import (PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options, reasons,
-                                    report_lists)
+from gdsdata.packing.packer import (LEFT_OUT, PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options,
+                                    reasons, report_lists)
 
 log = logging.getLogger(__name__)
 
@@ -294,10 +294,10 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
 
 
 def _skipped_by(parts):
-    """(the parts' names, the files their reports list as skipped or unreadable), for --max-skipped."""
+    """(the parts' names, the files their reports list as left out), for --max-skipped."""
     left_out = []
     for part in parts:
-        listed = report_lists(part, ("unreadable", "skipped"))
+        listed = report_lists(part, LEFT_OUT)
         if listed is None:
             raise SourceError(f"{part}: no readable {fmt.REPORT_NAME} (missing or damaged) to count its skipped files "
                               f"by (--max-skipped)")

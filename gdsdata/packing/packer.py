@@ -590,7 +590,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     strict : bool
         Stop at the first bad or unreadable file or folder instead of skipping it.
     max_skipped : int or str, optional
-        Stop as ``strict`` does once more files are skipped or unreadable than this: a count (10)
+        Stop as ``strict`` does once more files are skipped, unreadable or (detection) left out for
+        their labels than this: a count (10)
         or a share of the files to pack ("0.5%"; a part's share of its own files). None: no limit.
     overwrite : bool
         Replace a dataset in ``out``: the new one is built aside and swapped in when complete.
@@ -697,9 +698,15 @@ def reasons(left_out, most=3) -> str:
     return said + (" ..." if len(left_out) > most else "")
 
 
+# the lists of a report that name files left out of the dataset (what --max-skipped counts): those that
+# failed to decode or check, those the listing could not read, a detection source's images left out for
+# their labels
+LEFT_OUT = ("unreadable", "skipped", "labels.bad_labels")
+
+
 def report_lists(folder, lists=("skipped",)):
     """The files the ``pack_report.json`` in ``folder`` (a dataset, a part) lists under ``lists``
-    ({"path", "reason"} each), or None without a readable one."""
+    ({"path", "reason"} each; "labels.bad_labels" is a list inside one), or None without a readable one."""
     try:
         with open(open_regular(os.path.join(folder, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
             return listed_in(json.load(f), lists)
@@ -710,8 +717,13 @@ def report_lists(folder, lists=("skipped",)):
 def listed_in(report, lists=("skipped",)):
     """The files a report (a ``pack_report.json``'s dict) lists under ``lists``, or None where they
     are not lists of {"path", "reason"} (a report damaged or written by hand)."""
+    def entries(name):
+        found = report
+        for key in name.split("."):
+            found = found.get(key) if found is not None else None
+        return found or []
     try:
-        listed = [item for name in lists for item in report.get(name) or []]
+        listed = [item for name in lists for item in entries(name)]
     except (AttributeError, TypeError):
         return None
     if not all(isinstance(item, dict) and isinstance(item.get("path"), str) for item in listed):
@@ -720,9 +732,10 @@ def listed_in(report, lists=("skipped",)):
 
 
 def check_skipped(what, left_out, packed, max_skipped, listed=True):
-    """Raise ``BadImageError`` when ``left_out`` (files skipped or unreadable, as a report lists them)
-    is more than ``max_skipped`` allows of ``packed`` plus them. The line says how many, the limit,
-    and (``listed``: a failed report in OUT lists them all) the last file, or else the first ones."""
+    """Raise ``BadImageError`` when ``left_out`` (files skipped, unreadable or left out for their
+    labels, as a report lists them) is more than ``max_skipped`` allows of ``packed`` plus them. The
+    line says how many, the limit, and (``listed``: a failed report in OUT lists them all) the last
+    file, or else the first ones."""
     files = packed + len(left_out)
     allowed = skips_allowed(max_skipped, files)
     if allowed is None or len(left_out) <= allowed:
@@ -731,7 +744,8 @@ def check_skipped(what, left_out, packed, max_skipped, listed=True):
     last = left_out[-1]
     which = (f"the last: {last['path']}: {last['reason']} ({fmt.REPORT_NAME} lists them)" if listed else
              f"{reasons(left_out)}")
-    raise BadImageError(f"{what}: {len(left_out)} file(s) skipped or unreadable, more than --max-skipped "
+    raise BadImageError(f"{what}: {len(left_out)} file(s) left out (skipped, unreadable or bad labels), more "
+                        f"than --max-skipped "
                         f"{max_skipped}{share} allows; {which}")
 
 
@@ -1042,9 +1056,11 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                          owner=out, root_offset=part)
     unreadable = getattr(source, "unreadable", []) if part == 0 else []
     special = getattr(source, "special", []) if part == 0 else []
+    labels_noted = label_report is not None and part == 0  # (the source's label report: in part 0's report)
+    bad_labels = label_report.bad_labels if labels_noted else []  # images left out for their labels
     report = report_opening(src, out, classes, roots,
                             {"ignored": ignored, "skipped": skipped, "unreadable": unreadable, "special": special,
-                             "repaired": repaired},
+                             "repaired": repaired, **({"labels": label_report.as_dict()} if labels_noted else {})},
                             part={"part": part, "num_parts": num_parts, "first_item": first, "items": len(items)}
                             if num_parts > 1 else None)
     jobs = (_job(source, item, options) for item in items[done:])
@@ -1056,16 +1072,17 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     listed = folder == out and not append  # (a failed report in OUT lists what was left out; an overwrite or
     # an append that fails leaves OUT's dataset and report as they were)
     # an append tries again the files its dataset's report lists as left out: they count once, not each time
-    known = {item["path"] for item in report_lists(out, ("unreadable", "skipped")) or []} \
+    known = {item["path"] for item in report_lists(out, LEFT_OUT) or []} \
         if append and max_skipped is not None else set()
-    left_out = {"count": sum(item["path"] not in known for item in unreadable + skipped)}  # (the listing's, a
-    # resume's; counted as files are skipped, the list made only to say it)
+    left_out = {"count": sum(item["path"] not in known for item in unreadable + bad_labels + skipped)}  # (the
+    # listing's, a resume's; counted as files are skipped, the list made only to say it)
 
     def check_left_out(item=None):
         left_out["count"] += item is not None and item["path"] not in known
         allowed = skips_allowed(max_skipped, len(items) - len(skipped) + left_out["count"])
         if left_out["count"] > allowed:
-            check_skipped(display(src), [item for item in unreadable + skipped if item["path"] not in known],
+            check_skipped(display(src), [item for item in unreadable + bad_labels + skipped
+                                         if item["path"] not in known],
                           len(items) - len(skipped), max_skipped, listed)
 
     try:

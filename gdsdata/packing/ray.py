@@ -66,7 +66,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     the merge (nothing is written then)."""
     from gdsdata.args import skip_limit
     from gdsdata.packing.merge import merge_checked
-    from gdsdata.packing.packer import check_output, dataset_owner, listed_in, shard_roots_of, within
+    from gdsdata.packing.packer import LEFT_OUT, check_output, dataset_owner, listed_in, shard_roots_of, within
 
     max_skipped = skip_limit(max_skipped)
     ray = _import_ray()
@@ -153,7 +153,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                                         overwrite=overwrite, adopt=True, report=union, max_skipped=max_skipped,
                                         left_out=(f"pack --ray of {display(src)}", [  # (from what the parts returned)
                                             item for k in range(parts)
-                                            for item in listed_in(reports[k], ("unreadable", "skipped")) or []]))
+                                            for item in listed_in(reports[k], LEFT_OUT) or []]))
         except KeyboardInterrupt as e:
             interrupted = True
             if signal.SIGTERM in came and not isinstance(e, Terminated):
