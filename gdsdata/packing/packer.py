@@ -591,8 +591,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
         Stop at the first bad or unreadable file or folder instead of skipping it.
     max_skipped : int or str, optional
         Stop as ``strict`` does once more files are skipped, unreadable or (detection) left out for
-        their labels than this: a count (10)
-        or a share of the files to pack ("0.5%"; a part's share of its own files). None: no limit.
+        their labels than this: a count (10) or a share of the files to pack ("0.5%"; a part's share
+        of its own files, part 0's with what the listing left out). None: no limit.
     overwrite : bool
         Replace a dataset in ``out``: the new one is built aside and swapped in when complete.
     progress : bool
