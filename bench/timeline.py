@@ -96,20 +96,19 @@ def analyse(events, steps: int) -> dict:
         "other_kernels_busy_ms": round(_total(other_kernels) / per, 3),
         "other_kernels_beside_step_ms": round(_overlap(step_busy, other_kernels) / per, 3),
     }
-    by_correlation = {e.get("args", {}).get("correlation"): e for e in calls}
-    waits = sorted(e["ts"] - by_correlation[c]["ts"] for e in step
-                   if (c := e.get("args", {}).get("correlation")) in by_correlation)
+    by_correlation = {_correlation(e): e for e in calls}
+    waits = sorted(e["ts"] - by_correlation[c]["ts"] for e in step if (c := _correlation(e)) in by_correlation)
     if waits:
         out["launch_to_start_us"] = {q: round(waits[int(f * (len(waits) - 1))]) for q, f in
                                      (("p10", 0.1), ("p50", 0.5), ("p90", 0.9))}
-    gpu_by_correlation = {e.get("args", {}).get("correlation"): e for e in gpu}
+    gpu_by_correlation = {_correlation(e): e for e in gpu}
     threads = collections.defaultdict(list)
     for e in calls:
         threads[e["tid"]].append(e)
     rows = []
     for tid, mine in threads.items():
-        launched = [gpu_by_correlation[c] for e in mine if (c := e.get("args", {}).get("correlation"))
-                    in gpu_by_correlation and gpu_by_correlation[c]["cat"] == "kernel"]
+        launched = [gpu_by_correlation[c] for e in mine
+                    if (c := _correlation(e)) in gpu_by_correlation and gpu_by_correlation[c]["cat"] == "kernel"]
         launches = [e["dur"] for e in mine if e["name"].startswith("cudaLaunchKernel")]
         rows.append({"thread": tid, "calls": round(len(mine) / steps, 1),
                      "inside_ms": round(sum(e["dur"] for e in mine) / per, 3),
@@ -119,6 +118,11 @@ def analyse(events, steps: int) -> dict:
                      "top": [n for n, _ in collections.Counter(e["name"] for e in mine).most_common(3)]})
     out["threads"] = sorted(rows, key=lambda r: -r["calls"])[:8]
     return out
+
+
+def _correlation(event):
+    """The id that ties a CUDA call on the host to the GPU work it launched, in a trace's events."""
+    return event.get("args", {}).get("correlation")
 
 
 def _steps(path: str, given) -> int:
