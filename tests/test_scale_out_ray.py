@@ -126,13 +126,24 @@ def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, 
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from make_detection import generate
 
-    generate(str(tmp_path / "src"), 12, classes=3, seed=5, val=0.0)
+    generate(str(tmp_path / "src"), 13, classes=3, seed=5, val=0.0)
     data = str(tmp_path / "src" / "yolo" / "data.yaml")
-    single = load(pack(data, str(tmp_path / "single"), format="yolo", workers=1).out)
+    images = sorted(glob.glob(str(tmp_path / "src" / "yolo" / "images" / "train" / "*")))
+    last = os.path.splitext(os.path.basename(images[-1]))[0]  # (in the last part): a box clipped, the image
+    with open(tmp_path / "src" / "yolo" / "labels" / "train" / f"{last}.txt", "w") as f:  # then found broken
+        f.write("0 0.95 0.5 0.2 0.2\n")
+    with open(images[-1], "wb") as f:
+        f.write(b"\xff\xd8\xff not a JPEG")
+    single = pack(data, str(tmp_path / "single"), format="yolo", workers=1)
     summary = pack_on_ray(data, str(tmp_path / "ray"), num_parts=3, format="yolo")
-    merged = load(summary["out"])
-    assert merged.task == "detect" and len(merged) == len(single) == 12
-    assert np.array_equal(merged.boxes, single.boxes) and np.array_equal(merged.box_start, single.box_start)
+    merged, single_index = load(summary["out"]), load(single.out)
+    assert merged.task == "detect" and len(merged) == len(single_index) == 12
+    assert np.array_equal(merged.boxes, single_index.boxes) and \
+        np.array_equal(merged.box_start, single_index.box_start)
+    report = json.loads(pathlib.Path(summary["out"], "pack_report.json").read_text())
+    assert [entry["path"] for entry in report["skipped"]] == [os.path.relpath(images[-1], os.path.dirname(data))]
+    assert report["labels"] == single.labels  # (not the clipped box of the image part 2 skipped, as one pack)
+    assert all(entry["image"] != report["skipped"][0]["path"] for entry in report["labels"]["clipped"])
 
 
 def test_the_report_holds_every_part_s_skipped_files_as_a_local_pack_s(local_ray, tmp_path):

@@ -87,15 +87,18 @@ class LabelReport:
     bad_labels: list = field(default_factory=list)
     orphans: list = field(default_factory=list)
     _noted: dict = field(default_factory=dict, repr=False)  # image -> the notes its boxes added, (list, entry)
+    BOX_NOTES = ("dropped", "clipped", "duplicates")  # the lists whose entries note an image's boxes
 
     @contextlib.contextmanager
     def noting(self, image: str):
         """Around the making of ``image``'s boxes (its name as the pack reports it): remember the notes
-        they add (boxes dropped, clipped, repeated), which ``forget`` takes back."""
-        kinds = ("dropped", "clipped", "duplicates")
-        before = {kind: len(getattr(self, kind)) for kind in kinds}
+        they add (boxes dropped, clipped, repeated), which ``forget`` takes back; each names the image
+        (``image``), so that a report joined from parts can drop those of images another part skipped."""
+        before = {kind: len(getattr(self, kind)) for kind in self.BOX_NOTES}
         yield
-        added = [(kind, entry) for kind in kinds for entry in getattr(self, kind)[before[kind]:]]
+        added = [(kind, entry) for kind in self.BOX_NOTES for entry in getattr(self, kind)[before[kind]:]]
+        for _, entry in added:
+            entry["image"] = image
         if added:
             self._noted[image] = added
 

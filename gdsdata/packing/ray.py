@@ -27,7 +27,7 @@ from gdsdata.format import layout as fmt
 from gdsdata.errors import GdsDataError, SourceError, SourceGoneError, Terminated
 from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_quietly, writer_lock
 from gdsdata.format.shards import open_regular
-from gdsdata.packing.detection import DetectionSource, open_detection
+from gdsdata.packing.detection import DetectionSource, LabelReport, open_detection
 from gdsdata.packing.packer import report_complete, report_opening
 from gdsdata.stall import timeout_or_none
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, local_path, open_source
@@ -366,9 +366,12 @@ class _JoinedReport:
                                 {key: [entry for part in reports for entry in part.get(key) or []]
                                  for key in ("ignored", "skipped", "unreadable", "special", "repaired")})
         if any("labels" in part for part in reports):  # the labels' report of the whole source: part 0's,
-            labels = reports[0].get("labels")  # with the negatives the dataset kept
-            if labels is not None and "detection" in meta:
-                labels = {**labels, "negatives": meta["detection"]["negatives"]}
+            labels = reports[0].get("labels")  # with the negatives the dataset kept, without the notes on boxes
+            if labels is not None and "detection" in meta:  # of images the other parts skipped
+                skipped = {entry.get("path") for entry in report["skipped"]}
+                labels = {**labels, "negatives": meta["detection"]["negatives"],
+                          **{kind: [entry for entry in labels.get(kind) or [] if entry.get("image") not in skipped]
+                             for kind in LabelReport.BOX_NOTES}}
             report["labels"] = labels
         report_complete(report, meta["classes"], counts["per_class"], shards, time.perf_counter() - self.started,
                         packed=int(counts["packed"]), converted=int(counts["converted"]),
