@@ -415,23 +415,56 @@ def test_max_skipped_counts_images_left_out_for_their_labels(tmp_path):
                                 "words": "0 0.5 zero 0.1 0.1\n", "class": "7 0.5 0.5 0.1 0.1\n"})
     out = str(tmp_path / "over")
     for limit in (1, "25%"):  # 25 % of 7 files: 1
-        with pytest.raises(BadImageError, match=r"2 file\(s\) left out \(skipped, unreadable or bad labels\), more "
-                                                r"than --max-skipped .*; the last: images.train.words.jpg: "
-                                                r"labels.train.words.txt: line 1: .*not numbers"):
+        with pytest.raises(BadImageError, match=r"2 file\(s\) left out, more than --max-skipped .*; the last: "
+                                                r"images.train.words.jpg: labels.train.words.txt: line 1: not numbers"):
             pack(yaml_path, out, format="yolo", workers=1, max_skipped=limit)
         assert sorted(os.listdir(out)) == [fmt.REPORT_NAME]  # (the failed report lists them)
         report = json.loads(pathlib.Path(out, fmt.REPORT_NAME).read_text())
-        assert report["status"] == "failed" and len(report["labels"]["bad_labels"]) == 2
+        assert report["status"] == "failed" and len(report["labels"]["left_out"]) == 2
     ds = str(tmp_path / "ds")
     assert pack(yaml_path, ds, format="yolo", workers=1, max_skipped="30%").packed == 5  # 30 % of 7: 2
     assert pack(yaml_path, ds, format="yolo", workers=1, append=True, max_skipped=0).new == 0  # counted before
     parts = [str(tmp_path / f"part{k}") for k in range(2)]
     for k, part in enumerate(parts):
         pack(yaml_path, part, format="yolo", workers=1, num_parts=2, part=k)
-    with pytest.raises(BadImageError, match=r"part0, .*part1: 2 file\(s\) left out .* allows; .*class.jpg: "):
+    with pytest.raises(BadImageError, match=r"part0, .*part1: 2 file\(s\) left out, more .* allows; .*class.jpg: "):
         gdsdata.merge(parts, str(tmp_path / "merged"), max_skipped=1)
     assert not os.path.exists(tmp_path / "merged")
     assert gdsdata.merge(parts, str(tmp_path / "merged"), max_skipped=2)["samples"] == 5
+    # an append whose only new image is left out for its labels stops too (the dataset as it was)
+    yolo_tree(src, {"zbad": "0 0.5 zero 0.1 0.1\n"})
+    with pytest.raises(BadImageError, match=r"1 file\(s\) left out, more than --max-skipped 0 allows; "
+                                            r"images.train.zbad.jpg: "):
+        pack(yaml_path, ds, format="yolo", workers=1, append=True, max_skipped=0)
+    assert len(gdsdata.GDSDataset(ds)) == 5
+    # an image the dataset holds whose labels are bad now: refused, as labels that give other boxes are
+    yolo_tree(src, {"good0": "0 0.5 nothing 0.2 0.2\n", "new": "0 0.5 0.5 0.2 0.2\n"})
+    with pytest.raises(SourceError, match=r"good0.jpg: its labels are bad now \(.*not numbers.*\), and .* holds it "
+                                          r"with the boxes packed before"):
+        pack(yaml_path, ds, format="yolo", workers=1, append=True)
+
+
+def test_max_skipped_counts_each_coco_image_left_out_once_and_not_those_packed(tmp_path):
+    """A COCO image record left out (an id listed again, a file named twice) leaves its file out only
+    where no other record names it; a file missing and named twice counts once."""
+    from gdsdata.errors import BadImageError
+
+    ann, images = write_coco(str(tmp_path / "src"), {name: (64, 48) for name in ("a.jpg", "b.jpg", "c.jpg",
+                                                                                 "d.jpg", "e.jpg")}, [], [(1, "x")])
+    data = json.loads(pathlib.Path(ann).read_text())
+    data["images"] += [{"id": 6, "file_name": "a.jpg", "width": 64, "height": 48},  # a.jpg named again: packed
+                       {"id": 2, "file_name": "c.jpg", "width": 64, "height": 48},  # id 2 again: b.jpg left out,
+                       # c.jpg named twice (ids 2 and 3): packed
+                       {"id": 7, "file_name": "d.jpg", "width": 64, "height": 48}]  # d.jpg named again, missing
+    pathlib.Path(ann).write_text(json.dumps(data))
+    os.unlink(os.path.join(images, "d.jpg"))
+    result = pack(images, str(tmp_path / "ds"), format="coco", annotations=ann, workers=1, max_skipped=2)
+    assert sorted(entry["path"] for entry in result.labels["bad_labels"]) == ["a.jpg", "b.jpg", "c.jpg", "d.jpg"]
+    assert [entry["path"] for entry in result.labels["left_out"]] == ["b.jpg"]
+    assert [entry["path"] for entry in result.unreadable] == ["d.jpg"]
+    assert sorted(gdsdata.GDSDataset(result.out).index.path(k) for k in range(3)) == ["a.jpg", "c.jpg", "e.jpg"]
+    with pytest.raises(BadImageError, match=r"2 file\(s\) left out, more than --max-skipped 1 allows"):
+        pack(images, str(tmp_path / "ds1"), format="coco", annotations=ann, workers=1, max_skipped=1)
 
 
 def test_yolo_bad_labels_are_reported_as_the_module_says(tmp_path):

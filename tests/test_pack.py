@@ -497,7 +497,7 @@ def test_max_skipped_stops_a_pack_that_skips_more_and_keeps_one_that_does_not(tm
     paths = _with_bad_files(src)  # 13 files, 3 of them bad
     for limit in (2, "20%"):  # 20 % of 13: 2
         out = str(tmp_path / f"over-{limit}".replace("%", "pc"))
-        with pytest.raises(BadImageError, match=rf"3 file\(s\) left out \(.+?\), more than --max-skipped "
+        with pytest.raises(BadImageError, match=rf"3 file\(s\) left out, more than --max-skipped "
                                                 rf"{limit}.*allows; the last: class2/bad2.jpg: "):
             pack(src, out, max_skipped=limit, workers=1)
         assert sorted(os.listdir(out)) == [fmt.REPORT_NAME]
@@ -521,7 +521,7 @@ def test_max_skipped_counts_every_part_together_at_the_merge(tmp_path):
     for k, part in enumerate(parts):
         pack(src, part, num_parts=2, part=k, workers=1, max_skipped="50%")  # (a part's share of its own files)
     out = str(tmp_path / "merged")
-    with pytest.raises(BadImageError, match=r"part0, .*part1: 4 file\(s\) left out \(.+?\), more than "
+    with pytest.raises(BadImageError, match=r"part0, .*part1: 4 file\(s\) left out, more than "
                                             r"--max-skipped 3 allows; class0/bad0.jpg: .* \.\.\.$"):
         merge(parts, out, max_skipped=3)
     assert not os.path.exists(out)
@@ -560,7 +560,7 @@ def test_max_skipped_counts_files_the_listing_could_not_read(tmp_path):
     _with_bad_files(src, bad=1)
     os.symlink(str(tmp_path / "gone.jpg"), os.path.join(src, "class1", "link.jpg"))  # listed, never readable
     out = str(tmp_path / "over")
-    with pytest.raises(BadImageError, match=r"2 file\(s\) left out \(.+?\), more than --max-skipped 1 allows"):
+    with pytest.raises(BadImageError, match=r"2 file\(s\) left out, more than --max-skipped 1 allows"):
         pack(src, out, workers=1, max_skipped=1)
     with open(os.path.join(out, fmt.REPORT_NAME)) as f:
         report = json.load(f)
@@ -581,7 +581,7 @@ def test_max_skipped_on_append_counts_only_files_the_dataset_did_not_leave_out_b
         f.write(b"\xff\xd8\xff broken")
     with open(os.path.join(src, "class1", "zz_new.jpg"), "wb") as f:
         f.write(jpeg_bytes(photo(500)))
-    with pytest.raises(BadImageError, match=r"1 file\(s\) left out \(.+?\), more than --max-skipped 0 "
+    with pytest.raises(BadImageError, match=r"1 file\(s\) left out, more than --max-skipped 0 "
                                             r"allows; class0/zz_new_bad.jpg: "):
         pack(src, out, append=True, workers=1, max_skipped=0)
     assert len(GDSDataset(out)) == 6  # (the dataset as it was)

@@ -86,6 +86,7 @@ class LabelReport:
     duplicates: list = field(default_factory=list)
     bad_labels: list = field(default_factory=list)
     orphans: list = field(default_factory=list)
+    left_out: list = field(default_factory=list)  # the images bad_labels leaves out, each once (``settle``)
     _noted: dict = field(default_factory=dict, repr=False)  # image -> the notes its boxes added, (list, entry)
     BOX_NOTES = ("dropped", "clipped", "duplicates")  # the lists whose entries note an image's boxes
 
@@ -93,7 +94,8 @@ class LabelReport:
     def noting(self, image: str):
         """Around the making of ``image``'s boxes (its name as the pack reports it): remember the notes
         they add (boxes dropped, clipped, repeated), which ``forget`` takes back; each names the image
-        (``image``), so that a report joined from parts can drop those of images another part skipped."""
+        (``image``), so that a report joined from parts can drop those of images another part skipped.
+        (A COCO annotation dropped before its image's boxes are made names the image in its label.)"""
         before = {kind: len(getattr(self, kind)) for kind in self.BOX_NOTES}
         yield
         added = [(kind, entry) for kind in self.BOX_NOTES for entry in getattr(self, kind)[before[kind]:]]
@@ -109,9 +111,20 @@ class LabelReport:
             entries = getattr(self, kind)
             entries[:] = [e for e in entries if e is not entry]
 
+    def settle(self, packed) -> list:
+        """The images ``bad_labels`` leaves out of the dataset (``left_out``), each once with its first
+        reason: not those it gives after all (``packed``: the names of the images the source gives or
+        could not read; a COCO file one record of which is left out while another names it)."""
+        seen, self.left_out = set(packed), []
+        for entry in self.bad_labels:
+            if entry["path"] not in seen:
+                seen.add(entry["path"])
+                self.left_out.append({"path": entry["path"], "reason": entry["reason"]})
+        return self.left_out
+
     def as_dict(self) -> dict:
-        return {"negatives": self.negatives, "clipped": self.clipped, "dropped": self.dropped,
-                "duplicates": self.duplicates, "bad_labels": self.bad_labels, "orphans": self.orphans,
+        return {"negatives": self.negatives, **{kind: getattr(self, kind) for kind in self.BOX_NOTES},
+                "bad_labels": self.bad_labels, "left_out": self.left_out, "orphans": self.orphans,
                 **({"no_label_file": self.no_label_file} if self.no_label_file else {})}
 
 

@@ -214,8 +214,9 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
     progress : bool
         A progress bar (tqdm, on stderr) of the shard bytes placed: copying may take long.
     max_skipped : int or str, optional
-        Refuse the merge when the parts together skipped or could not read more files than this
-        (a count, or a share of all their files: "0.5%"), as their ``pack_report.json`` files list.
+        Refuse the merge when the parts together left out more files than this (skipped, unreadable,
+        or left out for their labels; a count, or a share of all their files: "0.5%"), as their
+        ``pack_report.json`` files list.
 
     Returns
     -------
@@ -270,7 +271,7 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     ``report``: a function of the merged index's metadata and shard table giving the
     ``pack_report.json`` written beside the index once it is (as a pack writes its own);
     ``max_skipped`` (from ``args.skip_limit``): checked against the files the parts' reports list as
-    skipped or unreadable, or against ``left_out`` where given: (what to name, those files)."""
+    left out (``LEFT_OUT``), or against ``left_out`` where given: (what to name, those files)."""
     if not parts:
         raise SourceError("merge needs at least one part")
     out = os.path.realpath(os.fspath(out))
@@ -299,8 +300,8 @@ def _skipped_by(parts):
     for part in parts:
         listed = report_lists(part, LEFT_OUT)
         if listed is None:
-            raise SourceError(f"{part}: no readable {fmt.REPORT_NAME} (missing or damaged) to count its skipped files "
-                              f"by (--max-skipped)")
+            raise SourceError(f"{part}: no readable {fmt.REPORT_NAME} (missing or damaged) to count the files it "
+                              f"left out by (--max-skipped)")
         left_out += listed
     return (", ".join(parts) if len(parts) <= 3 else f"{parts[0]} and {len(parts) - 1} more parts"), left_out
 

@@ -698,15 +698,15 @@ def reasons(left_out, most=3) -> str:
     return said + (" ..." if len(left_out) > most else "")
 
 
-# the lists of a report that name files left out of the dataset (what --max-skipped counts): those that
-# failed to decode or check, those the listing could not read, a detection source's images left out for
-# their labels
-LEFT_OUT = ("unreadable", "skipped", "labels.bad_labels")
+# the lists of a report that name files left out of the dataset (what --max-skipped counts): those the
+# listing could not read, a detection source's images left out for their labels (each once), those that
+# failed to decode or check
+LEFT_OUT = ("unreadable", "labels.left_out", "skipped")
 
 
 def report_lists(folder, lists=("skipped",)):
     """The files the ``pack_report.json`` in ``folder`` (a dataset, a part) lists under ``lists``
-    ({"path", "reason"} each; "labels.bad_labels" is a list inside one), or None without a readable one."""
+    ({"path", "reason"} each; "labels.left_out" is a list inside one), or None without a readable one."""
     try:
         with open(open_regular(os.path.join(folder, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
             return listed_in(json.load(f), lists)
@@ -732,8 +732,8 @@ def listed_in(report, lists=("skipped",)):
 
 
 def check_skipped(what, left_out, packed, max_skipped, listed=True):
-    """Raise ``BadImageError`` when ``left_out`` (files skipped, unreadable or left out for their
-    labels, as a report lists them) is more than ``max_skipped`` allows of ``packed`` plus them. The
+    """Raise ``BadImageError`` when ``left_out`` (files unreadable, left out for their labels or
+    skipped, as a report lists them) is more than ``max_skipped`` allows of ``packed`` plus them. The
     line says how many, the limit, and (``listed``: a failed report in OUT lists them all) the last
     file, or else the first ones."""
     files = packed + len(left_out)
@@ -744,9 +744,20 @@ def check_skipped(what, left_out, packed, max_skipped, listed=True):
     last = left_out[-1]
     which = (f"the last: {last['path']}: {last['reason']} ({fmt.REPORT_NAME} lists them)" if listed else
              f"{reasons(left_out)}")
-    raise BadImageError(f"{what}: {len(left_out)} file(s) left out (skipped, unreadable or bad labels), more "
-                        f"than --max-skipped "
-                        f"{max_skipped}{share} allows; {which}")
+    raise BadImageError(f"{what}: {len(left_out)} file(s) left out, more than --max-skipped {max_skipped}{share} "
+                        f"allows; {which}")
+
+
+def _listing_left_out(source) -> list:
+    """What the listing of ``source`` left out of the dataset before anything is packed: the files it
+    could not read, then a detection source's images left out for their labels, each once (which its
+    label report keeps as ``left_out``)."""
+    unreadable = list(getattr(source, "unreadable", []))
+    report = getattr(source, "report", None)
+    if not isinstance(report, LabelReport):
+        return unreadable
+    return unreadable + report.settle({display(item.rel) for item in source.items} |
+                                      {item["path"] for item in unreadable})
 
 
 def _appendable(out, source, alignment):
@@ -836,12 +847,20 @@ def _check_held(base, source, held):
 
 def _check_held_boxes(base, source, held):
     """A detection append adds the images the dataset does not hold; an image it holds whose labels
-    now give other boxes than were packed for it is refused, or its new labels would be dropped
-    unseen (the image itself is compared by ``_check_held``)."""
+    now give other boxes than were packed for it, or are bad now (the source leaves it out), is
+    refused, or its new labels would be dropped unseen (the image itself is compared by ``_check_held``)."""
     def same(a, b):  # the same boxes in any order (a re-exported annotations file may order them otherwise)
         return len(a) == len(b) and np.array_equal(np.sort(a, order=list(a.dtype.names)),
                                                    np.sort(b, order=list(b.dtype.names)))
 
+    given = {display(item.rel) for item in source.items}  # (a COCO file named by a record left out and by one kept)
+    held_names = {display(name) for name in held}
+    for entry in source.report.bad_labels:
+        if entry["path"] in held_names and entry["path"] not in given:
+            raise SourceError(f"{display(os.path.join(str(source.root), entry['path']))}: its labels are bad now "
+                              f"({entry['reason']}), and {base.root} holds it with the boxes packed before; --append "
+                              f"adds only the images the dataset does not hold: pack again with --overwrite to "
+                              f"leave it out")
     for item in source.items:
         packed = [base.sample_boxes(k) for k in held.get(item.rel, ())]
         if not packed or any(same(boxes, item.boxes) for boxes in packed):
@@ -971,7 +990,11 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     if append:
         base, everything, classes = _appendable(out, source, alignment)
         options = _append_options(base, options, inherit)
-        if not everything:  # up to date: the dataset stays as it is, untouched
+        if not everything:  # up to date: the dataset stays as it is, untouched (unless more new files than
+            if max_skipped is not None:  # --max-skipped allows were left out)
+                known = {item["path"] for item in report_lists(out, LEFT_OUT) or []}
+                check_skipped(display(src), [item for item in _listing_left_out(source) if item["path"] not in known],
+                              0, max_skipped, listed=False)
             return _unchanged(base, source, out, started)
     first, last = part * len(everything) // num_parts, (part + 1) * len(everything) // num_parts
     items = everything[first:last]
@@ -1057,7 +1080,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     unreadable = getattr(source, "unreadable", []) if part == 0 else []
     special = getattr(source, "special", []) if part == 0 else []
     labels_noted = label_report is not None and part == 0  # (the source's label report: in part 0's report)
-    bad_labels = label_report.bad_labels if labels_noted else []  # images left out for their labels
+    listing_left_out = _listing_left_out(source) if part == 0 else []  # (with the images left out for their labels)
     report = report_opening(src, out, classes, roots,
                             {"ignored": ignored, "skipped": skipped, "unreadable": unreadable, "special": special,
                              "repaired": repaired, **({"labels": label_report.as_dict()} if labels_noted else {})},
@@ -1074,15 +1097,14 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     # an append tries again the files its dataset's report lists as left out: they count once, not each time
     known = {item["path"] for item in report_lists(out, LEFT_OUT) or []} \
         if append and max_skipped is not None else set()
-    left_out = {"count": sum(item["path"] not in known for item in unreadable + bad_labels + skipped)}  # (the
+    left_out = {"count": sum(item["path"] not in known for item in listing_left_out + skipped)}  # (the
     # listing's, a resume's; counted as files are skipped, the list made only to say it)
 
     def check_left_out(item=None):
         left_out["count"] += item is not None and item["path"] not in known
         allowed = skips_allowed(max_skipped, len(items) - len(skipped) + left_out["count"])
         if left_out["count"] > allowed:
-            check_skipped(display(src), [item for item in unreadable + bad_labels + skipped
-                                         if item["path"] not in known],
+            check_skipped(display(src), [item for item in listing_left_out + skipped if item["path"] not in known],
                           len(items) - len(skipped), max_skipped, listed)
 
     try:

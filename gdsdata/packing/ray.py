@@ -365,9 +365,11 @@ class _JoinedReport:
         report = report_opening(self.src, self.out, meta["classes"], self.roots,
                                 {key: [entry for part in reports for entry in part.get(key) or []]
                                  for key in ("ignored", "skipped", "unreadable", "special", "repaired")})
-        if any("labels" in part for part in reports):  # the labels' report of the whole source: part 0's,
-            labels = reports[0].get("labels")  # with the negatives the dataset kept, without the notes on boxes
-            if labels is not None and "detection" in meta:  # of images the other parts skipped
+        if any("labels" in part for part in reports):
+            # the labels' report of the whole source: part 0's, with the negatives the dataset kept, without
+            # the notes on boxes of images the other parts skipped
+            labels = reports[0].get("labels")
+            if labels is not None and "detection" in meta:
                 skipped = {entry.get("path") for entry in report["skipped"]}
                 labels = {**labels, "negatives": meta["detection"]["negatives"],
                           **{kind: [entry for entry in labels.get(kind) or [] if entry.get("image") not in skipped]
