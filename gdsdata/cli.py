@@ -102,7 +102,8 @@ def _cmd_pack(args):
     rate = f"{result.new / result.seconds:.0f} images/s" if result.seconds else "-"
     whole = f"{_images(result.packed)} in {result.shards} shard(s), {_human(result.bytes)}"
     if args.append and not result.new:
-        held = "the rest" if result.skipped else "every image"
+        left_out = result.skipped or result.unreadable or (result.labels or {}).get("left_out")
+        held = "the rest" if left_out else "every image"
         print(f"nothing to append: {args.out} holds {held} of {args.src} already ({whole}; unchanged)")
     elif result.finished_before:
         print(f"nothing to resume: {args.out} is finished, packed from {args.src} with these options ({whole}; "
@@ -181,6 +182,11 @@ def _print_entries(heading, entries, shown=10):
 
 def _print_labels(result, appended: bool):
     labels = result.labels
+    if appended and not result.new:  # (nothing appended: only what the new files' labels left out)
+        if labels.get("left_out"):
+            _print_entries(f"  images left out for their labels: {len(labels['left_out'])}", labels["left_out"],
+                           shown=5)
+        return
     if appended:  # (the report's negatives count the appended images)
         print(f"  boxes: {result.boxes} in all; appended images without objects (kept as negatives): "
               f"{labels['negatives']}")
@@ -188,10 +194,14 @@ def _print_labels(result, appended: bool):
         print(f"  boxes: {result.boxes}, images without objects (kept as negatives): {labels['negatives']}")
     if labels.get("no_label_file"):
         print(_one_line(f"  no labels: {labels['no_label_file']}; every image was packed without objects"))
-    for key, what in (("bad_labels", "images left out for their labels"), ("dropped", "boxes dropped"),
-                      ("clipped", "boxes clipped to the image"), ("duplicates", "duplicate boxes removed"),
-                      ("orphans", "labels without an image")):
-        entries = labels[key]
+    left_out = {entry["path"] for entry in labels.get("left_out") or []}
+    records = [entry for entry in labels["bad_labels"] if entry["path"] not in left_out]  # (COCO: a record left
+    # out whose file another record names, or one whose file the listing could not read)
+    for entries, what in ((labels.get("left_out") or [], "images left out for their labels"),
+                          (records, "image records left out (their files packed from another record, or unreadable)"),
+                          (labels["dropped"], "boxes dropped"), (labels["clipped"], "boxes clipped to the image"),
+                          (labels["duplicates"], "duplicate boxes removed"),
+                          (labels["orphans"], "labels without an image")):
         if entries:
             _print_entries(f"  {what}: {len(entries)}", entries, shown=5)
 

@@ -404,7 +404,7 @@ def yolo_tree(root, labels: dict, names=("a", "b"), sizes=None):
     return os.path.join(root, "data.yaml")
 
 
-def test_max_skipped_counts_images_left_out_for_their_labels(tmp_path):
+def test_max_skipped_counts_images_left_out_for_their_labels(tmp_path, capsys):
     """An image left out for its labels is a sample the dataset lacks, as a file that failed to decode
     is: --max-skipped counts it (part 0 of a --num-parts pack, which holds the source's label report),
     merge --max-skipped counts it from that report, and an append does not count it again."""
@@ -424,6 +424,10 @@ def test_max_skipped_counts_images_left_out_for_their_labels(tmp_path):
     ds = str(tmp_path / "ds")
     assert pack(yaml_path, ds, format="yolo", workers=1, max_skipped="30%").packed == 5  # 30 % of 7: 2
     assert pack(yaml_path, ds, format="yolo", workers=1, append=True, max_skipped=0).new == 0  # counted before
+    capsys.readouterr()
+    assert cli(["pack", "--format", "yolo", yaml_path, ds, "--append", "--max-skipped", "0", "-q"]) == 0
+    said = capsys.readouterr().out
+    assert "holds the rest of" in said and "images left out for their labels: 2" in said, said
     parts = [str(tmp_path / f"part{k}") for k in range(2)]
     for k, part in enumerate(parts):
         pack(yaml_path, part, format="yolo", workers=1, num_parts=2, part=k)

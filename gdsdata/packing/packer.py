@@ -931,7 +931,8 @@ def _unchanged(base, source, out, started, skipped=()) -> PackResult:
     return PackResult(out, len(base), *base.flag_counts(), len(base.shards), int(base.shards["size"].sum()),
                       time.perf_counter() - started, list(skipped), source.ignored,
                       getattr(source, "unreadable", []), getattr(source, "special", []),
-                      boxes=base.meta.get("detection", {}).get("boxes", 0), new=0)
+                      labels=source.report.as_dict() if isinstance(getattr(source, "report", None), LabelReport)
+                      else None, boxes=base.meta.get("detection", {}).get("boxes", 0), new=0)
 
 
 def within(path, folder) -> bool:
@@ -991,9 +992,10 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         base, everything, classes = _appendable(out, source, alignment)
         options = _append_options(base, options, inherit)
         if not everything:  # up to date: the dataset stays as it is, untouched (unless more new files than
-            if max_skipped is not None:  # --max-skipped allows were left out)
+            listing_left_out = _listing_left_out(source)  # --max-skipped allows were left out)
+            if max_skipped is not None:
                 known = {item["path"] for item in report_lists(out, LEFT_OUT) or []}
-                check_skipped(display(src), [item for item in _listing_left_out(source) if item["path"] not in known],
+                check_skipped(display(src), [item for item in listing_left_out if item["path"] not in known],
                               0, max_skipped, listed=False)
             return _unchanged(base, source, out, started)
     first, last = part * len(everything) // num_parts, (part + 1) * len(everything) // num_parts
