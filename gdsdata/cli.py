@@ -102,7 +102,7 @@ def _cmd_pack(args):
     rate = f"{result.new / result.seconds:.0f} images/s" if result.seconds else "-"
     whole = f"{_images(result.packed)} in {result.shards} shard(s), {_human(result.bytes)}"
     if args.append and not result.new:
-        left_out = result.skipped or result.unreadable or (result.labels or {}).get("left_out")
+        left_out = result.skipped or (result.labels or {}).get("left_out")
         held = "the rest" if left_out else "every image"
         print(f"nothing to append: {args.out} holds {held} of {args.src} already ({whole}; unchanged)")
     elif result.finished_before:

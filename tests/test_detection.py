@@ -448,6 +448,25 @@ def test_max_skipped_counts_images_left_out_for_their_labels(tmp_path, capsys):
         pack(yaml_path, ds, format="yolo", workers=1, append=True)
 
 
+def test_a_finished_resume_and_an_old_report_say_what_the_labels_left_out(tmp_path):
+    """A resume of a finished pack gives its report's label report (part 1's: none, as it packed);
+    a report written before ``left_out`` is counted by its bad labels, each image once."""
+    src = str(tmp_path / "src")
+    yaml_path = yolo_tree(src, {"a": "0 0.5 0.5 0.2 0.2\n", "b": "0 0.5 0.5 0.2 0.2\n", "words": "0 x 0.5 0.1 0.1\n"})
+    ds = str(tmp_path / "ds")
+    packed = pack(yaml_path, ds, format="yolo", workers=1)
+    again = pack(yaml_path, ds, format="yolo", workers=1, resume=True)
+    assert again.finished_before and again.labels == packed.labels and len(again.labels["left_out"]) == 1
+    part = str(tmp_path / "part1")
+    pack(yaml_path, part, format="yolo", workers=1, num_parts=2, part=1)
+    assert pack(yaml_path, part, format="yolo", workers=1, num_parts=2, part=1, resume=True).labels is None
+    report = pathlib.Path(ds, fmt.REPORT_NAME)
+    old = json.loads(report.read_text())
+    del old["labels"]["left_out"]
+    report.write_text(json.dumps(old))
+    assert pack(yaml_path, ds, format="yolo", workers=1, append=True, max_skipped=0).new == 0
+
+
 def test_max_skipped_counts_each_coco_image_left_out_once_and_not_those_packed(tmp_path):
     """A COCO image record left out (an id listed again, a file named twice) leaves its file out only
     where no other record names it; a file missing and named twice counts once."""

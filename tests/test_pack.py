@@ -1,5 +1,6 @@
 """Packing real images of every kind, and loading them back through the CPU Dataset."""
 
+import glob
 import json
 import os
 
@@ -588,3 +589,8 @@ def test_max_skipped_on_append_counts_only_files_the_dataset_did_not_leave_out_b
     result = pack(src, out, append=True, workers=1, max_skipped=1)
     assert result.new == 1 and len(GDSDataset(out)) == 7
     assert pack(src, out, append=True, workers=1, max_skipped=0).new == 0  # its report lists all three now
+    held = sorted(glob.glob(os.path.join(src, "class1", "*.jpg")))[0]  # a file the dataset holds, gone since:
+    os.remove(held)  # not left out of it (an append adds, it does not remove)
+    os.symlink(str(tmp_path / "gone.jpg"), held)
+    result = pack(src, out, append=True, workers=1, max_skipped=0)
+    assert result.new == 0 and [item["path"] for item in result.unreadable] == [os.path.relpath(held, src)]

@@ -74,6 +74,16 @@ YOLO_MIN_SIDE = 10  # Ultralytics leaves out images under 10 pixels a side
 _SLACK = 1e-4  # a corner this far outside the image is the rounding of the label text: clipped without a word
 
 
+def each_once(entries, known=()) -> list:
+    """A report list's entries ({"path", ...}) each path once (its first), without the paths in ``known``."""
+    seen, once = set(known), []
+    for entry in entries:
+        if entry["path"] not in seen:
+            seen.add(entry["path"])
+            once.append(entry)
+    return once
+
+
 @dataclass
 class LabelReport:
     """What a detection source found in its labels."""
@@ -115,11 +125,8 @@ class LabelReport:
         """The images ``bad_labels`` leaves out of the dataset (``left_out``), each once with its first
         reason: not those it gives after all (``packed``: the names of the images the source gives or
         could not read; a COCO file one record of which is left out while another names it)."""
-        seen, self.left_out = set(packed), []
-        for entry in self.bad_labels:
-            if entry["path"] not in seen:
-                seen.add(entry["path"])
-                self.left_out.append({"path": entry["path"], "reason": entry["reason"]})
+        self.left_out = [{"path": entry["path"], "reason": entry["reason"]}
+                         for entry in each_once(self.bad_labels, packed)]
         return self.left_out
 
     def as_dict(self) -> dict:

@@ -48,7 +48,7 @@ from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_in
                                  remove_shards, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
-from gdsdata.packing.detection import LabelReport, annotate, open_detection
+from gdsdata.packing.detection import LabelReport, annotate, each_once, open_detection
 from gdsdata.packing.sources import (FolderSource, Item, Listing, RemoteFolderSource, display, is_url, local_path,
                                      gone, open_source, read_url, storage_gone)
 from gdsdata.stall import slices
@@ -721,6 +721,9 @@ def listed_in(report, lists=("skipped",)):
         found = report
         for key in name.split("."):
             found = found.get(key) if found is not None else None
+        if found is None and name == "labels.left_out":  # (a report from before left_out: its bad labels,
+            found = (report.get("labels") or {}).get("bad_labels") or []  # each path once)
+            found = each_once(found) if all(isinstance(item, dict) and "path" in item for item in found) else found
         return found or []
     try:
         listed = [item for name in lists for item in entries(name)]
@@ -752,12 +755,19 @@ def _listing_left_out(source) -> list:
     """What the listing of ``source`` left out of the dataset before anything is packed: the files it
     could not read, then a detection source's images left out for their labels, each once (which its
     label report keeps as ``left_out``)."""
-    unreadable = list(getattr(source, "unreadable", []))
+    unreadable = each_once(getattr(source, "unreadable", []))  # (a list file may name a missing file twice)
     report = getattr(source, "report", None)
     if not isinstance(report, LabelReport):
         return unreadable
     return unreadable + report.settle({display(item.rel) for item in source.items} |
                                       {item["path"] for item in unreadable})
+
+
+def _known_left_out(out, base) -> set:
+    """The paths an append's --max-skipped does not count: the files its dataset's report lists as left
+    out (counted when they were), and those the dataset holds (a file since deleted is not left out)."""
+    return {item["path"] for item in report_lists(out, LEFT_OUT) or []} | \
+        {display(base.path(k)) for k in range(len(base))}
 
 
 def _appendable(out, source, alignment):
@@ -853,7 +863,8 @@ def _check_held_boxes(base, source, held):
         return len(a) == len(b) and np.array_equal(np.sort(a, order=list(a.dtype.names)),
                                                    np.sort(b, order=list(b.dtype.names)))
 
-    given = {display(item.rel) for item in source.items}  # (a COCO file named by a record left out and by one kept)
+    # the images the source gives (a COCO file named by a record left out and by one kept) or could not read
+    given = {display(item.rel) for item in source.items} | {item["path"] for item in getattr(source, "unreadable", [])}
     held_names = {display(name) for name in held}
     for entry in source.report.bad_labels:
         if entry["path"] in held_names and entry["path"] not in given:
@@ -899,6 +910,7 @@ def _finished(out, src, signature, source, items, started) -> PackResult:
             result.report_path = report
             result.skipped = list(saved.get("skipped") or [])  # what that pack left out: a retry's log says it again
             result.repaired = list(saved.get("repaired") or [])
+            result.labels = saved.get("labels") if isinstance(saved.get("labels"), dict) else None
     except (OSError, ValueError, AttributeError, TypeError, FormatError):  # (ended between its index and report)
         pass
     result.finished_before = True
@@ -924,15 +936,14 @@ def _differences(then: dict, now: dict) -> str:
     return "; ".join(said) or "its record differs"
 
 
-def _unchanged(base, source, out, started, skipped=()) -> PackResult:
+def _unchanged(base, source, out, started, skipped=(), labels=None) -> PackResult:
     """An append that adds nothing: the dataset as it is (left untouched), and the new files that
-    could not be packed, if any."""
+    could not be packed, if any (``labels``: the source's label report, settled)."""
     log.info("nothing appended to %s from %s (%d new file(s) that cannot be packed)", out, source.root, len(skipped))
     return PackResult(out, len(base), *base.flag_counts(), len(base.shards), int(base.shards["size"].sum()),
                       time.perf_counter() - started, list(skipped), source.ignored,
                       getattr(source, "unreadable", []), getattr(source, "special", []),
-                      labels=source.report.as_dict() if isinstance(getattr(source, "report", None), LabelReport)
-                      else None, boxes=base.meta.get("detection", {}).get("boxes", 0), new=0)
+                      labels=labels, boxes=base.meta.get("detection", {}).get("boxes", 0), new=0)
 
 
 def within(path, folder) -> bool:
@@ -994,10 +1005,12 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         if not everything:  # up to date: the dataset stays as it is, untouched (unless more new files than
             listing_left_out = _listing_left_out(source)  # --max-skipped allows were left out)
             if max_skipped is not None:
-                known = {item["path"] for item in report_lists(out, LEFT_OUT) or []}
+                known = _known_left_out(out, base)
                 check_skipped(display(src), [item for item in listing_left_out if item["path"] not in known],
                               0, max_skipped, listed=False)
-            return _unchanged(base, source, out, started)
+            label_report = getattr(source, "report", None)
+            return _unchanged(base, source, out, started,
+                              labels=label_report.as_dict() if isinstance(label_report, LabelReport) else None)
     first, last = part * len(everything) // num_parts, (part + 1) * len(everything) // num_parts
     items = everything[first:last]
     ignored = source.ignored if part == 0 else []
@@ -1097,8 +1110,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     listed = folder == out and not append  # (a failed report in OUT lists what was left out; an overwrite or
     # an append that fails leaves OUT's dataset and report as they were)
     # an append tries again the files its dataset's report lists as left out: they count once, not each time
-    known = {item["path"] for item in report_lists(out, LEFT_OUT) or []} \
-        if append and max_skipped is not None else set()
+    known = _known_left_out(out, base) if append and max_skipped is not None else set()
     left_out = {"count": sum(item["path"] not in known for item in listing_left_out + skipped)}  # (the
     # listing's, a resume's; counted as files are skipped, the list made only to say it)
 
