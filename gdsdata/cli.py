@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 from gdsdata import __version__
 from gdsdata.settings import parse_size
@@ -224,6 +225,11 @@ def _pack_on_ray(args, options):
     print(f"  stored as is: {report['packed'] - report['converted']}, converted: {report['converted']}, "
           f"resized: {report['resized']}")
     _print_repaired(report.get("repaired"))
+    if report.get("labels"):  # (a detection source: what its labels got wrong, as a local pack says it)
+        from gdsdata.format.index import load
+
+        boxes = load(summary["out"]).meta.get("detection", {}).get("boxes", 0)
+        _print_labels(SimpleNamespace(labels=report["labels"], boxes=boxes, new=summary["samples"]), False)
     _print_left_out(report["skipped"], report["ignored"], report["unreadable"], report["special"])
     print(f"  report: {summary['report_path']}")
     return 0

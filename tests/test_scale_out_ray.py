@@ -118,7 +118,7 @@ def test_a_local_ray_packs_onto_shard_roots_and_the_dataset_owns_them(source, lo
     assert [f for d in drives for _, _, files in os.walk(d) for f in files] == []
 
 
-def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, tmp_path):
+def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, tmp_path, capsys):
     import numpy as np
 
     from gdsdata.packing.ray import pack_on_ray
@@ -144,6 +144,11 @@ def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, 
     assert [entry["path"] for entry in report["skipped"]] == [os.path.relpath(images[-1], os.path.dirname(data))]
     assert report["labels"] == single.labels  # (not the clipped box of the image part 2 skipped, as one pack)
     assert all(entry["image"] != report["skipped"][0]["path"] for entry in report["labels"]["clipped"])
+    from gdsdata.cli import main  # the command says what the labels got wrong, as a local pack does
+
+    assert main(["pack", "--format", "yolo", data, str(tmp_path / "cli"), "--ray", "--num-parts", "3", "-q"]) == 0
+    said = capsys.readouterr().out
+    assert f"  boxes: {len(single_index.boxes)}, images without objects (kept as negatives): " in said, said
 
 
 def test_the_report_holds_every_part_s_skipped_files_as_a_local_pack_s(local_ray, tmp_path):
