@@ -999,6 +999,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     """Pack into ``folder`` (``out`` itself, or where an overwrite builds its replacement); messages
     and the report name ``out``."""
     classes, everything = source.classes, source.items
+    # a detection source's label report: an image left out takes its boxes' notes with it
+    label_report = source.report if isinstance(getattr(source, "report", None), LabelReport) else None
     if append:
         base, everything, classes = _appendable(out, source, alignment)
         options = _append_options(base, options, inherit)
@@ -1008,9 +1010,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 known = _known_left_out(out, base)
                 check_skipped(display(src), [item for item in listing_left_out if item["path"] not in known],
                               0, max_skipped, listed=False)
-            label_report = getattr(source, "report", None)
-            return _unchanged(base, source, out, started,
-                              labels=label_report.as_dict() if isinstance(label_report, LabelReport) else None)
+            return _unchanged(base, source, out, started, labels=label_report and label_report.as_dict())
     first, last = part * len(everything) // num_parts, (part + 1) * len(everything) // num_parts
     items = everything[first:last]
     ignored = source.ignored if part == 0 else []
@@ -1026,8 +1026,6 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     dataset_id = bytes.fromhex(journals[0]["dataset_id"]) if journals else os.urandom(16)
     records, strings, skipped, repaired = [], bytearray(), [], []
     stamps, skipped_stamps = [], {}  # each record's source as read, and each file skipped since the last journal's
-    # a detection source's label report: an image left out takes its boxes' notes with it
-    label_report = source.report if isinstance(getattr(source, "report", None), LabelReport) else None
     shard_rows = []
     converted = resized = done = 0
     base_stamp = index_io.stamp(out) if append else None  # which index file the dataset held when it began
