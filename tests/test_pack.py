@@ -568,6 +568,15 @@ def test_max_skipped_counts_files_the_listing_could_not_read(tmp_path):
     assert (len(report["unreadable"]), len(report["skipped"])) == (1, 1)
     result = pack(src, str(tmp_path / "within"), workers=1, max_skipped="17%")  # 17 % of 12 files: 2
     assert result.packed == 10 and len(result.unreadable) == 1
+    # a part of several: what the listing left out is a share of the whole source's files (1 of 12), not
+    # of the part's own (6), which its own skipped files are
+    whole = str(tmp_path / "whole")
+    _with_bad_files(whole, photos=11, bad=0)
+    os.symlink(str(tmp_path / "gone.jpg"), os.path.join(whole, "class1", "link.jpg"))
+    part = pack(whole, str(tmp_path / "part0"), workers=1, num_parts=2, part=0, max_skipped="9%")
+    assert len(part.unreadable) == 1 and part.packed in (5, 6)
+    with pytest.raises(BadImageError, match=r"1 file\(s\) left out, more than --max-skipped 8% \(0 of 12 files\)"):
+        pack(whole, str(tmp_path / "part0-over"), workers=1, num_parts=2, part=0, max_skipped="8%")
 
 
 def test_max_skipped_on_append_counts_only_files_the_dataset_did_not_leave_out_before(tmp_path):

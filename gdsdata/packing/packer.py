@@ -592,7 +592,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     max_skipped : int or str, optional
         Stop as ``strict`` does once more files are skipped, unreadable or (detection) left out for
         their labels than this: a count (10) or a share of the files to pack ("0.5%"; a part's share
-        of its own files, part 0's with what the listing left out). None: no limit.
+        of its own files; part 0 checks what the listing left out once, of the whole source's). None:
+        no limit.
     overwrite : bool
         Replace a dataset in ``out``: the new one is built aside and swapped in when complete.
     progress : bool
@@ -1109,18 +1110,23 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     # an append that fails leaves OUT's dataset and report as they were)
     # an append tries again the files its dataset's report lists as left out: they count once, not each time
     known = _known_left_out(out, base) if append and max_skipped is not None else set()
-    left_out = {"count": sum(item["path"] not in known for item in listing_left_out + skipped)}  # (the
-    # listing's, a resume's; counted as files are skipped, the list made only to say it)
+    # a part of several counts the files of its own range; part 0 checks what the listing left out once,
+    # against the whole source's files (a share of one part's files would stop it where the whole passes)
+    counted = listing_left_out if num_parts == 1 else []
+    left_out = {"count": sum(item["path"] not in known for item in counted + skipped)}  # (the listing's, a
+    # resume's; counted as files are skipped, the list made only to say it)
 
     def check_left_out(item=None):
         left_out["count"] += item is not None and item["path"] not in known
         allowed = skips_allowed(max_skipped, len(items) - len(skipped) + left_out["count"])
         if left_out["count"] > allowed:
-            check_skipped(display(src), [item for item in listing_left_out + skipped if item["path"] not in known],
+            check_skipped(display(src), [item for item in counted + skipped if item["path"] not in known],
                           len(items) - len(skipped), max_skipped, listed)
 
     try:
         if max_skipped is not None:
+            if num_parts > 1 and listing_left_out:
+                check_skipped(display(src), listing_left_out, len(everything), max_skipped, listed)
             check_left_out()
         bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
         with bar:
