@@ -226,10 +226,7 @@ def _pack_on_ray(args, options):
           f"resized: {report['resized']}")
     _print_repaired(report.get("repaired"))
     if report.get("labels"):  # (a detection source: what its labels got wrong, as a local pack says it)
-        from gdsdata.format.index import load
-
-        boxes = load(summary["out"]).meta.get("detection", {}).get("boxes", 0)
-        _print_labels(SimpleNamespace(labels=report["labels"], boxes=boxes, new=summary["samples"]), False)
+        _print_labels(SimpleNamespace(labels=report["labels"], boxes=summary["boxes"], new=summary["samples"]), False)
     _print_left_out(report["skipped"], report["ignored"], report["unreadable"], report["special"])
     print(f"  report: {summary['report_path']}")
     return 0

@@ -221,7 +221,7 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
     Returns
     -------
     dict
-        ``out``, ``parts``, ``samples``, ``shards`` and how the shards were placed.
+        ``out``, ``parts``, ``samples``, ``shards``, how the shards were placed and ``boxes`` (detection).
     """
     out = os.path.realpath(os.fspath(out))
     _given_once(parts, out)
@@ -384,4 +384,4 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
         _write_json(os.path.join(folder, fmt.REPORT_NAME), report(meta, shards))
     log.info("merged %d parts: %d samples, %d shards (%s)", len(parts), len(samples), len(shards), ", ".join(how))
     return {"out": out, "parts": len(parts), "samples": len(samples), "shards": len(shards),
-            "shards_placed": sorted(how)}
+            "shards_placed": sorted(how), "boxes": meta.get("detection", {}).get("boxes", 0)}

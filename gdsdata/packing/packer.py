@@ -760,19 +760,25 @@ def _listing_left_out(source) -> list:
     report = getattr(source, "report", None)
     if not isinstance(report, LabelReport):
         return unreadable
-    return unreadable + report.settle({display(item.rel) for item in source.items} |
-                                      {item["path"] for item in unreadable})
+    return unreadable + report.settle(_named(source))
 
 
-def _known_left_out(out, base) -> set:
+def _named(source) -> set:
+    """The names (as reports give them) of the images ``source`` gives or could not read: a COCO file
+    named by a record left out and by one kept is among them."""
+    return {display(item.rel) for item in source.items} | {item["path"] for item in getattr(source, "unreadable", [])}
+
+
+def _known_left_out(out, held) -> set:
     """The paths an append's --max-skipped does not count: the files its dataset's report lists as left
-    out (counted when they were), and those the dataset holds (a file since deleted is not left out)."""
-    return {item["path"] for item in report_lists(out, LEFT_OUT) or []} | \
-        {display(base.path(k)) for k in range(len(base))}
+    out (counted when they were), and those the dataset holds (``held``, by path: a file since deleted
+    is not left out)."""
+    return {item["path"] for item in report_lists(out, LEFT_OUT) or []} | {display(name) for name in held}
 
 
 def _appendable(out, source, alignment):
-    """(dataset, items to add with their labels in the dataset's class list, the extended list)."""
+    """(dataset, items to add with their labels in the dataset's class list, the extended list, the
+    dataset's samples by path)."""
     base = index_io.load(out)
     if base.alignment != alignment:
         raise SourceError(f"{out}: alignment {base.alignment}; append with --alignment {base.alignment}")
@@ -795,7 +801,7 @@ def _appendable(out, source, alignment):
         classes = base.classes + [name for name in source.classes if name in added]
     label = {name: k for k, name in enumerate(classes)}
     items = [replace(item, label=label[source.classes[item.label]]) for item in source.items if item.rel not in held]
-    return base, items, classes
+    return base, items, classes, held
 
 
 PIXEL_OPTIONS = ("codec", "quality", "max_side", "raw_size", "exif_transpose")  # what a sample's bytes depend on
@@ -864,8 +870,7 @@ def _check_held_boxes(base, source, held):
         return len(a) == len(b) and np.array_equal(np.sort(a, order=list(a.dtype.names)),
                                                    np.sort(b, order=list(b.dtype.names)))
 
-    # the images the source gives (a COCO file named by a record left out and by one kept) or could not read
-    given = {display(item.rel) for item in source.items} | {item["path"] for item in getattr(source, "unreadable", [])}
+    given = _named(source)
     held_names = {display(name) for name in held}
     for entry in source.report.bad_labels:
         if entry["path"] in held_names and entry["path"] not in given:
@@ -1003,12 +1008,12 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     # a detection source's label report: an image left out takes its boxes' notes with it
     label_report = source.report if isinstance(getattr(source, "report", None), LabelReport) else None
     if append:
-        base, everything, classes = _appendable(out, source, alignment)
+        base, everything, classes, held = _appendable(out, source, alignment)
         options = _append_options(base, options, inherit)
         if not everything:  # up to date: the dataset stays as it is, untouched (unless more new files than
             listing_left_out = _listing_left_out(source)  # --max-skipped allows were left out)
             if max_skipped is not None:
-                known = _known_left_out(out, base)
+                known = _known_left_out(out, held)
                 check_skipped(display(src), [item for item in listing_left_out if item["path"] not in known],
                               0, max_skipped, listed=False)
             return _unchanged(base, source, out, started, labels=label_report and label_report.as_dict())
@@ -1109,7 +1114,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
     listed = folder == out and not append  # (a failed report in OUT lists what was left out; an overwrite or
     # an append that fails leaves OUT's dataset and report as they were)
     # an append tries again the files its dataset's report lists as left out: they count once, not each time
-    known = _known_left_out(out, base) if append and max_skipped is not None else set()
+    known = _known_left_out(out, held) if append and max_skipped is not None else set()
     # a part of several counts the files of its own range; part 0 checks what the listing left out once,
     # against the whole source's files (a share of one part's files would stop it where the whole passes)
     counted = listing_left_out if num_parts == 1 else []
