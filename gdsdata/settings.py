@@ -43,13 +43,15 @@ made) and ``stall_timeout`` is read as each Loader pass and each pack starts.
 when it does not come from NVIDIA's wheels.
 
 ``import gdsdata`` sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (CUDA's hardware work queues per
-context; CUDA's default 8) when the environment does not set it and CUDA has not started yet: beside
+context; CUDA's default 8) when the environment does not set it and CUDA has not started yet (no
+context of torch's or of another library's, CuPy's or DALI's, in the process): beside
 a training step on the same GPU, nvJPEG's decode then shares fewer queues with the step's kernels
 (docs/design.md, "The GPU the step shares"). A value in the environment is kept; the GPU path warns
 when it is below 8 (the decode starves behind the step's kernels). ``cuda_queues()`` says which.
 """
 
 import contextlib
+import ctypes
 import difflib
 import logging
 import multiprocessing
@@ -192,11 +194,39 @@ _cuda_queues = None  # (queues, who chose them), from claim_cuda_queues()
 
 
 def _cuda_started() -> bool:
+    """Whether this process holds a CUDA context already: torch's, or one another library (CuPy, DALI,
+    a driver-API program) made before gdsdata was imported."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     try:
-        return bool(cuda is not None and cuda.is_initialized())
+        if cuda is not None and cuda.is_initialized():
+            return True
     except Exception:  # noqa: BLE001 - a torch still being imported
+        pass
+    return _driver_holds_context()
+
+
+def _driver_holds_context() -> bool:
+    """Whether the CUDA driver holds a context in this process. The driver is asked only where the
+    process has loaded it already: this never loads or starts CUDA (a DataLoader worker forked after
+    it could not use CUDA)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+    except (OSError, AttributeError):  # not loaded (AttributeError: no RTLD_NOLOAD on this system)
+        return False
+    try:
+        count = ctypes.c_int()
+        if driver.cuDeviceGetCount(ctypes.byref(count)) != 0:  # CUDA_ERROR_NOT_INITIALIZED: no cuInit yet
+            return False
+        device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        for ordinal in range(count.value):  # a runtime's context (torch's, CuPy's, DALI's) is the primary one
+            if (driver.cuDeviceGet(ctypes.byref(device), ordinal) == 0
+                    and driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+                    and active.value):
+                return True
+        context = ctypes.c_void_p()  # one a program made itself (cuCtxCreate), current on this thread
+        return driver.cuCtxGetCurrent(ctypes.byref(context)) == 0 and bool(context.value)
+    except AttributeError:  # a driver without these entry points: say nothing of it
         return False
 
 

@@ -505,3 +505,63 @@ def test_doctor_names_the_io_mode():
     info = report()
     assert info["io mode"].split(":")[0] in ("gds", "compat")
     assert "nvjpeg" in info
+
+
+_QUEUES = r"""
+import ctypes, json, os, sys, time
+{before}
+import torch
+import gdsdata
+
+said = gdsdata.settings.cuda_queues()
+streams = [torch.cuda.Stream() for _ in range(32)]
+
+
+def seconds(count, cycles):  # one spinning single-thread kernel on each of `count` streams, launched together
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for stream in streams[:count]:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+seconds(32, 1000)
+cycles = 10_000_000
+while seconds(1, cycles) < 0.01:
+    cycles *= 2
+one = min(seconds(1, cycles) for _ in range(3))
+print(json.dumps({{"said": said, "together": 32 * one / min(seconds(32, cycles) for _ in range(3))}}))
+"""
+_DRIVER = "d = ctypes.CDLL('libcuda.so.1'); assert d.cuInit(0) == 0; "
+_STARTS = {  # what the process does before `import gdsdata` -> the queues gdsdata should say
+    "nothing": ("", 32),
+    "the variable set to 8": ("os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = '8'", 8),
+    "torch's context": ("import torch; torch.zeros(1, device='cuda')", 8),
+    "torch asked for the device count": ("import torch; torch.cuda.device_count(); torch.cuda.is_available()", 32),
+    "the driver started, no context": (_DRIVER, 32),
+    "another library's context": (_DRIVER + "c = ctypes.c_void_p(); assert d.cuDevicePrimaryCtxRetain("
+                                  "ctypes.byref(c), 0) == 0", 8),
+}
+
+
+def test_the_work_queues_gdsdata_says_are_those_cuda_runs():
+    # 32 streams each run a kernel that spins alone on the GPU: with 32 hardware work queues they run
+    # together; with 8, four streams share a queue and their kernels run one after another
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    found = {}
+    for name, (before, queues) in _STARTS.items():
+        run = subprocess.run([sys.executable, "-c", _QUEUES.format(before=before)], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, f"{name}: {run.stderr[-2000:]}"
+        found[name] = json.loads(run.stdout.strip().splitlines()[-1])
+        print(f"{name}: says {found[name]['said']}, {found[name]['together']:.1f} kernels ran together")
+    for name, (_, queues) in _STARTS.items():
+        together = found[name]["together"]
+        ran = 32 if together > 20 else 8 if 5 < together < 12 else None
+        assert (found[name]["said"][0], ran) == (queues, queues), (name, found)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -143,6 +144,49 @@ def test_import_asks_cuda_for_32_work_queues_unless_told_otherwise():
     assert _queues(started) == [None, [8, "CUDA's default: CUDA started before gdsdata was imported"]]
     changed = said.replace("print(", "os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = '2'; print(")  # (after import)
     assert _queues(changed) == ["2", [2, "CUDA_DEVICE_MAX_CONNECTIONS in the environment"]]
+
+
+_DRIVER = r"""
+int cuDeviceGetCount(int *count) { if (!INITIALISED) return 3; *count = 2; return 0; }
+int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return 0; }
+int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active) {
+    *flags = 0; *active = device == 1 && PRIMARY; return 0; }
+int cuCtxGetCurrent(void **context) { *context = CURRENT ? (void *)context : 0; return 0; }
+"""
+
+
+def _driver(tmp_path, name, **state):
+    """A stand-in for libcuda.so.1 (its soname) whose entry points gdsdata asks report ``state``."""
+    source = tmp_path / f"{name}.c"
+    source.write_text(_DRIVER)
+    library = tmp_path / name / "libcuda.so.1"
+    library.parent.mkdir()
+    defines = [f"-D{key.upper()}={int(value)}" for key, value in state.items()]
+    subprocess.run([shutil.which("cc"), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", *defines, "-o",
+                    str(library), str(source)], check=True)
+    return library
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None,
+                    reason="needs Linux and a C compiler")
+def test_a_context_another_library_made_before_import_keeps_cudas_default(tmp_path):
+    # CuPy or DALI may have made the process's CUDA context before gdsdata is imported: torch does not
+    # know, the driver does. gdsdata asks it only where another library loaded it (loading it is a
+    # start of CUDA that a forked DataLoader worker could not undo)
+    said = ("import json, os, gdsdata; print(json.dumps([os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'), "
+            "gdsdata.settings.cuda_queues()]))")
+    cases = {  # driver state -> (the variable, what cuda_queues() says)
+        "idle": (dict(initialised=0, primary=0, current=0), ["32", [32, "set by gdsdata"]]),
+        "initialised": (dict(initialised=1, primary=0, current=0), ["32", [32, "set by gdsdata"]]),
+        "primary": (dict(initialised=1, primary=1, current=0),
+                    [None, [8, "CUDA's default: CUDA started before gdsdata was imported"]]),
+        "own": (dict(initialised=1, primary=0, current=1),
+                [None, [8, "CUDA's default: CUDA started before gdsdata was imported"]]),
+    }
+    for name, (state, expected) in cases.items():
+        library = _driver(tmp_path, name, **state)
+        assert _queues(f"import ctypes; ctypes.CDLL({str(library)!r}); " + said) == expected, name
+    assert _queues(said) == ["32", [32, "set by gdsdata"]]  # no driver loaded: not asked
 
 
 def test_the_gpu_path_warns_of_too_few_work_queues(monkeypatch, caplog):
