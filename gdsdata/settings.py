@@ -44,7 +44,7 @@ when it does not come from NVIDIA's wheels.
 
 ``import gdsdata`` sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (CUDA's hardware work queues per
 context; CUDA's default 8) when the environment does not set it and CUDA has not started yet (no
-context of torch's or of another library's, CuPy's or DALI's, in the process): beside
+context of torch's, nor on Linux a primary context of another library's, CuPy's or DALI's): beside
 a training step on the same GPU, nvJPEG's decode then shares fewer queues with the step's kernels
 (docs/design.md, "The GPU the step shares"). A value in the environment is kept; the GPU path warns
 when it is below 8 (the decode starves behind the step's kernels). ``cuda_queues()`` says which.
@@ -199,17 +199,18 @@ def _cuda_started() -> bool:
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     try:
-        if cuda is not None and cuda.is_initialized():
-            return True
+        if cuda is not None and (cuda.is_initialized() or cuda._is_in_bad_fork()):
+            return True  # (a child forked from a process that had started CUDA: the driver is not asked there)
     except Exception:  # noqa: BLE001 - a torch still being imported
         pass
     return _driver_holds_context()
 
 
 def _driver_holds_context() -> bool:
-    """Whether the CUDA driver holds a context in this process. The driver is asked only where the
-    process has loaded it already: this never loads or starts CUDA (a DataLoader worker forked after
-    it could not use CUDA)."""
+    """Whether the CUDA driver holds a primary context (a runtime's: torch's, CuPy's, DALI's) or one
+    current on this thread (Linux). The driver is asked only where the process has loaded it already:
+    one that has not holds no context, and loading it into every process that imports gdsdata (a
+    CPU-only pack too) would be needless."""
     try:
         driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
     except (OSError, AttributeError):  # not loaded (AttributeError: no RTLD_NOLOAD on this system)
@@ -219,12 +220,12 @@ def _driver_holds_context() -> bool:
         if driver.cuDeviceGetCount(ctypes.byref(count)) != 0:  # CUDA_ERROR_NOT_INITIALIZED: no cuInit yet
             return False
         device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
-        for ordinal in range(count.value):  # a runtime's context (torch's, CuPy's, DALI's) is the primary one
+        for ordinal in range(count.value):
             if (driver.cuDeviceGet(ctypes.byref(device), ordinal) == 0
                     and driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
                     and active.value):
                 return True
-        context = ctypes.c_void_p()  # one a program made itself (cuCtxCreate), current on this thread
+        context = ctypes.c_void_p()  # one a program made itself (cuCtxCreate)
         return driver.cuCtxGetCurrent(ctypes.byref(context)) == 0 and bool(context.value)
     except AttributeError:  # a driver without these entry points: say nothing of it
         return False

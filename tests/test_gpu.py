@@ -514,7 +514,13 @@ import torch
 import gdsdata
 
 said = gdsdata.settings.cuda_queues()
-streams = [torch.cuda.Stream() for _ in range(32)]
+torch.zeros(1, device="cuda")
+driver = ctypes.CDLL("libcuda.so.1")
+streams = []
+for _ in range(32):  # made one after another (torch's pool makes its streams in turn with other priorities)
+    handle = ctypes.c_void_p()
+    assert driver.cuStreamCreate(ctypes.byref(handle), 1) == 0  # CU_STREAM_NON_BLOCKING
+    streams.append(torch.cuda.ExternalStream(handle.value))
 
 
 def seconds(count, cycles):  # one spinning single-thread kernel on each of `count` streams, launched together
@@ -538,8 +544,9 @@ _DRIVER = "d = ctypes.CDLL('libcuda.so.1'); assert d.cuInit(0) == 0; "
 _STARTS = {  # what the process does before `import gdsdata` -> the queues gdsdata should say
     "nothing": ("", 32),
     "the variable set to 8": ("os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = '8'", 8),
+    "the variable set to 32": ("os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = '32'", 32),
     "torch's context": ("import torch; torch.zeros(1, device='cuda')", 8),
-    "torch asked for the device count": ("import torch; torch.cuda.device_count(); torch.cuda.is_available()", 32),
+    "torch.cuda.is_available()": ("import torch; torch.cuda.is_available(); torch.cuda.device_count()", 32),
     "the driver started, no context": (_DRIVER, 32),
     "another library's context": (_DRIVER + "c = ctypes.c_void_p(); assert d.cuDevicePrimaryCtxRetain("
                                   "ctypes.byref(c), 0) == 0", 8),
@@ -553,7 +560,11 @@ def test_the_work_queues_gdsdata_says_are_those_cuda_runs():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    from conftest import child_env
+
+    env = child_env()
+    for variable in ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING"):
+        env.pop(variable, None)
     found = {}
     for name, (before, queues) in _STARTS.items():
         run = subprocess.run([sys.executable, "-c", _QUEUES.format(before=before)], env=env, capture_output=True,

@@ -156,10 +156,11 @@ int cuCtxGetCurrent(void **context) { *context = CURRENT ? (void *)context : 0; 
 
 
 def _driver(tmp_path, name, **state):
-    """A stand-in for libcuda.so.1 (its soname) whose entry points gdsdata asks report ``state``."""
+    """A stand-in for the CUDA driver whose entry points gdsdata asks report ``state``: its soname
+    libcuda.so.1, its file named as a driver install names it."""
     source = tmp_path / f"{name}.c"
     source.write_text(_DRIVER)
-    library = tmp_path / name / "libcuda.so.1"
+    library = tmp_path / name / "libcuda.so.580.1"
     library.parent.mkdir()
     defines = [f"-D{key.upper()}={int(value)}" for key, value in state.items()]
     subprocess.run([shutil.which("cc"), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", *defines, "-o",
@@ -171,8 +172,7 @@ def _driver(tmp_path, name, **state):
                     reason="needs Linux and a C compiler")
 def test_a_context_another_library_made_before_import_keeps_cudas_default(tmp_path):
     # CuPy or DALI may have made the process's CUDA context before gdsdata is imported: torch does not
-    # know, the driver does. gdsdata asks it only where another library loaded it (loading it is a
-    # start of CUDA that a forked DataLoader worker could not undo)
+    # know, the driver does. gdsdata asks it only where another library loaded it
     said = ("import json, os, gdsdata; print(json.dumps([os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'), "
             "gdsdata.settings.cuda_queues()]))")
     cases = {  # driver state -> (the variable, what cuda_queues() says)
@@ -186,7 +186,12 @@ def test_a_context_another_library_made_before_import_keeps_cudas_default(tmp_pa
     for name, (state, expected) in cases.items():
         library = _driver(tmp_path, name, **state)
         assert _queues(f"import ctypes; ctypes.CDLL({str(library)!r}); " + said) == expected, name
-    assert _queues(said) == ["32", [32, "set by gdsdata"]]  # no driver loaded: not asked
+    # a driver on the library path that nothing loaded is neither loaded nor asked
+    found = tmp_path / "found"
+    found.mkdir()
+    (found / "libcuda.so.1").symlink_to(_driver(tmp_path, "unloaded", initialised=1, primary=1, current=1))
+    loaded = said.replace("print(json.dumps([", "print(json.dumps(['libcuda' in open('/proc/self/maps').read(), ")
+    assert _queues(loaded, LD_LIBRARY_PATH=str(found)) == [False, "32", [32, "set by gdsdata"]]
 
 
 def test_the_gpu_path_warns_of_too_few_work_queues(monkeypatch, caplog):
