@@ -276,6 +276,8 @@ def _cmd_merge(args):
                     max_skipped=args.max_skipped)
     print(f"merged {summary['parts']} dataset(s) into {summary['out']}: {summary['samples']} samples, "
           f"{summary['shards']} shard(s) {'/'.join(summary['shards_placed'])}")
+    if summary.get("report_path"):  # (parts of one pack: their files left out, joined)
+        print(f"  report: {summary['report_path']}")
     return 0
 
 

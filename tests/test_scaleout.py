@@ -79,6 +79,24 @@ def test_four_parts_merged_equal_the_whole(source, whole, tmp_path):
     copied = str(tmp_path / "copied")
     merge(parts, copied, copy=True)
     assert samples_of(copied) == samples_of(whole)
+    # its pack_report.json is the whole pack's: the files left out, their reasons, the counts
+    report = json.loads(pathlib.Path(summary["report_path"]).read_text())
+    single = json.loads(pathlib.Path(whole, "pack_report.json").read_text())
+    for key in ("source", "skipped", "ignored", "unreadable", "special", "repaired", "status", "classes", "packed",
+                "converted", "resized", "empty_classes"):
+        assert report[key] == single[key], key
+    assert (report["shards"], report["bytes"]) == (len(ds.index.shards), int(ds.index.shards["size"].sum()))
+    assert report["merge"]["parts"] == 4 and len(report["merge"]["seconds_of_parts"]) == 4
+    assert summary["report_path"] == os.path.join(merged, "pack_report.json")
+    # so an append to it counts under --max-skipped only what it leaves out itself (was: the parts' again)
+    more = tmp_path / "more"
+    shutil.copytree(source, more)
+    for k in range(2):
+        (more / "class0" / f"new_{k}.jpg").write_bytes(jpeg_bytes(photo(990 + k, label=0), quality=90))
+    assert pack(str(more), merged, append=True, workers=1, max_skipped=0).new == 2
+    # a merge of whole datasets writes none (their reports are of other packs)
+    assert merge([whole], str(tmp_path / "one"))["report_path"] is None
+    assert not os.path.exists(tmp_path / "one" / "pack_report.json")
 
 
 def test_merge_refuses_parts_of_different_sources(whole, tmp_path):

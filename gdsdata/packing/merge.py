@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 
 import numpy as np
 from tqdm import tqdm
@@ -32,9 +33,9 @@ from gdsdata.errors import FormatError, SourceError
 from gdsdata.format.lock import (SHARDS_TAG, drop_if_empty, make_shard_folder, owned_target, reader_lock,
                                  remove_quietly, remove_shards, shard_folder, writer_lock)
 from gdsdata.format.shards import read_header
-from gdsdata.packing.detection import annotate
+from gdsdata.packing.detection import LabelReport, annotate
 from gdsdata.packing.packer import (LEFT_OUT, PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options,
-                                    reasons, report_lists)
+                                    reasons, report_complete, report_lists, report_opening, saved_report)
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,9 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
     Returns
     -------
     dict
-        ``out``, ``parts``, ``samples``, ``shards``, how the shards were placed and ``boxes`` (detection).
+        ``out``, ``parts``, ``samples``, ``shards``, how the shards were placed, ``boxes`` (detection)
+        and ``report_path``: the ``pack_report.json`` joining the parts' reports, written for the
+        parts of one pack that each have theirs (None otherwise).
     """
     out = os.path.realpath(os.fspath(out))
     _given_once(parts, out)
@@ -284,6 +287,8 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     if max_skipped is not None:
         what, listed = left_out or _skipped_by(parts)
         check_skipped(what, listed, sum(len(index) for index in indexes), max_skipped, listed=False)
+    if report is None:
+        report = _parts_report(ordered, out)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
         return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report),
@@ -292,6 +297,54 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
         if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
             remove_quietly(out)
         raise
+
+
+class JoinedReport:
+    """What ``out/pack_report.json`` holds once the parts of one pack are merged (``merge_checked(report=)``):
+    the fields a pack in one piece writes, the parts' lists joined in part order, the counts of the
+    merged dataset, and ``extra`` (how the parts were packed)."""
+
+    def __init__(self, src, out, reports, roots, started, extra):
+        self.src, self.out, self.reports, self.roots, self.started = src, out, reports, roots, started
+        self.extra = extra
+        self.made = None
+
+    def __call__(self, meta, shards):
+        reports, counts = self.reports, meta["counts"]
+        report = report_opening(self.src, self.out, meta["classes"], self.roots,
+                                {key: [entry for part in reports for entry in part.get(key) or []]
+                                 for key in ("ignored", "skipped", "unreadable", "special", "repaired")})
+        if any("labels" in part for part in reports):
+            # the labels' report of the whole source: part 0's, with the negatives the dataset kept, without
+            # the notes on boxes of images the other parts skipped
+            labels = reports[0].get("labels")
+            if labels is not None and "detection" in meta:
+                skipped = {entry.get("path") for entry in report["skipped"]}
+                labels = {**labels, "negatives": meta["detection"]["negatives"],
+                          **{kind: [entry for entry in labels.get(kind) or [] if entry.get("image") not in skipped]
+                             for kind in LabelReport.BOX_NOTES}}
+            report["labels"] = labels
+        report_complete(report, meta["classes"], counts["per_class"], shards, time.perf_counter() - self.started,
+                        packed=int(counts["packed"]), converted=int(counts["converted"]),
+                        resized=int(counts["resized"]),
+                        resumed_shards=sum(part.get("resumed_shards", 0) for part in reports))
+        report.update(self.extra)
+        self.made = report
+        return report
+
+
+def _parts_report(ordered, out):
+    """The joined report of the parts of one ``--num-parts`` pack, each with its finished pack's
+    report; None for whole datasets, or where a part has none (a merge then writes no report)."""
+    reports = []
+    for part, index in ordered:
+        report = saved_report(part) if index.meta.get("part") else None
+        if report is None:
+            return None
+        reports.append(report)
+    merged = {"parts": len(reports), "seconds_of_parts": [part.get("seconds") for part in reports]}
+    return JoinedReport(reports[0].get("source", ""), out, reports, reports[0].get("shard_roots"),
+                        time.perf_counter(), {"merge": merged})
 
 
 def _skipped_by(parts):
@@ -384,4 +437,5 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
         _write_json(os.path.join(folder, fmt.REPORT_NAME), report(meta, shards))
     log.info("merged %d parts: %d samples, %d shards (%s)", len(parts), len(samples), len(shards), ", ".join(how))
     return {"out": out, "parts": len(parts), "samples": len(samples), "shards": len(shards),
-            "shards_placed": sorted(how), "boxes": meta.get("detection", {}).get("boxes", 0)}
+            "shards_placed": sorted(how), "boxes": meta.get("detection", {}).get("boxes", 0),
+            "report_path": os.path.join(out, fmt.REPORT_NAME) if report is not None else None}

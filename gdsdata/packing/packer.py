@@ -705,14 +705,24 @@ def reasons(left_out, most=3) -> str:
 LEFT_OUT = ("unreadable", "labels.left_out", "skipped")
 
 
+def saved_report(folder, complete=True):
+    """The ``pack_report.json`` in ``folder`` (a dataset, a part) as a dict, or None where there is
+    none readable (with ``complete``, also where its pack did not finish)."""
+    try:
+        with open(open_regular(os.path.join(folder, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError, FormatError):
+        return None
+    if not isinstance(report, dict) or (complete and report.get("status") != "complete"):
+        return None
+    return report
+
+
 def report_lists(folder, lists=("skipped",)):
     """The files the ``pack_report.json`` in ``folder`` (a dataset, a part) lists under ``lists``
     ({"path", "reason"} each; "labels.left_out" is a list inside one), or None without a readable one."""
-    try:
-        with open(open_regular(os.path.join(folder, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
-            return listed_in(json.load(f), lists)
-    except (OSError, ValueError, FormatError):
-        return None
+    report = saved_report(folder, complete=False)
+    return None if report is None else listed_in(report, lists)
 
 
 def listed_in(report, lists=("skipped",)):
@@ -908,16 +918,14 @@ def _finished(out, src, signature, source, items, started) -> PackResult:
                                 f"{_differences(packed, now)}; nothing to resume (pack with --overwrite to replace it)")
     log.info("%s: finished already (packed from %s with these options); nothing to resume", out, display(src))
     result = _unchanged(base, source, out, started)
-    report = os.path.join(out, fmt.REPORT_NAME)
+    saved = saved_report(out)  # (None: it ended between its index and its report)
     try:
-        with open(open_regular(report, what="a report"), encoding="utf-8") as f:
-            saved = json.load(f)
-        if saved.get("status") == "complete":
-            result.report_path = report
+        if saved is not None:
+            result.report_path = os.path.join(out, fmt.REPORT_NAME)
             result.skipped = list(saved.get("skipped") or [])  # what that pack left out: a retry's log says it again
             result.repaired = list(saved.get("repaired") or [])
             result.labels = saved.get("labels") if isinstance(saved.get("labels"), dict) else None
-    except (OSError, ValueError, AttributeError, TypeError, FormatError):  # (ended between its index and report)
+    except TypeError:  # (a report written by hand)
         pass
     result.finished_before = True
     return result

@@ -27,8 +27,8 @@ from gdsdata.format import layout as fmt
 from gdsdata.errors import GdsDataError, SourceError, SourceGoneError, Terminated
 from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_quietly, writer_lock
 from gdsdata.format.shards import open_regular
-from gdsdata.packing.detection import DetectionSource, LabelReport, open_detection
-from gdsdata.packing.packer import report_complete, report_opening
+from gdsdata.packing.detection import DetectionSource, open_detection
+from gdsdata.packing.packer import saved_report
 from gdsdata.stall import timeout_or_none
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, local_path, open_source
 
@@ -65,7 +65,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     is left as it is. ``max_skipped``: as ``pack``'s, of every part's files together, checked before
     the merge (nothing is written then)."""
     from gdsdata.args import skip_limit
-    from gdsdata.packing.merge import merge_checked
+    from gdsdata.packing.merge import JoinedReport, merge_checked
     from gdsdata.packing.packer import LEFT_OUT, check_output, dataset_owner, listed_in, shard_roots_of, within
 
     max_skipped = skip_limit(max_skipped)
@@ -147,8 +147,8 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                         for ref, k in watch.stalled(pending):
                             pending.pop(ref)
                             pending[submit(k)] = k
-                union = _JoinedReport(src, out, [reports[k] for k in range(parts)], kwargs["shard_roots"], started,
-                                parts, cpus)
+                union = JoinedReport(src, out, [reports[k] for k in range(parts)], kwargs["shard_roots"], started,
+                                     {"ray": {"parts": parts, "cpus": cpus}})
                 summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
                                         overwrite=overwrite, adopt=True, report=union, max_skipped=max_skipped,
                                         left_out=(f"pack --ray of {display(src)}", [  # (from what the parts returned)
@@ -350,40 +350,6 @@ def _noted(came: list):
             signal.signal(signal.SIGTERM, previous)
 
 
-class _JoinedReport:
-    """What ``out/pack_report.json`` holds, made from the parts' reports once the merged index is
-    written (``merge_checked(report=)``): the fields a pack without Ray writes, the parts' lists
-    joined in part order, the counts of the merged dataset."""
-
-    def __init__(self, src, out, reports, roots, started, parts, cpus):
-        self.src, self.out, self.reports, self.roots, self.started = src, out, reports, roots, started
-        self.ray = {"parts": parts, "cpus": cpus}
-        self.made = None
-
-    def __call__(self, meta, shards):
-        reports, counts = self.reports, meta["counts"]
-        report = report_opening(self.src, self.out, meta["classes"], self.roots,
-                                {key: [entry for part in reports for entry in part.get(key) or []]
-                                 for key in ("ignored", "skipped", "unreadable", "special", "repaired")})
-        if any("labels" in part for part in reports):
-            # the labels' report of the whole source: part 0's, with the negatives the dataset kept, without
-            # the notes on boxes of images the other parts skipped
-            labels = reports[0].get("labels")
-            if labels is not None and "detection" in meta:
-                skipped = {entry.get("path") for entry in report["skipped"]}
-                labels = {**labels, "negatives": meta["detection"]["negatives"],
-                          **{kind: [entry for entry in labels.get(kind) or [] if entry.get("image") not in skipped]
-                             for kind in LabelReport.BOX_NOTES}}
-            report["labels"] = labels
-        report_complete(report, meta["classes"], counts["per_class"], shards, time.perf_counter() - self.started,
-                        packed=int(counts["packed"]), converted=int(counts["converted"]),
-                        resized=int(counts["resized"]),
-                        resumed_shards=sum(part.get("resumed_shards", 0) for part in reports))
-        report["ray"] = self.ray
-        self.made = report
-        return report
-
-
 class _Watch:
     """The bound on a part's progress (the ``stall_timeout`` setting, as for a pack without Ray):
     each part tells the job's counter as it starts its images and then at least every second while
@@ -488,13 +454,9 @@ def _pack_part(job_source, part_out, parts, k, kwargs, counter, isolated=False, 
 def _part_report(part_out) -> dict:
     """The report a part's pack wrote beside its index; for one killed between the two, the files
     its last journal lists as skipped (the rest is in the index)."""
-    try:
-        with open(open_regular(os.path.join(part_out, fmt.REPORT_NAME), what="a report"), encoding="utf-8") as f:
-            report = json.load(f)
-        if report.get("status") == "complete":
-            return report
-    except (OSError, ValueError, GdsDataError):
-        pass
+    report = saved_report(part_out)
+    if report is not None:
+        return report
     journals = sorted(n for n in os.listdir(part_out) if n.endswith(fmt.JOURNAL_SUFFIX))
     try:
         with open(open_regular(os.path.join(part_out, journals[-1]), what="a journal"), encoding="utf-8") as f:
