@@ -43,8 +43,9 @@ made) and ``stall_timeout`` is read as each Loader pass and each pack starts.
 when it does not come from NVIDIA's wheels.
 
 ``import gdsdata`` sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (CUDA's hardware work queues per
-context; CUDA's default 8) when the environment does not set it and CUDA has not started yet (no
-context of torch's, nor on Linux a primary context of another library's, CuPy's or DALI's): beside
+context; CUDA's default 8) when the environment does not set it and CUDA has not started yet (CUDA
+reads it as its driver starts: torch's context, ``torch.cuda.is_available()``, another library's
+CuPy's or DALI's, start it; on Linux gdsdata asks a driver the process has loaded): beside
 a training step on the same GPU, nvJPEG's decode then shares fewer queues with the step's kernels
 (docs/design.md, "The GPU the step shares"). A value in the environment is kept; the GPU path warns
 when it is below 8 (the decode starves behind the step's kernels). ``cuda_queues()`` says which.
@@ -194,8 +195,9 @@ _cuda_queues = None  # (queues, who chose them), from claim_cuda_queues()
 
 
 def _cuda_started() -> bool:
-    """Whether this process holds a CUDA context already: torch's, or one another library (CuPy, DALI,
-    a driver-API program) made before gdsdata was imported."""
+    """Whether CUDA has started in this process: torch's context, or the driver started (``cuInit``)
+    by anything, ``torch.cuda.is_available()`` or another library (CuPy, DALI) included. CUDA reads
+    ``CUDA_DEVICE_MAX_CONNECTIONS`` as its driver starts, before any context is made."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     try:
@@ -203,37 +205,26 @@ def _cuda_started() -> bool:
             return True  # (a child forked from a process that had started CUDA: the driver is not asked there)
     except Exception:  # noqa: BLE001 - a torch still being imported
         pass
-    return _driver_holds_context()
+    return _driver_started()
 
 
-def _driver_holds_context() -> bool:
-    """Whether the CUDA driver holds a primary context (a runtime's: torch's, CuPy's, DALI's) or one
-    current on this thread (Linux). The driver is asked only where the process has loaded it already:
-    one that has not holds no context, and loading it into every process that imports gdsdata (a
-    CPU-only pack too) would be needless."""
+def _driver_started() -> bool:
+    """Whether the CUDA driver has started (Linux). It is asked only where the process has loaded it
+    already: one that has not has not started it, and loading the driver into every process that
+    imports gdsdata (a CPU-only pack too) would be needless."""
     try:
         driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
     except (OSError, AttributeError):  # not loaded (AttributeError: no RTLD_NOLOAD on this system)
         return False
-    try:
-        count = ctypes.c_int()
-        if driver.cuDeviceGetCount(ctypes.byref(count)) != 0:  # CUDA_ERROR_NOT_INITIALIZED: no cuInit yet
-            return False
-        device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
-        for ordinal in range(count.value):
-            if (driver.cuDeviceGet(ctypes.byref(device), ordinal) == 0
-                    and driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
-                    and active.value):
-                return True
-        context = ctypes.c_void_p()  # one a program made itself (cuCtxCreate)
-        return driver.cuCtxGetCurrent(ctypes.byref(context)) == 0 and bool(context.value)
-    except AttributeError:  # a driver without these entry points: say nothing of it
+    try:  # before cuInit every call but cuInit answers CUDA_ERROR_NOT_INITIALIZED, starting nothing
+        return driver.cuDeviceGetCount(ctypes.byref(ctypes.c_int())) == 0
+    except AttributeError:  # a driver without the entry point: say nothing of it
         return False
 
 
 def claim_cuda_queues():
     """Set ``CUDA_DEVICE_MAX_CONNECTIONS`` to ``CUDA_QUEUES`` unless the environment sets it or CUDA
-    has started (run by ``import gdsdata``; CUDA reads the variable when it makes its context)."""
+    has started (run by ``import gdsdata``; CUDA reads the variable as its driver starts)."""
     global _cuda_queues
     raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if raw is not None:

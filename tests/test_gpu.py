@@ -523,39 +523,42 @@ for _ in range(32):  # made one after another (torch's pool makes its streams in
     streams.append(torch.cuda.ExternalStream(handle.value))
 
 
-def seconds(count, cycles):  # one spinning single-thread kernel on each of `count` streams, launched together
+def seconds(count, cycles, each=2):  # `each` spinning single-thread kernels on each of `count` streams
     torch.cuda.synchronize()
     start = time.perf_counter()
     for stream in streams[:count]:
         with torch.cuda.stream(stream):
-            torch.cuda._sleep(cycles)
+            for _ in range(each):
+                torch.cuda._sleep(cycles)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 seconds(32, 1000)
 cycles = 10_000_000
-while seconds(1, cycles) < 0.01:
+while seconds(1, cycles, 1) < 0.01:
     cycles *= 2
-one = min(seconds(1, cycles) for _ in range(3))
-print(json.dumps({{"said": said, "together": 32 * one / min(seconds(32, cycles) for _ in range(3))}}))
+one = min(seconds(1, cycles, 1) for _ in range(3))
+print(json.dumps({{"said": said, "together": 64 * one / min(seconds(32, cycles) for _ in range(3))}}))
 """
 _DRIVER = "d = ctypes.CDLL('libcuda.so.1'); assert d.cuInit(0) == 0; "
-_STARTS = {  # what the process does before `import gdsdata` -> the queues gdsdata should say
+_STARTS = {  # what the process does before `import gdsdata` -> the queues CUDA runs (None: as torch does it)
     "nothing": ("", 32),
     "the variable set to 8": ("os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = '8'", 8),
     "the variable set to 32": ("os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = '32'", 32),
     "torch's context": ("import torch; torch.zeros(1, device='cuda')", 8),
-    "torch.cuda.is_available()": ("import torch; torch.cuda.is_available(); torch.cuda.device_count()", 32),
-    "the driver started, no context": (_DRIVER, 32),
+    "torch.cuda.is_available()": ("import torch; torch.cuda.is_available()", None),
+    "torch.cuda.device_count()": ("import torch; torch.cuda.device_count()", None),
+    "the driver started, no context": (_DRIVER, 8),
     "another library's context": (_DRIVER + "c = ctypes.c_void_p(); assert d.cuDevicePrimaryCtxRetain("
                                   "ctypes.byref(c), 0) == 0", 8),
 }
 
 
 def test_the_work_queues_gdsdata_says_are_those_cuda_runs():
-    # 32 streams each run a kernel that spins alone on the GPU: with 32 hardware work queues they run
-    # together; with 8, four streams share a queue and their kernels run one after another
+    # two spinning kernels, one after the other, on each of 32 streams: with 32 hardware work queues the
+    # streams run side by side (32 kernels at a time); with 8, four streams share a queue, and the
+    # second kernel of one, waiting for its first, holds up the next stream's (about 13 at a time)
     import json
     import subprocess
     import sys
@@ -566,7 +569,7 @@ def test_the_work_queues_gdsdata_says_are_those_cuda_runs():
     for variable in ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING"):
         env.pop(variable, None)
     found = {}
-    for name, (before, queues) in _STARTS.items():
+    for name, (before, _) in _STARTS.items():
         run = subprocess.run([sys.executable, "-c", _QUEUES.format(before=before)], env=env, capture_output=True,
                              text=True, timeout=120)
         assert run.returncode == 0, f"{name}: {run.stderr[-2000:]}"
@@ -574,5 +577,5 @@ def test_the_work_queues_gdsdata_says_are_those_cuda_runs():
         print(f"{name}: says {found[name]['said']}, {found[name]['together']:.1f} kernels ran together")
     for name, (_, queues) in _STARTS.items():
         together = found[name]["together"]
-        ran = 32 if together > 20 else 8 if 5 < together < 12 else None
-        assert (found[name]["said"][0], ran) == (queues, queues), (name, found)
+        ran = 32 if together > 24 else 8 if 9 < together < 17 else None
+        assert found[name]["said"][0] == ran and queues in (None, ran), (name, found)

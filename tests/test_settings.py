@@ -147,49 +147,38 @@ def test_import_asks_cuda_for_32_work_queues_unless_told_otherwise():
 
 
 _DRIVER = r"""
-int cuDeviceGetCount(int *count) { if (!INITIALISED) return 3; *count = 2; return 0; }
-int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return 0; }
-int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active) {
-    *flags = 0; *active = device == 1 && PRIMARY; return 0; }
-int cuCtxGetCurrent(void **context) { *context = CURRENT ? (void *)context : 0; return 0; }
+int cuDeviceGetCount(int *count) { if (!STARTED) return 3; *count = 1; return 0; }  /* 3: not initialised */
 """
 
 
-def _driver(tmp_path, name, **state):
-    """A stand-in for the CUDA driver whose entry points gdsdata asks report ``state``: its soname
-    libcuda.so.1, its file named as a driver install names it."""
+def _driver(tmp_path, name, started):
+    """A stand-in for the CUDA driver, started (cuInit called) or not: its soname libcuda.so.1, its file
+    named as a driver install names it."""
     source = tmp_path / f"{name}.c"
     source.write_text(_DRIVER)
     library = tmp_path / name / "libcuda.so.580.1"
     library.parent.mkdir()
-    defines = [f"-D{key.upper()}={int(value)}" for key, value in state.items()]
-    subprocess.run([shutil.which("cc"), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", *defines, "-o",
-                    str(library), str(source)], check=True)
+    subprocess.run([shutil.which("cc"), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", f"-DSTARTED={int(started)}",
+                    "-o", str(library), str(source)], check=True)
     return library
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None,
                     reason="needs Linux and a C compiler")
-def test_a_context_another_library_made_before_import_keeps_cudas_default(tmp_path):
-    # CuPy or DALI may have made the process's CUDA context before gdsdata is imported: torch does not
-    # know, the driver does. gdsdata asks it only where another library loaded it
+def test_a_cuda_driver_started_before_import_keeps_cudas_default(tmp_path):
+    # CUDA reads the variable as its driver starts (cuInit), which torch.cuda.is_available() or another
+    # library (CuPy, DALI) may have done before gdsdata is imported without torch knowing: the driver
+    # knows. gdsdata asks it only where something loaded it
     said = ("import json, os, gdsdata; print(json.dumps([os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'), "
             "gdsdata.settings.cuda_queues()]))")
-    cases = {  # driver state -> (the variable, what cuda_queues() says)
-        "idle": (dict(initialised=0, primary=0, current=0), ["32", [32, "set by gdsdata"]]),
-        "initialised": (dict(initialised=1, primary=0, current=0), ["32", [32, "set by gdsdata"]]),
-        "primary": (dict(initialised=1, primary=1, current=0),
-                    [None, [8, "CUDA's default: CUDA started before gdsdata was imported"]]),
-        "own": (dict(initialised=1, primary=0, current=1),
-                [None, [8, "CUDA's default: CUDA started before gdsdata was imported"]]),
-    }
-    for name, (state, expected) in cases.items():
-        library = _driver(tmp_path, name, **state)
-        assert _queues(f"import ctypes; ctypes.CDLL({str(library)!r}); " + said) == expected, name
+    for started, expected in ((False, ["32", [32, "set by gdsdata"]]),
+                              (True, [None, [8, "CUDA's default: CUDA started before gdsdata was imported"]])):
+        library = _driver(tmp_path, f"started{int(started)}", started)
+        assert _queues(f"import ctypes; ctypes.CDLL({str(library)!r}); " + said) == expected, started
     # a driver on the library path that nothing loaded is neither loaded nor asked
     found = tmp_path / "found"
     found.mkdir()
-    (found / "libcuda.so.1").symlink_to(_driver(tmp_path, "unloaded", initialised=1, primary=1, current=1))
+    (found / "libcuda.so.1").symlink_to(_driver(tmp_path, "unloaded", True))
     loaded = said.replace("print(json.dumps([", "print(json.dumps(['libcuda' in open('/proc/self/maps').read(), ")
     assert _queues(loaded, LD_LIBRARY_PATH=str(found)) == [False, "32", [32, "set by gdsdata"]]
 
