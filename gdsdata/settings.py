@@ -44,8 +44,8 @@ when it does not come from NVIDIA's wheels.
 
 ``import gdsdata`` sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (CUDA's hardware work queues per
 context; CUDA's default 8) when the environment does not set it and CUDA has not started yet (CUDA
-reads it as its driver starts: torch's context, ``torch.cuda.is_available()``, another library's
-CuPy's or DALI's, start it; on Linux gdsdata asks a driver the process has loaded): beside
+reads it as its driver starts, which torch's context, ``torch.cuda.is_available()`` or another
+library, CuPy or DALI, does; on Linux gdsdata asks a driver the process has loaded): beside
 a training step on the same GPU, nvJPEG's decode then shares fewer queues with the step's kernels
 (docs/design.md, "The GPU the step shares"). A value in the environment is kept; the GPU path warns
 when it is below 8 (the decode starves behind the step's kernels). ``cuda_queues()`` says which.
