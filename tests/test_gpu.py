@@ -2,15 +2,18 @@
 
 import gc
 import io
+import json
 import os
 import resource
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import damaged_copy, loader_threads, mean_abs_diff, pil_reference, write_photos
+from conftest import child_env, damaged_copy, loader_threads, mean_abs_diff, pil_reference, write_photos
 
 import gdsdata
 from gdsdata import settings
@@ -559,12 +562,6 @@ def test_the_work_queues_gdsdata_says_are_those_cuda_runs():
     # two spinning kernels, one after the other, on each of 32 streams: with 32 hardware work queues the
     # streams run side by side (32 kernels at a time); with 8, four streams share a queue, and the
     # second kernel of one, waiting for its first, holds up the next stream's (about 13 at a time)
-    import json
-    import subprocess
-    import sys
-
-    from conftest import child_env
-
     env = child_env()
     for variable in ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING"):
         env.pop(variable, None)
