@@ -122,6 +122,49 @@ def test_inspect_names_no_writer_that_is_itself_or_dead(src, tmp_path):
     assert lock.writing(out) is None
 
 
+def test_inspect_names_a_writer_only_while_it_holds_the_lock(tmp_path):
+    """A writer killed but not yet reaped (a zombie: a container whose first process reaps nothing)
+    holds no lock, nor does a live process whose pid a killed writer's lock file names (the pid
+    reused): neither is named as writing, so inspect and GDSDataset say the pack is unfinished."""
+    from gdsdata.format import lock
+
+    out = str(tmp_path / "ds")
+    os.makedirs(out)
+    open(os.path.join(out, fmt.shard_name(0) + fmt.TMP_SUFFIX), "wb").close()  # as a pack underway has it
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from gdsdata.format.lock import writer_lock
+with writer_lock({out!r}, "pack of somewhere"):
+    print("held", flush=True)
+    time.sleep(120)
+"""], stdout=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lock.writing(out).startswith(f"pack of somewhere (pid {holder.pid} on ")
+        os.kill(holder.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while lock._running(holder.pid) and time.monotonic() < deadline:  # (a zombie till reaped below)
+            time.sleep(0.01)
+        assert os.path.exists(lock._lock_path(out)) and lock.writing(out) is None
+        code, _, err = run_cli("inspect", out)
+        assert code == 1 and "--resume" in one_line(err) and "is writing" not in err
+    finally:
+        holder.kill()
+        holder.wait()
+    if lock._flocked(0) is None:
+        pytest.skip("no /proc/locks on this system: a reused pid is taken for its writer")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:  # a live process of this host, named by a lock file nobody holds
+        with open(lock._lock_path(out), "w") as f:
+            json.dump({"what": "pack of x", "pid": sleeper.pid, "host": __import__("socket").gethostname()}, f)
+        assert lock.writing(out) is None
+        with lock.writer_lock(out, "pack of y"):  # (the lock this process holds is listed: a check of the check)
+            assert lock._flocked(os.stat(lock._lock_path(out)).st_ino) is True
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
 def test_signals_wait_for_a_deferred_block_then_unwind(sig):
     from gdsdata.errors import Terminated

@@ -188,19 +188,41 @@ def _sign(fd: int, what: str, reading: bool):
 
 def writing(out) -> str | None:
     """Who is writing ``out`` now, in the words of ``BusyError`` ("pack of SRC (pid ... on HOST, since
-    ...)"), or None: a live writer of this host other than this process, or one of another host (which
-    cannot be checked). Takes no lock, so a writer starting meanwhile is never turned away."""
+    ...)"), or None: a writer of this host other than this process that is alive and holds the lock, or
+    one of another host (which cannot be checked). Takes no lock, so a writer starting meanwhile is
+    never turned away."""
     try:
         with open(_lock_path(os.fspath(out)), "rb") as f:
             info = json.loads(f.read(4096).decode() or "{}")
+            inode = os.fstat(f.fileno()).st_ino
     except (OSError, ValueError):
         return None
     if not isinstance(info, dict) or not info or info.get("reading"):
         return None  # (a merge reading a finished dataset writes nothing there)
     pid, host = info.get("pid"), info.get("host")
-    if host == socket.gethostname() and (pid == os.getpid() or not isinstance(pid, int) or not _running(pid)):
-        return None  # this process, or a writer killed before it could remove the file
+    if host == socket.gethostname() and (pid == os.getpid() or not isinstance(pid, int) or not _running(pid)
+                                         or _flocked(inode) is False):
+        return None  # this process, or a writer killed before it could remove the file (its pid perhaps reused)
     return _described(info)
+
+
+def _flocked(inode: int) -> "bool | None":
+    """Whether this host's kernel lists a writer's lock on a file of ``inode`` (``/proc/locks``: a
+    ``flock``, or the POSIX lock an NFS client makes of one), or None where it cannot tell (not Linux)."""
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 31837 00:2f:1234 0 EOF" ("->" marks a waiter)
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] != "->" and fields[3] == "WRITE":
+            try:
+                if int(fields[5].rsplit(":", 1)[-1]) == inode:
+                    return True
+            except ValueError:
+                continue
+    return False
 
 
 def drop_inherited_locks():
@@ -255,13 +277,20 @@ def _maker(entry: str, name: str) -> "tuple[str, str, int] | None":
 
 
 def _running(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs: not gone, and not a zombie (killed, not yet reaped by
+    its parent: it holds no file and no lock)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError):  # another user's; no pid of this host: not known gone
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read(512)
+    except OSError:  # (not Linux, or gone meanwhile: the next look tells)
+        return True
+    return state[state.rfind(b")") + 2:][:1] != b"Z"  # the state follows the command, "(name) "
 
 
 def _linked(folder: str) -> set:
