@@ -22,6 +22,15 @@ from make_images import generate  # noqa: E402
 import gdsdata  # noqa: E402
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
+
+
 def imagefolder_epoch(src, batch, workers):
     """torchvision's ImageFolder (PIL loader) + DataLoader: the standard recipe."""
     try:
@@ -29,6 +38,10 @@ def imagefolder_epoch(src, batch, workers):
         from torchvision.transforms import PILToTensor
     except ImportError:
         return None, "torchvision not installed"
+    except (RuntimeError, OSError) as e:  # a torchvision built for another torch (PyPI's CUDA one beside a CPU torch)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return None, (f"torchvision {_version('torchvision')} does not load beside torch {torch.__version__} "
+                      f"({first}): install the torchvision built for it (the same index as torch)")
     dataset = ImageFolder(src, transform=PILToTensor())
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch, num_workers=workers,
                                          collate_fn=lambda b: b, persistent_workers=workers > 0)
