@@ -21,12 +21,14 @@ from gdsdata.errors import (  # noqa: E402
 
 __all__ = [
     "BadImageError", "BusyError", "CorruptSampleError", "FormatError", "GDSDataset", "GdsDataError",
-    "GpuError", "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "SourceError", "StallError",
+    "GpuError", "GpuUnavailableError", "Loader", "OutputExistsError", "PackOptions", "PackResult", "SourceError",
+    "StallError",
     "pack", "merge", "verify", "info", "settings",
     "RandomResizedCrop", "CenterCrop", "YoloAugment", "Letterbox", "PixelBatch", "collate", "LoadPath",
 ]
 _LAZY = {  # name -> module; torch is imported only when these are used, so `gdsdata pack` starts fast
-    "GDSDataset": "dataset", "Loader": "loader", "pack": "packing.packer", "PackOptions": "packing.prepare",
+    "GDSDataset": "dataset", "Loader": "loader", "pack": "packing.packer", "PackResult": "packing.packer",
+    "PackOptions": "packing.prepare",
     "RandomResizedCrop": "transforms", "CenterCrop": "transforms", "YoloAugment": "transforms.detection",
     "Letterbox": "transforms.detection", "PixelBatch": "batch", "collate": "batch",
     "LoadPath": "io.path", "merge": "packing.merge", "verify": "commands.verify", "info": "commands.info",

@@ -158,8 +158,8 @@ def _print_left_out(skipped, ignored, unreadable, special):
     if skipped:
         _print_entries(f"  skipped {len(skipped)} file(s), each with its reason:", skipped)
     if ignored:
-        print(f"  ignored {len(ignored)} file(s): not images, or beside the class folders (pack_report.json lists "
-              f"them)")
+        print(f"  ignored {len(ignored)} file(s) or sample(s) holding no labelled image: files not images or beside "
+              f"the class folders, tar samples without an image or a .cls (pack_report.json lists them)")
     for what, entries in (("could not read", unreadable), ("left out", special)):  # (special: each says how)
         if entries:
             _print_entries(f"  {what} {len(entries)} folder(s) or file(s):", entries)

@@ -183,6 +183,9 @@ class Loader:
         size = len(dataset) if self._indices is None else len(self._indices)
         self.spec = ShardSpec(size, world_size, rank, batch_size, bool(drop_last), _shuffle(shuffle), seed,
                               count("block_size", block_size), count("window", window))
+        if len(self) == 0:  # (torch's DataLoader says nothing; a loop over it then silently does nothing)
+            log.warning("this Loader yields no batch an epoch: %d sample(s), world_size %d, batch_size %d, "
+                        "drop_last=%s", size, world_size, batch_size, bool(drop_last))
         _check_transforms(dataset, transform, batch_transform, pixels)
         self.transform, self.batch_transform, self.pixels, self.prefetch = transform, batch_transform, pixels, prefetch
         self._rect_warned = None  # the Letterbox(rect=True) last warned about (said once, not each epoch)

@@ -71,6 +71,21 @@ def test_len_is_batches_per_epoch_whatever_was_iterated(ds):
     loader.close()
 
 
+def test_a_loader_of_no_batch_says_so_once_made(ds, caplog):
+    """drop_last with fewer samples than a batch: an epoch of nothing, as torch's DataLoader gives, but
+    said (a loop over it would silently do nothing)."""
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        with gdsdata.Loader(ds, 64, drop_last=True) as loader:  # 60 samples
+            assert len(loader) == 0 and labels_of(loader) == []
+    said = [r.getMessage() for r in caplog.records if "yields no batch" in r.getMessage()]
+    assert said == ["this Loader yields no batch an epoch: 60 sample(s), world_size 1, batch_size 64, drop_last=True"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gdsdata"):
+        with gdsdata.Loader(ds, 60, drop_last=True) as loader:
+            assert len(loader) == 1
+    assert not [r for r in caplog.records if "yields no batch" in r.getMessage()]
+
+
 def test_a_pass_ended_by_an_error_counts_as_no_pass_while_its_iterator_lives_on(ds):
     """The iterator of a pass a batch's error ended lives on in the traceback (and the loop's frame)
     until collected: the Loader no longer counts that dead pass's batches, as the next pass reads
