@@ -125,4 +125,8 @@ def consumed_after(spec: ShardSpec, epoch: int, consumed, batches_done: int) -> 
 
 
 def batches_per_epoch(spec: ShardSpec) -> int:
-    return len(_batches(_split(np.arange(spec.size), spec), spec))
+    """``len(_batches(_split(...)))`` without making them: a rank's share, then its batches."""
+    if spec.drop_last:
+        return spec.size // spec.world_size // spec.batch_size
+    share = -(-spec.size // spec.world_size)  # (padded to a multiple of the world size)
+    return -(-share // spec.batch_size)

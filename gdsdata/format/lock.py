@@ -188,41 +188,35 @@ def _sign(fd: int, what: str, reading: bool):
 
 def writing(out) -> str | None:
     """Who is writing ``out`` now, in the words of ``BusyError`` ("pack of SRC (pid ... on HOST, since
-    ...)"), or None: a writer of this host other than this process that is alive and holds the lock, or
-    one of another host (which cannot be checked). Takes no lock, so a writer starting meanwhile is
-    never turned away."""
+    ...)"), or None: a writer of this host other than this process whose process runs and is the one
+    that signed the lock (not a later process given a killed writer's pid), or one of another host
+    (which cannot be checked). Takes no lock, so a writer starting meanwhile is never turned away."""
     try:
         with open(_lock_path(os.fspath(out)), "rb") as f:
             info = json.loads(f.read(4096).decode() or "{}")
-            inode = os.fstat(f.fileno()).st_ino
     except (OSError, ValueError):
         return None
     if not isinstance(info, dict) or not info or info.get("reading"):
         return None  # (a merge reading a finished dataset writes nothing there)
     pid, host = info.get("pid"), info.get("host")
     if host == socket.gethostname() and (pid == os.getpid() or not isinstance(pid, int) or not _running(pid)
-                                         or _flocked(inode) is False):
+                                         or _started_after(pid, info.get("since"))):
         return None  # this process, or a writer killed before it could remove the file (its pid perhaps reused)
     return _described(info)
 
 
-def _flocked(inode: int) -> "bool | None":
-    """Whether this host's kernel lists a writer's lock on a file of ``inode`` (``/proc/locks``: a
-    ``flock``, or the POSIX lock an NFS client makes of one), or None where it cannot tell (not Linux)."""
+def _started_after(pid: int, since) -> bool:
+    """Whether process ``pid`` of this host started after ``since`` (``_sign``'s local time, to the
+    second): then it is not the process that signed the lock. False where that cannot be told."""
     try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 31837 00:2f:1234 0 EOF" ("->" marks a waiter)
-        fields = line.split()
-        if len(fields) >= 6 and fields[1] != "->" and fields[3] == "WRITE":
-            try:
-                if int(fields[5].rsplit(":", 1)[-1]) == inode:
-                    return True
-            except ValueError:
-                continue
-    return False
+        signed = time.mktime(time.strptime(since, "%Y-%m-%d %H:%M:%S"))
+        fields = _stat(pid)
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # (field 22: clock ticks after boot)
+    except (OSError, ValueError, TypeError, IndexError, StopIteration, OverflowError):
+        return False
+    return started > signed + 2  # (the second `since` was cut to, and the boot time's own)
 
 
 def drop_inherited_locks():
@@ -286,11 +280,18 @@ def _running(pid: int) -> bool:
     except (PermissionError, OverflowError):  # another user's; no pid of this host: not known gone
         return True
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read(512)
-    except OSError:  # (not Linux, or gone meanwhile: the next look tells)
+        if _stat(pid)[0] not in (b"Z", b"X"):
+            return True
+        return len(os.listdir(f"/proc/{pid}/task")) > 1  # (a main thread that ended beside running ones)
+    except (OSError, IndexError):  # (not Linux, or gone meanwhile: the next look tells)
         return True
-    return state[state.rfind(b")") + 2:][:1] != b"Z"  # the state follows the command, "(name) "
+
+
+def _stat(pid: int) -> list:
+    """The fields of ``/proc/PID/stat`` after the command (the state first: field 3)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2:].split()
 
 
 def _linked(folder: str) -> set:
