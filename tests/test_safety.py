@@ -154,9 +154,9 @@ with writer_lock({out!r}, "pack of somewhere"):
         holder.kill()
         holder.wait()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:  # a lock file a killed writer signed a minute ago, naming a live process started since (its pid reused)
+    try:  # a lock file a killed writer signed 5 minutes ago, naming a live process started since (its pid reused)
         host = __import__("socket").gethostname()
-        for ago, named in ((60, False), (-5, True)):  # (signed after it started: it may be the writer)
+        for ago, named in ((300, False), (-5, True)):  # (signed after it started: it may be the writer)
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() - ago))
             with open(lock._lock_path(out), "w") as f:
                 json.dump({"what": "pack of x", "pid": sleeper.pid, "host": host, "since": since}, f)
