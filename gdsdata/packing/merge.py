@@ -35,7 +35,8 @@ from gdsdata.format.lock import (SHARDS_TAG, drop_if_empty, make_shard_folder, o
 from gdsdata.format.shards import read_header
 from gdsdata.packing.detection import LabelReport, annotate
 from gdsdata.packing.packer import (LEFT_OUT, PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options,
-                                    reasons, report_complete, report_lists, report_opening, saved_report)
+                                    listed_in, reasons, report_complete, report_lists, report_opening,
+                                    saved_report)
 
 log = logging.getLogger(__name__)
 
@@ -284,11 +285,12 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     if not any(len(index) for index in indexes):  # as one pack of those files would fail
         raise SourceError(f"none of the {len(parts)} parts holds an image: every file failed to decode "
                           f"({_first_reasons(parts)})")
+    saved = {part: saved_report(part, complete=False) for part in parts}  # (each part's report, read once)
     if max_skipped is not None:
-        what, listed = left_out or _skipped_by(parts)
+        what, listed = left_out or _skipped_by(parts, saved)
         check_skipped(what, listed, sum(len(index) for index in indexes), max_skipped, listed=False)
     if report is None:
-        report = _parts_report(ordered, out)
+        report = _parts_report(ordered, out, saved)
     fresh = not (os.path.isdir(out) and os.listdir(out))
     try:
         return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report),
@@ -333,13 +335,14 @@ class JoinedReport:
         return report
 
 
-def _parts_report(ordered, out):
+def _parts_report(ordered, out, saved):
     """The joined report of the parts of one ``--num-parts`` pack, each with its finished pack's
-    report; None for whole datasets, or where a part has none (a merge then writes no report)."""
+    report (``saved``: each part's report as read, or None); None for whole datasets, or where a
+    part has none (a merge then writes no report)."""
     reports = []
     for part, index in ordered:
-        report = saved_report(part) if index.meta.get("part") else None
-        if report is None:
+        report = saved.get(part) if index.meta.get("part") else None
+        if report is None or report.get("status") != "complete":
             return None
         reports.append(report)
     merged = {"parts": len(reports), "seconds_of_parts": [part.get("seconds") for part in reports]}
@@ -347,11 +350,12 @@ def _parts_report(ordered, out):
                         time.perf_counter(), {"merge": merged})
 
 
-def _skipped_by(parts):
-    """(the parts' names, the files their reports list as left out), for --max-skipped."""
+def _skipped_by(parts, saved):
+    """(the parts' names, the files their reports (``saved``, as read) list as left out), for
+    --max-skipped."""
     left_out = []
     for part in parts:
-        listed = report_lists(part, LEFT_OUT)
+        listed = None if saved.get(part) is None else listed_in(saved[part], LEFT_OUT)
         if listed is None:
             raise SourceError(f"{part}: no readable {fmt.REPORT_NAME} (missing or damaged) to count the files it "
                               f"left out by (--max-skipped)")
