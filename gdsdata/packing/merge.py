@@ -285,7 +285,8 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     if not any(len(index) for index in indexes):  # as one pack of those files would fail
         raise SourceError(f"none of the {len(parts)} parts holds an image: every file failed to decode "
                           f"({_first_reasons(parts)})")
-    saved = {part: saved_report(part, complete=False) for part in parts}  # (each part's report, read once)
+    needed = report is None or (max_skipped is not None and not left_out)  # (pack --ray gives both from its parts)
+    saved = {part: saved_report(part, complete=False) for part in parts} if needed else {}  # (each read once)
     if max_skipped is not None:
         what, listed = left_out or _skipped_by(parts, saved)
         check_skipped(what, listed, sum(len(index) for index in indexes), max_skipped, listed=False)
