@@ -471,6 +471,34 @@ def test_batch_sizes_changing_on_one_nvjpeg_handle_decode_the_same_pixels(photos
     ds.close()
 
 
+@pytest.mark.parametrize("backend", ["hardware", "gpu_hybrid"])
+def test_a_decode_never_writes_memory_that_work_queued_before_it_still_reads(photos_dataset, backend):
+    """nvJPEG's hardware decode writes its output as the call is made, not in the order of the stream
+    it is given (reported against torchvision and TorchCodec: H100, nvJPEG 12.3-13.2). Each round
+    frees a tensor of a batch's decoded size whose sum is queued behind ~25 ms of GPU work on the
+    caller's stream, then decodes a batch on that stream: the sum reads what the tensor held, and the
+    pixels are those the batch decoded to before any of this."""
+    with settings.set(decode_backend=backend):
+        ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+        indices = list(range(16))
+        reference = [image.cpu() for image, _ in ds.__getitems__(indices)]
+        nbytes = sum(int(image.numel()) for image in reference)  # the decode's output: h x w x 3 each
+        torch.cuda.synchronize()
+        wrong = []
+        for round in range(40):
+            held = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
+            torch.cuda._sleep(50_000_000)
+            total = held.sum(dtype=torch.int64)  # queued behind the sleep
+            del held  # its memory goes back to this stream's pool while the sum waits to read it
+            images = [image for image, _ in ds.__getitems__(indices)]
+            if total.item() != 7 * nbytes:
+                wrong.append(f"round {round}: the queued sum read decoded pixels")
+            if not all(torch.equal(a.cpu(), b) for a, b in zip(images, reference)):
+                wrong.append(f"round {round}: pixels changed")
+        ds.close()
+    assert not wrong, wrong[:5]
+
+
 def settled_gpu_memory():
     """GPU memory allocated once a Loader's threads, reading on into the next epochs, have filled
     their queues and wait (between epochs the batches in flight vary: 2.7-7.5 MB on the H200)."""
