@@ -2,6 +2,8 @@
 
 import io
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -22,6 +24,18 @@ def child_env(**extra) -> dict:
     tests run under after it (where the packages of a machine without an index live)."""
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def stand_in_driver(tmp_path, name, source, **defines):
+    """A stand-in for the CUDA driver compiled from C ``source`` (``defines``: -D macros): its soname
+    libcuda.so.1, its file named as a driver install names it (tmp_path/name/libcuda.so.580.1)."""
+    code = tmp_path / f"{name}.c"
+    code.write_text(source)
+    library = tmp_path / name / "libcuda.so.580.1"
+    library.parent.mkdir()
+    subprocess.run([shutil.which("cc"), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
+                    *(f"-D{k}={v}" for k, v in defines.items()), "-o", str(library), str(code)], check=True)
+    return library
 
 
 def cuda_available() -> bool:

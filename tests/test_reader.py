@@ -1,14 +1,18 @@
 """Storage -> staging: the GPU path's memory-map gather (pure host code, so it runs on the CPU)
 reads exactly what the CPU reader's preads read, for any batch, and names a truncated shard."""
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
+from conftest import child_env, stand_in_driver
 from hypothesis import strategies as st
 
 import gdsdata
@@ -98,6 +102,39 @@ def test_batched_copy_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(memcpy_batch, "entry_point", lambda: None)
     with pytest.raises(GpuUnavailableError, match="cuMemcpyBatchAsync needs a driver for CUDA 12.8"):
         memcpy_batch.BatchCopy(0)
+
+
+_CONTEXTS_DRIVER = r"""
+#include <stdint.h>
+static __thread uintptr_t current = 0;  /* each thread's current context, none at first */
+int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(uintptr_t *context, int device) { *context = 0x1000 + device; return 0; }
+int cuCtxGetCurrent(uintptr_t *context) { *context = current; return 0; }
+int cuCtxSetCurrent(uintptr_t context) { current = context; return 0; }
+int cuStreamCreate(uintptr_t *stream, unsigned flags) {  /* 201: CUDA_ERROR_INVALID_CONTEXT */
+    if (!current) return 201; *stream = (current << 8) | flags; return 0; }
+int cuGetErrorName(int error, const char **name) { *name = "CUDA_ERROR_INVALID_CONTEXT"; return 0; }
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None,
+                    reason="needs Linux and a C compiler")
+def test_a_stream_of_its_own_is_made_in_the_device_s_primary_context(tmp_path):
+    """``new_stream`` (the decoder's output memory: decode/gpu.py) asks the driver for a non-blocking
+    stream in the device's primary context, made current for the call on a thread with none or
+    another device's, and leaves the thread's context as it found it (a stand-in driver here)."""
+    library = stand_in_driver(tmp_path, "contexts", _CONTEXTS_DRIVER)
+    (tmp_path / "found").mkdir()
+    (tmp_path / "found" / "libcuda.so.1").symlink_to(library)
+    code = ("import ctypes, json; from gdsdata._native import cuda; lib = cuda._driver(); c = ctypes.c_void_p()\n"
+            "def current():\n    lib.cuCtxGetCurrent(ctypes.byref(c)); return c.value\n"
+            "first = cuda.new_stream(1); then = current()\n"
+            "lib.cuCtxSetCurrent(ctypes.c_void_p(0x1000)); second = cuda.new_stream(2)\n"
+            "print(json.dumps([first, then, second, current()]))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=child_env(LD_LIBRARY_PATH=str(tmp_path / "found")))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout) == [(0x1001 << 8) | 1, None, (0x1002 << 8) | 1, 0x1000]
 
 
 def test_a_dataset_dropped_without_close_gives_its_descriptors_back_at_once(photos_dataset):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import stand_in_driver
 
 from gdsdata import settings
 
@@ -152,15 +153,8 @@ int cuDeviceGetCount(int *count) { if (!STARTED) return 3; *count = 1; return 0;
 
 
 def _driver(tmp_path, name, started):
-    """A stand-in for the CUDA driver, started (cuInit called) or not: its soname libcuda.so.1, its file
-    named as a driver install names it."""
-    source = tmp_path / f"{name}.c"
-    source.write_text(_DRIVER)
-    library = tmp_path / name / "libcuda.so.580.1"
-    library.parent.mkdir()
-    subprocess.run([shutil.which("cc"), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", f"-DSTARTED={int(started)}",
-                    "-o", str(library), str(source)], check=True)
-    return library
+    """A stand-in for the CUDA driver, started (cuInit called) or not."""
+    return stand_in_driver(tmp_path, name, _DRIVER, STARTED=int(started))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None,

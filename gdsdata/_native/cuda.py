@@ -8,8 +8,12 @@ docs/design.md, "Who issues the reads").
 
 CUDA 13 drivers export ``cuMemcpyBatchAsync_v2``; CUDA 12.8 and 12.9 drivers export
 ``cuMemcpyBatchAsync``, which takes a failure index before the stream. Both are bound.
+
+Also ``new_stream``: a stream outside torch's pool (``cuStreamCreate``), for memory nothing else
+allocates from (decode/gpu.py).
 """
 
+import contextlib
 import ctypes
 import functools
 import threading
@@ -20,6 +24,7 @@ from gdsdata.errors import GpuError, GpuUnavailableError
 
 _ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # CUmemLocationType
+_STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit wait for the legacy default stream
 
 
 class _Location(ctypes.Structure):
@@ -42,6 +47,7 @@ def _driver():
     for name, argtypes in {"cuCtxGetCurrent": [p], "cuCtxSetCurrent": [p], "cuDeviceGet": [p, ctypes.c_int],
                            "cuDevicePrimaryCtxRetain": [p, ctypes.c_int],
                            "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+                           "cuStreamCreate": [p, ctypes.c_uint],
                            "cuMemcpyBatchAsync_v2": [p, p, p, size_t, p, p, size_t, p],
                            "cuMemcpyBatchAsync": [p, p, p, size_t, p, p, size_t, p, p]}.items():
         fn = getattr(lib, name, None)
@@ -82,18 +88,6 @@ class BatchCopy:
                                        _Location(_LOCATION_DEVICE, device_index), 0)
         self._first = (ctypes.c_size_t * 1)(0)  # one set of attributes, from the first copy on
         self._failed = ctypes.c_size_t()
-        self._context = None
-        self._lock = threading.Lock()
-
-    def _primary_context(self):
-        with self._lock:
-            if self._context is None:
-                device, context = ctypes.c_int(), ctypes.c_void_p()
-                _check(self.lib, "cuDeviceGet", self.lib.cuDeviceGet(ctypes.byref(device), self.device_index))
-                _check(self.lib, "cuDevicePrimaryCtxRetain",
-                       self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device))
-                self._context = context.value  # retained once for the process: torch uses the same one
-            return self._context
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int):
         """Queue ``sizes[k]`` bytes from host address ``srcs[k]`` to GPU address ``dsts[k]`` for
@@ -102,16 +96,48 @@ class BatchCopy:
         if not count:
             return
         dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
-        mine, current = self._primary_context(), ctypes.c_void_p()
-        self.lib.cuCtxGetCurrent(ctypes.byref(current))
-        if current.value != mine:  # a thread that has not touched CUDA yet, or another device's
-            self.lib.cuCtxSetCurrent(ctypes.c_void_p(mine))
-        try:
+        with _in_primary_context(self.lib, self.device_index):
             args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count, ctypes.byref(self._attributes),
                     self._first, 1]
             if self.entry == "cuMemcpyBatchAsync":  # the CUDA 12.8 form: a failure index before the stream
                 args.append(ctypes.byref(self._failed))
             _check(self.lib, self.entry, self._fn(*args, ctypes.c_void_p(stream)))
-        finally:
-            if current.value != mine:
-                self.lib.cuCtxSetCurrent(current)
+
+
+def new_stream(device_index: int) -> int:
+    """A CUDA stream (its handle) of the device's primary context, torch's, made by the driver: not
+    one of torch's pool, which hands its streams round to every caller, so nothing but what its
+    maker queues ever runs on it. Lives as long as the process."""
+    lib = _driver()
+    if lib is None or getattr(lib, "cuStreamCreate", None) is None:
+        raise GpuUnavailableError("no CUDA driver (libcuda.so.1) to make a stream with")
+    stream = ctypes.c_void_p()
+    with _in_primary_context(lib, device_index):
+        _check(lib, "cuStreamCreate", lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING))
+    return stream.value
+
+
+_contexts = {}  # device index -> its primary context, retained once for the process (torch uses the same one)
+_contexts_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _in_primary_context(lib, device_index: int):
+    """The device's primary context current on this thread for the block (a thread that has not
+    touched CUDA yet has none; one may have another device's), then what was current before."""
+    with _contexts_lock:
+        if device_index not in _contexts:
+            device, context = ctypes.c_int(), ctypes.c_void_p()
+            _check(lib, "cuDeviceGet", lib.cuDeviceGet(ctypes.byref(device), device_index))
+            _check(lib, "cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device))
+            _contexts[device_index] = context.value
+        mine = _contexts[device_index]
+    current = ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(current))
+    if current.value != mine:
+        lib.cuCtxSetCurrent(ctypes.c_void_p(mine))
+    try:
+        yield
+    finally:
+        if current.value != mine:
+            lib.cuCtxSetCurrent(current)

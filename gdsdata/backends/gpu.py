@@ -10,6 +10,7 @@ import torch
 from gdsdata import settings, stall
 from gdsdata.batch import PixelBatch, Staged
 from gdsdata.decode.gpu import GpuDecoder
+from gdsdata._native.nvjpeg import HARDWARE_BACKENDS
 from gdsdata.errors import GpuUnavailableError
 from gdsdata.io import path as load_paths
 from gdsdata.io.gpu import GpuReader, SlotPool
@@ -109,7 +110,11 @@ class GpuBackend:
         ``batch.release(stream)`` once the pixels have been consumed."""
         stream = stream or torch.cuda.current_stream(self.device)
         if staged.ready is not None:
-            stream.wait_event(staged.ready)
+            if staged.job.jpeg and self.decoder.backend in HARDWARE_BACKENDS:
+                # the engines read the bitstreams as the call is made, not after the stream's waits
+                stall.wait(staged.ready, "waiting for a batch's reads to land before nvJPEG's hardware decode")
+            else:
+                stream.wait_event(staged.ready)
         try:
             batch = self.decoder.decode(staged.tensor, staged.job, stream)
         except BaseException:

@@ -18,6 +18,7 @@ from gdsdata.format import layout as fmt
 from gdsdata import stall
 from gdsdata.batch import PixelBatch
 from gdsdata.errors import CorruptSampleError
+from gdsdata._native.cuda import new_stream
 from gdsdata._native.nvjpeg import BatchedDecoder, NvjpegError
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,15 @@ class _SharedDecoder:
     ``lock``, and a call on another stream waits on the GPU for the previous one, whose work still
     uses the state's buffers. It outlives the datasets that use it (creating a hardware decoder
     takes most of a second, which a fresh dataset would otherwise pay on its first batch), until
-    the interpreter exits."""
+    the interpreter exits.
+
+    Its decodes' output is allocated on ``arenas``, a stream of its own that nothing runs on, and
+    marked used by each stream that then reads it (``record_stream``): nvJPEG's hardware decode
+    writes its output as the call is made, not in the order of the stream it is given (reported
+    against torchvision and TorchCodec, nvJPEG 12.3-13.2), so its output must never be memory that
+    work already queued on that stream still reads, which torch's allocator hands out again at once
+    to the stream that freed it. Memory of ``arenas`` is handed out again only once every stream that
+    used it has finished that work."""
 
     _open = {}  # (device index, backend) -> _SharedDecoder
     _open_lock = threading.Lock()
@@ -62,6 +71,7 @@ class _SharedDecoder:
         self.last = None  # (stream, event) of the previous decode
         with torch.cuda.device(key[0]):
             self.nvjpeg = BatchedDecoder(key[1])
+            self.arenas = torch.cuda.ExternalStream(new_stream(key[0]), device=torch.device("cuda", key[0]))
 
     @classmethod
     def acquire(cls, device: torch.device, backend: str) -> "_SharedDecoder":
@@ -152,10 +162,12 @@ class GpuDecoder:
         """Queue the decode ``job`` (from ``prepare``) on ``stream``."""
         if not job.jpeg:
             return self._raw(staging, job, stream)
-        arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
+        shared = self.shared
+        with torch.cuda.stream(shared.arenas):  # (see _SharedDecoder)
+            arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
+        arena.record_stream(stream)
         outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
         errors = {}
-        shared = self.shared
         # (bounded: a decode left stuck inside nvJPEG after a StallError holds it for good)
         with stall.held(shared.lock, "the GPU's JPEG decoder (another decode, inside nvJPEG)"):
             nvjpeg = shared.nvjpeg
