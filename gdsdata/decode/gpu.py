@@ -162,14 +162,14 @@ class GpuDecoder:
         """Queue the decode ``job`` (from ``prepare``) on ``stream``."""
         if not job.jpeg:
             return self._raw(staging, job, stream)
-        shared = self.shared
-        with torch.cuda.stream(shared.arenas):  # (see _SharedDecoder)
-            arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
-        arena.record_stream(stream)
-        outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
         errors = {}
+        shared = self.shared
         # (bounded: a decode left stuck inside nvJPEG after a StallError holds it for good)
         with stall.held(shared.lock, "the GPU's JPEG decoder (another decode, inside nvJPEG)"):
+            with torch.cuda.stream(shared.arenas):  # (see _SharedDecoder)
+                arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
+            arena.record_stream(stream)
+            outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
             nvjpeg = shared.nvjpeg
             if staging.is_cuda != nvjpeg.device_bitstreams:
                 raise ValueError(f"nvJPEG backend {self.backend} cannot take bitstreams from "
