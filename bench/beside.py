@@ -65,8 +65,8 @@ class Input:
     def decode(self, k, stream):
         """Batch ``k`` decoded on ``stream`` from its staging buffer, which stays held for the next
         use (the dataset's ``decode_staged`` hands the buffer back after one decode: hence its
-        decoder itself). The arena is allocated for ``stream``, as the Loader's decode thread does;
-        it is freed when the returned batch goes."""
+        decoder itself), as the Loader's decode thread decodes; the arena is freed when the returned
+        batch goes."""
         staged = self.staged[k % len(self.staged)]
         with torch.cuda.stream(stream):
             return self.ds._backend.decoder.decode(staged.tensor, staged.job, stream), staged.indices

@@ -10,7 +10,6 @@ import torch
 from gdsdata import settings, stall
 from gdsdata.batch import PixelBatch, Staged
 from gdsdata.decode.gpu import GpuDecoder
-from gdsdata._native.nvjpeg import HARDWARE_BACKENDS
 from gdsdata.errors import GpuUnavailableError
 from gdsdata.io import path as load_paths
 from gdsdata.io.gpu import GpuReader, SlotPool
@@ -109,14 +108,8 @@ class GpuBackend:
         """Staging -> pixels on the GPU, queued on ``stream`` (default: the current one). Call
         ``batch.release(stream)`` once the pixels have been consumed."""
         stream = stream or torch.cuda.current_stream(self.device)
-        if staged.ready is not None:
-            if staged.job.jpeg and self.decoder.backend in HARDWARE_BACKENDS:
-                # the engines read the bitstreams as the call is made, not after the stream's waits
-                stall.wait(staged.ready, "waiting for a batch's reads to land before nvJPEG's hardware decode")
-            else:
-                stream.wait_event(staged.ready)
         try:
-            batch = self.decoder.decode(staged.tensor, staged.job, stream)
+            batch = self.decoder.decode(staged.tensor, staged.job, stream, staged.ready)
         except BaseException:
             self._slots.release(staged.slot, stream)
             raise

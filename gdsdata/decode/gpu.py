@@ -19,7 +19,7 @@ from gdsdata import stall
 from gdsdata.batch import PixelBatch
 from gdsdata.errors import CorruptSampleError
 from gdsdata._native.cuda import new_stream
-from gdsdata._native.nvjpeg import BatchedDecoder, NvjpegError
+from gdsdata._native.nvjpeg import HARDWARE_BACKENDS, BatchedDecoder, NvjpegError
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,15 @@ class GpuDecoder:
         return DecodeJob(list(indices), heights, widths, np.full(len(indices), 3), offsets, data=data,
                          lengths=plan.sample_lengths.astype(np.uint64), pitches=(widths * 3))
 
-    def decode(self, staging: torch.Tensor, job: "DecodeJob", stream) -> PixelBatch:
-        """Queue the decode ``job`` (from ``prepare``) on ``stream``."""
+    def decode(self, staging: torch.Tensor, job: "DecodeJob", stream, ready=None) -> PixelBatch:
+        """Queue the decode ``job`` (from ``prepare``) on ``stream``, after ``ready`` (a CUDA event:
+        the staging's reads landed) where one is given."""
+        if ready is not None:
+            if job.jpeg and self.backend in HARDWARE_BACKENDS:
+                # the engines read the bitstreams as the call is made, not after the stream's waits
+                stall.wait(ready, "waiting for a batch's reads to land before nvJPEG's hardware decode")
+            else:
+                stream.wait_event(ready)
         if not job.jpeg:
             return self._raw(staging, job, stream)
         errors = {}
