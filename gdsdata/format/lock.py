@@ -199,18 +199,17 @@ def writing(out) -> str | None:
     if not isinstance(info, dict) or not info or info.get("reading"):
         return None  # (a merge reading a finished dataset writes nothing there)
     pid, host = info.get("pid"), info.get("host")
-    if host == socket.gethostname() and (pid == os.getpid() or not isinstance(pid, int) or not _running(pid)
-                                         or _started_after(pid, info.get("since"))):
+    if host == socket.gethostname() and (pid == os.getpid() or not isinstance(pid, int)
+                                         or not _running(pid, info.get("since"))):
         return None  # this process, or a writer killed before it could remove the file (its pid perhaps reused)
     return _described(info)
 
 
-def _started_after(pid: int, since) -> bool:
-    """Whether process ``pid`` of this host started after ``since`` (``_sign``'s local time, to the
-    second): then it is not the process that signed the lock. False where that cannot be told."""
+def _started_after(fields: list, since) -> bool:
+    """Whether the process of ``fields`` (``_stat``'s) started after ``since`` (``_sign``'s local time,
+    to the second): then it is not the process that signed the lock. False where that cannot be told."""
     try:
         signed = time.mktime(time.strptime(since, "%Y-%m-%d %H:%M:%S"))
-        fields = _stat(pid)
         with open("/proc/stat", encoding="ascii") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
         started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # (field 22: clock ticks after boot)
@@ -270,17 +269,23 @@ def _maker(entry: str, name: str) -> "tuple[str, str, int] | None":
     return fields[0], fields[1], int(fields[2])
 
 
-def _running(pid: int) -> bool:
+def _running(pid: int, since=None) -> bool:
     """Whether process ``pid`` of this host runs: not gone, and not a zombie (killed, not yet reaped by
-    its parent: it holds no file and no lock)."""
+    its parent: it holds no file and no lock); with ``since`` (when a lock was signed), also not a
+    process that started after it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError):  # another user's; no pid of this host: not known gone
+    except OverflowError:  # no pid of this host: not known gone
         return True
+    except PermissionError:  # another user's: it runs (its /proc entry tells the rest)
+        pass
     try:
-        if _stat(pid)[0] not in (b"Z", b"X"):
+        fields = _stat(pid)
+        if since is not None and _started_after(fields, since):
+            return False
+        if fields[0] not in (b"Z", b"X"):
             return True
         return len(os.listdir(f"/proc/{pid}/task")) > 1  # (a main thread that ended beside running ones)
     except (OSError, IndexError):  # (not Linux, or gone meanwhile: the next look tells)
