@@ -1416,3 +1416,69 @@ def test_a_write_error_other_than_a_full_disk_does_not_advise_freeing_space(src,
         said = one_line(capsys.readouterr().err)
         assert f"{reason} while writing" in said and f"1 finished shard(s) kept: {advice} with --resume" in said
         assert (number == 28) == ("free space" in said)
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_writer_whose_lock_file_went_commits_nothing(src, parts, tmp_path, monkeypatch, how):
+    """The lock file beside OUT removed (a user's rm, a cleaner of dot files) or replaced by another
+    writer's while a pack or merge runs: another writer may have started on OUT, so nothing is
+    committed. In place, no index (a pack's finished shards stay for --resume); an overwrite leaves
+    the dataset there as it was and the new one complete beside it. A writer never removes a lock
+    file it does not hold."""
+    import gdsdata.packing.merge as merging
+    import gdsdata.packing.packer as packing
+    from gdsdata.format.lock import _lock_path
+
+    def taking(module, name):
+        """``module.name`` that first removes (or replaces) the lock file of the ``out`` being written."""
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            os.unlink(lock)
+            if how == "replaced":
+                with open(lock, "w") as f:
+                    f.write("{}")
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, call)
+        return real
+
+    def said(lock):
+        return re.escape(f"its lock file {lock} was removed or replaced while this ran, so another gdsdata writer "
+                         f"may have started on it")
+
+    def after_it(out):  # (a replacement, another writer's, is its own: left)
+        assert os.path.exists(lock) == (how == "replaced")
+        if how == "replaced":
+            os.unlink(lock)
+
+    out = str(tmp_path / "ds")
+    lock = _lock_path(out)
+    real = taking(packing, "report_complete")
+    with pytest.raises(BusyError, match=said(lock)
+                       + re.escape("; no index written: its finished shards stay for pack --resume")):
+        pack(src, out, workers=1)
+    assert not os.path.exists(os.path.join(out, fmt.INDEX_NAME))
+    after_it(out)
+    monkeypatch.setattr(packing, "report_complete", real)
+    resumed = pack(src, out, workers=1, resume=True)
+    assert resumed.resumed_shards == resumed.shards and resumed.new == 0 and verify(out) == []
+    before = load(out).dataset_id
+
+    taking(packing, "report_complete")
+    with pytest.raises(BusyError, match=re.escape(f"{out}: ") + said(lock)
+                       + re.escape("; it is left as it is, and the new dataset is complete in ")) as caught:
+        pack(src, out, workers=1, overwrite=True)
+    kept = re.search(r"complete in (\S+): move it", str(caught.value)).group(1)
+    assert load(out).dataset_id == before and verify(out) == []
+    assert load(kept).dataset_id != before and len(load(kept)) == 48 and verify(kept) == []
+    after_it(out)
+    monkeypatch.setattr(packing, "report_complete", real)
+
+    merged = str(tmp_path / "merged")
+    lock = _lock_path(merged)
+    taking(merging, "_merge_into")
+    with pytest.raises(BusyError, match=said(lock)
+                       + re.escape("; no index written: merge again once no other gdsdata writes it")):
+        merge(parts[0], merged)
+    assert not os.path.exists(os.path.join(merged, fmt.INDEX_NAME))
+    after_it(merged)

@@ -52,6 +52,7 @@ _AT_FDCWD = -100
 _TAGS = ("new", "old", "parts")  # the folders writers build aside: a replacement, a swapped-out dataset, Ray's parts
 _HOST = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname()) or "host"
 _HELD = set()  # the descriptors of the locks this process holds (a forked worker closes its copies)
+_WRITING = {}  # lock file path -> the descriptor of the writer lock this process holds on it
 
 
 def _lock_path(out: str) -> str:
@@ -65,17 +66,37 @@ def _lock_path(out: str) -> str:
 def writer_lock(out, what: str):
     """Hold ``out``'s writer lock for the block, or raise ``BusyError`` at once."""
     fd, path = _take(os.fspath(out), exclusive=True)
+    _WRITING[path] = fd
     try:
         _sign(fd, what, reading=False)
         _clear_leftovers(os.fspath(out))
         yield
     finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        del _WRITING[path]
+        if _is_file_of(fd, path):  # (not another writer's, made after this one's was removed)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         _HELD.discard(fd)
         os.close(fd)  # releases the lock
+
+
+def lost(out) -> "str | None":
+    """The path of ``out``'s lock file where this process holds ``out``'s writer lock but that file
+    is no longer the one it locked (removed, or replaced: a user's ``rm``, a cleaner of dot files):
+    another writer may then have taken a new one, so a writer commits nothing. None otherwise (also
+    where this process holds no writer lock of ``out``)."""
+    path = _lock_path(os.fspath(out))
+    fd = _WRITING.get(path)
+    return None if fd is None or _is_file_of(fd, path) else path
+
+
+def _is_file_of(fd: int, path: str) -> bool:
+    """Whether ``path`` is the file the descriptor ``fd`` has open."""
+    try:
+        here, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 @contextlib.contextmanager
@@ -103,7 +124,7 @@ def reader_lock(dataset, what: str):
         _HELD.discard(fd)
         try:  # the last reader out removes the file, as a writer does (another reader keeps it)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+            if _is_file_of(fd, path):
                 os.unlink(path)
         except OSError:
             pass
@@ -143,11 +164,7 @@ def _take(out: str, exclusive: bool, what: str = "") -> "tuple[int, str]":
                 time.sleep(0.02)
                 continue
             raise _busy(out, info, exclusive, what) from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a file a finished writer unlinked
-        except FileNotFoundError:
-            same = False
-        if same:
+        if _is_file_of(fd, path):  # not a file a finished writer unlinked
             _HELD.add(fd)
             return fd, path
         os.close(fd)
@@ -227,6 +244,7 @@ def drop_inherited_locks():
         except OSError:
             pass
     _HELD.clear()
+    _WRITING.clear()
 
 
 def _holder(fd) -> dict:

@@ -42,9 +42,9 @@ from gdsdata import __version__, settings
 from gdsdata.args import is_integer, skip_limit, skips_allowed
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
-from gdsdata.errors import (BadImageError, FormatError, GdsDataError, OutputExistsError, SourceError,
+from gdsdata.errors import (BadImageError, BusyError, FormatError, GdsDataError, OutputExistsError, SourceError,
                             SourceGoneError)
-from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_inherited_locks, remove_dataset,
+from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_inherited_locks, lost, remove_dataset,
                                  remove_shards, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
@@ -191,6 +191,12 @@ def check_output(out, overwrite, resumable=True, resume=False) -> bool:
     return bool(existing)
 
 
+def lost_lock(path) -> str:
+    """What a writer says whose lock file ``path`` (``lock.lost``) went while it wrote."""
+    return (f"its lock file {path} was removed or replaced while this ran, so another gdsdata writer may have "
+            f"started on it")
+
+
 def into(out, overwrite, build, resumable=True):
     """Run ``build(folder)`` to make a complete dataset for ``out``: in ``out`` itself when it is
     empty or new, else (an overwrite) in a sibling folder swapped in once ``build`` returns; a
@@ -206,10 +212,13 @@ def into(out, overwrite, build, resumable=True):
     except BaseException:
         remove_dataset(staging, dataset_owner(staging))  # with what it wrote on other drives
         raise
-    now = _identity(out)
-    if now is not None and now != replaced:  # moved away and something else put there meanwhile (a user's mv)
+    now, taken = _identity(out), lost(out)
+    if taken or (now is not None and now != replaced):  # moved away and something else put there (a user's mv)
         kept = f"{out}.new-{time.strftime('%Y%m%d-%H%M%S')}"  # (a name the next writer's clean-up leaves alone)
         os.rename(staging, kept)
+        if taken:
+            raise BusyError(f"{out}: {lost_lock(taken)}; it is left as it is, and the new dataset is complete in "
+                            f"{kept}: move it where it belongs once no other gdsdata writes {out}")
         raise OutputExistsError(f"{out}: replaced by another folder while this ran, which it leaves as it is; "
                                 f"the new dataset is complete in {kept}: move it where it belongs")
     swap_in(staging, out, now and now[2])  # (which removes whichever of the two is not out's; no out: renamed)
@@ -1272,6 +1281,11 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         if gone is not None:  # (the folder removed or changed under the pack: no index that names what is not there)
             raise GdsDataError(f"{os.path.join(folder, gone)}: gone before the pack could finish (the folder was "
                                f"removed or changed while it ran); no index written: pack again")
+        taken = folder == out and lost(out)  # (built aside: ``into`` keeps it whole)
+        if taken:
+            raise BusyError(f"{out}: {lost_lock(taken)}; no index written: "
+                            + ("the dataset there is unchanged" if append else
+                               "its finished shards stay for pack --resume, once no other gdsdata writes it"))
         with deferred_signals():  # the index, the report that describes it, the journals gone (the index is
             # authoritative): Ctrl-C or SIGTERM waits for all three (then raised here, the dataset complete)
             index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
