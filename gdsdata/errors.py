@@ -54,6 +54,15 @@ class BusyError(GdsDataError):
     """Another gdsdata process is writing the same dataset folder (one writer at a time)."""
 
 
+class LockLost(BusyError):
+    """A writer's lock file was removed or replaced while it wrote (``format.lock.lost``): another
+    writer may have started on the same folder, so this one commits nothing and removes nothing."""
+
+    def __init__(self, out, path, then: str):
+        super().__init__(f"{out}: its lock file {path} was removed or replaced while this ran, so another "
+                         f"gdsdata writer may have started on it; {then}")
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM reached the ``gdsdata`` command (``timeout``, Slurm, ``docker stop``): it unwinds as
     Ctrl-C does (finished shards kept for ``--resume``, the rest removed), and exits 143."""

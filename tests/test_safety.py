@@ -1455,7 +1455,8 @@ def test_a_writer_whose_lock_file_went_commits_nothing(src, parts, tmp_path, mon
     lock = _lock_path(out)
     real = taking(packing, "report_complete")
     with pytest.raises(BusyError, match=said(lock)
-                       + re.escape("; no index written: its finished shards stay for pack --resume")):
+                       + re.escape("; no index written, and nothing removed: its finished shards stay for pack "
+                                   "--resume")):
         pack(src, out, workers=1)
     assert not os.path.exists(os.path.join(out, fmt.INDEX_NAME))
     after_it(out)
@@ -1476,9 +1477,37 @@ def test_a_writer_whose_lock_file_went_commits_nothing(src, parts, tmp_path, mon
 
     merged = str(tmp_path / "merged")
     lock = _lock_path(merged)
-    taking(merging, "_merge_into")
+    real_merge = taking(merging, "_merge_into")
     with pytest.raises(BusyError, match=said(lock)
-                       + re.escape("; no index written: merge again once no other gdsdata writes it")):
+                       + re.escape("; no index written, and what it linked there stays: merge again with --overwrite")):
         merge(parts[0], merged)
-    assert not os.path.exists(os.path.join(merged, fmt.INDEX_NAME))
+    assert not os.path.exists(os.path.join(merged, fmt.INDEX_NAME)) and os.listdir(merged)
     after_it(merged)
+    monkeypatch.setattr(merging, "_merge_into", real_merge)
+    merge(parts[0], merged, overwrite=True)
+    assert len(load(merged)) == 48 and verify(merged) == []
+
+
+def test_a_pack_whose_lock_file_went_names_no_shard_after(src, tmp_path, monkeypatch):
+    """In place, a pack whose lock file went mid-pack stops before its next shard takes its name
+    (another writer may be writing shards of the same names): the shards before stay, with their
+    journals, for --resume."""
+    import gdsdata.packing.packer as packing
+    from gdsdata.format.lock import _lock_path
+
+    out = str(tmp_path / "ds")
+    lock = _lock_path(out)
+    real = packing._write_json
+
+    def write_json(path, what):  # the first shard's journal: then the lock file goes
+        if fmt.JOURNAL_SUFFIX in os.path.basename(path) and os.path.exists(lock):
+            os.unlink(lock)
+        return real(path, what)
+    monkeypatch.setattr(packing, "_write_json", write_json)
+    with pytest.raises(BusyError, match=re.escape(f"its lock file {lock} was removed or replaced")):
+        pack(src, out, workers=1, shard_size=100_000)
+    monkeypatch.setattr(packing, "_write_json", real)
+    names = sorted(os.listdir(out))
+    assert fmt.shard_name(0) in names and fmt.shard_name(1) not in names and fmt.INDEX_NAME not in names, names
+    resumed = pack(src, out, workers=1, shard_size=100_000, resume=True)
+    assert resumed.resumed_shards == 1 < resumed.shards and resumed.packed == 48 and verify(out) == []

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 
-from gdsdata.errors import BusyError, GdsDataError
+from gdsdata.errors import BusyError, GdsDataError, LockLost
 from gdsdata.format.layout import JOURNAL_SUFFIX, TMP_SUFFIX, short_ident
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,13 @@ def lost(out) -> "str | None":
     path = _lock_path(os.fspath(out))
     fd = _WRITING.get(path)
     return None if fd is None or _is_file_of(fd, path) else path
+
+
+def check_held(out, then: str):
+    """Raise ``LockLost`` (its message ending in ``then``: what the writer leaves) where ``lost(out)``."""
+    path = lost(out)
+    if path is not None:
+        raise LockLost(out, path, then)
 
 
 def _is_file_of(fd: int, path: str) -> bool:

@@ -41,7 +41,7 @@ class ShardWriter:
     is complete."""
 
     def __init__(self, out_dir, alignment, shard_size, dataset_id: bytes, first_shard: int = 0,
-                 first_sample: int = 0, on_close=None, roots=(), owner=None, root_offset: int = 0):
+                 first_sample: int = 0, on_close=None, roots=(), owner=None, root_offset: int = 0, before_close=None):
         if alignment < 64 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two of at least 64, got {alignment}")
         self.out_dir = str(out_dir)
@@ -52,6 +52,7 @@ class ShardWriter:
         self.records = []  # one SHARD_RECORD row per shard finished by this writer
         self.samples_written = first_sample
         self.on_close = on_close  # called with each finished shard's index and record
+        self.before_close = before_close  # called before a shard takes its final name (may raise: it stays .tmp)
         self.aborted = False  # abort() dropped a shard that was being written
         self.roots = [os.path.abspath(os.fspath(r)) for r in roots]
         self.root_offset = root_offset
@@ -132,6 +133,8 @@ class ShardWriter:
             raise OSError(e.errno, e.strerror, self._path + fmt.TMP_SUFFIX) from e
         self._file.close()
         self._file = None
+        if self.before_close is not None:
+            self.before_close()
         os.replace(self._path + fmt.TMP_SUFFIX, self._path)
         if self._link is not None:  # the dataset's name for it, made in one step
             temporary = self._link + ".link" + fmt.TMP_SUFFIX

@@ -29,14 +29,14 @@ from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.args import skip_limit
-from gdsdata.errors import BusyError, FormatError, SourceError
-from gdsdata.format.lock import (SHARDS_TAG, drop_if_empty, lost, make_shard_folder, owned_target, reader_lock,
+from gdsdata.errors import FormatError, LockLost, SourceError
+from gdsdata.format.lock import (SHARDS_TAG, check_held, drop_if_empty, make_shard_folder, owned_target, reader_lock,
                                  remove_quietly, remove_shards, shard_folder, writer_lock)
 from gdsdata.format.shards import read_header
 from gdsdata.packing.detection import LabelReport, annotate
-from gdsdata.packing.packer import (LEFT_OUT, PIXEL_OPTIONS, _write_json, check_skipped, into, lost_lock,
-                                    packed_options, listed_in, reasons, report_complete, report_lists,
-                                    report_opening, saved_report)
+from gdsdata.packing.packer import (LEFT_OUT, PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options,
+                                    listed_in, reasons, report_complete, report_lists, report_opening,
+                                    saved_report)
 
 log = logging.getLogger(__name__)
 
@@ -296,9 +296,9 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     try:
         return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report),
                     resumable=False)
-    except BaseException:
-        if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
-            remove_quietly(out)
+    except BaseException as e:
+        if fresh and not isinstance(e, LockLost):  # a merge does not resume: nothing of a failed one stays
+            remove_quietly(out)  # (but where another writer may have started: nothing touched)
         raise
 
 
@@ -437,9 +437,9 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
                             first.meta["detection"].get("category_ids"), per_sample,
                             None if any(part is None for part in ids) else [i for part in ids for i in part])
     shards = np.array(shard_rows, dtype=fmt.SHARD_RECORD)
-    taken = folder == out and lost(out)  # (built aside: ``into`` keeps it whole)
-    if taken:
-        raise BusyError(f"{out}: {lost_lock(taken)}; no index written: merge again once no other gdsdata writes it")
+    if folder == out:  # (built aside: ``into`` keeps it whole)
+        check_held(out, "no index written, and what it linked there stays: merge again with --overwrite once no "
+                        "other gdsdata writes it")
     index_io.write(folder, first.alignment, dataset_id, shards, samples, bytes(strings), meta, **box_args)
     if report is not None:
         _write_json(os.path.join(folder, fmt.REPORT_NAME), report(meta, shards))

@@ -42,10 +42,10 @@ from gdsdata import __version__, settings
 from gdsdata.args import is_integer, skip_limit, skips_allowed
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
-from gdsdata.errors import (BadImageError, BusyError, FormatError, GdsDataError, OutputExistsError, SourceError,
+from gdsdata.errors import (BadImageError, FormatError, GdsDataError, LockLost, OutputExistsError, SourceError,
                             SourceGoneError)
-from gdsdata.format.lock import (aside, dataset_owner, deferred_signals, drop_inherited_locks, lost, remove_dataset,
-                                 remove_shards, swap_in, writer_lock)
+from gdsdata.format.lock import (aside, check_held, dataset_owner, deferred_signals, drop_inherited_locks, lost,
+                                 remove_dataset, remove_shards, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
 from gdsdata.packing.detection import LabelReport, annotate, each_once, open_detection
@@ -191,12 +191,6 @@ def check_output(out, overwrite, resumable=True, resume=False) -> bool:
     return bool(existing)
 
 
-def lost_lock(path) -> str:
-    """What a writer says whose lock file ``path`` (``lock.lost``) went while it wrote."""
-    return (f"its lock file {path} was removed or replaced while this ran, so another gdsdata writer may have "
-            f"started on it")
-
-
 def into(out, overwrite, build, resumable=True):
     """Run ``build(folder)`` to make a complete dataset for ``out``: in ``out`` itself when it is
     empty or new, else (an overwrite) in a sibling folder swapped in once ``build`` returns; a
@@ -217,8 +211,8 @@ def into(out, overwrite, build, resumable=True):
         kept = f"{out}.new-{time.strftime('%Y%m%d-%H%M%S')}"  # (a name the next writer's clean-up leaves alone)
         os.rename(staging, kept)
         if taken:
-            raise BusyError(f"{out}: {lost_lock(taken)}; it is left as it is, and the new dataset is complete in "
-                            f"{kept}: move it where it belongs once no other gdsdata writes {out}")
+            raise LockLost(out, taken, f"it is left as it is, and the new dataset is complete in {kept}: move it "
+                                       f"where it belongs once no other gdsdata writes {out}")
         raise OutputExistsError(f"{out}: replaced by another folder while this ran, which it leaves as it is; "
                                 f"the new dataset is complete in {kept}: move it where it belongs")
     swap_in(staging, out, now and now[2])  # (which removes whichever of the two is not out's; no out: renamed)
@@ -1089,6 +1083,14 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         remove_shards(doomed, dataset_id, on_error=lambda path, e: log.warning(
             "%s: left behind, it cannot be removed (%s)", path, e.strerror or e))
 
+    def still_locked():
+        """Before each shard takes its name and before the index, in place: ``LockLost`` where OUT's
+        lock file went while this ran (built aside, ``into`` keeps the result whole)."""
+        if folder == out:
+            check_held(out, "no index written, and nothing removed: " + (
+                "the dataset there is as it was (the next append clears this one's shards)" if append else
+                "its finished shards stay for pack --resume, once no other gdsdata writes it"))
+
     def write_journal(shard, record):
         mine = range(position["shard_start"], len(records))
         position["shard_start"] = len(records)
@@ -1111,7 +1113,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                 doomed.append(os.path.join(folder, name))
         remove_shards(doomed, dataset_id)
     writer = ShardWriter(folder, alignment, shard_size, dataset_id, first_shard=len(shard_rows),
-                         first_sample=len(records), on_close=write_journal, roots=roots,
+                         first_sample=len(records), on_close=write_journal, before_close=still_locked, roots=roots,
                          owner=out, root_offset=part)
     unreadable = getattr(source, "unreadable", []) if part == 0 else []
     special = getattr(source, "special", []) if part == 0 else []
@@ -1209,6 +1211,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                               f"{' ...' if len(skipped) > 3 else ''})")
         writer.close_shard()
     except BaseException as e:
+        if isinstance(e, LockLost):  # (another writer's files may be here now: nothing touched)
+            raise
         writer.abort()  # the shard being written, never finished, goes
         # resumable: finished shards stay (not those of an overwrite's replacement, nor an append's, which go)
         keep = isinstance(e, (KeyboardInterrupt, OSError, SourceGoneError)) and folder == out and not append
@@ -1281,17 +1285,15 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         if gone is not None:  # (the folder removed or changed under the pack: no index that names what is not there)
             raise GdsDataError(f"{os.path.join(folder, gone)}: gone before the pack could finish (the folder was "
                                f"removed or changed while it ran); no index written: pack again")
-        taken = folder == out and lost(out)  # (built aside: ``into`` keeps it whole)
-        if taken:
-            raise BusyError(f"{out}: {lost_lock(taken)}; no index written: "
-                            + ("the dataset there is unchanged" if append else
-                               "its finished shards stay for pack --resume, once no other gdsdata writes it"))
+        still_locked()
         with deferred_signals():  # the index, the report that describes it, the journals gone (the index is
             # authoritative): Ctrl-C or SIGTERM waits for all three (then raised here, the dataset complete)
             index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
             report_path = _complete_report(folder, out, report)
             _drop_journals(folder, len(shard_table))
     except BaseException as e:
+        if isinstance(e, LockLost):  # (another writer's files may be here now: nothing touched)
+            raise
         with contextlib.suppress(OSError):  # an index cut short (finished shards and journals stay for --resume)
             os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
         if append and index_io.stamp(out) == base_stamp:  # the dataset's own index still in place: this run's go
