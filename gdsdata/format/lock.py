@@ -52,7 +52,7 @@ _AT_FDCWD = -100
 _TAGS = ("new", "old", "parts")  # the folders writers build aside: a replacement, a swapped-out dataset, Ray's parts
 _HOST = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname()) or "host"
 _HELD = set()  # the descriptors of the locks this process holds (a forked worker closes its copies)
-_WRITING = {}  # lock file path -> the descriptor of the writer lock this process holds on it
+_WRITING = {}  # lock file path -> the descriptors of this process's writer locks on it (two only once one went)
 
 
 def _lock_path(out: str) -> str:
@@ -66,13 +66,15 @@ def _lock_path(out: str) -> str:
 def writer_lock(out, what: str):
     """Hold ``out``'s writer lock for the block, or raise ``BusyError`` at once."""
     fd, path = _take(os.fspath(out), exclusive=True)
-    _WRITING[path] = fd
+    _WRITING.setdefault(path, []).append(fd)
     try:
         _sign(fd, what, reading=False)
         _clear_leftovers(os.fspath(out))
         yield
     finally:
-        del _WRITING[path]
+        _WRITING[path].remove(fd)
+        if not _WRITING[path]:
+            del _WRITING[path]
         if _is_file_of(fd, path):  # (not another writer's, made after this one's was removed)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -86,8 +88,8 @@ def lost(out) -> "str | None":
     another writer may then have taken a new one, so a writer commits nothing. None otherwise (also
     where this process holds no writer lock of ``out``)."""
     path = _lock_path(os.fspath(out))
-    fd = _WRITING.get(path)
-    return None if fd is None or _is_file_of(fd, path) else path
+    held = _WRITING.get(path, ())
+    return path if any(not _is_file_of(fd, path) for fd in held) else None
 
 
 def check_held(out, then: str):
@@ -95,6 +97,21 @@ def check_held(out, then: str):
     path = lost(out)
     if path is not None:
         raise LockLost(out, path, then)
+
+
+def keep_if_lost(out, error: BaseException, then: str):
+    """In a writer's error handler, before it removes anything it wrote in ``out``: where ``out``'s lock
+    file went, those files may now be another writer's, so nothing is removed: ``error`` goes on as
+    ``LockLost`` (itself where it is one, or where it is no ``Exception``: Ctrl-C, SIGTERM); else
+    this returns."""
+    if isinstance(error, LockLost):
+        raise error
+    path = lost(out)
+    if path is None:
+        return
+    if not isinstance(error, Exception):
+        raise error
+    raise LockLost(out, path, f"{then} (what stopped it: {error})") from error
 
 
 def _is_file_of(fd: int, path: str) -> bool:

@@ -29,9 +29,9 @@ from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.args import skip_limit
-from gdsdata.errors import FormatError, LockLost, SourceError
-from gdsdata.format.lock import (SHARDS_TAG, check_held, drop_if_empty, make_shard_folder, owned_target, reader_lock,
-                                 remove_quietly, remove_shards, shard_folder, writer_lock)
+from gdsdata.errors import FormatError, SourceError
+from gdsdata.format.lock import (SHARDS_TAG, check_held, drop_if_empty, keep_if_lost, make_shard_folder, owned_target,
+                                 reader_lock, remove_quietly, remove_shards, shard_folder, writer_lock)
 from gdsdata.format.shards import read_header
 from gdsdata.packing.detection import LabelReport, annotate
 from gdsdata.packing.packer import (LEFT_OUT, PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options,
@@ -269,13 +269,14 @@ def _warn_repeats(parts, indexes):
 
 
 def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progress=False, report=None,
-                  max_skipped=None, left_out=None) -> dict:
+                  max_skipped=None, left_out=None, retry="merge again with --overwrite") -> dict:
     """``merge`` for a caller that holds ``out``'s writer lock already (``pack --ray``); ``adopt``:
     the parts go after the merge, and the shards they wrote on other drives become ``out``'s;
     ``report``: a function of the merged index's metadata and shard table giving the
     ``pack_report.json`` written beside the index once it is (as a pack writes its own);
     ``max_skipped`` (from ``args.skip_limit``): checked against the files the parts' reports list as
-    left out (``LEFT_OUT``), or against ``left_out`` where given: (what to name, those files)."""
+    left out (``LEFT_OUT``), or against ``left_out`` where given: (what to name, those files);
+    ``retry``: what the user does where ``out``'s lock file went while the merge ran in it."""
     if not parts:
         raise SourceError("merge needs at least one part")
     out = os.path.realpath(os.fspath(out))
@@ -293,12 +294,14 @@ def merge_checked(parts, out, *, copy=False, overwrite=False, adopt=False, progr
     if report is None:
         report = _parts_report(ordered, out, saved)
     fresh = not (os.path.isdir(out) and os.listdir(out))
+    left = f"no index written, and what it placed there stays: {retry} once no other gdsdata writes it"
     try:
-        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report),
+        return into(out, overwrite, lambda folder: _merge(ordered, folder, out, copy, adopt, progress, report, left),
                     resumable=False)
     except BaseException as e:
-        if fresh and not isinstance(e, LockLost):  # a merge does not resume: nothing of a failed one stays
-            remove_quietly(out)  # (but where another writer may have started: nothing touched)
+        if fresh:  # a merge does not resume: nothing of a failed one stays to fill the disk
+            keep_if_lost(out, e, left)  # (but where another writer may have started: nothing removed)
+            remove_quietly(out)
         raise
 
 
@@ -370,7 +373,7 @@ def _first_reasons(parts) -> str:
         f"each part's {fmt.REPORT_NAME} says why"
 
 
-def _merge(ordered, folder, out, copy, adopt=False, progress=False, report=None):
+def _merge(ordered, folder, out, copy, adopt=False, progress=False, report=None, left=""):
     parts = [part for part, _ in ordered]
     indexes = [index for _, index in ordered]
     dataset_id = os.urandom(16)
@@ -379,17 +382,20 @@ def _merge(ordered, folder, out, copy, adopt=False, progress=False, report=None)
     with open(record, "w", encoding="utf-8") as f:
         json.dump({"dataset_id": dataset_id.hex()}, f)
     try:
-        summary = _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress, report)
+        summary = _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress, report, left)
         os.unlink(record)
         return summary
-    except BaseException:
+    except BaseException as e:
+        if folder == out:  # (the record names them for whoever clears the folder)
+            keep_if_lost(out, e, left)
         remove_shards(placed, None)
         for shards in {os.path.dirname(path) for path in placed}:
             drop_if_empty(shards)
         raise
 
 
-def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress=False, report=None):
+def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, progress=False, report=None, left=""):
+    """``left``: what a merge in place whose lock file went leaves (``lock.check_held``)."""
     first = indexes[0]
     shard_rows, sample_tables, strings, how = [], [], bytearray(), set()
     sample_base = 0
@@ -400,6 +406,8 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
             shard_base = len(shard_rows)
             for s in range(len(index.shards)):
                 src, dst = index.shard_path(s), os.path.join(folder, fmt.shard_name(shard_base + s))
+                if folder == out:  # (built aside: ``into`` keeps it whole)
+                    check_held(out, left)
                 drive = None if copy else _on_its_drive(
                     src, dst, index.dataset_id, out, lambda root: shard_folder(root, os.path.basename(out), dataset_id),
                     placed, adopt)
@@ -437,9 +445,8 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
                             first.meta["detection"].get("category_ids"), per_sample,
                             None if any(part is None for part in ids) else [i for part in ids for i in part])
     shards = np.array(shard_rows, dtype=fmt.SHARD_RECORD)
-    if folder == out:  # (built aside: ``into`` keeps it whole)
-        check_held(out, "no index written, and what it linked there stays: merge again with --overwrite once no "
-                        "other gdsdata writes it")
+    if folder == out:
+        check_held(out, left)
     index_io.write(folder, first.alignment, dataset_id, shards, samples, bytes(strings), meta, **box_args)
     if report is not None:
         _write_json(os.path.join(folder, fmt.REPORT_NAME), report(meta, shards))

@@ -44,8 +44,8 @@ from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import (BadImageError, FormatError, GdsDataError, LockLost, OutputExistsError, SourceError,
                             SourceGoneError)
-from gdsdata.format.lock import (aside, check_held, dataset_owner, deferred_signals, drop_inherited_locks, lost,
-                                 remove_dataset, remove_shards, swap_in, writer_lock)
+from gdsdata.format.lock import (aside, check_held, dataset_owner, deferred_signals, drop_inherited_locks,
+                                 keep_if_lost, lost, remove_dataset, remove_shards, swap_in, writer_lock)
 from gdsdata.packing.prepare import PackOptions, prepare
 from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
 from gdsdata.packing.detection import LabelReport, annotate, each_once, open_detection
@@ -1083,13 +1083,15 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         remove_shards(doomed, dataset_id, on_error=lambda path, e: log.warning(
             "%s: left behind, it cannot be removed (%s)", path, e.strerror or e))
 
+    left = "no index written, and nothing removed: " + (  # (where OUT's lock file went: ``lock.lost``)
+        "the dataset there is as it was (the next append clears this one's shards)" if append else
+        "its finished shards stay for pack --resume, once no other gdsdata writes it")
+
     def still_locked():
         """Before each shard takes its name and before the index, in place: ``LockLost`` where OUT's
         lock file went while this ran (built aside, ``into`` keeps the result whole)."""
         if folder == out:
-            check_held(out, "no index written, and nothing removed: " + (
-                "the dataset there is as it was (the next append clears this one's shards)" if append else
-                "its finished shards stay for pack --resume, once no other gdsdata writes it"))
+            check_held(out, left)
 
     def write_journal(shard, record):
         mine = range(position["shard_start"], len(records))
@@ -1211,8 +1213,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
                               f"{' ...' if len(skipped) > 3 else ''})")
         writer.close_shard()
     except BaseException as e:
-        if isinstance(e, LockLost):  # (another writer's files may be here now: nothing touched)
-            raise
+        if folder == out:  # (where OUT's lock file went, another writer's files may be here now: none removed)
+            keep_if_lost(out, e, left)
         writer.abort()  # the shard being written, never finished, goes
         # resumable: finished shards stay (not those of an overwrite's replacement, nor an append's, which go)
         keep = isinstance(e, (KeyboardInterrupt, OSError, SourceGoneError)) and folder == out and not append
@@ -1292,8 +1294,8 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             report_path = _complete_report(folder, out, report)
             _drop_journals(folder, len(shard_table))
     except BaseException as e:
-        if isinstance(e, LockLost):  # (another writer's files may be here now: nothing touched)
-            raise
+        if folder == out:  # (as above)
+            keep_if_lost(out, e, left)
         with contextlib.suppress(OSError):  # an index cut short (finished shards and journals stay for --resume)
             os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
         if append and index_io.stamp(out) == base_stamp:  # the dataset's own index still in place: this run's go

@@ -151,6 +151,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
                                      {"ray": {"parts": parts, "cpus": cpus}})
                 summary = merge_checked([os.path.join(folder, f"part-{k}") for k in range(parts)], out,
                                         overwrite=overwrite, adopt=True, report=union, max_skipped=max_skipped,
+                                        retry="run the pack --ray again with --overwrite",
                                         left_out=(f"pack --ray of {display(src)}", [  # (from what the parts returned)
                                             item for k in range(parts)
                                             for item in listed_in(reports[k], LEFT_OUT) or []]))
