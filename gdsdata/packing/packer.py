@@ -1243,6 +1243,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             raise OSError(e.errno, f"{e.strerror or e} while writing {what}; the dataset there is unchanged",
                           out) from e
         raise
+    indexed = False
     try:  # the tables, then the index: the dataset is complete once it is renamed into place
         samples = np.array(records, dtype=fmt.SAMPLE_RECORD)
         shard_table = np.array(shard_rows + writer.records, dtype=fmt.SHARD_RECORD)
@@ -1291,10 +1292,11 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
         with deferred_signals():  # the index, the report that describes it, the journals gone (the index is
             # authoritative): Ctrl-C or SIGTERM waits for all three (then raised here, the dataset complete)
             index_io.write(folder, alignment, dataset_id, shard_table, samples, bytes(strings), meta, **box_args)
+            indexed = True
             report_path = _complete_report(folder, out, report)
             _drop_journals(folder, len(shard_table))
     except BaseException as e:
-        if folder == out:  # (as above)
+        if folder == out and not indexed:  # (as above; once indexed, the dataset is complete)
             keep_if_lost(out, e, left)
         with contextlib.suppress(OSError):  # an index cut short (finished shards and journals stay for --resume)
             os.unlink(os.path.join(folder, fmt.INDEX_NAME + fmt.TMP_SUFFIX))
