@@ -1488,25 +1488,31 @@ def test_a_writer_whose_lock_file_went_commits_nothing(src, parts, tmp_path, mon
     assert len(load(merged)) == 48 and verify(merged) == []
 
 
-def test_a_pack_whose_lock_file_went_names_no_shard_after(src, tmp_path, monkeypatch):
-    """In place, a pack whose lock file went mid-pack stops before its next shard takes its name
-    (another writer may be writing shards of the same names): the shards before stay, with their
-    journals, for --resume."""
+def _lock_file_goes_after_the_first_journal(monkeypatch, out) -> str:
+    """Make the lock file of a pack into ``out`` go (a user's rm) once its first shard's journal is
+    written; returns the lock file's path."""
     import gdsdata.packing.packer as packing
     from gdsdata.format.lock import _lock_path
 
-    out = str(tmp_path / "ds")
-    lock = _lock_path(out)
-    real = packing._write_json
+    lock, real = _lock_path(out), packing._write_json
 
-    def write_json(path, what):  # the first shard's journal: then the lock file goes
+    def write_json(path, what):
         if fmt.JOURNAL_SUFFIX in os.path.basename(path) and os.path.exists(lock):
             os.unlink(lock)
         return real(path, what)
     monkeypatch.setattr(packing, "_write_json", write_json)
+    return lock
+
+
+def test_a_pack_whose_lock_file_went_names_no_shard_after(src, tmp_path, monkeypatch):
+    """In place, a pack whose lock file went mid-pack stops before its next shard takes its name
+    (another writer may be writing shards of the same names): the shards before stay, with their
+    journals, for --resume."""
+    out = str(tmp_path / "ds")
+    lock = _lock_file_goes_after_the_first_journal(monkeypatch, out)
     with pytest.raises(BusyError, match=re.escape(f"its lock file {lock} was removed or replaced")):
         pack(src, out, workers=1, shard_size=100_000)
-    monkeypatch.setattr(packing, "_write_json", real)
+    monkeypatch.undo()
     names = sorted(os.listdir(out))
     assert fmt.shard_name(0) in names and fmt.shard_name(1) not in names and fmt.INDEX_NAME not in names, names
     resumed = pack(src, out, workers=1, shard_size=100_000, resume=True)
@@ -1517,31 +1523,22 @@ def test_a_pack_that_fails_after_its_lock_file_went_removes_nothing(src, tmp_pat
     """A pack in place that fails for another reason once its lock file went removes none of what it
     wrote (another writer may be writing the same names now): the failure goes on as ``LockLost``,
     naming what stopped it, and the shards stay for --resume."""
-    import gdsdata.packing.packer as packing
-    from gdsdata.format.lock import _lock_path
     from gdsdata.format.shards import ShardWriter
 
     out = str(tmp_path / "ds")
-    lock = _lock_path(out)
-    real_json, real_add = packing._write_json, ShardWriter.add
-
-    def write_json(path, what):  # the first shard's journal: then the lock file goes
-        if fmt.JOURNAL_SUFFIX in os.path.basename(path) and os.path.exists(lock):
-            os.unlink(lock)
-        return real_json(path, what)
+    lock = _lock_file_goes_after_the_first_journal(monkeypatch, out)
+    real_add = ShardWriter.add
 
     def add(self, payload):  # then a failure that removes what the pack wrote where the lock is intact
         if not os.path.exists(lock):
             raise GdsDataError("a failure of its own")
         return real_add(self, payload)
-    monkeypatch.setattr(packing, "_write_json", write_json)
     monkeypatch.setattr(ShardWriter, "add", add)
     with pytest.raises(BusyError, match=re.escape("nothing removed: its finished shards stay for pack --resume, "
                                                   "once no other gdsdata writes it (what stopped it: a failure of "
                                                   "its own)")):
         pack(src, out, workers=1, shard_size=100_000)
     assert {fmt.shard_name(0), fmt.shard_name(0) + fmt.JOURNAL_SUFFIX} <= set(os.listdir(out))
-    monkeypatch.setattr(packing, "_write_json", real_json)
-    monkeypatch.setattr(ShardWriter, "add", real_add)
+    monkeypatch.undo()
     resumed = pack(src, out, workers=1, shard_size=100_000, resume=True)
     assert resumed.resumed_shards == 1 and resumed.packed == 48 and verify(out) == []
