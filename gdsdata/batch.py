@@ -3,10 +3,17 @@ and ``PixelBatch`` (after decode): one flat uint8 buffer of interleaved pixels p
 its pixels start and their height, width and channel count. The transforms read a PixelBatch
 directly, whatever the image sizes, on the CPU (``dataset._CpuBackend``) or the GPU (``decode_gpu``)."""
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from gdsdata import stall
+from gdsdata._native.cuda import new_stream
+
+_own_streams = {}  # device index -> gdsdata's own stream there (``own_stream``)
+_own_streams_lock = threading.Lock()
 
 
 def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -16,6 +23,33 @@ def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """gdsdata's own stream of ``device``, made by the driver, outside torch's pool (which hands its
+    streams round to every caller): nothing runs on it; memory is allocated there (``gpu_empty``)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _own_streams_lock:
+        if index not in _own_streams:
+            _own_streams[index] = torch.cuda.ExternalStream(new_stream(index), device=torch.device("cuda", index))
+        return _own_streams[index]
+
+
+def gpu_empty(nbytes: int, device: torch.device, call: str) -> torch.Tensor:
+    """``nbytes`` of GPU memory that no work queued on any stream still uses, for writers that ignore
+    stream order: nvJPEG's hardware decode, which writes as the call is made (docs/design.md, "The
+    decode's output has a stream of its own"), and reads into staging issued from the host.
+
+    Allocated on ``own_stream``: torch's caching allocator hands out there only memory freed there,
+    and a block that other streams used (``record_stream``) only once they finished with it. Then
+    waited for on the host (``call`` names the wait), for an allocator that orders its frees on the
+    stream instead (``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``); with torch's own nothing is
+    queued there and the wait returns at once."""
+    own = own_stream(device)
+    with torch.cuda.stream(own):
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stall.wait(own, call)
+    return tensor
 
 
 @dataclass
@@ -49,8 +83,11 @@ class PixelBatch:
         ----------
         stream : torch.cuda.Stream or None
             The stream of the last work that reads the pixels (None: nothing on the GPU reads
-            them any more). A staging buffer is reused only once that work is done.
+            them any more). A staging buffer is reused only once that work is done, and so is
+            the batch's own buffer once it is freed (``record_stream``).
         """
+        if stream is not None and self.owned and self.buffer.is_cuda:
+            self.buffer.record_stream(stream)
         if self.release_fn is not None:
             self.release_fn(stream)
             self.release_fn = None

@@ -692,7 +692,7 @@ class _BatchMaker:
         PixelBatch itself; a detection batch -> (images, targets) or Ultralytics' batch dict."""
         batch, indices, replaced, outputs, copies = decoded
         if stream is not None and batch.owned and (self.detect or not self.pixels):
-            batch.buffer.record_stream(stream)  # allocated on the decode stream; this one reads it last
+            batch.buffer.record_stream(stream)  # this stream reads it last
         if self.detect:
             # a Letterbox's torchvision targets keep COCO's crowd boxes, flagged (as ds.target(i) and COCO's
             # evaluation take them); training batches and Ultralytics' leave them out

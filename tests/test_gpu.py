@@ -499,6 +499,40 @@ def test_a_decode_never_writes_memory_that_work_queued_before_it_still_reads(pho
     assert not wrong, wrong[:5]
 
 
+@pytest.mark.parametrize("backend", ["hardware", "gpu_hybrid"])
+def test_a_batch_read_on_another_stream_keeps_its_memory_till_that_stream_is_done(photos_dataset, backend):
+    """``load_batch`` on one stream, its pixels read on another (said by ``batch.release(reader)``):
+    no later decode gets the batch's memory before the reader's queued work has read it. Each round
+    queues a copy of the pixels behind ~25 ms of GPU work on the reader, frees the batch, and decodes
+    a batch of the same size: the copy holds the first batch's pixels."""
+    with settings.set(decode_backend=backend):
+        ds = gdsdata.GDSDataset(photos_dataset[2], device="cuda")
+        indices = list(range(16))
+        decode, reader = torch.cuda.Stream(), torch.cuda.Stream()
+        first, _ = ds.load_batch(indices, stream=decode)
+        torch.cuda.synchronize()
+        expected = first.buffer.cpu()
+        first.release(None)
+        del first
+        wrong = []
+        for round in range(20):
+            batch, _ = ds.load_batch(indices, stream=decode)
+            reader.wait_stream(decode)
+            with torch.cuda.stream(reader):
+                torch.cuda._sleep(50_000_000)
+                seen = batch.buffer.clone()  # queued behind the sleep
+            batch.release(reader)
+            del batch
+            other, _ = ds.load_batch(indices[::-1], stream=decode)  # the same size: the freed memory fits it
+            torch.cuda.synchronize()
+            if not torch.equal(seen.cpu(), expected):
+                wrong.append(f"round {round}: a later decode wrote the pixels the reader was to read")
+            other.release(None)
+            del other
+        ds.close()
+    assert not wrong, wrong[:5]
+
+
 def settled_gpu_memory():
     """GPU memory allocated once a Loader's threads, reading on into the next epochs, have filled
     their queues and wait (between epochs the batches in flight vary: 2.7-7.5 MB on the H200)."""

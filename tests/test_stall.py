@@ -2,6 +2,7 @@
 naming the stage, the batch and the call, within the stall_timeout bound."""
 
 import os
+import re
 import threading
 import time
 
@@ -313,7 +314,7 @@ def test_a_decode_waits_for_the_gpu_decoder_only_within_the_bound():
 
     shared = types.SimpleNamespace(lock=threading.Lock())
     shared.lock.acquire()  # the stuck decode
-    decoder = types.SimpleNamespace(shared=shared, device=torch.device("cpu"))
+    decoder = types.SimpleNamespace(shared=shared, device=torch.device("cpu"), backend="hardware")
     one = np.ones(1, np.int64)
     job = DecodeJob([0], one, one, one * 3, np.zeros(1, np.int64), data=np.zeros(1, np.uint64),
                     lengths=np.ones(1, np.uint64), pitches=one * 3)
@@ -323,3 +324,39 @@ def test_a_decode_waits_for_the_gpu_decoder_only_within_the_bound():
                                                      r"been busy for 0.2 s"):
             GpuDecoder.decode(decoder, torch.zeros(1, dtype=torch.uint8), job, None)
     assert time.monotonic() - t0 < 5
+
+
+def test_the_hardware_decode_waits_on_the_host_for_reads_still_landing():
+    """nvJPEG's hardware decode reads its bitstreams as the call is made, whatever its stream waits
+    for: a batch whose reads are still in flight on the GPU (``Staged.ready``) is waited for on the
+    host before the call, within the bound; ``gpu_hybrid`` works in the stream's order and only
+    makes its stream wait. Either way the stream waits for it, which is what a staging slot handed
+    back after a failed wait goes by."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from gdsdata.decode.gpu import DecodeJob, GpuDecoder
+
+    class Stream:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    ready = types.SimpleNamespace(query=lambda: False)  # reads that never land
+    one = np.ones(1, np.int64)
+    job = DecodeJob([0], one, one, one * 3, np.zeros(1, np.int64), data=np.zeros(1, np.uint64),
+                    lengths=np.ones(1, np.uint64), pitches=one * 3)
+    for backend, stuck in (("hardware", "waiting for a batch's reads to land before nvJPEG's hardware decode"),
+                           ("gpu_hybrid", "the GPU's JPEG decoder")):
+        shared = types.SimpleNamespace(lock=threading.Lock())
+        shared.lock.acquire()  # so that gpu_hybrid, which does not wait on the host, stops at the decoder
+        decoder = types.SimpleNamespace(shared=shared, device=torch.device("cpu"), backend=backend)
+        stream = Stream()
+        with gdsdata.settings.set(stall_timeout=0.2):
+            with pytest.raises(gdsdata.StallError, match=re.escape(stuck)):
+                GpuDecoder.decode(decoder, torch.zeros(1, dtype=torch.uint8), job, stream, ready)
+        assert stream.waited == [ready], backend

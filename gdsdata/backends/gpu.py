@@ -89,7 +89,7 @@ class GpuBackend:
     def read(self, indices, windows=()) -> Staged:
         """Storage -> staging: plan and issue the batch's reads, and prepare its decode on the host
         (``Staged.job``). Returns once the reads are done, or, for reads still in flight on a CUDA
-        stream, with ``Staged.ready``: an event that ``decode`` makes its stream wait for.
+        stream, with ``Staged.ready``: an event that ``decode`` waits for.
         ``windows``: from ``window()``, holding the batch's samples (else they are read)."""
         plan = self._plan(indices)
         slot = self._slots.acquire()

@@ -16,9 +16,8 @@ import torch
 
 from gdsdata.format import layout as fmt
 from gdsdata import stall
-from gdsdata.batch import PixelBatch
+from gdsdata.batch import PixelBatch, gpu_empty
 from gdsdata.errors import CorruptSampleError
-from gdsdata._native.cuda import new_stream
 from gdsdata._native.nvjpeg import HARDWARE_BACKENDS, BatchedDecoder, NvjpegError
 
 log = logging.getLogger(__name__)
@@ -51,15 +50,7 @@ class _SharedDecoder:
     ``lock``, and a call on another stream waits on the GPU for the previous one, whose work still
     uses the state's buffers. It outlives the datasets that use it (creating a hardware decoder
     takes most of a second, which a fresh dataset would otherwise pay on its first batch), until
-    the interpreter exits.
-
-    Its decodes' output is allocated on ``arenas``, a stream of its own that nothing runs on, and
-    marked used by each stream that then reads it (``record_stream``): nvJPEG's hardware decode
-    writes its output as the call is made, not in the order of the stream it is given (reported
-    against torchvision and TorchCodec, nvJPEG 12.3-13.2), so its output must never be memory that
-    work already queued on that stream still reads, which torch's allocator hands out again at once
-    to the stream that freed it. Memory of ``arenas`` is handed out again only once every stream that
-    used it has finished that work."""
+    the interpreter exits."""
 
     _open = {}  # (device index, backend) -> _SharedDecoder
     _open_lock = threading.Lock()
@@ -71,7 +62,6 @@ class _SharedDecoder:
         self.last = None  # (stream, event) of the previous decode
         with torch.cuda.device(key[0]):
             self.nvjpeg = BatchedDecoder(key[1])
-            self.arenas = torch.cuda.ExternalStream(new_stream(key[0]), device=torch.device("cuda", key[0]))
 
     @classmethod
     def acquire(cls, device: torch.device, backend: str) -> "_SharedDecoder":
@@ -160,22 +150,32 @@ class GpuDecoder:
 
     def decode(self, staging: torch.Tensor, job: "DecodeJob", stream, ready=None) -> PixelBatch:
         """Queue the decode ``job`` (from ``prepare``) on ``stream``, after ``ready`` (a CUDA event:
-        the staging's reads landed) where one is given."""
+        the staging's reads landed) where one is given.
+
+        nvJPEG's hardware decode reads its bitstreams and writes its output as the call is made, not
+        in the order of ``stream`` (docs/design.md, "The decode's output has a stream of its own"):
+        for it ``ready`` is waited for on the host too, and the output is memory no queued work
+        still uses (``gpu_empty``), marked used by ``stream``. ``gpu_hybrid`` works in the stream's
+        order: its output is allocated on ``stream``, as torch expects."""
+        hardware = job.jpeg and self.backend in HARDWARE_BACKENDS
         if ready is not None:
-            if job.jpeg and self.backend in HARDWARE_BACKENDS:
-                # the engines read the bitstreams as the call is made, not after the stream's waits
+            stream.wait_event(ready)  # (also what a staging slot released after a failed wait goes by)
+            if hardware:
                 stall.wait(ready, "waiting for a batch's reads to land before nvJPEG's hardware decode")
-            else:
-                stream.wait_event(ready)
         if not job.jpeg:
             return self._raw(staging, job, stream)
         errors = {}
         shared = self.shared
+        size = int((job.heights * job.pitches).sum())
         # (bounded: a decode left stuck inside nvJPEG after a StallError holds it for good)
         with stall.held(shared.lock, "the GPU's JPEG decoder (another decode, inside nvJPEG)"):
-            with torch.cuda.stream(shared.arenas):  # (see _SharedDecoder)
-                arena = torch.empty(int((job.heights * job.pitches).sum()), dtype=torch.uint8, device=self.device)
-            arena.record_stream(stream)
+            if hardware:  # (allocated under the lock: a decode waiting for a stuck one allocates nothing)
+                arena = gpu_empty(size, self.device,
+                                  "waiting for GPU memory's last users before nvJPEG's hardware decode")
+                arena.record_stream(stream)
+            else:
+                with torch.cuda.stream(stream):
+                    arena = torch.empty(size, dtype=torch.uint8, device=self.device)
             outs = np.uint64(arena.data_ptr()) + job.offsets.astype(np.uint64)
             nvjpeg = shared.nvjpeg
             if staging.is_cuda != nvjpeg.device_bitstreams:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from gdsdata import stall
+from gdsdata.batch import gpu_empty
 from gdsdata.io.cpu import OpenShards, shard_gone
 from gdsdata.io.direct import DirectReads, fill
 from gdsdata.threads import DaemonPool
@@ -77,8 +78,8 @@ class StagingBuffer:
         if self.tensor is None or self.tensor.numel() < nbytes:
             size = max(int(nbytes * _GROWTH), 1 << 20)
             self.tensor = None
-            if self.kind == "device":
-                self.tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if self.kind == "device":  # written from the host (kvikio) or by copies on a stream of their own
+                self.tensor = gpu_empty(size, self.device, "waiting for GPU memory's last users before reading into it")
             else:  # page aligned, as direct (O_DIRECT) reads need, whatever the pinned allocator gives
                 whole = torch.empty(size + mmap.PAGESIZE, dtype=torch.uint8, pin_memory=True)
                 self.tensor = whole[-whole.data_ptr() % mmap.PAGESIZE:][:size]
