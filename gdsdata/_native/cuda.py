@@ -10,7 +10,7 @@ CUDA 13 drivers export ``cuMemcpyBatchAsync_v2``; CUDA 12.8 and 12.9 drivers exp
 ``cuMemcpyBatchAsync``, which takes a failure index before the stream. Both are bound.
 
 Also ``new_stream``: a stream outside torch's pool (``cuStreamCreate``), for memory nothing else
-allocates from (decode/gpu.py).
+allocates from (``gdsdata.batch.gpu_empty``).
 """
 
 import contextlib
