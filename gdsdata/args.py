@@ -22,6 +22,16 @@ def count(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def given_path(name: str, value):
+    """``value`` (a path, os.PathLike, or anything else a caller resolves itself) as it is, unless it
+    is an empty string: ValueError, rather than the current folder that ``os.path`` makes of it (a
+    shell variable left unset, ``gdsdata pack "$SRC" "$OUT"``, would pack or write there)."""
+    if isinstance(value, (str, bytes)) and not value:
+        raise ValueError(f"{name} is an empty path (a variable left unset?); name the folder, \".\" for the current "
+                         "one")
+    return value
+
+
 _COUNT = re.compile(r"[0-9]+")
 _SHARE = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)%")
 
@@ -37,7 +47,9 @@ def skip_limit(value):
     text = value.strip()
     if _COUNT.fullmatch(text):
         return int(text)
-    if _SHARE.fullmatch(text) and Fraction(text[:-1]) <= 100:
+    if _SHARE.fullmatch(text):
+        if Fraction(text[:-1]) > 100:
+            raise ValueError(f"max_skipped is a share of the files to pack, at most 100%, got {value!r}")
         return text
     raise ValueError(f"max_skipped must be a count of files (10) or a share of them (0.5%), got {value!r}")
 

@@ -50,10 +50,23 @@ def _skip_limit(text: str):
 
     try:
         return skip_limit(text)
-    except ValueError:
+    except ValueError as e:
         below = text.strip().startswith("-") and text.strip()[1:].isdigit()
-        raise argparse.ArgumentTypeError(f"{text.strip()} is below 0" if below else f"{text!r} is neither a count of "
-                                         f"files (10) nor a share of them (0.5%)") from None
+        over = "at most 100%" in str(e)
+        raise argparse.ArgumentTypeError(f"{text.strip()} is below 0" if below else f"{text.strip()} is over 100%"
+                                         if over else f"{text!r} is neither a count of files (10) nor a share of "
+                                         f"them (0.5%)") from None
+
+
+def _path(text: str) -> str:
+    """An argparse type: a path, not an empty string (a usage error: see ``args.path``)."""
+    from gdsdata.args import given_path
+
+    try:
+        return given_path("the path", text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("an empty path (a shell variable left unset?); name the folder, \".\" for "
+                                         "the current one") from None
 
 
 def _packed_options(out) -> dict:
@@ -435,7 +448,7 @@ def build_parser():
                        "tar shards (image + .cls per sample); with --format yolo an Ultralytics data YAML or "
                        "dataset folder (images/<split>, labels/<split>); with --format coco the instances JSON "
                        "and the images folder.")
-    p.add_argument("paths", nargs="+", metavar="PATH",
+    p.add_argument("paths", nargs="+", metavar="PATH", type=_path,
                    help="SRC OUT: an ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards (a path or an fsspec "
                    "URL: s3://, gs://, az://, ...), and the dataset folder to create")
     p.add_argument("--format", choices=("folder", "yolo", "coco"), default="folder",
@@ -444,7 +457,7 @@ def build_parser():
                                     "train; an images folder holding split folders needs it)")
     p.add_argument("--shard-size", type=_size, default=1 << 30, metavar="SIZE",
                    help="target shard size (default 1G)")
-    p.add_argument("--shard-root", action="append", default=[], metavar="DIR",
+    p.add_argument("--shard-root", action="append", default=[], metavar="DIR", type=_path,
                    help="a folder on another drive to spread the shards over (repeat, one per drive); OUT holds "
                         "the index and a link to each shard")
     p.add_argument("--alignment", type=_size, default=4096, metavar="BYTES",
@@ -490,8 +503,8 @@ def build_parser():
     p = sub.add_parser("merge", help="join datasets packed as parts into one",
                        description="Join PARTS (in this order) into OUT without copying shard data "
                        "(hard links, or symbolic links across filesystems).")
-    p.add_argument("parts", nargs="+", help="part datasets")
-    p.add_argument("out", help="merged dataset folder to create")
+    p.add_argument("parts", nargs="+", type=_path, help="part datasets")
+    p.add_argument("out", type=_path, help="merged dataset folder to create")
     p.add_argument("--copy", action="store_true", help="copy shard data instead of linking it")
     p.add_argument("--max-skipped", type=_skip_limit, metavar="N|P%",
                    help="refuse the merge when the parts left out more than N files together (or P%% of their "
@@ -505,7 +518,7 @@ def build_parser():
                        description="Show what DATASET holds: samples and classes, shards, payload and alignment "
                        "overhead, image sizes, codecs and chroma subsampling, what was converted at pack time, "
                        "where it came from (parts, merges, appends) and the count per class.")
-    p.add_argument("dataset", help="a packed dataset folder")
+    p.add_argument("dataset", type=_path, help="a packed dataset folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_cmd_inspect)
 
@@ -513,7 +526,7 @@ def build_parser():
                        description="Check each DATASET's index, every shard and every sample's CRC-32, and "
                        "decode every sample on the CPU. Each problem is one line on stderr naming the sample; the "
                        "exit status is 1 when any is found in any of them.")
-    p.add_argument("datasets", nargs="+", metavar="DATASET", help="a packed dataset folder")
+    p.add_argument("datasets", nargs="+", metavar="DATASET", type=_path, help="a packed dataset folder")
     p.add_argument("--checksums-only", action="store_true", help="skip decoding")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
     p.set_defaults(run=_cmd_verify)
@@ -523,7 +536,7 @@ def build_parser():
                        "kvikio, whether cuFile runs GPUDirect Storage or compatibility mode (and why), nvJPEG and "
                        "its hardware engines, and the settings in effect; with DATASET, the path its samples take "
                        "on DEVICE.")
-    p.add_argument("dataset", nargs="?", help="a packed dataset: show how it loads")
+    p.add_argument("dataset", nargs="?", type=_path, help="a packed dataset: show how it loads")
     p.add_argument("--device", default=None, help="for DATASET: cpu or cuda (default: cuda where torch sees a GPU)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_cmd_doctor)

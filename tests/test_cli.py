@@ -9,6 +9,7 @@ import sys
 import pytest
 from conftest import write_photos
 
+import gdsdata
 from gdsdata.format import layout as fmt
 
 
@@ -120,13 +121,34 @@ def test_errors_are_one_line(small_src, tmp_path):
                                 ("--shard-size", "0", "'0' is no size (at least 1 byte)"),
                                 ("--num-parts", "0", "0 is below 1"), ("--max-side", "x", "'x' is not an integer"),
                                 ("--max-skipped", "5x", "'5x' is neither a count of files (10) nor a share of them "
-                                                        "(0.5%)"), ("--max-skipped", "-1", "-1 is below 0")):
+                                                        "(0.5%)"), ("--max-skipped", "-1", "-1 is below 0"),
+                                ("--max-skipped", "200%", "200% is over 100%")):
         rc, _, err = run("pack", small_src, str(tmp_path / "q"), option, value)  # a usage error, as argparse's
         assert rc == 2 and err == f"gdsdata pack: error: argument {option}: {said} (see gdsdata pack --help)\n"
     assert not os.path.exists(tmp_path / "q")
     with open(os.path.join(out, fmt.INDEX_NAME), "r+b") as f:
         f.truncate(100)
     assert_one_line_error(*run("verify", out)[::2], "truncated index")
+
+
+def test_an_empty_path_is_a_usage_error_not_the_current_folder(small_src, tmp_path, monkeypatch):
+    """``gdsdata pack "$SRC" "$OUT"`` with a variable unset: os.path makes "" the current folder,
+    which would be packed, or written into."""
+    monkeypatch.chdir(tmp_path)
+    said = 'an empty path (a shell variable left unset?); name the folder, "." for the current one'
+    for command, args, name in (("pack", (small_src, ""), "PATH"), ("pack", ("", "o"), "PATH"),
+                                ("pack", (small_src, "o", "--shard-root", ""), "--shard-root"),
+                                ("merge", ("", "o"), "parts"), ("merge", ("p", ""), "out"),
+                                ("inspect", ("",), "dataset"), ("verify", ("",), "DATASET"),
+                                ("doctor", ("",), "dataset")):
+        rc, _, err = run(command, *args)
+        assert rc == 2 and err == f"gdsdata {command}: error: argument {name}: {said} (see gdsdata {command} --help)\n"
+    assert os.listdir(tmp_path) == []
+    for call in (lambda: gdsdata.pack(small_src, ""), lambda: gdsdata.pack("", "o"),
+                 lambda: gdsdata.merge(["p"], "")):
+        with pytest.raises(ValueError, match="is an empty path"):
+            call()
+    assert os.listdir(tmp_path) == []
 
 
 def test_verify_names_bad_samples(small_src, tmp_path):

@@ -392,6 +392,7 @@ def test_the_command_line_says_what_it_cleared(src, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert os.path.basename(left) in done.stderr and "removed" in done.stderr
+    assert "other drives" not in done.stderr  # (it held no links to shards elsewhere)
     assert not os.path.exists(left) and verify(out) == []
 
 

@@ -142,6 +142,19 @@ def test_an_interrupted_pack_resumes_onto_its_roots(src, tmp_path):
     assert gdsdata.verify(out) == [] and len(gdsdata.GDSDataset(out)) == 12
 
 
+def test_a_pack_stopped_in_its_first_shard_leaves_nothing_on_the_roots(src, tmp_path):
+    """Stopped before any shard was finished: no shard folder stays on a drive (the resume packs from
+    the start, under another dataset id, and would leave the first one's folder behind)."""
+    drives, out = roots(tmp_path), str(tmp_path / "ds")
+    interrupted_pack(src, out, drives, 2)  # (the first image is in shard 0, being written on drive 0)
+    assert shard_files(out) == [] and all(os.listdir(d) == [] for d in drives if os.path.isdir(d))
+    result = pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, resume=True)
+    assert result.resumed_shards == 0
+    folders = sorted(os.path.join(d, f) for d in drives for f in os.listdir(d))
+    assert len(folders) == len(drives) and all(len(os.listdir(f)) > 1 for f in folders)  # shards and their owner
+    assert remote_files(drives) == linked(out) and gdsdata.verify(out) == []
+
+
 def test_appended_images_go_to_the_roots_too(tmp_path):
     source, drives, out = tmp_path / "src", roots(tmp_path), str(tmp_path / "ds")
     write_photos(str(source), 6, classes=2)
@@ -426,7 +439,8 @@ def test_a_killed_overwrite_leaves_the_dataset_whole_and_the_next_writer_clears_
     assert remote_files(drives) != linked(out)  # the killed pack's shards on the drives
     with caplog.at_level("WARNING", logger="gdsdata.format.lock"):
         pack(src, out, workers=1, shard_size=SHARD, shard_roots=drives, overwrite=True)
-    assert any(left[0] in r.getMessage() and "removed" in r.getMessage() for r in caplog.records)
+    assert any(left[0] in r.getMessage() and "removed, with its shards on other drives" in r.getMessage()
+               for r in caplog.records)
     assert gdsdata.verify(out) == []
     assert not [n for n in os.listdir(tmp_path) if ".gdsdata-new-" in n]
     assert remote_files(drives) == linked(out)  # nothing of the killed pack, nothing of the replaced dataset

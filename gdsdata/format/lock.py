@@ -173,8 +173,10 @@ def _take(out: str, exclusive: bool, what: str = "") -> "tuple[int, str]":
                 raise OSError(e.errno, f"{path}, the lock file of {os.path.basename(os.path.abspath(out))}, cannot "
                                        f"be opened: {e.strerror or e} (left by another user's gdsdata? remove it "
                                        f"once no gdsdata uses that dataset)") from None
+            why = ("it takes no new files (a filesystem such as /proc or /sys)"
+                   if e.errno == errno.ENOENT and os.path.isdir(parent) else e.strerror or e)
             raise OSError(e.errno, f"cannot write in {parent}, the folder that holds "
-                                   f"{os.path.basename(os.path.abspath(out))}: {e.strerror or e}") from None
+                                   f"{os.path.basename(os.path.abspath(out))}: {why}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # (flock would fail on a FIFO with a bare EINVAL)
             os.close(fd)
             raise OSError(errno.EINVAL, f"{path}, the lock file of {os.path.basename(os.path.abspath(out))}, is not "
@@ -385,15 +387,17 @@ def _clear_leftovers(out: str):
                             "(%s) is it now", out, path)
                 continue
             keep = _linked(out)
-            for folder in [os.path.join(path, n) for n in sorted(os.listdir(path))] if tag == "parts" else [path]:
+            folders = [os.path.join(path, n) for n in sorted(os.listdir(path))] if tag == "parts" else [path]
+            elsewhere = any(_linked(folder) for folder in folders)  # (shards on other drives: --shard-root)
+            for folder in folders:
                 remove_dataset(folder, dataset_owner(folder), keep)
             remove_quietly(path)
         except OSError as e:
             log.warning("%s: left by a gdsdata writer (process %d) killed before it finished; not removed (%s)",
                         path, pid, e)
             continue
-        log.warning("%s: removed, with its shards on other drives: left by a gdsdata writer (process %d) killed "
-                    "before it finished", path, pid)
+        log.warning("%s: removed%s: left by a gdsdata writer (process %d) killed before it finished", path,
+                    ", with its shards on other drives" if elsewhere else "", pid)
 
 
 def _clear_journals(out: str):

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 
 from gdsdata.format import layout as fmt
-from gdsdata.format.lock import make_shard_folder, shard_folder
+from gdsdata.format.lock import drop_if_empty, make_shard_folder, shard_folder
 from gdsdata.errors import FormatError
 
 log = logging.getLogger(__name__)
@@ -162,6 +162,9 @@ class ShardWriter:
                         os.unlink(path + fmt.TMP_SUFFIX)
                 except FileNotFoundError:
                     pass
+            if self._link is not None:  # its folder on the other drive, where that holds no other shard (a pack
+                # stopped at its first shard there, then packed from the start under another id, would leave it)
+                drop_if_empty(os.path.dirname(self._path))
 
 
 def open_regular(path, flags=os.O_RDONLY, what="a shard file") -> int:

@@ -39,7 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gdsdata import __version__, settings
-from gdsdata.args import is_integer, skip_limit, skips_allowed
+from gdsdata.args import given_path, is_integer, skip_limit, skips_allowed
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import (BadImageError, FormatError, GdsDataError, LockLost, OutputExistsError, SourceError,
@@ -644,7 +644,8 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     inherit = options is None  # (an append then stores its images as the dataset's were)
     options = options or PackOptions()
     settings.as_dict()  # a bad GDSDATA_* variable is said before OUT is made
-    src, annotations = local_path(src), local_path(annotations)
+    src, annotations = local_path(given_path("src", src)), local_path(given_path("annotations", annotations))
+    out = given_path("out", out)
     if not isinstance(src, Listing) and not is_url(src):
         src = os.path.abspath(os.fspath(src))
     out = os.path.realpath(os.fspath(out))  # a link to a dataset: that dataset (its own folder is swapped)
