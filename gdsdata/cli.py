@@ -245,9 +245,12 @@ def _pack_on_ray(args, options):
     return 0
 
 
+_QUIET = "no progress (a bar where stderr is a terminal, else a line a minute, as in a job's log)"
+
+
 def _progress(args) -> bool:
-    """A progress bar where stderr is a terminal and --quiet was not given (none in a log file)."""
-    return not args.quiet and sys.stderr.isatty()
+    """Progress unless --quiet: a bar where stderr is a terminal, a line a minute in a log file."""
+    return not args.quiet
 
 
 def _pack_usage(args) -> str | None:
@@ -497,7 +500,7 @@ def build_parser():
                    help="pack the parts as Ray tasks (retried when they fail), then merge them: on the cluster at "
                         "ADDRESS, or a local Ray without one; --num-parts overrides the part count chosen from the "
                         "source size and the cluster's CPUs. OUT must be on a filesystem every node sees")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
+    p.add_argument("-q", "--quiet", action="store_true", help=_QUIET)
     p.set_defaults(run=_cmd_pack, usage=_pack_usage)
 
     p = sub.add_parser("merge", help="join datasets packed as parts into one",
@@ -511,7 +514,7 @@ def build_parser():
                         "files: skipped, unreadable or left out for their labels), as their pack_report.json "
                         "files list")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
+    p.add_argument("-q", "--quiet", action="store_true", help=_QUIET)
     p.set_defaults(run=_cmd_merge)
 
     p = sub.add_parser("inspect", aliases=["info"], help="show what a dataset holds",
@@ -528,7 +531,7 @@ def build_parser():
                        "exit status is 1 when any is found in any of them.")
     p.add_argument("datasets", nargs="+", metavar="DATASET", type=_path, help="a packed dataset folder")
     p.add_argument("--checksums-only", action="store_true", help="skip decoding")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (shown where stderr is a terminal)")
+    p.add_argument("-q", "--quiet", action="store_true", help=_QUIET)
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("doctor", help="show GPU, driver, kvikio/GDS and nvJPEG status",

@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import write_photos
@@ -226,8 +227,10 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
     rc, stdout, err = run_on_a_terminal("merge", *parts, merged)
     assert rc == 0 and "merged 2 dataset(s)" in stdout and "9 samples" in stdout, err
     assert "link: 100%" in err  # the progress bar on a terminal (copying may take long); -q hides it
-    rc, stdout, err = run("merge", *parts, str(tmp_path / "logged"))
-    assert rc == 0 and "merged 2 dataset(s)" in stdout and err == "", err  # none in a log file
+    rc, stdout, err = run("merge", *parts, str(tmp_path / "logged"))  # in a log file: a line as it starts and ends
+    lines = err.splitlines()
+    assert rc == 0 and "merged 2 dataset(s)" in stdout and "\r" not in err, err
+    assert lines[0].startswith("link:   0%") and lines[-1].startswith("link: 100%") and len(lines) <= 3, err
     rc, stdout, err = run("merge", *parts, str(tmp_path / "copied"), "--copy", "-q")
     assert rc == 0 and "merged 2 dataset(s)" in stdout and err == "", err
     assert "merged from 2 part(s)" in run("inspect", merged)[1]
@@ -406,3 +409,21 @@ def test_a_file_name_with_a_newline_or_an_escape_stays_on_its_line(tmp_path):
     assert "class0/red\\x1b[31m.jpg: " in stdout
     rc, _, err = run("pack", str(src), str(tmp_path / "strict"), "--strict", "-q")
     assert rc == 1 and err.count("\n") == 1 and "bad\\ninjected: fake line.jpg" in err, err
+
+
+def test_progress_in_a_log_file_is_plain_lines_at_most_once_an_interval(capsys, monkeypatch):
+    from gdsdata import progress
+
+    monkeypatch.setattr(progress, "LOG_INTERVAL", 0.05)
+    with progress.bar(True, total=30, unit="img", desc="pack") as bar:  # stderr captured: not a terminal
+        for _ in range(3):
+            time.sleep(0.06)
+            bar.update(10)
+        bar.update(0)  # (within the interval: no line)
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and lines[0].startswith("pack:   0%|") and lines[-1].startswith("pack: 100%|")
+    assert [line.split("|")[2].split()[0] for line in lines[1:4]] == ["10/30", "20/30", "30/30"], err
+    with progress.bar(False, total=30) as bar:
+        bar.update(30)
+    assert capsys.readouterr().err == ""

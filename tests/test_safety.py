@@ -1168,6 +1168,29 @@ def bigger_src(tmp_path_factory):
     return root
 
 
+@pytest.mark.parametrize("how", ["entry point", "python -m gdsdata"])
+def test_ctrl_c_while_the_command_starts_is_one_line_and_130(how):
+    """Before ``gdsdata.cli`` (which puts the command's own handler in place) has been imported: the
+    ``gdsdata`` command (its entry point in pyproject.toml, called as pip's script calls it) and
+    ``python -m gdsdata``, with that import stopped as Ctrl-C stops it."""
+    import tomllib
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        module, function = tomllib.load(f)["project"]["scripts"]["gdsdata"].split(":")
+    start = (f"from {module} import {function}\nsys.exit({function}())\n" if how == "entry point" else
+             "import runpy\nrunpy.run_module('gdsdata', run_name='__main__')\n")
+    code = ("import builtins, sys\n"
+            "real = builtins.__import__\n"
+            "def stopped(name, *args, **kwargs):\n"
+            "    if name == 'gdsdata.cli':\n"
+            "        raise KeyboardInterrupt\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = stopped\n" + start)
+    done = subprocess.run([sys.executable, "-c", code, "pack", "a", "b"], capture_output=True, text=True,
+                          timeout=60, env=child_env())
+    assert done.returncode == 130 and done.stderr == "gdsdata: interrupted while starting; nothing was written\n"
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.2, 0.5, *(pytest.param(d, marks=HEAVY)
                                                    for d in (0.05, 0.1, 0.3, 0.4, 0.7, 1.0, 1.5, 2.0))])
 @pytest.mark.parametrize("spread", [False, True], ids=["one-folder", "shard-roots"])

@@ -1,9 +1,7 @@
 """``gdsdata verify``: check every shard's and every sample's checksum, and that every sample decodes."""
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from tqdm import tqdm
 
 from gdsdata.format import index as index_io
 from gdsdata import settings
@@ -11,6 +9,7 @@ from gdsdata.decode.cpu import check_crc, decode
 from gdsdata.errors import GdsDataError
 from gdsdata.io.cpu import CpuReader
 from gdsdata.format.shards import cannot_read, data_crc32, unused_bytes_set
+from gdsdata.progress import bar as progress_bar
 
 
 def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: bool = False) -> list:
@@ -72,7 +71,7 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
             return found
 
         damaged = {}  # shard -> its samples with a problem
-        bar = tqdm(total=len(index), unit="img", desc="verify", disable=not progress, file=sys.stderr)
+        bar = progress_bar(progress, total=len(index), unit="img", desc="verify")
         with bar:
             for first in range(0, len(index), batch):
                 everything = range(first, min(first + batch, len(index)))

@@ -19,11 +19,9 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 from gdsdata import __version__
 from gdsdata.format import layout as fmt
@@ -33,6 +31,7 @@ from gdsdata.errors import FormatError, SourceError
 from gdsdata.format.lock import (SHARDS_TAG, check_held, drop_if_empty, keep_if_lost, make_shard_folder, owned_target,
                                  reader_lock, remove_quietly, remove_shards, shard_folder, writer_lock)
 from gdsdata.format.shards import read_header
+from gdsdata.progress import bar as progress_bar
 from gdsdata.packing.detection import LabelReport, annotate
 from gdsdata.packing.packer import (LEFT_OUT, PIXEL_OPTIONS, _write_json, check_skipped, into, packed_options,
                                     listed_in, reasons, report_complete, report_lists, report_opening,
@@ -214,7 +213,8 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
     overwrite : bool
         Replace a dataset in ``out``.
     progress : bool
-        A progress bar (tqdm, on stderr) of the shard bytes placed: copying may take long.
+        Progress of the shard bytes placed, on stderr (copying may take long): a bar on a terminal,
+        else a line a minute (``gdsdata.progress``).
     max_skipped : int or str, optional
         Refuse the merge when the parts together left out more files than this (skipped, unreadable,
         or left out for their labels; a count, or a share of all their files: "0.5%"), as their
@@ -401,8 +401,7 @@ def _merge_into(indexes, parts, folder, out, copy, adopt, dataset_id, placed, pr
     shard_rows, sample_tables, strings, how = [], [], bytearray(), set()
     sample_base = 0
     total = sum(int(index.shards["size"].sum()) for index in indexes)  # as the indexes record (load checks it)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="copy" if copy else "link", disable=not progress,
-              file=sys.stderr) as bar:
+    with progress_bar(progress, total=total, unit="B", unit_scale=True, desc="copy" if copy else "link") as bar:
         for part, index in zip(parts, indexes):
             shard_base = len(shard_rows)
             for s in range(len(index.shards)):

@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence  # noqa: F401 - in annotations
 
 import numpy as np
-from tqdm import tqdm
 
 from gdsdata import __version__, settings
 from gdsdata.args import given_path, is_integer, skip_limit, skips_allowed
@@ -51,6 +50,7 @@ from gdsdata.format.shards import ShardWriter, data_crc32, open_regular
 from gdsdata.packing.detection import LabelReport, annotate, each_once, open_detection
 from gdsdata.packing.sources import (FolderSource, Item, Listing, RemoteFolderSource, display, is_url, local_path,
                                      gone, open_source, read_url, storage_gone)
+from gdsdata.progress import bar as progress_bar
 from gdsdata.stall import slices
 
 log = logging.getLogger(__name__)
@@ -522,8 +522,7 @@ def _resume_state(out, signature, progress=False, items=()):
               if name.endswith(fmt.JOURNAL_SUFFIX)]
     total = sum(os.path.getsize(path) for path in listed if os.path.isfile(path))
     journals = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc="check finished shards", file=sys.stderr,
-              disable=not progress or not total) as bar:
+    with progress_bar(progress and total, total=total, unit="B", unit_scale=True, desc="check finished shards") as bar:
         while True:
             shard_path = os.path.join(out, fmt.shard_name(len(journals)))
             try:
@@ -600,7 +599,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     overwrite : bool
         Replace a dataset in ``out``: the new one is built aside and swapped in when complete.
     progress : bool
-        Show a progress bar on stderr.
+        Show progress on stderr: a bar on a terminal, else a line a minute (``gdsdata.progress``).
     num_parts, part : int
         Pack contiguous part ``part`` of ``num_parts`` (for ``merge``).
     resume : bool
@@ -1155,7 +1154,7 @@ def _pack(source, src, folder, out, options, shard_size, alignment, workers, str
             if num_parts > 1 and listing_left_out:
                 check_skipped(display(src), listing_left_out, len(everything), max_skipped, listed)
             check_left_out()
-        bar = tqdm(total=len(items), initial=done, unit="img", desc="pack", disable=not progress, file=sys.stderr)
+        bar = progress_bar(progress, total=len(items), initial=done, unit="img", desc="pack")
         with bar:
             if on_progress is not None:
                 on_progress(0)

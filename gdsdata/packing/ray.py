@@ -16,11 +16,9 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 
-from tqdm import tqdm
 
 from gdsdata import settings
 from gdsdata.format import layout as fmt
@@ -29,6 +27,7 @@ from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_
 from gdsdata.format.shards import open_regular
 from gdsdata.packing.detection import DetectionSource, open_detection
 from gdsdata.packing.packer import saved_report
+from gdsdata.progress import bar as progress_bar
 from gdsdata.stall import timeout_or_none
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, local_path, open_source
 
@@ -117,8 +116,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
 
                 pending = {submit(k): k for k in range(parts)}
                 reports, failures = {}, dict.fromkeys(range(parts), 0)
-                bar = tqdm(total=total, unit="img", desc=f"pack on Ray ({parts} parts, {cpus} CPUs)",
-                           disable=not progress, file=sys.stderr)
+                bar = progress_bar(progress, total=total, unit="img", desc=f"pack on Ray ({parts} parts, {cpus} CPUs)")
                 with bar:
                     while pending:
                         ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)

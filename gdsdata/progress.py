@@ -1,0 +1,39 @@
+"""Progress of long work (pack, merge, verify): a tqdm bar on stderr where stderr is a terminal;
+where it is a file or a pipe (a batch job's log, Slurm's), the same figures as a plain line at
+start, at most once every ``LOG_INTERVAL`` seconds, and at the end, instead of a bar's carriage
+returns."""
+
+import io
+import sys
+
+from tqdm import tqdm
+
+LOG_INTERVAL = 60.0  # seconds between two lines of progress in a log
+
+
+class _Lines(io.TextIOBase):
+    """``stream`` for a bar written as lines: tqdm's carriage returns dropped, each state a line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        line = text.replace("\r", "").strip()
+        if line:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
+def bar(show: bool, **kwargs) -> tqdm:
+    """A tqdm bar (``kwargs``: tqdm's) on stderr: none unless ``show``; where stderr is not a
+    terminal, lines (see the module)."""
+    stream = sys.stderr
+    if not show:
+        return tqdm(disable=True, **kwargs)
+    if stream.isatty():
+        return tqdm(file=stream, **kwargs)
+    return tqdm(file=_Lines(stream), mininterval=LOG_INTERVAL, maxinterval=LOG_INTERVAL, ascii=True, **kwargs)
