@@ -146,7 +146,7 @@ def test_an_empty_path_is_a_usage_error_not_the_current_folder(small_src, tmp_pa
         assert rc == 2 and err == f"gdsdata {command}: error: argument {name}: {said} (see gdsdata {command} --help)\n"
     assert os.listdir(tmp_path) == []
     for call in (lambda: gdsdata.pack(small_src, ""), lambda: gdsdata.pack("", "o"),
-                 lambda: gdsdata.merge(["p"], "")):
+                 lambda: gdsdata.pack(small_src, "o", shard_roots=[""]), lambda: gdsdata.merge(["p"], "")):
         with pytest.raises(ValueError, match="is an empty path"):
             call()
     assert os.listdir(tmp_path) == []
@@ -427,3 +427,22 @@ def test_progress_in_a_log_file_is_plain_lines_at_most_once_an_interval(capsys, 
     with progress.bar(False, total=30) as bar:
         bar.update(30)
     assert capsys.readouterr().err == ""
+
+
+def test_progress_that_cannot_be_written_stops_and_the_work_goes_on(monkeypatch):
+    """A log collector gone (stderr a broken pipe): the lines stop, nothing is raised."""
+    from gdsdata import progress
+
+    class Gone:
+        def isatty(self):
+            return False
+
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stderr", Gone())
+    with progress.bar(True, total=3, desc="pack") as bar:
+        bar.update(3)

@@ -371,7 +371,9 @@ def test_a_writer_clears_what_killed_writers_of_its_dataset_left_and_spares_live
     pack(src, out, workers=1)
     dead, live = _left_by(out, "new", _dead_pid()), _left_by(out, "new", os.getpid())
     pack(src, dead, workers=1)  # a complete replacement its writer never swapped in
-    os.makedirs(os.path.join(_left_by(out, "parts", _dead_pid()), "part-0"))
+    parts = _left_by(out, "parts", _dead_pid())
+    os.makedirs(os.path.join(parts, "part-0"))
+    open(os.path.join(parts, ".part-1.gdsdata-lock"), "w").close()  # (a part's writer's lock file, beside the parts)
     os.makedirs(live)
     other = str(tmp_path / ".dsx.gdsdata-new-host-1-0123abcd")  # another dataset's
     os.makedirs(other)

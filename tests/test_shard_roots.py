@@ -155,6 +155,26 @@ def test_a_pack_stopped_in_its_first_shard_leaves_nothing_on_the_roots(src, tmp_
     assert remote_files(drives) == linked(out) and gdsdata.verify(out) == []
 
 
+def test_a_shard_folder_is_dropped_only_where_its_owner_name_is_all_it_holds(tmp_path, monkeypatch):
+    """``drop_if_empty`` (after a stopped shard, on every abort): a folder that holds a shard keeps
+    its owner's name, whichever the listing gives first (without it a ``cp -a`` copy's removal would
+    take the original's shards)."""
+    from gdsdata.format.lock import drop_if_empty
+
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: sorted(real(path)))  # the owner's name first
+    folder = tmp_path / "drive0" / "ds.gdsdata-shards-00"
+    folder.mkdir(parents=True)
+    (folder / OWNER_NAME).write_text("{}")
+    (folder / "shard-00001.gds").write_bytes(b"x")
+    drop_if_empty(str(folder))
+    assert sorted(real(folder)) == [OWNER_NAME, "shard-00001.gds"]
+    (folder / "shard-00001.gds").unlink()
+    (folder / (OWNER_NAME + ".123.tmp")).write_text("{}")  # (one a writer killed as it named the owner left)
+    drop_if_empty(str(folder))
+    assert not folder.exists()
+
+
 def test_appended_images_go_to_the_roots_too(tmp_path):
     source, drives, out = tmp_path / "src", roots(tmp_path), str(tmp_path / "ds")
     write_photos(str(source), 6, classes=2)

@@ -347,7 +347,7 @@ def _linked(folder: str) -> set:
     """The real paths of the files ``folder``'s links point to (its shards on other drives)."""
     try:
         names = os.listdir(folder)
-    except FileNotFoundError:
+    except OSError:  # (missing, or no folder: a part writer's lock file beside the parts)
         return set()
     return {os.path.realpath(os.path.join(folder, n)) for n in names if os.path.islink(os.path.join(folder, n))}
 
@@ -560,13 +560,14 @@ def foreign_owner(shards: str, dataset_folder: str, dataset_id: "bytes | None") 
 
 
 def drop_if_empty(shards: str):
-    """Remove the shard folder ``shards`` where it holds no shard (the name of its owner alone)."""
+    """Remove the shard folder ``shards`` where it holds no shard (the name of its owner alone); where
+    it holds anything else, leave it whole (its owner's name guards a ``cp -a`` copy's shards)."""
     try:
-        for name in os.listdir(shards):
-            if name.startswith(OWNER_NAME):  # (and one a writer killed as it named the owner left)
-                os.unlink(os.path.join(shards, name))
-            else:
-                return
+        names = os.listdir(shards)
+        if not all(name.startswith(OWNER_NAME) for name in names):  # (and one a writer killed as it named it)
+            return
+        for name in names:
+            os.unlink(os.path.join(shards, name))
         os.rmdir(shards)
     except OSError:  # other shards are still there
         pass
