@@ -59,7 +59,7 @@ def _skip_limit(text: str):
 
 
 def _path(text: str) -> str:
-    """An argparse type: a path, not an empty string (a usage error: see ``args.path``)."""
+    """An argparse type: a path, not an empty string (a usage error: see ``args.given_path``)."""
     from gdsdata.args import given_path
 
     try:

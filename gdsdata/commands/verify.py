@@ -2,7 +2,6 @@
 
 from concurrent.futures import ThreadPoolExecutor
 
-
 from gdsdata.format import index as index_io
 from gdsdata import settings
 from gdsdata.decode.cpu import check_crc, decode

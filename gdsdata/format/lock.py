@@ -569,7 +569,7 @@ def drop_if_empty(shards: str):
         for name in names:
             os.unlink(os.path.join(shards, name))
         os.rmdir(shards)
-    except OSError:  # other shards are still there
+    except OSError:  # (gone already, or a shard written there meanwhile)
         pass
 
 
