@@ -644,10 +644,10 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     options = options or PackOptions()
     settings.as_dict()  # a bad GDSDATA_* variable is said before OUT is made
     src, annotations = local_path(given_path("src", src)), local_path(given_path("annotations", annotations))
-    out = given_path("out", out)
     if not isinstance(src, Listing) and not is_url(src):
         src = os.path.abspath(os.fspath(src))
-    out = os.path.realpath(os.fspath(out))  # a link to a dataset: that dataset (its own folder is swapped)
+    # a link to a dataset: that dataset (its own folder is swapped)
+    out = os.path.realpath(os.fspath(given_path("out", out)))
     if shard_size < alignment * 2:
         raise ValueError(f"shard size must be at least twice the alignment ({alignment * 2} bytes)")
     if not 0 <= part < num_parts:

@@ -19,7 +19,6 @@ import signal
 import threading
 import time
 
-
 from gdsdata import settings
 from gdsdata.format import layout as fmt
 from gdsdata.errors import GdsDataError, SourceError, SourceGoneError, Terminated
