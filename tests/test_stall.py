@@ -301,23 +301,31 @@ def test_exit_does_not_wait_forever_for_a_decoder_a_stuck_decode_holds():
         gpu._SharedDecoder._open.pop(Stuck.key, None)
 
 
+def _one_image_job():
+    """A GPU decode job of one 1x1 RGB JPEG (what the stall tests hand ``GpuDecoder.decode``)."""
+    import numpy as np
+
+    from gdsdata.decode.gpu import DecodeJob
+
+    one = np.ones(1, np.int64)
+    return DecodeJob([0], one, one, one * 3, np.zeros(1, np.int64), data=np.zeros(1, np.uint64),
+                     lengths=np.ones(1, np.uint64), pitches=one * 3)
+
+
 def test_a_decode_waits_for_the_gpu_decoder_only_within_the_bound():
     """A decode left stuck inside nvJPEG (its Loader thread left behind after a StallError) holds
     the process's decoder for good: a later decode, ``ds[i]`` say, waits for it within the bound and
     then raises, rather than hang."""
     import types
 
-    import numpy as np
     import torch
 
-    from gdsdata.decode.gpu import DecodeJob, GpuDecoder
+    from gdsdata.decode.gpu import GpuDecoder
 
     shared = types.SimpleNamespace(lock=threading.Lock())
     shared.lock.acquire()  # the stuck decode
     decoder = types.SimpleNamespace(shared=shared, device=torch.device("cpu"), backend="hardware")
-    one = np.ones(1, np.int64)
-    job = DecodeJob([0], one, one, one * 3, np.zeros(1, np.int64), data=np.zeros(1, np.uint64),
-                    lengths=np.ones(1, np.uint64), pitches=one * 3)
+    job = _one_image_job()
     with gdsdata.settings.set(stall_timeout=0.2):
         t0 = time.monotonic()
         with pytest.raises(gdsdata.StallError, match=r"the GPU's JPEG decoder \(another decode, inside nvJPEG\) has "
@@ -334,10 +342,9 @@ def test_the_hardware_decode_waits_on_the_host_for_reads_still_landing():
     back after a failed wait goes by."""
     import types
 
-    import numpy as np
     import torch
 
-    from gdsdata.decode.gpu import DecodeJob, GpuDecoder
+    from gdsdata.decode.gpu import GpuDecoder
 
     class Stream:
         def __init__(self):
@@ -347,9 +354,7 @@ def test_the_hardware_decode_waits_on_the_host_for_reads_still_landing():
             self.waited.append(event)
 
     ready = types.SimpleNamespace(query=lambda: False)  # reads that never land
-    one = np.ones(1, np.int64)
-    job = DecodeJob([0], one, one, one * 3, np.zeros(1, np.int64), data=np.zeros(1, np.uint64),
-                    lengths=np.ones(1, np.uint64), pitches=one * 3)
+    job = _one_image_job()
     for backend, stuck in (("hardware", "waiting for a batch's reads to land before nvJPEG's hardware decode"),
                            ("gpu_hybrid", "the GPU's JPEG decoder")):
         shared = types.SimpleNamespace(lock=threading.Lock())
