@@ -20,6 +20,7 @@ import atexit
 import collections
 import hashlib
 import logging
+import os
 import queue
 import sys
 import threading
@@ -54,6 +55,23 @@ def _distributed_rank():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def _no_group_under_a_launcher(rank, world_size):
+    """Without a process group, a rank or world size given alone, or none given in a process that a
+    launcher started as one of several (``WORLD_SIZE`` above 1: torchrun, Accelerate, Lightning), is
+    refused: the Loader would read every sample in every process, as one of rank 0's shares."""
+    if (rank is None) != (world_size is None):
+        given = f"rank={rank}" if world_size is None else f"world_size={world_size}"
+        raise ValueError(f"{given} given alone, and no torch.distributed process group is initialised: "
+                         f"give rank= and world_size= both")
+    launched = os.environ.get("WORLD_SIZE", "").strip()
+    if rank is None and launched.isdigit() and int(launched) > 1:
+        raise ValueError(f"WORLD_SIZE={launched} in the environment (one of several processes a launcher "
+                         f"such as torchrun started) but no torch.distributed process group is initialised: "
+                         f"call torch.distributed.init_process_group() before making the Loader, so that it "
+                         f"reads this rank's share, or give rank= and world_size= (rank=0, world_size=1 "
+                         f"to read every sample)")
 
 
 class _PassSetting:
@@ -167,10 +185,11 @@ class Loader:
             raise ValueError(f"seed must be below 2**63, got {seed}")
         found = ""  # where a rank or world size not given came from, for the error below
         if rank is None or world_size is None:
+            grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if not grouped:
+                _no_group_under_a_launcher(rank, world_size)
             detected_rank, detected_world = _distributed_rank()
-            found = " (found in torch.distributed's process group)" if torch.distributed.is_available() and \
-                torch.distributed.is_initialized() else " (not given, and no torch.distributed process group " \
-                "is initialised: give rank= and world_size= both)"
+            found = " (found in torch.distributed's process group)" if grouped else ""
             rank = detected_rank if rank is None else rank
             world_size = detected_world if world_size is None else world_size
         world_size = count("world_size", world_size)

@@ -270,6 +270,32 @@ print("done")
         assert done.returncode == 0 and "done" in done.stdout, (done.returncode, done.stderr[-2000:])
 
 
+def test_a_loop_in_a_thread_the_main_thread_left_runs_to_its_end(photos_dataset, tmp_path):
+    """Python waits for a non-daemon thread after the main thread ends, but concurrent.futures takes no
+    work from then on: a Loader (and ``__getitems__``, torch's DataLoader's batched fetch) in such a
+    thread decodes on in place instead of failing with "cannot schedule new futures"."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(f"""
+import threading, time, torch, gdsdata
+ds = gdsdata.GDSDataset({photos_dataset[2]!r})
+loader = gdsdata.Loader(ds, 8, shuffle=True, transform=gdsdata.RandomResizedCrop(32))
+reference = [images.clone() for images, _ in loader]
+loader.set_epoch(0)
+def train():
+    time.sleep(0.5)  # the main thread has ended
+    same = all(torch.equal(a, b) for a, b in zip(reference, (images for images, _ in loader)))
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=4, collate_fn=gdsdata.collate))
+    print("done", same, len(batches), flush=True)
+threading.Thread(target=train).start()
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert done.returncode == 0 and "done True" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
 def test_exit_does_not_wait_forever_for_a_decoder_a_stuck_decode_holds():
     """At exit the idle nvJPEG decoders are destroyed, each only if its lock comes within the bound:
     a decode stuck in nvJPEG (its thread left behind by close) holds that lock for good."""

@@ -511,8 +511,9 @@ def test_a_dataset_with_per_sample_transforms_is_refused(photos_dataset, given):
     (dict(batch_size=4, prefetch=0), ValueError, "prefetch"),
     (dict(batch_size=4, drop_last="no"), TypeError, "drop_last"),
     (dict(batch_size=4, rank=2, world_size=2), ValueError, "rank 2 is outside"),
-    (dict(batch_size=4, rank=1), ValueError, r"rank 1 is outside world_size 1 \(not given, and no torch.distributed "
-     r"process group is initialised: give rank= and world_size= both\)"),
+    (dict(batch_size=4, rank=1), ValueError, r"rank=1 given alone, and no torch.distributed process group is "
+     r"initialised: give rank= and world_size= both"),
+    (dict(batch_size=4, world_size=2), ValueError, r"world_size=2 given alone"),
     (dict(batch_size=4, indices=[0, 99]), IndexError, "99, out of range for 60"),
     (dict(batch_size=4, indices=[]), ValueError, "empty"),
     (dict(batch_size=4, indices=[0.5]), TypeError, "indices must be a 1-D sequence of integers"),
@@ -525,6 +526,20 @@ def test_a_dataset_with_per_sample_transforms_is_refused(photos_dataset, given):
 def test_arguments_are_checked_in_one_line(ds, kwargs, error, match):
     with pytest.raises(error, match=match):
         gdsdata.Loader(ds, **kwargs)
+
+
+def test_a_launched_process_without_a_process_group_is_refused_not_fed_every_sample(ds, monkeypatch):
+    """torchrun sets WORLD_SIZE in each process: a Loader made there before init_process_group (or
+    without it) would read every sample in every rank, as torch's DistributedSampler refuses to."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 in the environment .* no torch.distributed process group "
+                                         r"is initialised: call torch.distributed.init_process_group\(\) before"):
+        gdsdata.Loader(ds, 4)
+    assert gdsdata.Loader(ds, 4, rank=0, world_size=1).spec.world_size == 1  # every sample, asked for
+    assert gdsdata.Loader(ds, 4, rank=1, world_size=2).spec.rank == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process under torchrun: no shares to take
+    assert gdsdata.Loader(ds, 4).spec.world_size == 1
 
 
 def test_other_datasets_are_pointed_to_the_dataloader():

@@ -49,10 +49,25 @@ def run_parallel(work, count: int):
         for k in range(r * count // runs, (r + 1) * count // runs):
             work(k)
 
-    futures = [cpu_pool().submit(run, r) for r in range(runs)]
+    futures = []
+    for r in range(runs):
+        try:
+            futures.append(cpu_pool().submit(run, r))
+        except RuntimeError as e:  # the interpreter is shutting down (the work is a non-daemon thread's, the main
+            if "shutdown" not in str(e):  # thread has ended): concurrent.futures takes no more work; the rest in place
+                raise
+            break
+    failure = None
+    for r in range(len(futures), runs):
+        try:
+            run(r)
+        except Exception as e:  # noqa: BLE001 - raised below, after the runs in the pool, which come first
+            failure = failure or e
     wait(futures)
     for future in futures:
         future.result()
+    if failure is not None:
+        raise failure
 
 
 try:  # Intel ISA-L's CRC-32 (the same polynomial as zlib's), faster than zlib's
