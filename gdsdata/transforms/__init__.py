@@ -223,12 +223,23 @@ class CenterCrop:
         heights = np.asarray(heights, np.float64)
         widths = np.asarray(widths, np.float64)
         out_h, out_w = self.output_size
-        shorter = np.minimum(heights, widths) / self.resize  # source pixels per resized pixel
-        h = np.clip(np.round(shorter * out_h), 1, heights)  # at least a pixel: an image far under resize
-        w = np.clip(np.round(shorter * out_w), 1, widths)  # (its window under one pixel) gives its centre one
-        # centred as torchvision's CenterCrop places its window: half the difference, rounded half to even
-        return CropParams(np.round((heights - h) / 2).astype(np.int64), np.round((widths - w) / 2).astype(np.int64),
-                          h.astype(np.int64), w.astype(np.int64), np.zeros(len(heights), bool))
+        # torchvision's Resize(resize): the shorter side to ``resize``, the longer truncated
+        longer = np.floor(self.resize * np.maximum(heights, widths) / np.minimum(heights, widths))
+        resized_h = np.where(heights <= widths, self.resize, longer)
+        resized_w = np.where(heights <= widths, longer, self.resize)
+        # its CenterCrop's window there (half the difference, rounded half to even), in source pixels
+        top, h = _source_window(heights, resized_h, out_h)
+        left, w = _source_window(widths, resized_w, out_w)
+        return CropParams(top, left, h, w, np.zeros(len(heights), bool))
+
+
+def _source_window(source, resized, out) -> tuple:
+    """(start, length) in source pixels of the ``out`` resized pixels centred in ``resized``: at least a
+    pixel (an image far under ``resize``, its window under one pixel, gives its centre one), inside."""
+    scale = source / resized  # source pixels per resized pixel
+    length = np.clip(np.round(scale * out), 1, source)
+    start = np.clip(np.round(np.round((resized - out) / 2) * scale), 0, source - length)
+    return start.astype(np.int64), length.astype(np.int64)
 
 
 def _pair(size) -> tuple:
