@@ -145,9 +145,7 @@ def main(argv=None):
         print(f"the checkpoint trained at --size {state['size']}; going on at --size {size}", flush=True)
 
     # images come as float16 on the GPU, float32 on the CPU; labels as int64, on the same device
-    train_ds = open_dataset(args.train, device)
-    train = gdsdata.Loader(train_ds, args.batch_size, shuffle=True, seed=args.seed, drop_last=True,
-                           transform=gdsdata.RandomResizedCrop(size, seed=args.seed))
+    train_ds = open_dataset(args.train, device)  # (its classes size the model, also for --evaluate)
     val = None
     if args.val:
         val_ds = open_dataset(args.val, device)
@@ -156,7 +154,6 @@ def main(argv=None):
                      f"({len(val_ds.classes)} against {len(train_ds.classes)}, {_first_difference(val_ds, train_ds)})")
         val = gdsdata.Loader(val_ds, args.batch_size, shuffle=False,
                              transform=gdsdata.CenterCrop(size))  # resized to size / 0.875 first
-    steps_per_epoch = len(train)  # batches per epoch for this rank, at this batch size and world size
 
     model = getattr(torchvision.models, args.arch)(num_classes=len(train_ds.classes))
     model = model.to(device, memory_format=torch.channels_last)
@@ -176,10 +173,13 @@ def main(argv=None):
         top1 = evaluate(model, val, device, world)
         if rank == 0:
             print(f"{args.checkpoint} (step {state['step']}): validation top-1 {top1 * 100:.2f} %", flush=True)
-        train.close()
+        val.close()
         if world > 1:
             dist.destroy_process_group()
         return
+    train = gdsdata.Loader(train_ds, args.batch_size, shuffle=True, seed=args.seed, drop_last=True,
+                           transform=gdsdata.RandomResizedCrop(size, seed=args.seed))
+    steps_per_epoch = len(train)  # batches per epoch for this rank, at this batch size and world size
     if args.checkpoint:  # its folder made now, not found missing at the first save, after hours of training
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     step = 0  # optimizer steps taken, resumed ones included (of whatever batch size they had)

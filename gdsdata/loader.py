@@ -57,6 +57,18 @@ def _distributed_rank():
     return 0, 1
 
 
+def _qualified(thing) -> str:
+    """``thing``'s type by its module's public path (torchvision.transforms.v2.RandomResizedCrop, not
+    RandomResizedCrop, a name gdsdata's own class shares)."""
+    kind = type(thing)
+    module = kind.__module__ or ""
+    if module.startswith("torchvision.transforms.v2."):
+        module = "torchvision.transforms.v2"
+    elif module.startswith("torchvision.transforms."):
+        module = "torchvision.transforms"
+    return kind.__qualname__ if module in ("builtins", "__main__", "") else f"{module}.{kind.__qualname__}"
+
+
 def _no_group_under_a_launcher(rank, world_size):
     """Without a process group, a rank or world size given alone, or none given in a process that a
     launcher started as one of several (``WORLD_SIZE`` above 1: torchrun, Accelerate, Lightning), is
@@ -486,7 +498,7 @@ def _check_transforms(dataset, transform, batch_transform, pixels):
     if not detect and transform is not None and not isinstance(transform, (T.RandomResizedCrop, T.CenterCrop)):
         raise TypeError(
             f"transform= takes gdsdata.RandomResizedCrop or gdsdata.CenterCrop (the crop done inside the "
-            f"pipeline), got {type(transform).__name__}; pass torchvision v2 transforms and other callables as "
+            f"pipeline), got {_qualified(transform)}; pass torchvision v2 transforms and other callables as "
             f"batch_transform=(images, labels) -> (images, labels), after the crop, or per sample as "
             f"GDSDataset(..., transform=) with torch's DataLoader")
     if batch_transform is not None and not callable(batch_transform):
@@ -603,12 +615,22 @@ _DATALOADER_ONLY = {
 }
 
 
+# their DataLoader defaults, which ask for nothing (code ported from a DataLoader keeps them)
+_DATALOADER_DEFAULTS = {"num_workers": 0, "persistent_workers": False, "pin_memory": False, "pin_memory_device": "",
+                        "timeout": 0, "in_order": True}
+
+
 def _no_dataloader_arguments(given: dict):
-    """A torch DataLoader argument gets one line saying what the Loader does instead; any other
-    unknown keyword, Python's own TypeError."""
+    """A torch DataLoader argument gets one line saying what the Loader does instead, unless it is
+    the DataLoader's default (or None where that is None); any other unknown keyword, Python's own
+    TypeError."""
     for name in given:
         if name not in _DATALOADER_ONLY:
             raise TypeError(f"Loader.__init__() got an unexpected keyword argument {name!r}")
+    given = {name: value for name, value in given.items()
+             if not (value is None and name not in _DATALOADER_DEFAULTS)
+             and not (name in _DATALOADER_DEFAULTS and type(value) is type(_DATALOADER_DEFAULTS[name])
+                      and value == _DATALOADER_DEFAULTS[name])}
     if given:
         name = next(iter(given))
         raise TypeError(f"Loader takes no {name}= (a torch DataLoader argument): {_DATALOADER_ONLY[name]}; "

@@ -115,6 +115,30 @@ def test_rectangular_letterbox_batches_are_ultralytics_validation_batches(tmp_pa
     loader.close()
 
 
+def test_rect_order_of_a_subset_orders_the_subset_s_positions(tmp_path):
+    """A validation split made with ``random_split`` (a Subset) ordered by aspect ratio: positions in the
+    Subset, which the Loader over that Subset reads as the same images as the dataset's own order
+    restricted to the split."""
+    root = str(tmp_path / "src")
+    generate(root, 16, classes=5, seed=11, val=0.0)
+    ds = gdsdata.GDSDataset(pack(os.path.join(root, "yolo", "data.yaml"), str(tmp_path / "ds"), format="yolo",
+                                 workers=1).out)
+    val = torch.utils.data.Subset(torch.utils.data.Subset(ds, list(range(15, -1, -1))), [1, 3, 4, 8, 9, 12, 14])
+    order = gdsdata.Letterbox.rect_order(val)
+    assert sorted(order.tolist()) == list(range(7))
+    base = [15 - [1, 3, 4, 8, 9, 12, 14][k] for k in order]  # the samples of ds they are
+    ratios = [ds.index.samples["height"][i] / ds.index.samples["width"][i] for i in base]
+    assert ratios == sorted(ratios)
+    loader = gdsdata.Loader(val, 7, shuffle=False, indices=order,
+                            transform=gdsdata.Letterbox(imgsz=S, rect=True, targets="ultralytics"))
+    assert [os.path.basename(f) for f in next(iter(loader))["im_file"]] == \
+        [os.path.basename(ds.source(i)) for i in base]
+    with pytest.raises(TypeError, match="GDSDataset or a torch Subset of one"):
+        gdsdata.Letterbox.rect_order(list(range(4)))
+    loader.close()
+    ds.close()
+
+
 _PIL_OPEN = Image.open
 
 

@@ -478,6 +478,8 @@ def test_unusable_transforms_get_one_clear_error(ds):
 
     with pytest.raises(TypeError, match="batch_transform="):
         gdsdata.Loader(ds, 8, transform=v2.Compose([v2.RandomResizedCrop(224)]))
+    with pytest.raises(TypeError, match=r"got torchvision\.transforms\.v2\.RandomResizedCrop; pass"):
+        gdsdata.Loader(ds, 8, transform=v2.RandomResizedCrop(224))  # (not gdsdata's, whose name it shares)
     with pytest.raises(TypeError, match="batch_transform="):
         gdsdata.Loader(ds, 8, transform=lambda x: x)
     with pytest.raises(TypeError, match="callable"):
@@ -540,6 +542,20 @@ def test_a_launched_process_without_a_process_group_is_refused_not_fed_every_sam
     assert gdsdata.Loader(ds, 4, rank=1, world_size=2).spec.rank == 1
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process under torchrun: no shares to take
     assert gdsdata.Loader(ds, 4).spec.world_size == 1
+
+
+def test_dataloader_arguments_at_their_defaults_are_taken_as_asking_for_nothing(ds):
+    """Code ported from a DataLoader keeps num_workers=0, pin_memory=False, sampler=None ...: those ask
+    for nothing; any other value still gets its one line."""
+    loader = gdsdata.Loader(ds, 4, num_workers=0, pin_memory=False, persistent_workers=False, timeout=0,
+                            prefetch_factor=None, sampler=None, batch_sampler=None, collate_fn=None,
+                            worker_init_fn=None, generator=None, multiprocessing_context=None, in_order=True,
+                            pin_memory_device="")
+    assert len(loader) == 15
+    for given in (dict(num_workers=1), dict(pin_memory=True), dict(timeout=5), dict(in_order=False),
+                  dict(num_workers=None), dict(num_workers=False)):
+        with pytest.raises(TypeError, match=f"Loader takes no {next(iter(given))}="):
+            gdsdata.Loader(ds, 4, **given)
 
 
 def test_other_datasets_are_pointed_to_the_dataloader():

@@ -168,9 +168,13 @@ class Letterbox:
 
     @staticmethod
     def rect_order(dataset) -> np.ndarray:
-        """The samples of ``dataset`` (a GDSDataset) by aspect ratio, height over width, as Ultralytics
-        orders its validation images for rectangular batches: pass as the Loader's ``indices``."""
-        records = dataset.index.samples
+        """The samples of ``dataset`` (a GDSDataset, or a torch Subset of one: positions in the Subset)
+        by aspect ratio, height over width, as Ultralytics orders its validation images for
+        rectangular batches: pass as the Loader's ``indices`` over the same ``dataset``."""
+        from gdsdata.loader import _source  # (the Loader imports the transforms)
+
+        base, picked = _source(dataset, None)
+        records = base.index.samples if picked is None else base.index.samples[picked]
         return np.argsort(records["height"].astype(np.float64) / np.maximum(records["width"], 1))
 
     def sources(self, indices: Sequence[int], epoch: int, population: Sequence[int]) -> list[int]:
