@@ -158,6 +158,20 @@ def test_center_crop_resizes_to_its_size_over_0_875_by_default():
     assert gdsdata.CenterCrop(224) == gdsdata.CenterCrop(224, resize=256)
 
 
+def test_transforms_made_with_lists_are_tuples_equal_and_hashable():
+    """torchvision takes scale=[0.08, 1.0] and size=[96]: so do they, kept as tuples (frozen, hashable)."""
+    t = gdsdata.RandomResizedCrop([96], scale=[0.08, 1], ratio=np.array([0.75, 4 / 3]))
+    assert t == gdsdata.RandomResizedCrop((96,), scale=(0.08, 1.0), ratio=(0.75, 4 / 3))
+    assert hash(t) == hash(gdsdata.RandomResizedCrop((96,), scale=(0.08, 1.0), ratio=(0.75, 4 / 3)))
+    assert t.output_size == (96, 96) and t.scale == (0.08, 1.0)
+    with pytest.raises(TypeError, match=r"scale must be a \(low, high\) pair"):
+        gdsdata.RandomResizedCrop(96, scale=0.5)
+    with pytest.raises(TypeError, match=r"ratio must be a \(low, high\) pair"):
+        gdsdata.RandomResizedCrop(96, ratio=(1, 2, 3))
+    assert hash(gdsdata.CenterCrop([224], mean=[1, 2, 3], std=[4, 5, 6])) == \
+        hash(gdsdata.CenterCrop((224,), mean=(1, 2, 3), std=(4, 5, 6)))
+
+
 def test_center_crop_refuses_a_resize_under_its_size():
     """torchvision's Resize(100) + CenterCrop(224) pads the crop with zeros; the one-pass CenterCrop
     says so rather than give other pixels."""

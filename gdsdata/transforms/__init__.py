@@ -107,6 +107,15 @@ class RandomResizedCrop:
 
     def __post_init__(self):
         _validate(self)
+        for name in ("scale", "ratio"):  # a tuple of two floats, as torchvision takes any pair: hashable
+            value = getattr(self, name)
+            try:
+                pair = tuple(float(v) for v in value)
+            except (TypeError, ValueError):
+                pair = ()
+            if len(pair) != 2:
+                raise TypeError(f"{name} must be a (low, high) pair of numbers, got {value!r}")
+            object.__setattr__(self, name, pair)
         if not (0 < self.scale[0] <= self.scale[1]) or not (0 < self.ratio[0] <= self.ratio[1]):
             raise ValueError(f"scale and ratio must be increasing positive ranges, got scale={self.scale} "
                              f"ratio={self.ratio}")
