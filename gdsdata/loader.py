@@ -70,20 +70,21 @@ def _qualified(thing) -> str:
 
 
 def _no_group_under_a_launcher(rank, world_size):
-    """Without a process group, a rank or world size given alone, or none given in a process that a
-    launcher started as one of several (``WORLD_SIZE`` above 1: torchrun, Accelerate, Lightning), is
-    refused: the Loader would read every sample in every process, as one of rank 0's shares."""
-    if (rank is None) != (world_size is None):
-        given = f"rank={rank}" if world_size is None else f"world_size={world_size}"
-        raise ValueError(f"{given} given alone, and no torch.distributed process group is initialised: "
-                         f"give rank= and world_size= both")
-    launched = os.environ.get("WORLD_SIZE", "").strip()
-    if rank is None and launched.isdigit() and int(launched) > 1:
-        raise ValueError(f"WORLD_SIZE={launched} in the environment (one of several processes a launcher "
-                         f"such as torchrun started) but no torch.distributed process group is initialised: "
-                         f"call torch.distributed.init_process_group() before making the Loader, so that it "
-                         f"reads this rank's share, or give rank= and world_size= (rank=0, world_size=1 "
-                         f"to read every sample)")
+    """Without a process group: a world size above 1 given alone (every process would be rank 0) and,
+    in a process a launcher started as one of several (``WORLD_SIZE`` above 1: torchrun, Accelerate,
+    Lightning), no world size at all are refused: the Loader would read every sample in every process,
+    as one of rank 0's shares. (``rank=0`` alone or ``world_size=1`` alone elsewhere: rank 0 of 1.)"""
+    if world_size is None:
+        launched = os.environ.get("WORLD_SIZE", "").strip()
+        if launched.isdigit() and int(launched) > 1:
+            raise ValueError(f"WORLD_SIZE={launched} in the environment (one of several processes a launcher such "
+                             f"as torchrun started) but no torch.distributed process group is initialised (not "
+                             f"yet, or no longer): to read this rank's share, make the Loader after "
+                             f"torch.distributed.init_process_group(); to read every sample (an evaluation on one "
+                             f"rank), give rank=0, world_size=1")
+    if rank is None and is_integer(world_size) and world_size > 1:
+        raise ValueError(f"world_size={world_size} given without rank=, and no torch.distributed process group is "
+                         f"initialised: give rank= and world_size= both")
 
 
 class _PassSetting:
@@ -201,7 +202,9 @@ class Loader:
             if not grouped:
                 _no_group_under_a_launcher(rank, world_size)
             detected_rank, detected_world = _distributed_rank()
-            found = " (found in torch.distributed's process group)" if grouped else ""
+            found = " (found in torch.distributed's process group)" if grouped else \
+                " (world_size not given, and no torch.distributed process group is initialised: give rank= and " \
+                "world_size= both)"
             rank = detected_rank if rank is None else rank
             world_size = detected_world if world_size is None else world_size
         world_size = count("world_size", world_size)
@@ -620,6 +623,17 @@ _DATALOADER_DEFAULTS = {"num_workers": 0, "persistent_workers": False, "pin_memo
                         "timeout": 0, "in_order": True}
 
 
+def _at_default(name, value) -> bool:
+    """``value`` is the DataLoader's default for ``name`` (any number equal to it, as the DataLoader
+    takes ``timeout=0.0`` or ``pin_memory=0``; None where that is the default)."""
+    if name not in _DATALOADER_DEFAULTS:
+        return value is None
+    default = _DATALOADER_DEFAULTS[name]
+    if isinstance(default, str):
+        return value == default
+    return isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)) and value == default
+
+
 def _no_dataloader_arguments(given: dict):
     """A torch DataLoader argument gets one line saying what the Loader does instead, unless it is
     the DataLoader's default (or None where that is None); any other unknown keyword, Python's own
@@ -627,10 +641,7 @@ def _no_dataloader_arguments(given: dict):
     for name in given:
         if name not in _DATALOADER_ONLY:
             raise TypeError(f"Loader.__init__() got an unexpected keyword argument {name!r}")
-    given = {name: value for name, value in given.items()
-             if not (value is None and name not in _DATALOADER_DEFAULTS)
-             and not (name in _DATALOADER_DEFAULTS and type(value) is type(_DATALOADER_DEFAULTS[name])
-                      and value == _DATALOADER_DEFAULTS[name])}
+    given = {name: value for name, value in given.items() if not _at_default(name, value)}
     if given:
         name = next(iter(given))
         raise TypeError(f"Loader takes no {name}= (a torch DataLoader argument): {_DATALOADER_ONLY[name]}; "

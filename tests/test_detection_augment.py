@@ -133,8 +133,9 @@ def test_rect_order_of_a_subset_orders_the_subset_s_positions(tmp_path):
                             transform=gdsdata.Letterbox(imgsz=S, rect=True, targets="ultralytics"))
     assert [os.path.basename(f) for f in next(iter(loader))["im_file"]] == \
         [os.path.basename(ds.source(i)) for i in base]
-    with pytest.raises(TypeError, match="GDSDataset or a torch Subset of one"):
+    with pytest.raises(TypeError, match="Letterbox.rect_order takes a gdsdata.GDSDataset or a torch Subset of one"):
         gdsdata.Letterbox.rect_order(list(range(4)))
+    assert len(gdsdata.Letterbox.rect_order(torch.utils.data.Subset(ds, []))) == 0
     loader.close()
     ds.close()
 

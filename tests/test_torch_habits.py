@@ -513,9 +513,10 @@ def test_a_dataset_with_per_sample_transforms_is_refused(photos_dataset, given):
     (dict(batch_size=4, prefetch=0), ValueError, "prefetch"),
     (dict(batch_size=4, drop_last="no"), TypeError, "drop_last"),
     (dict(batch_size=4, rank=2, world_size=2), ValueError, "rank 2 is outside"),
-    (dict(batch_size=4, rank=1), ValueError, r"rank=1 given alone, and no torch.distributed process group is "
-     r"initialised: give rank= and world_size= both"),
-    (dict(batch_size=4, world_size=2), ValueError, r"world_size=2 given alone"),
+    (dict(batch_size=4, rank=1), ValueError, r"rank 1 is outside world_size 1 \(world_size not given, and no "
+     r"torch.distributed process group is initialised: give rank= and world_size= both\)"),
+    (dict(batch_size=4, world_size=2), ValueError, r"world_size=2 given without rank=, and no torch.distributed "
+     r"process group is initialised: give rank= and world_size= both"),
     (dict(batch_size=4, indices=[0, 99]), IndexError, "99, out of range for 60"),
     (dict(batch_size=4, indices=[]), ValueError, "empty"),
     (dict(batch_size=4, indices=[0.5]), TypeError, "indices must be a 1-D sequence of integers"),
@@ -533,12 +534,17 @@ def test_arguments_are_checked_in_one_line(ds, kwargs, error, match):
 def test_a_launched_process_without_a_process_group_is_refused_not_fed_every_sample(ds, monkeypatch):
     """torchrun sets WORLD_SIZE in each process: a Loader made there before init_process_group (or
     without it) would read every sample in every rank, as torch's DistributedSampler refuses to."""
+    assert (gdsdata.Loader(ds, 4, rank=0).spec.world_size, gdsdata.Loader(ds, 4, world_size=1).spec.rank) == (1, 0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 in the environment .* no torch.distributed process group "
-                                         r"is initialised: call torch.distributed.init_process_group\(\) before"):
-        gdsdata.Loader(ds, 4)
+    for alone in ({}, {"rank": 0}):
+        with pytest.raises(ValueError, match=r"WORLD_SIZE=2 in the environment .* no torch.distributed process "
+                                             r"group is initialised \(not yet, or no longer\): to read this rank's "
+                                             r"share, make the Loader after torch.distributed.init_process_group\(\); "
+                                             r"to read every sample .* give rank=0, world_size=1"):
+            gdsdata.Loader(ds, 4, **alone)
     assert gdsdata.Loader(ds, 4, rank=0, world_size=1).spec.world_size == 1  # every sample, asked for
+    assert gdsdata.Loader(ds, 4, world_size=1).spec.world_size == 1
     assert gdsdata.Loader(ds, 4, rank=1, world_size=2).spec.rank == 1
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process under torchrun: no shares to take
     assert gdsdata.Loader(ds, 4).spec.world_size == 1
@@ -552,8 +558,9 @@ def test_dataloader_arguments_at_their_defaults_are_taken_as_asking_for_nothing(
                             worker_init_fn=None, generator=None, multiprocessing_context=None, in_order=True,
                             pin_memory_device="")
     assert len(loader) == 15
+    gdsdata.Loader(ds, 4, timeout=0.0, num_workers=np.int64(0), pin_memory=0, in_order=1)  # (as the DataLoader)
     for given in (dict(num_workers=1), dict(pin_memory=True), dict(timeout=5), dict(in_order=False),
-                  dict(num_workers=None), dict(num_workers=False)):
+                  dict(num_workers=None), dict(num_workers="0"), dict(pin_memory_device=None)):
         with pytest.raises(TypeError, match=f"Loader takes no {next(iter(given))}="):
             gdsdata.Loader(ds, 4, **given)
 

@@ -110,7 +110,7 @@ class RandomResizedCrop:
         for name in ("scale", "ratio"):  # a tuple of two floats, as torchvision takes any pair: hashable
             value = getattr(self, name)
             try:
-                pair = tuple(float(v) for v in value)
+                pair = () if isinstance(value, (str, bytes)) else tuple(float(v) for v in value)
             except (TypeError, ValueError):
                 pair = ()
             if len(pair) != 2:
@@ -243,12 +243,14 @@ class CenterCrop:
 
 
 def _source_window(source, resized, out) -> tuple:
-    """(start, length) in source pixels of the ``out`` resized pixels centred in ``resized``: at least a
-    pixel (an image far under ``resize``, its window under one pixel, gives its centre one), inside."""
+    """(start, length) in source pixels of the ``out`` resized pixels centred in ``resized``, each edge
+    rounded to the nearest pixel edge: at least a pixel (an image far under ``resize``, its window
+    under one pixel, gives its centre one), inside."""
     scale = source / resized  # source pixels per resized pixel
-    length = np.clip(np.round(scale * out), 1, source)
-    start = np.clip(np.round(np.round((resized - out) / 2) * scale), 0, source - length)
-    return start.astype(np.int64), length.astype(np.int64)
+    first = np.round((resized - out) / 2) * scale
+    start = np.round(first)
+    length = np.clip(np.round(first + out * scale) - start, 1, source)
+    return np.clip(start, 0, source - length).astype(np.int64), length.astype(np.int64)
 
 
 def _pair(size) -> tuple:
