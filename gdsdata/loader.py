@@ -165,7 +165,10 @@ class Loader:
     rank, world_size : int, optional
         This process's share under DDP; by default from ``torch.distributed`` when initialised
         (then a Loader reads its rank's share: for an evaluation on one rank that should see
-        every sample, pass ``rank=0, world_size=1``).
+        every sample, pass ``rank=0, world_size=1``). One given alone takes the other from the
+        process group, as DistributedSampler does (rank 0 of 1 without one; a world size above 1
+        then needs its rank). In a process a launcher started as one of several (``WORLD_SIZE``
+        above 1), a Loader made without a process group and without ``world_size`` is refused.
     pixels : bool
         Hand on the decoded ``PixelBatch`` itself (every image's pixels in one buffer), for custom
         GPU transforms; valid until the next batch is asked for.
@@ -197,6 +200,8 @@ class Loader:
         if seed >= 2**63:
             raise ValueError(f"seed must be below 2**63, got {seed}")
         found = ""  # where a rank or world size not given came from, for the error below
+        rank = None if rank is None else count("rank", rank, minimum=0)
+        world_size = None if world_size is None else count("world_size", world_size)
         if rank is None or world_size is None:
             grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
             if not grouped:

@@ -543,6 +543,8 @@ def test_a_launched_process_without_a_process_group_is_refused_not_fed_every_sam
                                              r"share, make the Loader after torch.distributed.init_process_group\(\); "
                                              r"to read every sample .* give rank=0, world_size=1"):
             gdsdata.Loader(ds, 4, **alone)
+    with pytest.raises(TypeError, match="rank must be an integer"):  # (its own error first)
+        gdsdata.Loader(ds, 4, rank=1.5)
     assert gdsdata.Loader(ds, 4, rank=0, world_size=1).spec.world_size == 1  # every sample, asked for
     assert gdsdata.Loader(ds, 4, world_size=1).spec.world_size == 1
     assert gdsdata.Loader(ds, 4, rank=1, world_size=2).spec.rank == 1

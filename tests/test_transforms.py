@@ -167,8 +167,9 @@ def test_transforms_made_with_lists_are_tuples_equal_and_hashable():
     assert t.output_size == (96, 96) and t.scale == (0.08, 1.0)
     with pytest.raises(TypeError, match=r"scale must be a \(low, high\) pair"):
         gdsdata.RandomResizedCrop(96, scale=0.5)
-    with pytest.raises(TypeError, match=r"scale must be a \(low, high\) pair"):
-        gdsdata.RandomResizedCrop(96, scale="12")
+    for bad in ("12", bytearray(b"12"), ("0.08", "1"), (0.1, float("inf"))):
+        with pytest.raises(TypeError, match=r"scale must be a \(low, high\) pair of finite numbers"):
+            gdsdata.RandomResizedCrop(96, scale=bad)
     with pytest.raises(TypeError, match=r"ratio must be a \(low, high\) pair"):
         gdsdata.RandomResizedCrop(96, ratio=(1, 2, 3))
     assert hash(gdsdata.CenterCrop([224], mean=[1, 2, 3], std=[4, 5, 6])) == \

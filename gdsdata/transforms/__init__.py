@@ -19,6 +19,7 @@ is also the reference the GPU is tested against.
 
 import logging
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,11 +111,13 @@ class RandomResizedCrop:
         for name in ("scale", "ratio"):  # a tuple of two floats, as torchvision takes any pair: hashable
             value = getattr(self, name)
             try:
-                pair = () if isinstance(value, (str, bytes)) else tuple(float(v) for v in value)
-            except (TypeError, ValueError):
+                pair = () if isinstance(value, (str, bytes, bytearray)) else \
+                    tuple(float(v) for v in value if isinstance(v, numbers.Real))
+                pair = pair if len(pair) == len(value) else ()
+            except TypeError:
                 pair = ()
-            if len(pair) != 2:
-                raise TypeError(f"{name} must be a (low, high) pair of numbers, got {value!r}")
+            if len(pair) != 2 or not all(math.isfinite(v) for v in pair):
+                raise TypeError(f"{name} must be a (low, high) pair of finite numbers, got {value!r}")
             object.__setattr__(self, name, pair)
         if not (0 < self.scale[0] <= self.scale[1]) or not (0 < self.ratio[0] <= self.ratio[1]):
             raise ValueError(f"scale and ratio must be increasing positive ranges, got scale={self.scale} "
