@@ -82,7 +82,7 @@ def _no_group_under_a_launcher(rank, world_size):
                              f"yet, or no longer): to read this rank's share, make the Loader after "
                              f"torch.distributed.init_process_group(); to read every sample (an evaluation on one "
                              f"rank), give rank=0, world_size=1")
-    if rank is None and is_integer(world_size) and world_size > 1:
+    if rank is None and world_size is not None and world_size > 1:
         raise ValueError(f"world_size={world_size} given without rank=, and no torch.distributed process group is "
                          f"initialised: give rank= and world_size= both")
 
@@ -212,8 +212,6 @@ class Loader:
                 "world_size= both)"
             rank = detected_rank if rank is None else rank
             world_size = detected_world if world_size is None else world_size
-        world_size = count("world_size", world_size)
-        rank = count("rank", rank, minimum=0)
         if rank >= world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}{found}")
         if not isinstance(drop_last, (bool, np.bool_)):
@@ -579,10 +577,9 @@ def _shuffle(shuffle):
 _PROTOCOL = ("device", "__len__", "labels", "fingerprint", "read_staged", "decode_staged", "release_staged")
 
 
-def _source(dataset, indices):
-    """(GDSDataset, indices or None) from a dataset, a torch Subset of one (nested too) and ``indices``."""
-    from gdsdata.dataset import GDSDataset
-
+def unwrapped(dataset, indices=None) -> tuple:
+    """(the dataset under any torch Subsets, nested too; the positions in it of ``indices``, positions
+    in ``dataset``, or of the Subsets' samples, unchecked against its length; None: all of it)."""
     picked = None
     if indices is not None:
         picked = _index_array(indices, "indices")
@@ -592,6 +589,14 @@ def _source(dataset, indices):
             _in_range(picked, len(outer), "indices")
         picked = outer if picked is None else outer[picked]
         dataset = dataset.dataset
+    return dataset, picked
+
+
+def _source(dataset, indices):
+    """(GDSDataset, indices or None) from a dataset, a torch Subset of one (nested too) and ``indices``."""
+    from gdsdata.dataset import GDSDataset
+
+    dataset, picked = unwrapped(dataset, indices)
     if not isinstance(dataset, GDSDataset) and not all(hasattr(dataset, a) for a in _PROTOCOL):
         raise TypeError(f"gdsdata.Loader reads a gdsdata.GDSDataset or a torch Subset of one, got "
                         f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")

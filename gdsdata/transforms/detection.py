@@ -171,15 +171,15 @@ class Letterbox:
         """The samples of ``dataset`` (a GDSDataset, or a torch Subset of one: positions in the Subset)
         by aspect ratio, height over width, as Ultralytics orders its validation images for
         rectangular batches: pass as the Loader's ``indices`` over the same ``dataset``."""
-        given, picked = dataset, None
-        while isinstance(dataset, torch.utils.data.Subset):
-            outer = np.asarray(dataset.indices, dtype=np.int64)
-            picked = outer if picked is None else outer[picked]
-            dataset = dataset.dataset
-        if not hasattr(getattr(dataset, "index", None), "samples"):
+        from gdsdata.loader import _in_range, unwrapped  # (the Loader imports the transforms)
+
+        base, picked = unwrapped(dataset)
+        if not hasattr(getattr(base, "index", None), "samples"):
             raise TypeError(f"Letterbox.rect_order takes a gdsdata.GDSDataset or a torch Subset of one, got "
-                            f"{type(given).__name__}")
-        records = dataset.index.samples if picked is None else dataset.index.samples[picked]
+                            f"{type(dataset).__name__}")
+        records = base.index.samples
+        if picked is not None:
+            records = records[_in_range(picked, len(records), "Subset.indices")]
         return np.argsort(records["height"].astype(np.float64) / np.maximum(records["width"], 1))
 
     def sources(self, indices: Sequence[int], epoch: int, population: Sequence[int]) -> list[int]:
