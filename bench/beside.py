@@ -10,6 +10,14 @@ threads do), beside bench/train.py's own train step on synthetic input:
                     the batches are read into staging once, before: the training client times the reads)
   decode + resize   the same, then RandomResizedCrop(224) fp16 NCHW, antialiased (torchvision v2's
                     default) or plain bilinear
+  decode elsewhere  nvJPEG's hardware decode of a batch of the same JPEGs (from pinned memory, into
+                    one buffer) placed elsewhere (--places, --outputs): on a thread with a CUDA
+                    context of its own (cuCtxCreate: its own driver state, memory and streams), or
+                    in a spawned process (its own context; each batch asked for over a pipe);
+                    nvJPEG writing RGB interleaved (its conversion kernel an image) or YUV planes
+                    (the planes the engines write, no kernel of nvJPEG's own); "thread" with "yuv"
+                    is gdsdata's place with YUV planes. Their pixels are not used: these rows
+                    say what the decode's place costs the step, not a pipeline
 
 images/s as a fraction of the step alone, the modes interleaved pass by pass (alternating their
 order), medians over --passes. Before that, the resize kernels alone: their GPU time a batch
@@ -19,9 +27,13 @@ order), medians over --passes. Before that, the resize kernels alone: their GPU 
 """
 
 import argparse
+import ctypes
 import functools
+import glob
 import json
+import multiprocessing
 import os
+import queue
 import statistics
 import sys
 import threading
@@ -30,14 +42,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import begin, image_set  # noqa: E402
 from train import BATCH, _Model  # noqa: E402
 
 import gdsdata  # noqa: E402
+from gdsdata import stall  # noqa: E402
 from gdsdata import transforms as T  # noqa: E402
+from gdsdata._native import nvjpeg  # noqa: E402
 
 RESIZES = {"antialiased": True, "bilinear": False}
+PLACES = ("thread", "context", "process")
+OUTPUTS = ("rgb", "yuv")
+_OUTPUT_YUV = 1  # nvjpegOutputFormat_t
+_WAIT = 60.0  # seconds any wait of this bench may last before it is called a hang
 
 
 def dataset(folder, count):
@@ -86,6 +105,218 @@ class Input:
         transform = self.transforms[antialias]
         params = transform.params(batch.heights, batch.widths, indices, epoch=k)
         T.apply(transform, batch.buffer, batch.offsets, batch.heights, batch.widths, batch.channels, params)
+
+
+def read_jpegs(folder, count):
+    """(bitstreams, [(height, width, chroma (horizontal, vertical) subsampling)]) of the first
+    ``count`` three-component JPEGs under ``folder``."""
+    from PIL import Image, JpegImagePlugin
+
+    factors = {0: (1, 1), 1: (2, 1), 2: (2, 2)}  # PIL's sampling codes: 4:4:4, 4:2:2, 4:2:0
+    streams, shapes = [], []
+    for path in sorted(glob.glob(os.path.join(folder, "*", "*.jpg"))):
+        with Image.open(path) as image:
+            sampling = JpegImagePlugin.get_sampling(image)
+            if image.mode != "RGB" or sampling not in factors:
+                continue
+            shapes.append((image.height, image.width, factors[sampling]))
+        with open(path, "rb") as f:
+            streams.append(f.read())
+        if len(streams) == count:
+            return streams, shapes
+    raise SystemExit(f"bench/beside.py: {folder} holds {len(streams)} RGB JPEGs, {count} needed")
+
+
+class _OwnContext:
+    """A CUDA context of its own, made current on the calling thread, with the memory and stream the
+    decode needs allocated in it."""
+
+    def __init__(self, device_index):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.lib = lib
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        self._check("cuInit", lib.cuInit(0))
+        self._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(device), device_index))
+        self._check("cuCtxCreate", lib.cuCtxCreate_v2(ctypes.byref(context), 0, device))
+        self._check("cuCtxSetCurrent", lib.cuCtxSetCurrent(context))
+
+    def _check(self, call, status):
+        if status != 0:
+            raise RuntimeError(f"{call} failed: CUDA error {status}")
+
+    def pinned(self, size):
+        pointer = ctypes.c_void_p()
+        self._check("cuMemHostAlloc", self.lib.cuMemHostAlloc(ctypes.byref(pointer), ctypes.c_size_t(size), 1))
+        return pointer.value, np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(pointer.value))
+
+    def device(self, size):
+        pointer = ctypes.c_uint64()
+        self._check("cuMemAlloc", self.lib.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(size)))
+        return pointer.value
+
+    def stream(self):
+        stream = ctypes.c_void_p()
+        self._check("cuStreamCreate", self.lib.cuStreamCreate(ctypes.byref(stream), 1))
+        return stream.value
+
+    def wait(self, stream):
+        waited, pause = stall.Waited(1e-3), 20e-6
+        while True:
+            status = self.lib.cuStreamQuery(ctypes.c_void_p(stream))
+            if status == 0:
+                return
+            if status != 600:  # CUDA_ERROR_NOT_READY
+                self._check("cuStreamQuery", status)
+            if waited.poll() > _WAIT:
+                raise RuntimeError(f"a decode did not finish within {_WAIT:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+
+class Decode:
+    """nvJPEG's hardware decoder over one batch of bitstreams in pinned memory, into one output
+    buffer: in torch's context, or (``own_context``) in a context of its own made current on the
+    calling thread. ``run()`` decodes the batch and waits for it; returns its seconds."""
+
+    def __init__(self, streams, shapes, output, own_context=False):
+        self.context = _OwnContext(0) if own_context else None
+        self.nvjpeg = nvjpeg.BatchedDecoder("hardware")
+        lengths = np.array([len(s) for s in streams], np.uint64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
+        total = int(lengths.sum())
+        if self.context:
+            base, host = self.context.pinned(total)
+        else:
+            self._staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            base, host = self._staging.data_ptr(), self._staging.numpy()
+        for stream, start in zip(streams, starts):
+            host[int(start):int(start) + len(stream)] = np.frombuffer(stream, np.uint8)
+        self.data, self.lengths = np.uint64(base) + starts, lengths
+        heights = np.array([s[0] for s in shapes], np.int64)
+        widths = np.array([s[1] for s in shapes], np.int64)
+        if output == "rgb":
+            planes = [(heights, widths * 3)]
+        else:
+            across = np.array([s[2][0] for s in shapes], np.int64)
+            down = np.array([s[2][1] for s in shapes], np.int64)
+            chroma = (-(-heights // down), -(-widths // across))
+            planes = [(heights, widths), chroma, chroma]
+        sizes = sum(rows * pitch for rows, pitch in planes)
+        if self.context:
+            out, self.stream = self.context.device(int(sizes.sum())), self.context.stream()
+        else:
+            self._out = torch.empty(int(sizes.sum()), dtype=torch.uint8, device="cuda")
+            self._stream = torch.cuda.Stream()
+            out, self.stream = self._out.data_ptr(), self._stream.cuda_stream
+        self.images = np.zeros(len(streams), self.nvjpeg._image_t)
+        at = np.uint64(out) + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
+        for k, (rows, pitch) in enumerate(planes):
+            self.images["channel"][:, k] = at
+            self.images["pitch"][:, k] = pitch
+            at = at + (rows * pitch).astype(np.uint64)
+        code = nvjpeg.OUTPUT_RGBI if output == "rgb" else _OUTPUT_YUV
+        lib = self.nvjpeg.lib
+        nvjpeg._check("nvjpegDecodeBatchedInitialize", lib.nvjpegDecodeBatchedInitialize(
+            self.nvjpeg.handle, self.nvjpeg.state, len(streams), 1, code))
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        lib = self.nvjpeg.lib
+        nvjpeg._check("nvjpegDecodeBatched", lib.nvjpegDecodeBatched(
+            self.nvjpeg.handle, self.nvjpeg.state, self.data.ctypes.data, self.lengths.ctypes.data,
+            self.images.ctypes.data, ctypes.c_void_p(self.stream)))
+        if self.context:
+            self.context.wait(self.stream)
+        else:
+            stall.wait(self._stream, "a decode of bench/beside.py", _WAIT)
+        return time.perf_counter() - t0
+
+    def close(self):
+        self.nvjpeg.close()
+
+
+class _Worker:
+    """A thread that makes a ``Decode`` (in a context of its own, made current on it) and decodes a
+    batch each time it is asked: what a spawned process does, inside the training process."""
+
+    def __init__(self, streams, shapes, output):
+        self._asks, self._answers = queue.Queue(), queue.Queue()
+        threading.Thread(target=self._serve, args=(streams, shapes, output), daemon=True).start()
+        answer = self._answers.get(timeout=120)
+        if isinstance(answer, str):
+            raise RuntimeError(answer)
+
+    def _serve(self, streams, shapes, output):
+        try:
+            decode = Decode(streams, shapes, output, own_context=True)
+            decode.run()
+        except Exception as e:  # noqa: BLE001 - said by the constructor's caller
+            self._answers.put(f"{type(e).__name__}: {e}")
+            return
+        self._answers.put(0.0)
+        while self._asks.get() is not None:
+            self._answers.put(decode.run())
+
+    def run(self) -> float:
+        self._asks.put(True)
+        return self._answers.get(timeout=_WAIT)
+
+    def close(self):
+        self._asks.put(None)
+
+
+def _child(connection, streams, shapes, output):
+    """A spawned process's decode loop: a batch decoded each time it is asked."""
+    try:
+        decode = Decode(streams, shapes, output)
+        decode.run()
+    except Exception as e:  # noqa: BLE001 - sent to the parent, which says it
+        connection.send(f"{type(e).__name__}: {e}")
+        return
+    connection.send(0.0)
+    while connection.recv():
+        connection.send(decode.run())
+
+
+class _Process:
+    """A spawned process (its own CUDA context) decoding a batch each time it is asked, over a pipe."""
+
+    def __init__(self, streams, shapes, output):
+        self._connection, theirs = multiprocessing.get_context("spawn").Pipe()
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=_child, args=(theirs, streams, shapes, output), daemon=True)
+        self._process.start()
+        answer = self._recv(120)
+        if isinstance(answer, str):
+            raise RuntimeError(answer)
+
+    def _recv(self, timeout):
+        if not self._connection.poll(timeout):
+            raise RuntimeError(f"the decode process did not answer within {timeout:g} s")
+        return self._connection.recv()
+
+    def run(self) -> float:
+        self._connection.send(True)
+        return self._recv(_WAIT)
+
+    def close(self):
+        self._connection.send(False)
+        self._process.join(timeout=_WAIT)
+
+
+def placements(jpegs, places, outputs) -> dict:
+    """The decode elsewhere rows' decoders, by row name (one that cannot be made is said and left out)."""
+    made = {}
+    for place in places:
+        for output in outputs:
+            if place == "thread" and output == "rgb":
+                continue  # the "decode" row: gdsdata's own decoder, in its own place
+            name = f"decode {output}, {'a thread' if place == 'thread' else 'own ' + place}"
+            try:
+                made[name] = {"thread": Decode, "context": _Worker, "process": _Process}[place](*jpegs, output)
+            except Exception as e:  # noqa: BLE001 - said, and the row left out
+                print(f"{name}: {type(e).__name__}: {e}", flush=True)
+    return made
 
 
 def kernel_ms(inputs, antialias, batches=16) -> float:
@@ -149,8 +380,16 @@ def main(argv=None):
     parser.add_argument("--models", default="resnet18,resnet50", help="torchvision models of the train step")
     parser.add_argument("--steps", default="100,36", help="steps a pass: one count for every model, or one each")
     parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--places", default=",".join(PLACES),
+                        help=f"where the decode elsewhere rows decode, of {', '.join(PLACES)} ('' for none)")
+    parser.add_argument("--outputs", default=",".join(OUTPUTS), help=f"their nvJPEG output, of {', '.join(OUTPUTS)}")
     parser.add_argument("--out", default="bench-results", help="folder for beside.json")
     args, system = begin(parser, argv)
+    places = [p for p in args.places.split(",") if p]
+    outputs = [o for o in args.outputs.split(",") if o]
+    unknown = [p for p in places if p not in PLACES] + [o for o in outputs if o not in OUTPUTS]
+    if unknown:
+        parser.error(f"unknown place(s) or output(s): {', '.join(unknown)}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     steps = [int(s) for s in args.steps.split(",") if s.strip()]
     if len(steps) == 1:
@@ -161,6 +400,7 @@ def main(argv=None):
         print("bench/beside.py needs a CUDA GPU")
         return 1
     inputs = Input(dataset(args.dir, args.count))
+    elsewhere = placements(read_jpegs(os.path.join(args.dir, f"images-{args.count}"), BATCH), places, outputs)
     print(f"path: {inputs.ds.load_path.describe()}")
     results = {"arguments": vars(args),
                "kernel_ms": {name: kernel_ms(inputs, aa) for name, aa in RESIZES.items()}}
@@ -169,7 +409,8 @@ def main(argv=None):
     for name, ms in results["kernel_ms"].items():
         print(f"{name:<12} {ms:7.3f}")
     modes = {"step alone": None, "decode": inputs,
-             **{f"decode + {name} resize": functools.partial(inputs, antialias=aa) for name, aa in RESIZES.items()}}
+             **{f"decode + {name} resize": functools.partial(inputs, antialias=aa) for name, aa in RESIZES.items()},
+             **{name: (lambda k, stream, run=decoder.run: run()) for name, decoder in elsewhere.items()}}
     images = torch.randn(BATCH, 3, 224, 224, device="cuda", dtype=torch.float16)
     labels = torch.randint(0, 1000, (BATCH,), device="cuda")
     for name, count in zip(models, steps):
@@ -195,6 +436,8 @@ def main(argv=None):
                   + " ".join(f"{v:.0f}" for v in rates))
         del model
     inputs.close()
+    for decoder in elsewhere.values():
+        decoder.close()
     with open(os.path.join(args.out, "beside.json"), "w") as f:
         json.dump({"system": system, "results": results}, f, indent=2, default=str)
     return 0

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -246,3 +247,35 @@ def test_the_training_client_gives_each_row_its_queues_and_refuses_unknown_input
     assert seen == {"synthetic": None, "dali:queues16": "16", "gdsdata:queues8": "8"}
     with pytest.raises(SystemExit):
         train.main(["--inputs", "synthetic,foo:queues2", "--models", ""])
+
+
+def test_beside_reads_each_jpeg_s_sampling_and_refuses_what_it_cannot_run(tmp_path, capsys):
+    """bench/beside.py's decode elsewhere rows: the planes nvJPEG writes for YUV output come from each
+    JPEG's chroma subsampling (4:4:4, 4:2:2, 4:2:0; a grayscale JPEG is passed over); too few JPEGs,
+    an unknown place or output, and a machine without CUDA each end the run with one line."""
+    from PIL import Image
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import beside
+
+    folder = tmp_path / "images" / "class_0000"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name, mode, subsampling, size in (("a", "RGB", 0, (33, 21)), ("b", "L", -1, (16, 16)),
+                                          ("c", "RGB", 1, (35, 19)), ("d", "RGB", 2, (17, 31))):
+        pixels = rng.integers(0, 255, (size[1], size[0], 3 if mode == "RGB" else 1), dtype=np.uint8).squeeze()
+        Image.fromarray(pixels, mode).save(folder / f"{name}.jpg", quality=90,
+                                            **({"subsampling": subsampling} if subsampling >= 0 else {}))
+    streams, shapes = beside.read_jpegs(str(tmp_path / "images"), 3)
+    assert shapes == [(21, 33, (1, 1)), (19, 35, (2, 1)), (31, 17, (2, 2))]
+    assert streams[0] == (folder / "a.jpg").read_bytes() and streams[2] == (folder / "d.jpg").read_bytes()
+    with pytest.raises(SystemExit, match="holds 3 RGB JPEGs, 4 needed"):
+        beside.read_jpegs(str(tmp_path / "images"), 4)
+    with pytest.raises(SystemExit):
+        beside.main(["--places", "thread,gpu", "--out", str(tmp_path / "out")])
+    assert "unknown place(s) or output(s): gpu" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert beside.main(["--out", str(tmp_path / "out"), "--dir", str(tmp_path)]) == 1
+        assert "needs a CUDA GPU" in capsys.readouterr().out
