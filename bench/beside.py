@@ -10,14 +10,16 @@ threads do), beside bench/train.py's own train step on synthetic input:
                     the batches are read into staging once, before: the training client times the reads)
   decode + resize   the same, then RandomResizedCrop(224) fp16 NCHW, antialiased (torchvision v2's
                     default) or plain bilinear
-  decode elsewhere  nvJPEG's hardware decode of a batch of the same JPEGs (from pinned memory, into
-                    one buffer) placed elsewhere (--places, --outputs): on a thread with a CUDA
-                    context of its own (cuCtxCreate: its own driver state, memory and streams), or
-                    in a spawned process (its own context; each batch asked for over a pipe);
-                    nvJPEG writing RGB interleaved (its conversion kernel an image) or YUV planes
-                    (the planes the engines write, no kernel of nvJPEG's own); "thread" with "yuv"
-                    is gdsdata's place with YUV planes. Their pixels are not used: these rows
-                    say what the decode's place costs the step, not a pipeline
+  decode, placed    nvJPEG's hardware decode of a batch of the same JPEGs (the first 256 of the
+                    set, from pinned memory, into one buffer), each row's waits polled alike, placed
+                    (--places, --outputs) on a thread in torch's context ("a thread": the control,
+                    gdsdata's place), on a thread with a CUDA context of its own (cuCtxCreate: its
+                    own driver state, memory and streams), or in a spawned process (its own context;
+                    each batch asked for over a pipe); nvJPEG writing RGB interleaved (a conversion
+                    kernel an image) or YUV planes (no kernel of nvJPEG's own, but a copy a plane:
+                    docs/design.md). Without MPS the GPU runs one context's kernels at a time, so
+                    another context's rows also pay those turns (RGB's kernels most). The pixels are
+                    not used: these rows say what the decode's place costs the step, not a pipeline
 
 images/s as a fraction of the step alone, the modes interleaved pass by pass (alternating their
 order), medians over --passes. Before that, the resize kernels alone: their GPU time a batch
@@ -127,6 +129,28 @@ def read_jpegs(folder, count):
     raise SystemExit(f"bench/beside.py: {folder} holds {len(streams)} RGB JPEGs, {count} needed")
 
 
+def plane_layout(shapes, output):
+    """Where nvJPEG writes each image of a batch in one buffer: ([(offsets, pitches)] a plane, bytes
+    an image), for ``shapes`` [(height, width, (horizontal, vertical) chroma subsampling)]: RGB
+    interleaved (one plane, 3 bytes a pixel), or YUV (Y, then Cb and Cr at the subsampled size)."""
+    heights = np.array([s[0] for s in shapes], np.int64)
+    widths = np.array([s[1] for s in shapes], np.int64)
+    if output == "rgb":
+        shapes_ = [(heights, widths * 3)]
+    else:
+        across = np.array([s[2][0] for s in shapes], np.int64)
+        down = np.array([s[2][1] for s in shapes], np.int64)
+        chroma = (-(-heights // down), -(-widths // across))
+        shapes_ = [(heights, widths), chroma, chroma]
+    sizes = sum(rows * pitch for rows, pitch in shapes_)
+    at = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    planes = []
+    for rows, pitch in shapes_:
+        planes.append((at, pitch))
+        at = at + rows * pitch
+    return planes, sizes
+
+
 class _OwnContext:
     """A CUDA context of its own, made current on the calling thread, with the memory and stream the
     decode needs allocated in it."""
@@ -192,16 +216,7 @@ class Decode:
         for stream, start in zip(streams, starts):
             host[int(start):int(start) + len(stream)] = np.frombuffer(stream, np.uint8)
         self.data, self.lengths = np.uint64(base) + starts, lengths
-        heights = np.array([s[0] for s in shapes], np.int64)
-        widths = np.array([s[1] for s in shapes], np.int64)
-        if output == "rgb":
-            planes = [(heights, widths * 3)]
-        else:
-            across = np.array([s[2][0] for s in shapes], np.int64)
-            down = np.array([s[2][1] for s in shapes], np.int64)
-            chroma = (-(-heights // down), -(-widths // across))
-            planes = [(heights, widths), chroma, chroma]
-        sizes = sum(rows * pitch for rows, pitch in planes)
+        planes, sizes = plane_layout(shapes, output)
         if self.context:
             out, self.stream = self.context.device(int(sizes.sum())), self.context.stream()
         else:
@@ -209,11 +224,9 @@ class Decode:
             self._stream = torch.cuda.Stream()
             out, self.stream = self._out.data_ptr(), self._stream.cuda_stream
         self.images = np.zeros(len(streams), self.nvjpeg._image_t)
-        at = np.uint64(out) + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
-        for k, (rows, pitch) in enumerate(planes):
-            self.images["channel"][:, k] = at
+        for k, (offsets, pitch) in enumerate(planes):
+            self.images["channel"][:, k] = np.uint64(out) + offsets.astype(np.uint64)
             self.images["pitch"][:, k] = pitch
-            at = at + (rows * pitch).astype(np.uint64)
         code = nvjpeg.OUTPUT_RGBI if output == "rgb" else _OUTPUT_YUV
         lib = self.nvjpeg.lib
         nvjpeg._check("nvjpegDecodeBatchedInitialize", lib.nvjpegDecodeBatchedInitialize(
@@ -241,10 +254,18 @@ class _Worker:
 
     def __init__(self, streams, shapes, output):
         self._asks, self._answers = queue.Queue(), queue.Queue()
-        threading.Thread(target=self._serve, args=(streams, shapes, output), daemon=True).start()
-        answer = self._answers.get(timeout=120)
+        self._thread = threading.Thread(target=self._serve, args=(streams, shapes, output), daemon=True)
+        self._thread.start()
+        answer = self._answer(120)
         if isinstance(answer, str):
             raise RuntimeError(answer)
+
+    def _answer(self, timeout):
+        try:
+            return self._answers.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"the decode thread with its own CUDA context did not answer within "
+                               f"{timeout:g} s") from None
 
     def _serve(self, streams, shapes, output):
         try:
@@ -256,13 +277,15 @@ class _Worker:
         self._answers.put(0.0)
         while self._asks.get() is not None:
             self._answers.put(decode.run())
+        decode.close()  # (in its own context, on its own thread)
 
     def run(self) -> float:
         self._asks.put(True)
-        return self._answers.get(timeout=_WAIT)
+        return self._answer(_WAIT)
 
     def close(self):
         self._asks.put(None)
+        self._thread.join(timeout=_WAIT)
 
 
 def _child(connection, streams, shapes, output):
@@ -286,37 +309,45 @@ class _Process:
         self._process = multiprocessing.get_context("spawn").Process(
             target=_child, args=(theirs, streams, shapes, output), daemon=True)
         self._process.start()
+        theirs.close()  # (the child's end: once it is gone, this end reads end-of-file)
         answer = self._recv(120)
         if isinstance(answer, str):
             raise RuntimeError(answer)
 
     def _recv(self, timeout):
-        if not self._connection.poll(timeout):
-            raise RuntimeError(f"the decode process did not answer within {timeout:g} s")
-        return self._connection.recv()
+        try:
+            if self._connection.poll(timeout):
+                return self._connection.recv()
+        except EOFError:
+            pass
+        self._process.join(timeout=1)
+        raise RuntimeError(f"the decode process did not answer within {timeout:g} s (exit code "
+                           f"{self._process.exitcode})")
 
     def run(self) -> float:
         self._connection.send(True)
         return self._recv(_WAIT)
 
     def close(self):
-        self._connection.send(False)
+        try:
+            self._connection.send(False)
+        except (BrokenPipeError, OSError):
+            pass
         self._process.join(timeout=_WAIT)
 
 
-def placements(jpegs, places, outputs) -> dict:
-    """The decode elsewhere rows' decoders, by row name (one that cannot be made is said and left out)."""
-    made = {}
+def placements(jpegs, places, outputs) -> tuple:
+    """({row name: its decoder}, {row name: why it could not be made}) for the placed decode rows."""
+    made, failed = {}, {}
     for place in places:
         for output in outputs:
-            if place == "thread" and output == "rgb":
-                continue  # the "decode" row: gdsdata's own decoder, in its own place
             name = f"decode {output}, {'a thread' if place == 'thread' else 'own ' + place}"
             try:
                 made[name] = {"thread": Decode, "context": _Worker, "process": _Process}[place](*jpegs, output)
-            except Exception as e:  # noqa: BLE001 - said, and the row left out
-                print(f"{name}: {type(e).__name__}: {e}", flush=True)
-    return made
+            except Exception as e:  # noqa: BLE001 - said, recorded, and the row left out
+                failed[name] = f"{type(e).__name__}: {e}"
+                print(f"{name}: {failed[name]}", flush=True)
+    return made, failed
 
 
 def kernel_ms(inputs, antialias, batches=16) -> float:
@@ -381,7 +412,7 @@ def main(argv=None):
     parser.add_argument("--steps", default="100,36", help="steps a pass: one count for every model, or one each")
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--places", default=",".join(PLACES),
-                        help=f"where the decode elsewhere rows decode, of {', '.join(PLACES)} ('' for none)")
+                        help=f"where the placed decode rows decode, of {', '.join(PLACES)} ('' for none)")
     parser.add_argument("--outputs", default=",".join(OUTPUTS), help=f"their nvJPEG output, of {', '.join(OUTPUTS)}")
     parser.add_argument("--out", default="bench-results", help="folder for beside.json")
     args, system = begin(parser, argv)
@@ -400,9 +431,10 @@ def main(argv=None):
         print("bench/beside.py needs a CUDA GPU")
         return 1
     inputs = Input(dataset(args.dir, args.count))
-    elsewhere = placements(read_jpegs(os.path.join(args.dir, f"images-{args.count}"), BATCH), places, outputs)
+    elsewhere, failed = placements(read_jpegs(os.path.join(args.dir, f"images-{args.count}"), BATCH), places,
+                                   outputs)
     print(f"path: {inputs.ds.load_path.describe()}")
-    results = {"arguments": vars(args),
+    results = {"arguments": vars(args), "decode backend": inputs.ds.load_path.backend, "rows not made": failed,
                "kernel_ms": {name: kernel_ms(inputs, aa) for name, aa in RESIZES.items()}}
     print(f"\n== resize kernels alone, GPU ms a batch of {BATCH} (RandomResizedCrop 224, fp16 NCHW; the kernels' "
           f"time under torch.profiler) ==")

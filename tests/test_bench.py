@@ -249,10 +249,11 @@ def test_the_training_client_gives_each_row_its_queues_and_refuses_unknown_input
         train.main(["--inputs", "synthetic,foo:queues2", "--models", ""])
 
 
-def test_beside_reads_each_jpeg_s_sampling_and_refuses_what_it_cannot_run(tmp_path, capsys):
-    """bench/beside.py's decode elsewhere rows: the planes nvJPEG writes for YUV output come from each
-    JPEG's chroma subsampling (4:4:4, 4:2:2, 4:2:0; a grayscale JPEG is passed over); too few JPEGs,
-    an unknown place or output, and a machine without CUDA each end the run with one line."""
+def test_beside_lays_out_each_jpeg_s_planes_and_refuses_what_it_cannot_run(tmp_path, capsys):
+    """bench/beside.py's placed decode rows: the planes nvJPEG writes for YUV output come from each
+    JPEG's chroma subsampling as PIL reads it (4:4:4, 4:2:2, 4:2:0; a grayscale JPEG is passed over),
+    one after another in one buffer; too few JPEGs, an unknown place or output, and a machine without
+    CUDA each end the run with one line."""
     from PIL import Image
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -269,6 +270,12 @@ def test_beside_reads_each_jpeg_s_sampling_and_refuses_what_it_cannot_run(tmp_pa
     streams, shapes = beside.read_jpegs(str(tmp_path / "images"), 3)
     assert shapes == [(21, 33, (1, 1)), (19, 35, (2, 1)), (31, 17, (2, 2))]
     assert streams[0] == (folder / "a.jpg").read_bytes() and streams[2] == (folder / "d.jpg").read_bytes()
+    planes, sizes = beside.plane_layout(shapes, "yuv")
+    assert [list(pitch) for _, pitch in planes] == [[33, 35, 17], [33, 18, 9], [33, 18, 9]]
+    assert list(sizes) == [3 * 33 * 21, 35 * 19 + 2 * 18 * 19, 17 * 31 + 2 * 9 * 16]
+    assert [list(at) for at, _ in planes] == [[0, 2079, 3428], [693, 2744, 3955], [1386, 3086, 4099]]
+    planes, sizes = beside.plane_layout(shapes, "rgb")
+    assert len(planes) == 1 and list(planes[0][1]) == [99, 105, 51] and list(planes[0][0]) == [0, 2079, 4074]
     with pytest.raises(SystemExit, match="holds 3 RGB JPEGs, 4 needed"):
         beside.read_jpegs(str(tmp_path / "images"), 4)
     with pytest.raises(SystemExit):
