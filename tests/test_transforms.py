@@ -133,7 +133,7 @@ def test_center_crop_takes_torchvision_s_window_in_source_pixels():
     from PIL import Image
 
     bus = os.path.join(os.path.dirname(ultralytics.__file__), "assets", "bus.jpg")
-    image = np.asarray(Image.open(bus).convert("RGB"))
+    image = np.array(Image.open(bus).convert("RGB"))  # (writable: torch takes it as it is)
     out = T.apply(t, torch.from_numpy(image.reshape(-1).copy()), [0], [1080], [810], [3], t.params([1080], [810]))[0]
     ref = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])(torch.from_numpy(image).permute(2, 0, 1))
     assert (out.int() - ref.int()).abs().float().mean() < 2
