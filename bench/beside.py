@@ -32,6 +32,7 @@ import argparse
 import ctypes
 import functools
 import glob
+import io
 import json
 import multiprocessing
 import os
@@ -52,7 +53,7 @@ from train import BATCH, _Model  # noqa: E402
 import gdsdata  # noqa: E402
 from gdsdata import stall  # noqa: E402
 from gdsdata import transforms as T  # noqa: E402
-from gdsdata._native import nvjpeg  # noqa: E402
+from gdsdata._native import cuda, nvjpeg  # noqa: E402
 
 RESIZES = {"antialiased": True, "bilinear": False}
 PLACES = ("thread", "context", "process")
@@ -117,13 +118,14 @@ def read_jpegs(folder, count):
     factors = {0: (1, 1), 1: (2, 1), 2: (2, 2)}  # PIL's sampling codes: 4:4:4, 4:2:2, 4:2:0
     streams, shapes = [], []
     for path in sorted(glob.glob(os.path.join(folder, "*", "*.jpg"))):
-        with Image.open(path) as image:
+        with open(path, "rb") as f:
+            data = f.read()
+        with Image.open(io.BytesIO(data)) as image:
             sampling = JpegImagePlugin.get_sampling(image)
             if image.mode != "RGB" or sampling not in factors:
                 continue
             shapes.append((image.height, image.width, factors[sampling]))
-        with open(path, "rb") as f:
-            streams.append(f.read())
+        streams.append(data)
         if len(streams) == count:
             return streams, shapes
     raise SystemExit(f"bench/beside.py: {folder} holds {len(streams)} RGB JPEGs, {count} needed")
@@ -156,7 +158,7 @@ class _OwnContext:
     decode needs allocated in it."""
 
     def __init__(self, device_index):
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = cuda._driver()
         self.lib = lib
         device, context = ctypes.c_int(), ctypes.c_void_p()
         self._check("cuInit", lib.cuInit(0))
@@ -165,8 +167,7 @@ class _OwnContext:
         self._check("cuCtxSetCurrent", lib.cuCtxSetCurrent(context))
 
     def _check(self, call, status):
-        if status != 0:
-            raise RuntimeError(f"{call} failed: CUDA error {status}")
+        cuda._check(self.lib, call, status)
 
     def pinned(self, size):
         pointer = ctypes.c_void_p()
@@ -178,23 +179,23 @@ class _OwnContext:
         self._check("cuMemAlloc", self.lib.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(size)))
         return pointer.value
 
-    def stream(self):
-        stream = ctypes.c_void_p()
-        self._check("cuStreamCreate", self.lib.cuStreamCreate(ctypes.byref(stream), 1))
-        return stream.value
+    def stream(self) -> "_DriverStream":
+        handle = ctypes.c_void_p()
+        self._check("cuStreamCreate", self.lib.cuStreamCreate(ctypes.byref(handle), 1))
+        return _DriverStream(self, handle.value)
 
-    def wait(self, stream):
-        waited, pause = stall.Waited(1e-3), 20e-6
-        while True:
-            status = self.lib.cuStreamQuery(ctypes.c_void_p(stream))
-            if status == 0:
-                return
-            if status != 600:  # CUDA_ERROR_NOT_READY
-                self._check("cuStreamQuery", status)
-            if waited.poll() > _WAIT:
-                raise RuntimeError(f"a decode did not finish within {_WAIT:g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+
+class _DriverStream:
+    """A stream of an ``_OwnContext``, waited for as torch's are (``stall.wait`` polls ``query``)."""
+
+    def __init__(self, context, handle):
+        self.context, self.cuda_stream = context, handle
+
+    def query(self) -> bool:
+        status = self.context.lib.cuStreamQuery(ctypes.c_void_p(self.cuda_stream))
+        if status != 600:  # CUDA_ERROR_NOT_READY
+            self.context._check("cuStreamQuery", status)
+        return status == 0
 
 
 class Decode:
@@ -221,8 +222,7 @@ class Decode:
             out, self.stream = self.context.device(int(sizes.sum())), self.context.stream()
         else:
             self._out = torch.empty(int(sizes.sum()), dtype=torch.uint8, device="cuda")
-            self._stream = torch.cuda.Stream()
-            out, self.stream = self._out.data_ptr(), self._stream.cuda_stream
+            out, self.stream = self._out.data_ptr(), torch.cuda.Stream()
         self.images = np.zeros(len(streams), self.nvjpeg._image_t)
         for k, (offsets, pitch) in enumerate(planes):
             self.images["channel"][:, k] = np.uint64(out) + offsets.astype(np.uint64)
@@ -237,11 +237,8 @@ class Decode:
         lib = self.nvjpeg.lib
         nvjpeg._check("nvjpegDecodeBatched", lib.nvjpegDecodeBatched(
             self.nvjpeg.handle, self.nvjpeg.state, self.data.ctypes.data, self.lengths.ctypes.data,
-            self.images.ctypes.data, ctypes.c_void_p(self.stream)))
-        if self.context:
-            self.context.wait(self.stream)
-        else:
-            stall.wait(self._stream, "a decode of bench/beside.py", _WAIT)
+            self.images.ctypes.data, ctypes.c_void_p(self.stream.cuda_stream)))
+        stall.wait(self.stream, "a decode of bench/beside.py", _WAIT)
         return time.perf_counter() - t0
 
     def close(self):
@@ -268,16 +265,8 @@ class _Worker:
                                f"{timeout:g} s") from None
 
     def _serve(self, streams, shapes, output):
-        try:
-            decode = Decode(streams, shapes, output, own_context=True)
-            decode.run()
-        except Exception as e:  # noqa: BLE001 - said by the constructor's caller
-            self._answers.put(f"{type(e).__name__}: {e}")
-            return
-        self._answers.put(0.0)
-        while self._asks.get() is not None:
-            self._answers.put(decode.run())
-        decode.close()  # (in its own context, on its own thread)
+        _serve(lambda: Decode(streams, shapes, output, own_context=True), lambda: self._asks.get() is not None,
+               self._answers.put)
 
     def run(self) -> float:
         self._asks.put(True)
@@ -288,17 +277,25 @@ class _Worker:
         self._thread.join(timeout=_WAIT)
 
 
+def _serve(make, asked, answer):
+    """A placed decode's loop, on its thread or in its process: ``make()`` the ``Decode`` and decode
+    once, then ``answer`` 0.0 (or why it failed, as a string) and a batch's seconds each time
+    ``asked()`` is true; the decoder destroyed where it was made once ``asked()`` is false."""
+    try:
+        decode = make()
+        decode.run()
+    except Exception as e:  # noqa: BLE001 - answered: the caller raises it
+        answer(f"{type(e).__name__}: {e}")
+        return
+    answer(0.0)
+    while asked():
+        answer(decode.run())
+    decode.close()
+
+
 def _child(connection, streams, shapes, output):
     """A spawned process's decode loop: a batch decoded each time it is asked."""
-    try:
-        decode = Decode(streams, shapes, output)
-        decode.run()
-    except Exception as e:  # noqa: BLE001 - sent to the parent, which says it
-        connection.send(f"{type(e).__name__}: {e}")
-        return
-    connection.send(0.0)
-    while connection.recv():
-        connection.send(decode.run())
+    _serve(lambda: Decode(streams, shapes, output), connection.recv, connection.send)
 
 
 class _Process:
