@@ -33,7 +33,7 @@ def given_path(name: str, value):
 
 
 _COUNT = re.compile(r"[0-9]+")
-_SHARE = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)%")
+SHARE = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)%")
 
 
 def skip_limit(value):
@@ -47,7 +47,7 @@ def skip_limit(value):
     text = value.strip()
     if _COUNT.fullmatch(text):
         return int(text)
-    if _SHARE.fullmatch(text):
+    if SHARE.fullmatch(text):
         if Fraction(text[:-1]) > 100:
             raise ValueError(f"max_skipped is a share of the files to pack, at most 100%, got {value!r}")
         return text

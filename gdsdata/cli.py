@@ -46,14 +46,15 @@ def _integer(low: int, high: int | None = None):
 
 def _skip_limit(text: str):
     """An argparse type: --max-skipped's count or share (a usage error for anything else)."""
-    from gdsdata.args import skip_limit
+    from gdsdata.args import SHARE, skip_limit
 
     try:
         return skip_limit(text)
-    except ValueError as e:
-        below = text.strip().startswith("-") and text.strip()[1:].isdigit()
-        over = "at most 100%" in str(e)
-        raise argparse.ArgumentTypeError(f"{text.strip()} is below 0" if below else f"{text.strip()} is over 100%"
+    except ValueError:
+        given = text.strip()
+        below = given.startswith("-") and given[1:].isdigit()
+        over = SHARE.fullmatch(given) is not None  # (a share that skip_limit refuses is one over 100%)
+        raise argparse.ArgumentTypeError(f"{given} is below 0" if below else f"{given} is over 100%"
                                          if over else f"{text!r} is neither a count of files (10) nor a share of "
                                          f"them (0.5%)") from None
 

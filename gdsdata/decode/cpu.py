@@ -6,7 +6,7 @@ identical pixels (docs/design.md).
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import BrokenExecutor, ThreadPoolExecutor, wait
 
 import numpy as np
 import simplejpeg
@@ -53,8 +53,8 @@ def run_parallel(work, count: int):
     for r in range(runs):
         try:
             futures.append(cpu_pool().submit(run, r))
-        except RuntimeError as e:  # the interpreter is shutting down (the work is a non-daemon thread's, the main
-            if "shutdown" not in str(e):  # thread has ended): concurrent.futures takes no more work; the rest in place
+        except RuntimeError as e:  # the pool or the interpreter is shutting down (the work is a non-daemon thread's,
+            if isinstance(e, BrokenExecutor):  # the main thread has ended): no more work; the rest runs in place
                 raise
             break
     failure = None
