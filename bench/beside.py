@@ -246,31 +246,29 @@ class Decode:
 
 
 class _Worker:
-    """A thread that makes a ``Decode`` (in a context of its own, made current on it) and decodes a
-    batch each time it is asked: what a spawned process does, inside the training process."""
+    """A thread that makes a ``Decode`` (in torch's context, or in a context of its own made current
+    on it) and decodes a batch each time it is asked, as gdsdata's decode thread makes its decoder
+    and decodes on it: what a spawned process does, inside the training process."""
 
-    def __init__(self, streams, shapes, output):
+    def __init__(self, streams, shapes, output, own_context):
         self._asks, self._answers = queue.Queue(), queue.Queue()
-        self._thread = threading.Thread(target=self._serve, args=(streams, shapes, output), daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(streams, shapes, output, own_context), daemon=True)
         self._thread.start()
-        answer = self._answer(120)
-        if isinstance(answer, str):
-            raise RuntimeError(answer)
+        _seconds(self._answer(120))
 
     def _answer(self, timeout):
         try:
             return self._answers.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"the decode thread with its own CUDA context did not answer within "
-                               f"{timeout:g} s") from None
+            raise RuntimeError(f"the decode thread did not answer within {timeout:g} s") from None
 
-    def _serve(self, streams, shapes, output):
-        _serve(lambda: Decode(streams, shapes, output, own_context=True), lambda: self._asks.get() is not None,
+    def _serve(self, streams, shapes, output, own_context):
+        _serve(lambda: Decode(streams, shapes, output, own_context), lambda: self._asks.get() is not None,
                self._answers.put)
 
     def run(self) -> float:
         self._asks.put(True)
-        return self._answer(_WAIT)
+        return _seconds(self._answer(_WAIT))
 
     def close(self):
         self._asks.put(None)
@@ -289,8 +287,18 @@ def _serve(make, asked, answer):
         return
     answer(0.0)
     while asked():
-        answer(decode.run())
+        try:
+            answer(decode.run())
+        except Exception as e:  # noqa: BLE001 - answered: the caller raises it
+            answer(f"{type(e).__name__}: {e}")
     decode.close()
+
+
+def _seconds(answer) -> float:
+    """A placed decode's answer: its seconds, or (a string) why it failed, raised."""
+    if isinstance(answer, str):
+        raise RuntimeError(answer)
+    return answer
 
 
 def _child(connection, streams, shapes, output):
@@ -307,9 +315,7 @@ class _Process:
             target=_child, args=(theirs, streams, shapes, output), daemon=True)
         self._process.start()
         theirs.close()  # (the child's end: once it is gone, this end reads end-of-file)
-        answer = self._recv(120)
-        if isinstance(answer, str):
-            raise RuntimeError(answer)
+        _seconds(self._recv(120))
 
     def _recv(self, timeout):
         try:
@@ -323,7 +329,7 @@ class _Process:
 
     def run(self) -> float:
         self._connection.send(True)
-        return self._recv(_WAIT)
+        return _seconds(self._recv(_WAIT))
 
     def close(self):
         try:
@@ -340,7 +346,8 @@ def placements(jpegs, places, outputs) -> tuple:
         for output in outputs:
             name = f"decode {output}, {'a thread' if place == 'thread' else 'own ' + place}"
             try:
-                made[name] = {"thread": Decode, "context": _Worker, "process": _Process}[place](*jpegs, output)
+                made[name] = (_Process(*jpegs, output) if place == "process"
+                              else _Worker(*jpegs, output, own_context=place == "context"))
             except Exception as e:  # noqa: BLE001 - said, recorded, and the row left out
                 failed[name] = f"{type(e).__name__}: {e}"
                 print(f"{name}: {failed[name]}", flush=True)
@@ -444,8 +451,15 @@ def main(argv=None):
     labels = torch.randint(0, 1000, (BATCH,), device="cuda")
     for name, count in zip(models, steps):
         model = _Model(name)
-        for work in modes.values():  # cuDNN's choices made, the kernels compiled, the decoder created
-            rate(model, work, 15, images, labels)
+        for mode, work in list(modes.items()):  # cuDNN's choices made, the kernels compiled, the decoder created
+            try:
+                rate(model, work, 15, images, labels)
+            except Exception as e:  # noqa: BLE001 - a placed row that fails is said, recorded and left out
+                if mode not in elsewhere:
+                    raise
+                failed[mode] = f"{type(e).__name__}: {e}"
+                print(f"{mode}: {failed[mode]}", flush=True)
+                del modes[mode]
         runs = {mode: [] for mode in modes}
         for p in range(args.passes):
             for mode in (list(modes) if p % 2 == 0 else list(modes)[::-1]):
