@@ -17,7 +17,8 @@ Run it again with the same --checkpoint after an interruption: it resumes mid-ep
 batch the checkpoint was written after (the Loader's state_dict is part of the checkpoint), also with
 another --batch-size or number of processes: the learning-rate schedule follows the training's
 progress in epochs (from the Loader's state), not a count of batches, and training stops at --epochs.
-Without a GPU it trains on the CPU (gloo), which is how the tests run it.
+Without a GPU it trains on the CPU (gloo), in float32 (bf16 autocast is slow on CPUs without bf16
+instructions), which is how the tests run it.
 """
 
 import argparse
@@ -116,7 +117,7 @@ def evaluate(model, loader, device, world):
     correct = torch.zeros(size, device=device)
     seen = torch.zeros(size, device=device)
     batches = loader.indices()  # this rank's batches, as dataset indices (asked before the pass starts)
-    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16):
+    with torch.no_grad(), autocast(device):
         for (images, labels), indices in zip(loader, batches, strict=True):
             logits = model(images.contiguous(memory_format=torch.channels_last))
             at = torch.as_tensor(indices, device=device)
@@ -180,6 +181,10 @@ def main(argv=None):
     train = gdsdata.Loader(train_ds, args.batch_size, shuffle=True, seed=args.seed, drop_last=True,
                            transform=gdsdata.RandomResizedCrop(size, seed=args.seed))
     steps_per_epoch = len(train)  # batches per epoch for this rank, at this batch size and world size
+    if not steps_per_epoch:  # (drop_last: a smaller last batch would be one of another shape)
+        share = f"each of {world} processes' share of " if world > 1 else ""
+        sys.exit(f"train_imagenet.py: error: --batch-size {args.batch_size} is more than {share}the "
+                 f"{len(train_ds)} images of {args.train}")
     if args.checkpoint:  # its folder made now, not found missing at the first save, after hours of training
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     step = 0  # optimizer steps taken, resumed ones included (of whatever batch size they had)
@@ -211,7 +216,7 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(epoch + done / steps_per_epoch, 1 / steps_per_epoch, args.epochs,
                                     args.warmup_epochs, base_lr)
-            with torch.autocast(device.type, torch.bfloat16):
+            with autocast(device):
                 loss = criterion(model(images.contiguous(memory_format=torch.channels_last)), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -241,6 +246,11 @@ def main(argv=None):
     train.close()
     if world > 1:
         dist.destroy_process_group()
+
+
+def autocast(device):
+    """bf16 autocast on a GPU; none on the CPU (slow there without bf16 instructions)."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
 
 
 def load_checkpoint(path, device, arch) -> dict:
