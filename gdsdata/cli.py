@@ -452,7 +452,7 @@ def build_parser():
                        "tar shards (image + .cls per sample); with --format yolo an Ultralytics data YAML or "
                        "dataset folder (images/<split>, labels/<split>); with --format coco the instances JSON "
                        "and the images folder.")
-    p.add_argument("paths", nargs="+", metavar="PATH", type=_path,
+    p.add_argument("paths", nargs="+", metavar="SRC OUT", type=_path,
                    help="SRC OUT: an ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards (a path or an fsspec "
                    "URL: s3://, gs://, az://, ...), and the dataset folder to create")
     p.add_argument("--format", choices=("folder", "yolo", "coco"), default="folder",
@@ -507,8 +507,8 @@ def build_parser():
     p = sub.add_parser("merge", help="join datasets packed as parts into one",
                        description="Join PARTS (in this order) into OUT without copying shard data "
                        "(hard links, or symbolic links across filesystems).")
-    p.add_argument("parts", nargs="+", type=_path, help="part datasets")
-    p.add_argument("out", type=_path, help="merged dataset folder to create")
+    p.add_argument("parts", nargs="+", metavar="PARTS", type=_path, help="part datasets")
+    p.add_argument("out", metavar="OUT", type=_path, help="merged dataset folder to create")
     p.add_argument("--copy", action="store_true", help="copy shard data instead of linking it")
     p.add_argument("--max-skipped", type=_skip_limit, metavar="N|P%",
                    help="refuse the merge when the parts left out more than N files together (or P%% of their "
@@ -522,7 +522,7 @@ def build_parser():
                        description="Show what DATASET holds: samples and classes, shards, payload and alignment "
                        "overhead, image sizes, codecs and chroma subsampling, what was converted at pack time, "
                        "where it came from (parts, merges, appends) and the count per class.")
-    p.add_argument("dataset", type=_path, help="a packed dataset folder")
+    p.add_argument("dataset", metavar="DATASET", type=_path, help="a packed dataset folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_cmd_inspect)
 
@@ -540,7 +540,7 @@ def build_parser():
                        "kvikio, whether cuFile runs GPUDirect Storage or compatibility mode (and why), nvJPEG and "
                        "its hardware engines, and the settings in effect; with DATASET, the path its samples take "
                        "on DEVICE.")
-    p.add_argument("dataset", nargs="?", type=_path, help="a packed dataset: show how it loads")
+    p.add_argument("dataset", nargs="?", metavar="DATASET", type=_path, help="a packed dataset: show how it loads")
     p.add_argument("--device", default=None, help="for DATASET: cpu or cuda (default: cuda where torch sees a GPU)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_cmd_doctor)

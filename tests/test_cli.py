@@ -137,11 +137,11 @@ def test_an_empty_path_is_a_usage_error_not_the_current_folder(small_src, tmp_pa
     which would be packed, or written into."""
     monkeypatch.chdir(tmp_path)
     said = 'an empty path (a shell variable left unset?); name the folder, "." for the current one'
-    for command, args, name in (("pack", (small_src, ""), "PATH"), ("pack", ("", "o"), "PATH"),
+    for command, args, name in (("pack", (small_src, ""), "SRC OUT"), ("pack", ("", "o"), "SRC OUT"),
                                 ("pack", (small_src, "o", "--shard-root", ""), "--shard-root"),
-                                ("merge", ("", "o"), "parts"), ("merge", ("p", ""), "out"),
-                                ("inspect", ("",), "dataset"), ("verify", ("",), "DATASET"),
-                                ("doctor", ("",), "dataset")):
+                                ("merge", ("", "o"), "PARTS"), ("merge", ("p", ""), "OUT"),
+                                ("inspect", ("",), "DATASET"), ("verify", ("",), "DATASET"),
+                                ("doctor", ("",), "DATASET")):
         rc, _, err = run(command, *args)
         assert rc == 2 and err == f"gdsdata {command}: error: argument {name}: {said} (see gdsdata {command} --help)\n"
     assert os.listdir(tmp_path) == []

@@ -94,7 +94,7 @@ def _gpu_packages() -> str:
     extra = f"gdsdata[cu{major}]' beside this CUDA {major} torch" if major in ("12", "13") else \
         "gdsdata[cu13]' (or [cu12]) beside a CUDA torch of that major"
     missing = any("not installed" in line for line in found)
-    return "; ".join(found) + (f" (pip install '{extra})" if missing else "")
+    return "; ".join(found) + (f" (for a GPU: pip install '{extra})" if missing else "")
 
 
 def _nvjpeg_block():
