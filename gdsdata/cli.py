@@ -144,7 +144,9 @@ def _cmd_pack(args):
     _print_left_out(result.skipped, result.ignored, result.unreadable, result.special)
     empty = _empty_classes(result.report_path) if result.labels is None else []  # (detection: boxes per class)
     if empty:
-        print(f"  {len(empty)} class(es) hold no sample: {', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}")
+        where = " in this part (other parts may hold them)" if args.num_parts > 1 and args.ray is None else ""
+        print(_one_line(f"  {len(empty)} class(es) hold no sample{where}: {', '.join(empty[:10])}"
+                        f"{' ...' if len(empty) > 10 else ''}"))
     if result.report_path:
         print(f"  report: {result.report_path}")
     elif result.finished_before:
@@ -172,8 +174,11 @@ def _print_left_out(skipped, ignored, unreadable, special):
     if skipped:
         _print_entries(f"  skipped {len(skipped)} file(s), each with its reason:", skipped)
     if ignored:
-        print(f"  ignored {len(ignored)} file(s) or sample(s) holding no labelled image: files not images or beside "
-              f"the class folders, tar samples without an image or a .cls (pack_report.json lists them)")
+        names = ", ".join(str(name) for name in ignored[:5]) + (f" and {len(ignored) - 5} more" if len(ignored) > 5
+                                                                 else "")
+        print(_one_line(f"  ignored {len(ignored)} file(s) or sample(s) holding no labelled image (files not images "
+                        f"or beside the class folders, tar samples without an image or a .cls): {names} "
+                        f"(pack_report.json lists them)"))
     for what, entries in (("could not read", unreadable), ("left out", special)):  # (special: each says how)
         if entries:
             _print_entries(f"  {what} {len(entries)} folder(s) or file(s):", entries)

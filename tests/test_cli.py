@@ -218,6 +218,20 @@ def test_doctor_says_when_the_io_engine_setting_decides_streaming():
         assert "(mmap) picks every dataset's reads" in report()["streaming"]
 
 
+def test_the_pack_summary_names_what_it_ignored_and_a_part_s_empty_classes(tmp_path):
+    """A stray file beside the class folders is named, not only counted; a part whose share of the
+    source holds none of a class says that the class is empty in this part, not in the source."""
+    src = tmp_path / "src"
+    write_photos(str(src), 6, classes=2)
+    (src / "notes.txt").write_text("not an image")
+    rc, stdout, err = run("pack", str(src), str(tmp_path / "ds"), "-q")
+    assert rc == 0 and "ignored 1 file(s) or sample(s) holding no labelled image" in stdout, err
+    assert "a .cls): notes.txt (pack_report.json lists them)" in stdout and "hold no sample" not in stdout
+    rc, stdout, err = run("pack", str(src), str(tmp_path / "p0"), "--num-parts", "2", "--part", "0", "-q")
+    assert rc == 0 and "1 class(es) hold no sample in this part (other parts may hold them): class1" in stdout, \
+        stdout + err
+
+
 def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path):
     parts = [str(tmp_path / f"p{k}") for k in range(2)]
     for k, part in enumerate(parts):

@@ -183,7 +183,7 @@ def test_the_examples_refuse_a_wrong_argument_in_one_line(photos_dataset, tmp_pa
             ("train_imagenet.py", ["--train", classes, "--arch", "resnet180"], 2,
              "error: --arch resnet180: not one of torchvision's classifiers"),
             ("train_imagenet.py", ["--train", classes, "--batch-size", "4096"], 1,  # (no batch: trains nothing)
-             f"train_imagenet.py: error: --batch-size 4096 is more than the"),
+             "train_imagenet.py: error: --batch-size 4096 is more than the"),
             ("train_detection.py", ["--train", classes], 1,
              f"train_detection.py: error: {classes} is a classification dataset"),
             ("train_imagenet.py", ["--train", classes, "--val", two], 1,
