@@ -251,7 +251,7 @@ class Result:
     def row(self, reference=None):
         low, high = self.spread
         ratio = f"{self.images_per_s / reference.images_per_s:6.2f}x" if reference else "      "
-        return (f"{self.name:<44} {self.images_per_s:>10.0f} {low:>8.0f}-{high:<8.0f} {ratio} "
+        return (f"{self.name:<50} {self.images_per_s:>10.0f} {low:>8.0f}-{high:<8.0f} {ratio} "
                 f"{self.cpu_per_1k:>9.2f} {self.bytes_per_s / 1e9:>7.2f}")
 
     def to_dict(self):
@@ -260,7 +260,7 @@ class Result:
         return d
 
 
-HEADER = f"{'pipeline':<44} {'images/s':>10} {'(min-max)':^17} {'ratio':>7} {'CPU-s/1k':>9} {'GB/s':>7}"
+HEADER = f"{'pipeline':<50} {'images/s':>10} {'(min-max)':^17} {'ratio':>7} {'CPU-s/1k':>9} {'GB/s':>7}"
 
 
 def measure(name, epoch_fn, images, *, runs=3, warmup=1, nbytes=0, note="", min_seconds=0.0) -> Result:
