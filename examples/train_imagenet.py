@@ -154,7 +154,7 @@ def main(argv=None):
             sys.exit(f"train_imagenet.py: error: {args.val} holds other classes than {args.train} "
                      f"({len(val_ds.classes)} against {len(train_ds.classes)}, {_first_difference(val_ds, train_ds)})")
         val = gdsdata.Loader(val_ds, args.batch_size, shuffle=False,
-                             transform=gdsdata.CenterCrop(size))  # resized to size / 0.875 first
+                             transform=gdsdata.CenterCrop(size))  # resized to size / 0.875 (rounded) first
 
     model = getattr(torchvision.models, args.arch)(num_classes=len(train_ds.classes))
     model = model.to(device, memory_format=torch.channels_last)
