@@ -145,10 +145,10 @@ def test_skip_replaces_bad_sample_deterministically(corrupted):
 
 
 def test_verify_reports_every_bad_sample(corrupted):
-    problems = verify(corrupted)
-    assert any("sample 7" in p and "checksum mismatch" in p for p in problems)
-    assert any("sample 7" in p and "JPEG decoding failed" in p for p in problems)
-    assert any(p.endswith("shard checksum mismatch (in sample 7: below)") for p in problems)
+    problems = verify(corrupted)  # the shard's line, and one line for the sample: its checksum, and its decode
+    assert len(problems) == 2 and problems[0].endswith("shard checksum mismatch (in sample 7: below)"), problems
+    assert problems[1].startswith("sample 7 (") and problems[1].count("sample 7") == 1, problems
+    assert "checksum mismatch" in problems[1] and "; JPEG decoding failed" in problems[1], problems
 
 
 def test_verify_says_a_shard_damaged_between_its_samples_keeps_them_intact(photos_dataset, tmp_path):

@@ -62,12 +62,13 @@ def verify(root, *, decode_samples: bool = True, batch: int = 256, progress: boo
             name = index.describe(sample)
             found = []
             steps = (check_crc, decode) if decode_samples else (check_crc,)
-            for step in steps:  # report both a checksum mismatch and whether the sample still decodes
+            for step in steps:  # both a checksum mismatch and whether the sample still decodes, in one line
                 try:
                     step(payload, index.samples[sample], name)
                 except GdsDataError as e:
-                    found.append(str(e))
-            return found
+                    said = str(e)
+                    found.append(said.removeprefix(f"{name}: ") if found and said.startswith(f"{name}: ") else said)
+            return ["; ".join(found)] if found else []
 
         damaged = {}  # shard -> its samples with a problem
         bar = progress_bar(progress, total=len(index), unit="img", desc="verify")
