@@ -254,7 +254,11 @@ class _Worker:
         self._asks, self._answers = queue.Queue(), queue.Queue()
         self._thread = threading.Thread(target=self._serve, args=(streams, shapes, output, own_context), daemon=True)
         self._thread.start()
-        _seconds(self._answer(120))
+        try:
+            _seconds(self._answer(120))
+        except RuntimeError:
+            self._asks.put(None)  # (its loop ends once the decoder it makes is made, or its making failed)
+            raise
 
     def _answer(self, timeout):
         try:
@@ -268,11 +272,11 @@ class _Worker:
 
     def run(self) -> float:
         self._asks.put(True)
-        return _seconds(self._answer(_WAIT))
+        return _seconds(self._answer(_WAIT + 10))  # (the decode's own wait says it first, naming itself)
 
     def close(self):
         self._asks.put(None)
-        self._thread.join(timeout=_WAIT)
+        self._thread.join(timeout=_WAIT + 10)
 
 
 def _serve(make, asked, answer):
@@ -315,7 +319,11 @@ class _Process:
             target=_child, args=(theirs, streams, shapes, output), daemon=True)
         self._process.start()
         theirs.close()  # (the child's end: once it is gone, this end reads end-of-file)
-        _seconds(self._recv(120))
+        try:
+            _seconds(self._recv(120))
+        except RuntimeError:
+            self.close()
+            raise
 
     def _recv(self, timeout):
         try:
@@ -329,14 +337,17 @@ class _Process:
 
     def run(self) -> float:
         self._connection.send(True)
-        return _seconds(self._recv(_WAIT))
+        return _seconds(self._recv(_WAIT + 10))  # (the decode's own wait says it first, naming itself)
 
     def close(self):
         try:
             self._connection.send(False)
         except (BrokenPipeError, OSError):
             pass
-        self._process.join(timeout=_WAIT)
+        self._process.join(timeout=_WAIT + 10)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout=10)
 
 
 def placements(jpegs, places, outputs) -> tuple:
@@ -369,10 +380,15 @@ def kernel_ms(inputs, antialias, batches=16) -> float:
                if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name) / 1e3 / batches
 
 
+class WorkFailed(RuntimeError):
+    """The input work beside the step failed or stopped making progress (not the step itself)."""
+
+
 def rate(model, work, steps, images, labels) -> tuple:
     """(images/s, batches of input work a step) over ``steps`` train steps while a thread does
     ``work(k, stream)`` on a side stream, a batch for each step the loop has issued (at most two
-    ahead, as the Loader's prefetch); ``work`` None: the step alone."""
+    ahead, as the Loader's prefetch); ``work`` None: the step alone. ``WorkFailed`` where the work
+    failed."""
     tokens, stop, failed, done = threading.Semaphore(2), threading.Event(), [], [0]
     side = torch.cuda.Stream()
 
@@ -402,9 +418,9 @@ def rate(model, work, steps, images, labels) -> tuple:
     if feeder is not None:
         feeder.join(timeout=60)
         if feeder.is_alive():
-            raise RuntimeError("the input work beside the step made no progress for 60 s")
+            raise WorkFailed("the input work beside the step made no progress for 60 s")
     if failed:
-        raise failed[0]
+        raise WorkFailed(f"{type(failed[0]).__name__}: {failed[0]}") from failed[0]
     return steps * BATCH / seconds, (batches / steps if work is not None else 0.0)
 
 
@@ -443,7 +459,7 @@ def main(argv=None):
                                    outputs)
     print(f"path: {inputs.ds.load_path.describe()}")
     results = {"arguments": vars(args), "decode backend": inputs.ds.load_path.backend, "rows not made": failed,
-               "kernel_ms": {name: kernel_ms(inputs, aa) for name, aa in RESIZES.items()}}
+               "rows dropped": {}, "kernel_ms": {name: kernel_ms(inputs, aa) for name, aa in RESIZES.items()}}
     print(f"\n== resize kernels alone, GPU ms a batch of {BATCH} (RandomResizedCrop 224, fp16 NCHW; the kernels' "
           f"time under torch.profiler) ==")
     for name, ms in results["kernel_ms"].items():
@@ -453,41 +469,62 @@ def main(argv=None):
              **{name: (lambda k, stream, run=decoder.run: run()) for name, decoder in elsewhere.items()}}
     images = torch.randn(BATCH, 3, 224, 224, device="cuda", dtype=torch.float16)
     labels = torch.randint(0, 1000, (BATCH,), device="cuda")
-    for name, count in zip(models, steps):
-        model = _Model(name)
-        for mode, work in list(modes.items()):  # cuDNN's choices made, the kernels compiled, the decoder created
-            try:
-                rate(model, work, 15, images, labels)
-            except Exception as e:  # noqa: BLE001 - a placed row that fails is said, recorded and left out
-                if mode not in elsewhere:
-                    raise
-                failed[mode] = f"{type(e).__name__}: {e}"
-                print(f"{mode}: {failed[mode]}", flush=True)
-                del modes[mode]
-        runs = {mode: [] for mode in modes}
-        for p in range(args.passes):
-            for mode in (list(modes) if p % 2 == 0 else list(modes)[::-1]):
-                runs[mode].append(rate(model, modes[mode], count, images, labels))
-        alone = statistics.median(r for r, _ in runs["step alone"])
-        print(f"\n== {name} train step (bf16, channels_last, SGD, batch {BATCH}) with a batch of input work a "
-              f"step beside it; median of {args.passes} passes of {count} steps ==")
-        print(f"{'beside the step':<28} {'images/s':>9} {'of the step alone':>18} {'batches/step':>13}  each pass")
-        rows = results.setdefault(name, {})
-        for mode, values in runs.items():
-            rates = [r for r, _ in values]
-            median = statistics.median(rates)
-            per_step = statistics.median(b for _, b in values)
-            rows[mode] = {"images_per_s": median, "of_step_alone": median / alone, "rates": rates,
-                          "batches_per_step": [b for _, b in values]}
-            print(f"{mode:<28} {median:9.0f} {median / alone:18.4f} {per_step:13.2f}  "
-                  + " ".join(f"{v:.0f}" for v in rates))
-        del model
-    inputs.close()
-    for decoder in elsewhere.values():
-        decoder.close()
-    with open(os.path.join(args.out, "beside.json"), "w") as f:
-        json.dump({"system": system, "results": results}, f, indent=2, default=str)
+    try:
+        for name, count in zip(models, steps):
+            _model_rows(name, count, args.passes, modes, elsewhere, results, images, labels)
+    finally:
+        inputs.close()
+        for decoder in elsewhere.values():
+            decoder.close()
+        with open(os.path.join(args.out, "beside.json"), "w") as f:
+            json.dump({"system": system, "results": results}, f, indent=2, default=str)
     return 0
+
+
+def _model_rows(name, count, passes, modes, elsewhere, results, images, labels):
+    """One model's rows: each mode warmed up, then ``passes`` passes of ``count`` steps, interleaved;
+    a placed row whose decode fails is said, recorded and dropped (from ``modes`` and ``elsewhere``,
+    its decoder closed)."""
+    model = _Model(name)
+    runs = {mode: [] for mode in modes}
+
+    def timed(mode, steps):
+        try:
+            return rate(model, modes[mode], steps, images, labels)
+        except WorkFailed as e:
+            if mode not in elsewhere:
+                raise
+            results["rows dropped"][mode] = f"{name}: {e}"
+            print(f"{mode}: dropped ({e})", flush=True)
+            del modes[mode], runs[mode]
+            elsewhere.pop(mode).close()
+            return None
+
+    for mode in list(modes):  # cuDNN's choices made, the kernels compiled, the decoder created
+        timed(mode, 15)
+    for p in range(passes):
+        for mode in (list(modes) if p % 2 == 0 else list(modes)[::-1]):
+            if mode in modes:
+                result = timed(mode, count)
+                if result is not None:
+                    runs[mode].append(result)
+    report(name, count, passes, runs, results.setdefault(name, {}))
+
+
+def report(name, count, passes, runs, rows):
+    """Print a model's table (and fill ``rows``, its part of beside.json)."""
+    alone = statistics.median(r for r, _ in runs["step alone"])
+    print(f"\n== {name} train step (bf16, channels_last, SGD, batch {BATCH}) with a batch of input work a "
+          f"step beside it; median of {passes} passes of {count} steps ==")
+    print(f"{'beside the step':<28} {'images/s':>9} {'of the step alone':>18} {'batches/step':>13}  each pass")
+    for mode, values in runs.items():
+        rates = [r for r, _ in values]
+        median = statistics.median(rates)
+        per_step = statistics.median(b for _, b in values)
+        rows[mode] = {"images_per_s": median, "of_step_alone": median / alone, "rates": rates,
+                      "batches_per_step": [b for _, b in values]}
+        print(f"{mode:<28} {median:9.0f} {median / alone:18.4f} {per_step:13.2f}  "
+              + " ".join(f"{v:.0f}" for v in rates))
 
 
 if __name__ == "__main__":

@@ -183,8 +183,10 @@ def main(argv=None):
     steps_per_epoch = len(train)  # batches per epoch for this rank, at this batch size and world size
     if not steps_per_epoch:  # (drop_last: a smaller last batch would be one of another shape)
         share = f"each of {world} processes' share of " if world > 1 else ""
+        if world > 1:
+            dist.destroy_process_group()
         sys.exit(f"train_imagenet.py: error: --batch-size {args.batch_size} is more than {share}the "
-                 f"{len(train_ds)} images of {args.train}")
+                 f"{len(train_ds)} images of {args.train}" if rank == 0 else 1)  # (said once, by rank 0)
     if args.checkpoint:  # its folder made now, not found missing at the first save, after hours of training
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     step = 0  # optimizer steps taken, resumed ones included (of whatever batch size they had)

@@ -52,8 +52,8 @@ def _skip_limit(text: str):
         return skip_limit(text)
     except ValueError:
         given = text.strip()
-        below = given.startswith("-") and given[1:].isdigit()
-        over = SHARE.fullmatch(given) is not None  # (a share that skip_limit refuses is one over 100%)
+        below = given.startswith("-") and (given[1:].isdigit() or SHARE.fullmatch(given[1:]) is not None)
+        over = SHARE.fullmatch(given) is not None  # (a share skip_limit refuses is one over 100%)
         raise argparse.ArgumentTypeError(f"{given} is below 0" if below else f"{given} is over 100%"
                                          if over else f"{text!r} is neither a count of files (10) nor a share of "
                                          f"them (0.5%)") from None
@@ -144,7 +144,7 @@ def _cmd_pack(args):
     _print_left_out(result.skipped, result.ignored, result.unreadable, result.special)
     empty = _empty_classes(result.report_path) if result.labels is None else []  # (detection: boxes per class)
     if empty:
-        where = " in this part (other parts may hold them)" if args.num_parts > 1 and args.ray is None else ""
+        where = " in this part (other parts may hold them)" if args.num_parts > 1 else ""  # (--ray returned above)
         print(_one_line(f"  {len(empty)} class(es) hold no sample{where}: {', '.join(empty[:10])}"
                         f"{' ...' if len(empty) > 10 else ''}"))
     if result.report_path:
@@ -458,7 +458,7 @@ def build_parser():
                        "dataset folder (images/<split>, labels/<split>); with --format coco the instances JSON "
                        "and the images folder.")
     p.add_argument("paths", nargs="+", metavar="SRC OUT", type=_path,
-                   help="SRC OUT: an ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards (a path or an fsspec "
+                   help="an ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards (a path or an fsspec "
                    "URL: s3://, gs://, az://, ...), and the dataset folder to create")
     p.add_argument("--format", choices=("folder", "yolo", "coco"), default="folder",
                    help="folder (classification, default), yolo or coco (detection: boxes packed with the images)")

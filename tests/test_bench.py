@@ -286,3 +286,45 @@ def test_beside_lays_out_each_jpeg_s_planes_and_refuses_what_it_cannot_run(tmp_p
     if not torch.cuda.is_available():
         assert beside.main(["--out", str(tmp_path / "out"), "--dir", str(tmp_path)]) == 1
         assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_beside_drops_a_placed_row_whose_decode_fails_and_keeps_the_others(monkeypatch, capsys):
+    """A placed decode row that fails (in its warm-up or in a pass) is said, recorded with its model,
+    dropped from the passes and its decoder closed; a failure of a row of gdsdata's own path, or of
+    the step, ends the run."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import beside
+
+    class Decoder:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    calls = []
+
+    def rate(model, work, steps, images, labels):
+        calls.append((work, steps))
+        if work == "placed-fails-late" and steps == 7 and sum(c == (work, 7) for c in calls) == 2:
+            raise beside.WorkFailed("RuntimeError: the decode failed")
+        if work == "placed-fails-early":
+            raise beside.WorkFailed("RuntimeError: NVJPEG_STATUS_ALLOCATOR_FAILURE")
+        return 1000.0, 1.0
+
+    monkeypatch.setattr(beside, "_Model", lambda name: name)
+    monkeypatch.setattr(beside, "rate", rate)
+    decoders = {"early": Decoder(), "late": Decoder(), "fine": Decoder()}
+    modes = {"step alone": None, "early": "placed-fails-early", "late": "placed-fails-late", "fine": "placed-fine"}
+    results = {"rows dropped": {}}
+    elsewhere = dict(decoders)
+    beside._model_rows("resnet18", 7, 3, modes, elsewhere, results, None, None)
+    assert list(modes) == ["step alone", "fine"] and list(elsewhere) == ["fine"]
+    assert decoders["early"].closed and decoders["late"].closed and not decoders["fine"].closed
+    assert results["rows dropped"] == {"early": "resnet18: RuntimeError: NVJPEG_STATUS_ALLOCATOR_FAILURE",
+                                       "late": "resnet18: RuntimeError: the decode failed"}
+    assert set(results["resnet18"]) == {"step alone", "fine"}
+    assert results["resnet18"]["fine"]["rates"] == [1000.0] * 3
+    assert "early: dropped (RuntimeError: NVJPEG_STATUS_ALLOCATOR_FAILURE)" in capsys.readouterr().out
+    monkeypatch.setattr(beside, "rate", lambda *a: (_ for _ in ()).throw(beside.WorkFailed("gdsdata's decode")))
+    with pytest.raises(beside.WorkFailed):  # (not a placed row: the run ends)
+        beside._model_rows("resnet18", 7, 3, {"decode": "own"}, {}, {"rows dropped": {}}, None, None)

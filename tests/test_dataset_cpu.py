@@ -571,6 +571,32 @@ def test_the_cpu_pool_runs_each_item_once_waits_for_all_and_raises_a_failure():
         assert sorted(nested) == [(k, j) for k in range(8) for j in range(3)]
 
 
+def test_the_cpu_pool_runs_the_rest_in_place_at_shutdown_and_raises_any_other_refusal(monkeypatch):
+    """A pool shut down (as at the interpreter's exit, under a non-daemon thread's work) takes no
+    work: what it refuses runs in place, each k once. Any other refusal of ``submit`` is raised (a
+    thread that could not start leaves its run queued: running it in place too would run it twice)."""
+    import concurrent.futures
+
+    from gdsdata.decode import cpu
+
+    seen = []
+    closed = concurrent.futures.ThreadPoolExecutor(2)
+    closed.shutdown()
+    monkeypatch.setattr(cpu, "cpu_pool", lambda: closed)
+    cpu.run_parallel(seen.append, 20)
+    assert sorted(seen) == list(range(20))
+
+    class Refusing(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("can't start new thread")
+
+    refusing = Refusing(1)
+    monkeypatch.setattr(cpu, "cpu_pool", lambda: refusing)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        cpu.run_parallel(seen.append, 20)
+    refusing.shutdown()
+
+
 def test_a_shard_header_with_another_sample_count_is_named(photos_dataset, tmp_path):
     """The count in a shard's header (outside its checksum) is checked against the index's."""
     import shutil

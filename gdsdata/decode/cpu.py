@@ -6,7 +6,7 @@ identical pixels (docs/design.md).
 
 import os
 import threading
-from concurrent.futures import BrokenExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import simplejpeg
@@ -32,6 +32,14 @@ def cpu_pool() -> ThreadPoolExecutor:
         return _pool["executor"]
 
 
+def _refused_at_shutdown(error: RuntimeError) -> bool:
+    """Whether ``ThreadPoolExecutor.submit`` refused the work, queuing nothing, because the pool or
+    the interpreter shuts down: concurrent.futures says so only in its message ("cannot schedule new
+    futures after [interpreter] shutdown"); its other errors (a broken pool, a thread that could not
+    start after the work was queued) are not that."""
+    return type(error) is RuntimeError and str(error).startswith("cannot schedule new futures after")
+
+
 def run_parallel(work, count: int):
     """``work(k)`` for each k in ``range(count)`` on the CPU pool, the k in a few contiguous runs a
     thread: a task (a future) per image held the GIL for as long as the image's own Python did, and
@@ -53,10 +61,11 @@ def run_parallel(work, count: int):
     for r in range(runs):
         try:
             futures.append(cpu_pool().submit(run, r))
-        except RuntimeError as e:  # the pool or the interpreter is shutting down (the work is a non-daemon thread's,
-            if isinstance(e, BrokenExecutor):  # the main thread has ended): no more work; the rest runs in place
+        except RuntimeError as e:
+            if not _refused_at_shutdown(e):  # (e.g. a thread that could not start: its run is queued already)
                 raise
-            break
+            break  # the pool or the interpreter is shutting down (a non-daemon thread's work after the main thread
+            # ended): the pool takes no more work, the rest runs in place
     failure = None
     for r in range(len(futures), runs):
         try:
