@@ -429,8 +429,11 @@ class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """As argparse's, an option no command knows said by the command it was given to."""
         argv = list(sys.argv[1:] if args is None else args)
-        parsed, extra = self.parse_known_args(argv, namespace)
         commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        typed = next((a for a in argv if not a.startswith("-")), None)
+        if typed in commands:  # an alias's usage and errors named as typed (info, not inspect)
+            commands[typed].prog = f"{self.prog} {typed}"
+        parsed, extra = self.parse_known_args(argv, namespace)
         command = getattr(parsed, "command", None)
         if extra:
             before = command in argv and argv.index(extra[0]) < argv.index(command) if extra[0] in argv else False

@@ -126,6 +126,9 @@ def test_errors_are_one_line(small_src, tmp_path):
                                 ("--max-skipped", "200%", "200% is over 100%")):
         rc, _, err = run("pack", small_src, str(tmp_path / "q"), option, value)  # a usage error, as argparse's
         assert rc == 2 and err == f"gdsdata pack: error: argument {option}: {said} (see gdsdata pack --help)\n"
+    for command in ("info", "inspect"):  # (info: inspect's alias, named as typed)
+        assert run(command)[2] == (f"gdsdata {command}: error: the following arguments are required: DATASET "
+                                   f"(see gdsdata {command} --help)\n")
     rc, _, err = run("pack", small_src, str(tmp_path / "q"), "--max-skipped=-5%")  # (-5% alone reads as an option)
     assert rc == 2 and err == "gdsdata pack: error: argument --max-skipped: -5% is below 0 (see gdsdata pack --help)\n"
     assert not os.path.exists(tmp_path / "q")
