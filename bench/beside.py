@@ -165,6 +165,7 @@ class _OwnContext:
         self._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(device), device_index))
         self._check("cuCtxCreate", lib.cuCtxCreate_v2(ctypes.byref(context), 0, device))
         self._check("cuCtxSetCurrent", lib.cuCtxSetCurrent(context))
+        self.handle = context
 
     def _check(self, call, status):
         cuda._check(self.lib, call, status)
@@ -178,6 +179,11 @@ class _OwnContext:
         pointer = ctypes.c_uint64()
         self._check("cuMemAlloc", self.lib.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(size)))
         return pointer.value
+
+    def close(self):
+        """Destroy the context, and with it the memory and stream made in it (on the thread it is
+        current on, once nothing of it runs)."""
+        self._check("cuCtxDestroy", self.lib.cuCtxDestroy_v2(self.handle))
 
     def stream(self) -> "_DriverStream":
         handle = ctypes.c_void_p()
@@ -243,6 +249,8 @@ class Decode:
 
     def close(self):
         self.nvjpeg.close()
+        if self.context:
+            self.context.close()
 
 
 class _Worker:
@@ -416,9 +424,9 @@ def rate(model, work, steps, images, labels) -> tuple:
     finally:
         stop.set()
     if feeder is not None:
-        feeder.join(timeout=60)
+        feeder.join(timeout=_WAIT)
         if feeder.is_alive():
-            raise WorkFailed("the input work beside the step made no progress for 60 s")
+            raise WorkFailed(f"the input work beside the step made no progress for {_WAIT:g} s")
     if failed:
         raise WorkFailed(f"{type(failed[0]).__name__}: {failed[0]}") from failed[0]
     return steps * BATCH / seconds, (batches / steps if work is not None else 0.0)
