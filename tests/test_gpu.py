@@ -266,8 +266,12 @@ def test_kvikio_reads_small_samples_through_its_pool(raw_dataset, monkeypatch):
         ds.close()
 
 
-def test_resampled_gpu_batches_match_cpu_within_one(raw_dataset):
-    transform = gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=7)
+@pytest.mark.parametrize("transform", [
+    gdsdata.RandomResizedCrop(64, dtype="uint8", layout="NHWC", seed=7),
+    gdsdata.CenterCrop(64, dtype="uint8", layout="NHWC"),  # the resized image's centre: Resize(73) + CenterCrop(64)
+    gdsdata.CenterCrop((40, 56), resize=120, dtype="uint8", antialias=False),  # enlarged, plain bilinear
+], ids=["random", "centre", "centre-enlarged-bilinear"])
+def test_resampled_gpu_batches_match_cpu_within_one(raw_dataset, transform):
     cpu = gdsdata.Loader(gdsdata.GDSDataset(raw_dataset), 8, transform=transform, seed=3)
     gpu = gdsdata.Loader(gdsdata.GDSDataset(raw_dataset, device="cuda"), 8, transform=transform, seed=3)
     for (a, la), (b, lb) in zip(cpu, gpu):

@@ -39,9 +39,14 @@ def test_parameters_are_a_function_of_seed_epoch_and_sample():
 
 
 def test_center_crop_geometry():
+    """torchvision's Resize(256) (the shorter side to 256, the longer truncated: 640 x 256 / 480 =
+    341.3 -> 341) of the whole image, then CenterCrop(224)'s block: half the difference, rounded half
+    to even (58.5 -> 58)."""
     p = gdsdata.CenterCrop(224, 256).params(np.array([480, 300]), np.array([640, 300]))
-    assert p.height.tolist() == [420, 262] and p.width.tolist() == [420, 262]
-    assert p.top.tolist() == [30, 19] and p.left.tolist() == [109, 19] and not p.flip.any()
+    assert p.top.tolist() == [0, 0] and p.left.tolist() == [0, 0] and not p.flip.any()
+    assert p.height.tolist() == [480, 300] and p.width.tolist() == [640, 300]
+    assert p.resized_height.tolist() == [256, 256] and p.resized_width.tolist() == [341, 256]
+    assert p.out_top.tolist() == [16, 16] and p.out_left.tolist() == [58, 16]
 
 
 def _images():
@@ -95,48 +100,48 @@ def test_dtype_follows_the_device_by_default():
     assert T.output_dtype(t, "cuda") == torch.float16
 
 
-def test_center_crop_of_an_image_far_under_its_resize_takes_a_pixel_at_least():
-    """A 16 px image under Resize(256) + CenterCrop(8): the window is half a source pixel; it takes the
-    centre pixel (an empty window cannot be resampled)."""
-    p = gdsdata.CenterCrop(8, resize=256).params(np.array([16, 3]), np.array([16, 1]))
-    assert p.height.tolist() == [1, 1] and p.width.tolist() == [1, 1] and p.top.tolist() == [8, 1]  # (7.5: to even)
-
-
-@pytest.mark.parametrize("shape", [(256, 259), (259, 256), (256, 261), (256, 256)])
-def test_center_crop_of_an_image_at_its_resize_is_torchvision_s_exactly(shape):
-    """Where Resize(256) leaves the image as it is, the window is torchvision's CenterCrop's to the
-    pixel: half the difference rounded half to even (35 -> 18, 37 -> 18), not floored."""
+@pytest.mark.parametrize("antialias", [True, False])
+@pytest.mark.parametrize("size, resize, shapes", [
+    (224, 256, [(256, 259), (259, 256), (256, 261), (256, 256)]),  # at its resize: 35 -> 18, 37 -> 18 (to even)
+    (32, None, [(61, 90), (120, 47), (300, 410), (37, 37)]),  # shrunk, the odd sizes' edges between pixels
+    (8, 256, [(16, 16), (3, 1)]),  # far under its resize: enlarged 16 and 256 times
+    ((24, 40), 44, [(50, 70), (70, 50)]),  # a rectangle
+])
+def test_center_crop_is_torchvision_s_resize_and_center_crop_to_the_bit(size, resize, shapes, antialias):
+    """On the CPU, CenterCrop's pixels are those of torchvision v2's Resize(resize) + CenterCrop(size)
+    on the uint8 image, bit for bit, also where an edge of the block falls between source pixels;
+    a gray image's one channel fills all three."""
     from torchvision.transforms import v2
 
     rng = np.random.default_rng(3)
-    image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
-    t = gdsdata.CenterCrop(224, resize=256, dtype="uint8")
-    p = t.params([shape[0]], [shape[1]])
-    out = T.apply(t, torch.from_numpy(image.reshape(-1)), [0], [shape[0]], [shape[1]], [3], p)[0]
-    chw = torch.from_numpy(image).permute(2, 0, 1)
-    assert torch.equal(out, v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])(chw))
+    images = [rng.integers(0, 256, (*shape, 3 if k % 3 else 1), dtype=np.uint8) for k, shape in enumerate(shapes)]
+    t = gdsdata.CenterCrop(size, resize=resize, dtype="uint8", antialias=antialias)
+    heights, widths, chans = [i.shape[0] for i in images], [i.shape[1] for i in images], [i.shape[2] for i in images]
+    offsets = np.cumsum([0] + [i.size for i in images[:-1]])
+    buffer = torch.from_numpy(np.concatenate([i.reshape(-1) for i in images]))
+    out = T.apply(t, buffer, offsets, heights, widths, chans, t.params(heights, widths))
+    reference = v2.Compose([v2.Resize(t.resize, antialias=antialias), v2.CenterCrop(size)])
+    for k, image in enumerate(images):
+        want = reference(torch.from_numpy(image).permute(2, 0, 1))
+        assert torch.equal(out[k], want.expand(3, -1, -1)), (shapes[k], chans[k])
 
 
-def test_center_crop_takes_torchvision_s_window_in_source_pixels():
-    """Resize(256) truncates the longer side (1080 x 810 -> 341 x 256) and CenterCrop(224) starts at
-    row round(58.5) = 58 of it: source row 58 x 1080 / 341 = 183.7, so the one pass starts at 184 (centring
-    in source pixels gave 186, 0.6 of an output row lower), each edge rounded to its nearest (columns
-    50.6 to 759.4: 51 to 759); on Ultralytics' bus photograph the mean difference to torchvision's two
-    steps came down from 9.5 levels to 1.2."""
+def test_center_crop_of_a_photograph_is_torchvision_s_to_the_bit():
+    """Ultralytics' bus photograph (1080 x 810: Resize(256) makes it 341 x 256, CenterCrop(224) starts
+    at row round(58.5) = 58 of that, between source pixels), normalised float32 as a CPU model takes
+    it: torchvision's Resize + CenterCrop + ToDtype + Normalize, to float32 rounding."""
     from torchvision.transforms import v2
 
-    t = gdsdata.CenterCrop(224, resize=256, dtype="uint8", mean=None, std=None)
-    p = t.params([1080, 720], [810, 1280])
-    assert (p.top.tolist(), p.left.tolist(), p.height.tolist(), p.width.tolist()) == \
-        ([184, 45], [51, 326], [709, 630], [708, 630])
     ultralytics = pytest.importorskip("ultralytics")
     from PIL import Image
 
     bus = os.path.join(os.path.dirname(ultralytics.__file__), "assets", "bus.jpg")
     image = np.array(Image.open(bus).convert("RGB"))  # (writable: torch takes it as it is)
+    t = gdsdata.CenterCrop(224, resize=256)
     out = T.apply(t, torch.from_numpy(image.reshape(-1).copy()), [0], [1080], [810], [3], t.params([1080], [810]))[0]
-    ref = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])(torch.from_numpy(image).permute(2, 0, 1))
-    assert (out.int() - ref.int()).abs().float().mean() < 2
+    ref = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224), v2.ToDtype(torch.float32),
+                      v2.Normalize(T.IMAGENET_MEAN, T.IMAGENET_STD)])(torch.from_numpy(image).permute(2, 0, 1))
+    assert out.dtype == torch.float32 and torch.allclose(out, ref, atol=1e-5, rtol=0)
 
 
 def test_a_buffer_that_is_a_view_resamples_its_own_pixels():
@@ -241,7 +246,7 @@ def test_mean_and_std_on_the_0_1_scale_are_warned_about(make, caplog):
 
 def test_center_crop_of_a_rectangle():
     p = gdsdata.CenterCrop((224, 112), 256).params(np.array([512]), np.array([1024]))
-    assert (p.height[0], p.width[0]) == (448, 224) and (p.top[0], p.left[0]) == (32, 400)
+    assert (p.resized_height[0], p.resized_width[0]) == (256, 512) and (p.out_top[0], p.out_left[0]) == (16, 200)
 
 
 def test_invalid_options_are_refused():
@@ -277,7 +282,8 @@ def test_invalid_options_are_refused():
 
 def test_the_gpu_kernels_compute_what_the_cpu_path_does(tmp_path):
     """The Triton kernels (plain and antialiased bilinear) run in Triton's interpreter on the CPU:
-    within one level of the CPU path, which rounds to uint8 before normalising."""
+    within one level of the CPU path, which rounds to uint8 before normalising; RandomResizedCrop's
+    windows, and CenterCrop's block of the whole image resized (shrunk, and enlarged)."""
     import subprocess
     import sys
 
@@ -293,16 +299,18 @@ from gdsdata.transforms.kernels import resample
 rng = np.random.default_rng(1)
 everything = [rng.integers(0, 256, s, dtype=np.uint8) for s in ((61, 90, 3), (120, 47, 3), (33, 33, 1))]
 cases = ((24, "float32", "NCHW"), ((20, 36), "float32", "NCHW"), (80, "uint8", "NHWC"))
-for images, aa, (size, dtype, layout) in itertools.product((everything, everything[:2]), (True, False), cases):
+crops = (gdsdata.RandomResizedCrop, lambda size, **kw: gdsdata.CenterCrop(size, resize=None, **kw),
+         lambda size, **kw: gdsdata.CenterCrop(size, resize=max(T._pair(size)) + 3, **kw))
+for images, aa, (size, dtype, layout), crop in itertools.product((everything, everything[:2]), (True, False), cases,
+                                                                   crops):
     # a batch with a gray image, and an all-RGB one (whose channels the row pass reads at fixed offsets)
     buffer = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))
     offsets = np.cumsum([0] + [im.size for im in images[:-1]])
     h, w, c = ([im.shape[k] for im in images] for k in range(3))
-    t = gdsdata.RandomResizedCrop(size, seed=2, dtype=dtype, antialias=aa, mean=None, std=None, layout=layout)
+    t = crop(size, dtype=dtype, antialias=aa, mean=None, std=None, layout=layout)
     p = t.params(h, w, list(range(len(images))))
     ref = T.apply(t, buffer, offsets, h, w, c, p).float()
-    meta = np.stack([offsets, h, w, c, p.top, p.left, p.height, p.width, p.flip.astype(np.int64)],
-                    1).astype(np.int64)
+    meta = T.table(offsets, h, w, c, p, t.output_size)
     out = torch.empty(ref.shape, dtype=getattr(torch, dtype))
     if dtype == "float32":
         out.fill_(float("nan"))

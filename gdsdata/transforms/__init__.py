@@ -8,8 +8,9 @@ Loader hands the copies of a sample its ``indices=`` repeat keys of their own).
 
 The pixels are resampled as torchvision v2's ``resized_crop`` does: the crop box, then bilinear
 ``interpolate(align_corners=False)``, antialiased by default (``antialias=False``: plain bilinear with
-half-pixel centres clamped to the box). On the GPU one Triton kernel does the whole batch
-(``kernels``). On the CPU each image is cropped and resized on uint8 by torch's own kernel and
+half-pixel centres clamped to the box); ``CenterCrop`` as its ``Resize`` then ``CenterCrop``: the
+whole image resized, its centre block kept. On the GPU one Triton kernel does the whole batch
+(``kernels``), computing only the pixels kept. On the CPU each image is cropped and resized on uint8 by torch's own kernel and
 flipped, the images of a batch in parallel on the CPU threads (``settings`` cpu_threads); float32 is
 converted and normalised there too, image by image (other dtypes: the batch at once, after). That
 is also the reference the GPU is tested against.
@@ -60,11 +61,22 @@ def uniforms(seed: int, epoch: int, indices: Sequence[int], draws: int) -> np.nd
 
 @dataclass(frozen=True)
 class CropParams:
-    top: np.ndarray  # int64
+    """Per sample of a batch (int64 arrays): the window of the source image that is resampled
+    (``top``, ``left``, ``height``, ``width``, in source pixels) and whether the output is flipped.
+    The window resizes to ``resized_height`` x ``resized_width`` pixels, of which the output is the
+    block at row ``out_top``, column ``out_left``; None: to the output size, all of it
+    (``RandomResizedCrop``). ``CenterCrop`` resizes the whole image and keeps its centre, as
+    torchvision's ``Resize`` + ``CenterCrop`` do."""
+
+    top: np.ndarray
     left: np.ndarray
     height: np.ndarray
     width: np.ndarray
     flip: np.ndarray  # bool
+    resized_height: np.ndarray = None
+    resized_width: np.ndarray = None
+    out_top: np.ndarray = None
+    out_left: np.ndarray = None
 
 
 @dataclass(frozen=True)
@@ -184,7 +196,8 @@ class RandomResizedCrop:
 @dataclass(frozen=True)
 class CenterCrop:
     """Evaluation: torchvision's ``Resize(resize)`` (the shorter side) + ``CenterCrop(size)`` +
-    ``Normalize``, as one resampling pass.
+    ``Normalize``: the same pixels (on the CPU to the bit, on a GPU within one level), resampled
+    in one pass on a GPU, where only the centre is computed.
 
     Parameters
     ----------
@@ -230,7 +243,8 @@ class CenterCrop:
         Returns
         -------
         CropParams
-            Per sample: the window in the source image that resizes to ``output_size``; flip False.
+            Per sample: the whole image as the window, the size torchvision's ``Resize`` gives it,
+            and the place of ``CenterCrop``'s block in that; flip False.
         """
         heights = np.asarray(heights, np.float64)
         widths = np.asarray(widths, np.float64)
@@ -239,21 +253,12 @@ class CenterCrop:
         longer = np.floor(self.resize * np.maximum(heights, widths) / np.minimum(heights, widths))
         resized_h = np.where(heights <= widths, self.resize, longer)
         resized_w = np.where(heights <= widths, longer, self.resize)
-        # its CenterCrop's window there (half the difference, rounded half to even), in source pixels
-        top, h = _source_window(heights, resized_h, out_h)
-        left, w = _source_window(widths, resized_w, out_w)
-        return CropParams(top, left, h, w, np.zeros(len(heights), bool))
-
-
-def _source_window(source, resized, out) -> tuple:
-    """(start, length) in source pixels of the ``out`` resized pixels centred in ``resized``, each edge
-    rounded to the nearest pixel edge: at least a pixel (an image far under ``resize``, its window
-    under one pixel, gives its centre one), inside."""
-    scale = source / resized  # source pixels per resized pixel
-    first = np.round((resized - out) / 2) * scale
-    start = np.round(first)
-    length = np.clip(np.round(first + out * scale) - start, 1, source)
-    return np.clip(start, 0, source - length).astype(np.int64), length.astype(np.int64)
+        # its CenterCrop there: half the difference, rounded half to even (Python's round)
+        zero = np.zeros(len(heights), np.int64)
+        return CropParams(zero, zero, heights.astype(np.int64), widths.astype(np.int64), zero.astype(bool),
+                          resized_h.astype(np.int64), resized_w.astype(np.int64),
+                          np.round((resized_h - out_h) / 2).astype(np.int64),
+                          np.round((resized_w - out_w) / 2).astype(np.int64))
 
 
 def _pair(size) -> tuple:
@@ -340,9 +345,7 @@ def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, p
     device = buffer.device
     dtype = output_dtype(transform, device)
     nchw = transform.layout == "NCHW"
-    meta = np.stack([np.asarray(offsets, np.int64), np.asarray(heights, np.int64), np.asarray(widths, np.int64),
-                     np.asarray(channels, np.int64), params.top, params.left, params.height, params.width,
-                     params.flip.astype(np.int64)], axis=1)
+    meta = table(offsets, heights, widths, channels, params, (out_h, out_w))
     scale, shift = _norm(transform, dtype)
     if device.type == "cuda" and _triton_ready():
         out = torch.empty((n, 3, out_h, out_w) if nchw else (n, out_h, out_w, 3), dtype=dtype, device=device)
@@ -350,6 +353,22 @@ def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, p
             _resample_triton(buffer, meta, out, (out_h, out_w), scale, shift, nchw, transform.antialias)
         return out
     return _resample_torch(buffer, meta, (out_h, out_w), dtype, scale, shift, nchw, transform.antialias)
+
+
+def table(offsets, heights, widths, channels, params: CropParams, size) -> np.ndarray:
+    """The batch as the resampling takes it: an int64 row an image of offset, height, width,
+    channels, the window (top, left, height, width), flip, the size the window resizes to and the
+    output's place in that (``size``, the output's, and 0, 0 where ``params`` leave them out)."""
+    n = len(offsets)
+
+    def column(values, default):
+        return np.full(n, default, np.int64) if values is None else np.asarray(values, np.int64)
+
+    return np.stack([np.asarray(offsets, np.int64), np.asarray(heights, np.int64), np.asarray(widths, np.int64),
+                     np.asarray(channels, np.int64), params.top, params.left, params.height, params.width,
+                     params.flip.astype(np.int64), column(params.resized_height, size[0]),
+                     column(params.resized_width, size[1]), column(params.out_top, 0), column(params.out_left, 0)],
+                    axis=1).reshape(n, 13)
 
 
 def each_image(work, n: int, buffer):
@@ -381,7 +400,8 @@ def _normalise(values: torch.Tensor, dtype, scale, shift) -> torch.Tensor:
 
 def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
     """Per image, on uint8: crop, ``interpolate(bilinear, align_corners=False, antialias)`` (torch's
-    own kernel, torchvision v2's ``resized_crop``), flip; the images on the CPU threads in parallel
+    own kernel, torchvision v2's ``resized_crop``; CenterCrop: to the resized size, then its centre
+    block), flip; the images on the CPU threads in parallel
     (torch's kernels release the GIL). float32 on the CPU: each image converted and normalised there
     too, by numpy (its multiply and add release the GIL: the same float32 operations as torch's, to
     the bit); else the whole batch at once."""
@@ -398,16 +418,19 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
     base = buffer.storage_offset()  # (as_strided counts from the storage's start, not the view's)
 
     def one(k):
-        off, height, width, chans, top, left, crop_h, crop_w, flip = rows[k]
+        off, height, width, chans, top, left, crop_h, crop_w, flip, resized_h, resized_w, out_top, out_left = rows[k]
         # the crop window of the HWC image as a 1xCxHxW view, made in one call (the Python of each call holds the GIL)
         crop = buffer.as_strided((1, chans, crop_h, crop_w), (chans, 1, width * chans, chans),
                                  base + off + (top * width + left) * chans)
+        whole = (resized_h, resized_w)
         if crop.is_cuda:  # CUDA's interpolate takes no uint8: in float32, rounded back (torchvision v2's way)
-            value = torch.nn.functional.interpolate(crop.float(), size=size, mode="bilinear", align_corners=False,
+            value = torch.nn.functional.interpolate(crop.float(), size=whole, mode="bilinear", align_corners=False,
                                                     antialias=antialias)[0].round_().clamp_(0, 255).to(torch.uint8)
         else:
-            value = torch.nn.functional.interpolate(crop, size=size, mode="bilinear", align_corners=False,
+            value = torch.nn.functional.interpolate(crop, size=whole, mode="bilinear", align_corners=False,
                                                     antialias=antialias)[0]
+        if whole != size:  # CenterCrop: the resized image's centre block
+            value = value[:, out_top:out_top + size[0], out_left:out_left + size[1]]
         if flip:
             value = value.flip(-1)
         if not direct:

@@ -1,8 +1,12 @@
 """The GPU kernels of the transforms: a whole batch of differently sized images in one launch per pass.
 
 Each kernel reads an image's row of ``meta`` (offset, height, width, channels, top, left, crop
-height, crop width, flip, and the image's place in the antialiased filter's intermediate buffer) and
-writes normalised values, interpolating from the interleaved uint8 source:
+height, crop width, flip, the size the crop resizes to and the output's place in that, and the
+image's place in the antialiased filter's intermediate buffer) and writes normalised values,
+interpolating from the interleaved uint8 source. A crop resized to the output size is all of the
+output (``RandomResizedCrop``); ``CenterCrop`` resizes the whole image and keeps a block of it, so
+output pixel (y, x) is pixel (y + out_top, x + out_left) of the resized image: only those are
+computed.
 
 - ``_bilinear``: plain bilinear, half-pixel centres clamped to the box (``interpolate(bilinear,
   align_corners=False, antialias=False)``), one pass: program (n, b) writes output pixels
@@ -35,7 +39,7 @@ from gdsdata.batch import upload
 _BLOCK = 256
 TILE = 512  # values an antialiasing program computes: whole output rows (2 of 224 px), with WARPS warps
 WARPS = 4
-META = tl.constexpr(10)  # columns of a ``meta`` row: the 9 of ``transforms.apply``, the intermediate's offset
+META = tl.constexpr(14)  # columns of a ``meta`` row: the 13 of ``transforms.apply``, the intermediate's offset
 
 
 @triton.jit
@@ -71,11 +75,20 @@ def _image(meta, n):
 
 
 @triton.jit
+def _resized(meta, n):
+    """Image ``n``'s resized height and width, and the output's top row and left column in that."""
+    row = meta + n * META
+    return (tl.load(row + 9).to(tl.float32), tl.load(row + 10).to(tl.float32), tl.load(row + 11).to(tl.float32),
+            tl.load(row + 12).to(tl.float32))
+
+
+@triton.jit
 def _bilinear(src, meta, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
               NCHW: tl.constexpr, TO_U8: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.program_id(0)
     pid = tl.program_id(1)
     off, width, chans, top, left, crop_h, crop_w, flip = _image(meta, n)
+    resized_h, resized_w, out_top, out_left = _resized(meta, n)
     top = top.to(tl.float32)
     left = left.to(tl.float32)
     area = out_h * out_w
@@ -86,8 +99,8 @@ def _bilinear(src, meta, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
     fy = oy.to(tl.float32)
     fx = ox.to(tl.float32)
     fx = tl.where(flip > 0, (out_w - 1) - fx, fx)
-    y0, y1, wy = _coords(top, crop_h, out_h, fy)
-    x0, x1, wx = _coords(left, crop_w, out_w, fx)
+    y0, y1, wy = _coords(top, crop_h, resized_h, fy + out_top)
+    x0, x1, wx = _coords(left, crop_w, resized_w, fx + out_left)
     row = width * chans
     r0 = off + y0 * row
     r1 = off + y1 * row
@@ -185,19 +198,20 @@ def _aa_rows(src, meta, tmp, out_w, ROWS: tl.constexpr, COLS: tl.constexpr, RGB:
     rows = crop_h.to(tl.int32)
     if first >= rows:
         return
-    base_tmp = tl.load(meta + n * META + 9)
+    base_tmp = tl.load(meta + n * META + 13)
+    _, resized_w, _, out_left = _resized(meta, n)
     r = first + tl.arange(0, ROWS)[:, None]
     ox = tl.arange(0, COLS)[None, :]
     mask = (r < rows) & (ox < out_w)
     sx = tl.where(flip > 0, (out_w - 1) - ox, ox)
-    xmin, xsize, xcenter, xinv = _axis(sx.to(tl.float32), crop_w, out_w)
+    xmin, xsize, xcenter, xinv = _axis(sx.to(tl.float32) + out_left, crop_w, resized_w)
     if RGB:  # compile-time constants: the channels' loads at immediate offsets
         chans = 3
         step = 1
     else:
         step = tl.where(chans == 3, 1, 0).to(tl.int64)
     start = src + off + (top + r).to(tl.int64) * (width * chans) + (left + xmin.to(tl.int64)) * chans
-    v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, out_w), xmin, xsize, xcenter, xinv, mask,
+    v0, v1, v2 = _filter(start, chans, step, _taps(crop_w, resized_w), xmin, xsize, xcenter, xinv, mask,
                          ROWS, COLS)
     plane = rows.to(tl.int64) * out_w
     dest = tmp + base_tmp + r.to(tl.int64) * out_w + ox
@@ -215,12 +229,13 @@ def _aa_columns(meta, tmp, out, out_h, out_w, s0, s1, s2, b0, b1, b2,
     oy = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]
     ox = tl.arange(0, COLS)[None, :]
     crop_h = tl.load(meta + n * META + 6)
-    base_tmp = tl.load(meta + n * META + 9)
+    base_tmp = tl.load(meta + n * META + 13)
+    resized_h, _, out_top, _ = _resized(meta, n)
     mask = (oy < out_h) & (ox < out_w)
     extent = crop_h.to(tl.float32)
-    ymin, ysize, ycenter, yinv = _axis(oy.to(tl.float32), extent, out_h)
+    ymin, ysize, ycenter, yinv = _axis(oy.to(tl.float32) + out_top, extent, resized_h)
     start = tmp + base_tmp + ymin.to(tl.int64) * out_w + ox
-    v0, v1, v2 = _filter(start, out_w, crop_h * out_w, _taps(extent, out_h), ymin, ysize, ycenter, yinv, mask,
+    v0, v1, v2 = _filter(start, out_w, crop_h * out_w, _taps(extent, resized_h), ymin, ysize, ycenter, yinv, mask,
                          ROWS, COLS)
     area = out_h * out_w
     idx = oy * out_w + ox
