@@ -10,10 +10,10 @@ The pixels are resampled as torchvision v2's ``resized_crop`` does: the crop box
 ``interpolate(align_corners=False)``, antialiased by default (``antialias=False``: plain bilinear with
 half-pixel centres clamped to the box); ``CenterCrop`` as its ``Resize`` then ``CenterCrop``: the
 whole image resized, its centre block kept. On the GPU one Triton kernel does the whole batch
-(``kernels``), computing only the pixels kept. On the CPU each image is cropped and resized on uint8 by torch's own kernel and
-flipped, the images of a batch in parallel on the CPU threads (``settings`` cpu_threads); float32 is
-converted and normalised there too, image by image (other dtypes: the batch at once, after). That
-is also the reference the GPU is tested against.
+(``kernels``), computing only the pixels kept. On the CPU each image is cropped and resized on uint8
+by torch's own kernel and flipped, the images of a batch in parallel on the CPU threads
+(``settings`` cpu_threads); float32 is converted and normalised there too, image by image (other
+dtypes: the batch at once, after). That is also the reference the GPU is tested against.
 
 ``dtype=None`` gives float16 on the GPU and float32 on the CPU (what a model there takes).
 """
