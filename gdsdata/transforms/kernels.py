@@ -39,7 +39,7 @@ from gdsdata.batch import upload
 _BLOCK = 256
 TILE = 512  # values an antialiasing program computes: whole output rows (2 of 224 px), with WARPS warps
 WARPS = 4
-META = tl.constexpr(14)  # columns of a ``meta`` row: the 13 of ``transforms.apply``, the intermediate's offset
+META = tl.constexpr(14)  # columns of a ``meta`` row: the 13 of ``transforms.table``, the intermediate's offset
 
 
 @triton.jit
@@ -251,7 +251,7 @@ def _tile(out_w: int) -> tuple[int, int]:
 
 
 def resample(buffer, meta: np.ndarray, out, size, scale, shift, nchw, antialias):
-    """Resample the images ``meta`` (host int64 rows of ``transforms.apply``) describes from
+    """Resample the images ``meta`` (host int64 rows of ``transforms.table``) describes from
     ``buffer`` into ``out``, on the buffer's device and the current stream."""
     n = len(meta)
     out_h, out_w = size
