@@ -126,6 +126,35 @@ def test_center_crop_is_torchvision_s_resize_and_center_crop_to_the_bit(size, re
         assert torch.equal(out[k], want.expand(3, -1, -1)), (shapes[k], chans[k])
 
 
+def test_crop_params_made_for_another_output_size_are_refused():
+    """CenterCrop's parameters place its block inside the resized image; applied with a larger
+    output they would read past it: one clear error, on every path, not zeros or a shape error."""
+    images, buffer, offsets, heights, widths, chans = _images()
+    small, large = gdsdata.CenterCrop(16, resize=20), gdsdata.CenterCrop(24, resize=30)
+    with pytest.raises(ValueError, match="outside it"):
+        T.apply(large, buffer, offsets, heights, widths, chans, small.params(heights, widths))
+
+
+def test_center_crop_of_an_odd_shape_resizes_only_the_window_its_block_covers(monkeypatch):
+    """Past WHOLE_LIMIT pixels resized (an aspect over 256:1 at resize 256: a 1 x 20,000 image would
+    make a 5 million x 256 one) the CPU path resizes only the source window under the centre block,
+    rounded to whole pixels: near torchvision's pixels, at the cost of the block alone."""
+    from torchvision.transforms import v2
+
+    asked = []
+    interpolate = torch.nn.functional.interpolate
+    monkeypatch.setattr(torch.nn.functional, "interpolate", lambda x, size, **kw: asked.append(size) or
+                        interpolate(x, size=size, **kw))
+    monkeypatch.setattr(T, "WHOLE_LIMIT", 100 * 100)
+    yy, xx = np.mgrid[0:90, 0:300]
+    image = np.stack([(yy * 2 + xx) % 256, (xx * 3) % 256, (yy * 5) % 256], -1).astype(np.uint8)  # smooth ramps
+    t = gdsdata.CenterCrop(64, resize=80, dtype="uint8")
+    out = T.apply(t, torch.from_numpy(image.reshape(-1).copy()), [0], [90], [300], [3], t.params([90], [300]))[0]
+    assert asked == [(64, 64)]  # not the 80 x 266 image
+    want = v2.Compose([v2.Resize(80), v2.CenterCrop(64)])(torch.from_numpy(image).permute(2, 0, 1))
+    assert (out.int() - want.int()).abs().float().mean() < 3
+
+
 def test_center_crop_of_a_photograph_is_torchvision_s_to_the_bit():
     """Ultralytics' bus photograph (1080 x 810: Resize(256) makes it 341 x 256, CenterCrop(224) starts
     at row round(58.5) = 58 of that, between source pixels), normalised float32 as a CPU model takes
@@ -299,7 +328,8 @@ from gdsdata.transforms.kernels import resample
 rng = np.random.default_rng(1)
 everything = [rng.integers(0, 256, s, dtype=np.uint8) for s in ((61, 90, 3), (120, 47, 3), (33, 33, 1))]
 cases = ((24, "float32", "NCHW"), ((20, 36), "float32", "NCHW"), (80, "uint8", "NHWC"))
-crops = (gdsdata.RandomResizedCrop, lambda size, **kw: gdsdata.CenterCrop(size, resize=None, **kw),
+crops = (lambda size, **kw: gdsdata.RandomResizedCrop(size, seed=2, **kw),  # (seed 2 flips two of the three)
+         lambda size, **kw: gdsdata.CenterCrop(size, resize=None, **kw),
          lambda size, **kw: gdsdata.CenterCrop(size, resize=max(T._pair(size)) + 3, **kw))
 for images, aa, (size, dtype, layout), crop in itertools.product((everything, everything[:2]), (True, False), cases,
                                                                    crops):

@@ -37,6 +37,7 @@ IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 _DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 _ATTEMPTS = 10
+WHOLE_LIMIT = 1 << 24  # pixels: past it CenterCrop's CPU path resizes the window its block covers, not the image
 
 
 def _mix(x):
@@ -64,19 +65,19 @@ class CropParams:
     """Per sample of a batch (int64 arrays): the window of the source image that is resampled
     (``top``, ``left``, ``height``, ``width``, in source pixels) and whether the output is flipped.
     The window resizes to ``resized_height`` x ``resized_width`` pixels, of which the output is the
-    block at row ``out_top``, column ``out_left``; None: to the output size, all of it
-    (``RandomResizedCrop``). ``CenterCrop`` resizes the whole image and keeps its centre, as
-    torchvision's ``Resize`` + ``CenterCrop`` do."""
+    block at row ``out_top``, column ``out_left`` (each None: the output's size, 0: the window
+    resizes to the output, as in ``RandomResizedCrop``). ``CenterCrop`` resizes the whole image and
+    keeps its centre, as torchvision's ``Resize`` + ``CenterCrop`` do."""
 
     top: np.ndarray
     left: np.ndarray
     height: np.ndarray
     width: np.ndarray
     flip: np.ndarray  # bool
-    resized_height: np.ndarray = None
-    resized_width: np.ndarray = None
-    out_top: np.ndarray = None
-    out_left: np.ndarray = None
+    resized_height: np.ndarray | None = None
+    resized_width: np.ndarray | None = None
+    out_top: np.ndarray | None = None
+    out_left: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -196,8 +197,11 @@ class RandomResizedCrop:
 @dataclass(frozen=True)
 class CenterCrop:
     """Evaluation: torchvision's ``Resize(resize)`` (the shorter side) + ``CenterCrop(size)`` +
-    ``Normalize``: the same pixels (on the CPU to the bit, on a GPU within one level), resampled
-    in one pass on a GPU, where only the centre is computed.
+    ``Normalize``: the same pixels (on the CPU to the bit where torch resizes uint8 natively, as on
+    x86 with AVX2 and on arm64; on a GPU within one level, computing only the centre's pixels).
+    An image whose resized size would pass ``WHOLE_LIMIT`` pixels (at ``resize=256``, an aspect
+    ratio over 256:1) is resampled on the CPU from the source window the centre covers, rounded to
+    whole pixels (within a few levels), so that one odd image cannot take gigabytes there.
 
     Parameters
     ----------
@@ -358,17 +362,27 @@ def apply(transform, buffer: torch.Tensor, offsets, heights, widths, channels, p
 def table(offsets, heights, widths, channels, params: CropParams, size) -> np.ndarray:
     """The batch as the resampling takes it: an int64 row an image of offset, height, width,
     channels, the window (top, left, height, width), flip, the size the window resizes to and the
-    output's place in that (``size``, the output's, and 0, 0 where ``params`` leave them out)."""
+    output's place in that (``size``, the output's, and 0, 0 where ``params`` leave them out).
+    Raises ValueError where the output's block does not lie inside the resized window (params
+    made for another output size)."""
     n = len(offsets)
 
     def column(values, default):
         return np.full(n, default, np.int64) if values is None else np.asarray(values, np.int64)
 
-    return np.stack([np.asarray(offsets, np.int64), np.asarray(heights, np.int64), np.asarray(widths, np.int64),
+    rows = np.stack([np.asarray(offsets, np.int64), np.asarray(heights, np.int64), np.asarray(widths, np.int64),
                      np.asarray(channels, np.int64), params.top, params.left, params.height, params.width,
                      params.flip.astype(np.int64), column(params.resized_height, size[0]),
                      column(params.resized_width, size[1]), column(params.out_top, 0), column(params.out_left, 0)],
                     axis=1).reshape(n, 13)
+    outside = (rows[:, 11] < 0) | (rows[:, 11] + size[0] > rows[:, 9]) | (rows[:, 12] < 0) | \
+        (rows[:, 12] + size[1] > rows[:, 10])
+    if outside.any():
+        k = int(np.argmax(outside))
+        raise ValueError(f"crop parameters of image {k} put the {size[0]} x {size[1]} output at row "
+                         f"{rows[k, 11]}, column {rows[k, 12]} of a {rows[k, 9]} x {rows[k, 10]} resized window: "
+                         f"outside it (parameters made for another output size?)")
+    return rows
 
 
 def each_image(work, n: int, buffer):
@@ -423,6 +437,13 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
         crop = buffer.as_strided((1, chans, crop_h, crop_w), (chans, 1, width * chans, chans),
                                  base + off + (top * width + left) * chans)
         whole = (resized_h, resized_w)
+        if whole != size and resized_h * resized_w > WHOLE_LIMIT:  # an odd shape: the window its block covers
+            (down, crop_h), (across, crop_w) = (_covered(crop_h, resized_h, out_top, size[0]),
+                                                _covered(crop_w, resized_w, out_left, size[1]))
+            top, left = top + down, left + across
+            crop = buffer.as_strided((1, chans, crop_h, crop_w), (chans, 1, width * chans, chans),
+                                     base + off + (top * width + left) * chans)
+            whole = size
         if crop.is_cuda:  # CUDA's interpolate takes no uint8: in float32, rounded back (torchvision v2's way)
             value = torch.nn.functional.interpolate(crop.float(), size=whole, mode="bilinear", align_corners=False,
                                                     antialias=antialias)[0].round_().clamp_(0, 255).to(torch.uint8)
@@ -448,6 +469,15 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
         each_image(one, n, buffer)
         out = resized if direct or dtype == torch.uint8 else _normalise(resized, dtype, scale, shift)
     return out if nchw else out.permute(0, 2, 3, 1).contiguous()
+
+
+def _covered(source: int, resized: int, start: int, out: int) -> tuple:
+    """(first, count) of the ``source`` pixels under resized pixels [start, start + out) of
+    ``resized``, each edge rounded to the nearest pixel edge; at least one pixel, inside."""
+    scale = source / resized
+    first = round(start * scale)
+    count = min(max(round((start + out) * scale) - first, 1), source)
+    return min(max(first, 0), source - count), count
 
 
 _TRITON = None
