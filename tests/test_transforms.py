@@ -110,8 +110,12 @@ def test_dtype_follows_the_device_by_default():
 def test_center_crop_is_torchvision_s_resize_and_center_crop_to_the_bit(size, resize, shapes, antialias):
     """On the CPU, CenterCrop's pixels are those of torchvision v2's Resize(resize) + CenterCrop(size)
     on the uint8 image, bit for bit, also where an edge of the block falls between source pixels;
-    a gray image's one channel fills all three."""
+    a gray image's one channel fills all three. (torchvision before 0.24 rounds some pixels one level
+    apart.)"""
+    import torchvision
     from torchvision.transforms import v2
+
+    apart = 0 if release(torchvision) >= (0, 24) else 1
 
     rng = np.random.default_rng(3)
     images = [rng.integers(0, 256, (*shape, 3 if k % 3 else 1), dtype=np.uint8) for k, shape in enumerate(shapes)]
@@ -122,8 +126,8 @@ def test_center_crop_is_torchvision_s_resize_and_center_crop_to_the_bit(size, re
     out = T.apply(t, buffer, offsets, heights, widths, chans, t.params(heights, widths))
     reference = v2.Compose([v2.Resize(t.resize, antialias=antialias), v2.CenterCrop(size)])
     for k, image in enumerate(images):
-        want = reference(torch.from_numpy(image).permute(2, 0, 1))
-        assert torch.equal(out[k], want.expand(3, -1, -1)), (shapes[k], chans[k])
+        want = reference(torch.from_numpy(image).permute(2, 0, 1)).expand(3, -1, -1)
+        assert (out[k].int() - want.int()).abs().max() <= apart, (shapes[k], chans[k])
 
 
 def test_crop_params_made_for_another_output_size_are_refused():
@@ -158,7 +162,9 @@ def test_center_crop_of_an_odd_shape_resizes_only_the_window_its_block_covers(mo
 def test_center_crop_of_a_photograph_is_torchvision_s_to_the_bit():
     """Ultralytics' bus photograph (1080 x 810: Resize(256) makes it 341 x 256, CenterCrop(224) starts
     at row round(58.5) = 58 of that, between source pixels), normalised float32 as a CPU model takes
-    it: torchvision's Resize + CenterCrop + ToDtype + Normalize, to float32 rounding."""
+    it: torchvision's Resize + CenterCrop + ToDtype + Normalize, to float32 rounding (before
+    torchvision 0.24, within a level)."""
+    import torchvision
     from torchvision.transforms import v2
 
     ultralytics = pytest.importorskip("ultralytics")
@@ -170,7 +176,9 @@ def test_center_crop_of_a_photograph_is_torchvision_s_to_the_bit():
     out = T.apply(t, torch.from_numpy(image.reshape(-1).copy()), [0], [1080], [810], [3], t.params([1080], [810]))[0]
     ref = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224), v2.ToDtype(torch.float32),
                       v2.Normalize(T.IMAGENET_MEAN, T.IMAGENET_STD)])(torch.from_numpy(image).permute(2, 0, 1))
-    assert out.dtype == torch.float32 and torch.allclose(out, ref, atol=1e-5, rtol=0)
+    level = 1 / min(T.IMAGENET_STD)  # one uint8 level, normalised
+    assert out.dtype == torch.float32 and torch.allclose(out, ref, atol=1e-5 if release(torchvision) >= (0, 24)
+                                                         else level + 1e-5, rtol=0)
 
 
 def test_a_buffer_that_is_a_view_resamples_its_own_pixels():
