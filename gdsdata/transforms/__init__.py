@@ -433,17 +433,14 @@ def _resample_torch(buffer, meta, size, dtype, scale, shift, nchw, antialias):
 
     def one(k):
         off, height, width, chans, top, left, crop_h, crop_w, flip, resized_h, resized_w, out_top, out_left = rows[k]
-        # the crop window of the HWC image as a 1xCxHxW view, made in one call (the Python of each call holds the GIL)
-        crop = buffer.as_strided((1, chans, crop_h, crop_w), (chans, 1, width * chans, chans),
-                                 base + off + (top * width + left) * chans)
         whole = (resized_h, resized_w)
         if whole != size and resized_h * resized_w > WHOLE_LIMIT:  # an odd shape: the window its block covers
             (down, crop_h), (across, crop_w) = (_covered(crop_h, resized_h, out_top, size[0]),
                                                 _covered(crop_w, resized_w, out_left, size[1]))
-            top, left = top + down, left + across
-            crop = buffer.as_strided((1, chans, crop_h, crop_w), (chans, 1, width * chans, chans),
-                                     base + off + (top * width + left) * chans)
-            whole = size
+            top, left, whole = top + down, left + across, size
+        # the crop window of the HWC image as a 1xCxHxW view, made in one call (the Python of each call holds the GIL)
+        crop = buffer.as_strided((1, chans, crop_h, crop_w), (chans, 1, width * chans, chans),
+                                 base + off + (top * width + left) * chans)
         if crop.is_cuda:  # CUDA's interpolate takes no uint8: in float32, rounded back (torchvision v2's way)
             value = torch.nn.functional.interpolate(crop.float(), size=whole, mode="bilinear", align_corners=False,
                                                     antialias=antialias)[0].round_().clamp_(0, 255).to(torch.uint8)
