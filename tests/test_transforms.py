@@ -51,8 +51,12 @@ def test_center_crop_geometry():
 
 def _images():
     rng = np.random.default_rng(1)
-    images = [rng.integers(0, 256, (h, w, c), dtype=np.uint8) for h, w, c in
-              ((61, 90, 3), (120, 47, 3), (33, 33, 1), (300, 410, 3))]
+    return _batch([rng.integers(0, 256, (h, w, c), dtype=np.uint8) for h, w, c in
+                   ((61, 90, 3), (120, 47, 3), (33, 33, 1), (300, 410, 3))])
+
+
+def _batch(images):
+    """HWC uint8 ``images`` as a batch: (images, flat buffer, offsets, heights, widths, channels)."""
     buffer = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))
     offsets = np.cumsum([0] + [im.size for im in images[:-1]])
     return images, buffer, offsets, [im.shape[0] for im in images], [im.shape[1] for im in images], \
@@ -120,9 +124,7 @@ def test_center_crop_is_torchvision_s_resize_and_center_crop_to_the_bit(size, re
     rng = np.random.default_rng(3)
     images = [rng.integers(0, 256, (*shape, 3 if k % 3 else 1), dtype=np.uint8) for k, shape in enumerate(shapes)]
     t = gdsdata.CenterCrop(size, resize=resize, dtype="uint8", antialias=antialias)
-    heights, widths, chans = [i.shape[0] for i in images], [i.shape[1] for i in images], [i.shape[2] for i in images]
-    offsets = np.cumsum([0] + [i.size for i in images[:-1]])
-    buffer = torch.from_numpy(np.concatenate([i.reshape(-1) for i in images]))
+    _, buffer, offsets, heights, widths, chans = _batch(images)
     out = T.apply(t, buffer, offsets, heights, widths, chans, t.params(heights, widths))
     reference = v2.Compose([v2.Resize(t.resize, antialias=antialias), v2.CenterCrop(size)])
     for k, image in enumerate(images):
