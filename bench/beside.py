@@ -60,6 +60,7 @@ PLACES = ("thread", "context", "process")
 OUTPUTS = ("rgb", "yuv")
 _OUTPUT_YUV = 1  # nvjpegOutputFormat_t
 _WAIT = 60.0  # seconds any wait of this bench may last before it is called a hang
+_ANSWER = _WAIT + 10  # a placed decode's answer: past its own bounded wait, which says it first, naming itself
 
 
 def dataset(folder, count):
@@ -280,11 +281,11 @@ class _Worker:
 
     def run(self) -> float:
         self._asks.put(True)
-        return _seconds(self._answer(_WAIT + 10))  # (the decode's own wait says it first, naming itself)
+        return _seconds(self._answer(_ANSWER))
 
     def close(self):
         self._asks.put(None)
-        self._thread.join(timeout=_WAIT + 10)
+        self._thread.join(timeout=_ANSWER)
 
 
 def _serve(make, asked, answer):
@@ -345,14 +346,14 @@ class _Process:
 
     def run(self) -> float:
         self._connection.send(True)
-        return _seconds(self._recv(_WAIT + 10))  # (the decode's own wait says it first, naming itself)
+        return _seconds(self._recv(_ANSWER))
 
     def close(self):
         try:
             self._connection.send(False)
         except (BrokenPipeError, OSError):
             pass
-        self._process.join(timeout=_WAIT + 10)
+        self._process.join(timeout=_ANSWER)
         if self._process.is_alive():
             self._process.terminate()
             self._process.join(timeout=10)
