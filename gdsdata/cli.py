@@ -445,11 +445,19 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
+def _either_side(parser, top=False):
+    """-v and -q, given before the command (``top``: the top level's parser, whose defaults count)
+    or after it (a command's: set only where given, so that one given before stays)."""
+    default = {} if top else {"default": argparse.SUPPRESS}
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr", **default)
+    parser.add_argument("-q", "--quiet", action="store_true", help=_QUIET, **default)
+
+
 def build_parser():
     parser = _Parser(prog="gdsdata", description="Pack images into GPU-ready shards, "
                                      "merge, inspect and verify them, and check what this machine's GPU path is.")
     parser.add_argument("--version", action="version", version=f"gdsdata {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    _either_side(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("pack", help="pack an image folder, LMDB, tar shards or a detection set into a dataset",
@@ -509,7 +517,7 @@ def build_parser():
                    help="pack the parts as Ray tasks (retried when they fail), then merge them: on the cluster at "
                         "ADDRESS, or a local Ray without one; --num-parts overrides the part count chosen from the "
                         "source size and the cluster's CPUs. OUT must be on a filesystem every node sees")
-    p.add_argument("-q", "--quiet", action="store_true", help=_QUIET)
+    _either_side(p)
     p.set_defaults(run=_cmd_pack, usage=_pack_usage)
 
     p = sub.add_parser("merge", help="join datasets packed as parts into one",
@@ -523,7 +531,7 @@ def build_parser():
                         "files: skipped, unreadable or left out for their labels), as their pack_report.json "
                         "files list")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
-    p.add_argument("-q", "--quiet", action="store_true", help=_QUIET)
+    _either_side(p)
     p.set_defaults(run=_cmd_merge)
 
     p = sub.add_parser("inspect", aliases=["info"], help="show what a dataset holds",
@@ -532,6 +540,7 @@ def build_parser():
                        "where it came from (parts, merges, appends) and the count per class.")
     p.add_argument("dataset", metavar="DATASET", type=_path, help="a packed dataset folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    _either_side(p)
     p.set_defaults(run=_cmd_inspect)
 
     p = sub.add_parser("verify", help="check checksums and decodability of every sample",
@@ -540,7 +549,7 @@ def build_parser():
                        "exit status is 1 when any is found in any of them.")
     p.add_argument("datasets", nargs="+", metavar="DATASET", type=_path, help="a packed dataset folder")
     p.add_argument("--checksums-only", action="store_true", help="skip decoding")
-    p.add_argument("-q", "--quiet", action="store_true", help=_QUIET)
+    _either_side(p)
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("doctor", help="show GPU, driver, kvikio/GDS and nvJPEG status",
@@ -551,6 +560,7 @@ def build_parser():
     p.add_argument("dataset", nargs="?", metavar="DATASET", type=_path, help="a packed dataset: show how it loads")
     p.add_argument("--device", default=None, help="for DATASET: cpu or cuda (default: cuda where torch sees a GPU)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    _either_side(p)
     p.set_defaults(run=_cmd_doctor)
     return parser
 
