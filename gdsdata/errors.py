@@ -66,3 +66,27 @@ class LockLost(BusyError):
 class Terminated(KeyboardInterrupt):
     """SIGTERM reached the ``gdsdata`` command (``timeout``, Slurm, ``docker stop``): it unwinds as
     Ctrl-C does (finished shards kept for ``--resume``, the rest removed), and exits 143."""
+
+
+def install_hint(extra: str) -> str:
+    """``pip install ...`` for one of gdsdata's extras, as its packages (gdsdata's own metadata's
+    list): ``pip install 'gdsdata[cu13]'`` finds nothing where gdsdata came from a checkout. For
+    ``gpu``, the CUDA extra of torch's major (cu13 where torch has none of 12 and 13)."""
+    from importlib import metadata
+
+    if extra == "gpu":
+        import torch
+
+        major = (torch.version.cuda or "").split(".")[0]
+        extra = f"cu{major}" if major in ("12", "13") else "cu13"
+        said = f"gdsdata's [{extra}] extra, for " + (f"this CUDA {major} torch" if extra == f"cu{major}" else
+                                                       "a CUDA 13 torch; [cu12] for CUDA 12")
+    else:
+        said = f"gdsdata's [{extra}] extra"
+    try:
+        wanted = [r.split(";")[0].strip() for r in metadata.requires("gdsdata") or () if f'extra == "{extra}"' in r]
+    except metadata.PackageNotFoundError:  # (gdsdata imported from a tree that pip did not install)
+        wanted = []
+    if not wanted:
+        return f"pip install 'gdsdata[{extra}]'"
+    return "pip install " + " ".join(f"'{w}'" for w in wanted) + f" ({said})"

@@ -252,6 +252,9 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
     assert lines[0].startswith("link:   0%") and lines[-1].startswith("link: 100%") and len(lines) <= 3, err
     rc, stdout, err = run("merge", *parts, str(tmp_path / "copied"), "--copy", "-q")
     assert rc == 0 and "merged 2 dataset(s)" in stdout and err == "", err
+    rc, stdout, err = run("-q", "merge", *parts, str(tmp_path / "quiet"), "--copy")  # -q before the command too
+    assert rc == 0 and "merged 2 dataset(s)" in stdout and err == "", err
+    assert run("inspect", merged, "-v")[0] == 0  # and -v after it
     assert "merged from 2 part(s)" in run("inspect", merged)[1]
     assert "part 1 of 2" in run("inspect", parts[1])[1]
     assert_one_line_error(*run("merge", *parts, merged)[::2], "--overwrite")
@@ -465,3 +468,23 @@ def test_progress_that_cannot_be_written_stops_and_the_work_goes_on(monkeypatch)
     monkeypatch.setattr(sys, "stderr", Gone())
     with progress.bar(True, total=3, desc="pack") as bar:
         bar.update(3)
+
+
+def test_install_hints_name_the_extras_packages_which_pip_finds_from_a_checkout_too():
+    from importlib import metadata
+
+    from gdsdata.errors import install_hint
+
+    try:
+        metadata.requires("gdsdata")
+    except metadata.PackageNotFoundError:  # (imported from a tree pip did not install: the extra's name)
+        assert install_hint("ray") == "pip install 'gdsdata[ray]'"
+        return
+    assert install_hint("ray") == "pip install 'ray[client]>=2.40' (gdsdata's [ray] extra)"
+    assert install_hint("remote") == "pip install 'fsspec>=2023.1' 's3fs>=2023.1' (gdsdata's [remote] extra)"
+    assert install_hint("cu12").startswith("pip install 'kvikio-cu12>=26.10' 'cupy-cuda12x>=13' 'nvidia-nvjpeg-cu12")
+    assert install_hint("gpu").startswith("pip install 'kvikio-cu1")
+    rc, stdout, err = run("doctor")
+    if "kvikio not installed" in stdout:  # (a CPU machine: what to install for the GPU path, as one line)
+        line = next(line for line in stdout.splitlines() if "kvikio not installed" in line)
+        assert "; for a GPU: pip install 'kvikio-cu1" in line, line

@@ -50,8 +50,8 @@ _STATUS = {
     9: "IMPLEMENTATION_NOT_SUPPORTED", 10: "INCOMPLETE_BITSTREAM",
 }
 _MAJOR, _MINOR, _PATCH = 0, 1, 2  # libraryPropertyType
-_INSTALL_HINT = ("install nvJPEG: pip install nvidia-nvjpeg (CUDA 13) or nvidia-nvjpeg-cu12 (CUDA 12), "
-                 "or gdsdata[cu13] / gdsdata[cu12]; GDSDATA_NVJPEG_LIBRARY may name the library file")
+_INSTALL_HINT = ("install nvJPEG: pip install nvidia-nvjpeg (CUDA 13) or nvidia-nvjpeg-cu12 (CUDA 12); "
+                 "GDSDATA_NVJPEG_LIBRARY may name the library file")
 
 
 class NvjpegError(GpuError):

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from gdsdata import __version__
 from gdsdata import settings
-from gdsdata.errors import GdsDataError
+from gdsdata.errors import GdsDataError, install_hint
 from gdsdata.io.path import host_memory
 
 
@@ -45,7 +45,7 @@ def io_mode():
         import kvikio.cufile_driver
         import kvikio.defaults
     except ImportError as e:
-        return "unavailable", f"kvikio not installed ({e.name}); pip install 'gdsdata[cu12]' or '[cu13]'"
+        return "unavailable", f"kvikio not installed ({e.name}); {install_hint('gpu')}"
     if kvikio.defaults.is_compat_mode_preferred():
         try:
             gds = bool(kvikio.cufile_driver.get("is_gds_available"))
@@ -88,13 +88,8 @@ def _gpu_packages() -> str:
             except metadata.PackageNotFoundError:
                 pass
         found.append(", ".join(versions) if versions else f"{name} not installed")
-    import torch
-
-    major = (torch.version.cuda or "").split(".")[0]
-    extra = f"gdsdata[cu{major}]' beside this CUDA {major} torch" if major in ("12", "13") else \
-        "gdsdata[cu13]' (or [cu12]) beside a CUDA torch of that major"
     missing = any("not installed" in line for line in found)
-    return "; ".join(found) + (f" (for a GPU: pip install '{extra})" if missing else "")
+    return "; ".join(found) + (f"; for a GPU: {install_hint('gpu')}" if missing else "")
 
 
 def _nvjpeg_block():

@@ -46,7 +46,7 @@ from gdsdata.io.cpu import OpenShards, shard_gone
 from gdsdata.io.direct import DirectReads, fill
 from gdsdata.threads import DaemonPool
 from gdsdata.format.shards import check_opened, open_regular
-from gdsdata.errors import FormatError, GpuError, GpuUnavailableError, StallError
+from gdsdata.errors import FormatError, GpuError, GpuUnavailableError, StallError, install_hint
 
 log = logging.getLogger(__name__)
 _GROWTH = 1.25
@@ -57,8 +57,7 @@ def import_kvikio():
         import kvikio
         import kvikio.defaults
     except ImportError as e:
-        raise GpuUnavailableError(f"the GPU path needs kvikio ({e}); pip install 'gdsdata[cu13]' "
-                                  f"(CUDA 13) or 'gdsdata[cu12]' (CUDA 12)") from e
+        raise GpuUnavailableError(f"the GPU path needs kvikio ({e}); {install_hint('gpu')}") from e
     return kvikio
 
 

@@ -21,7 +21,7 @@ import time
 
 from gdsdata import settings
 from gdsdata.format import layout as fmt
-from gdsdata.errors import GdsDataError, SourceError, SourceGoneError, Terminated
+from gdsdata.errors import GdsDataError, SourceError, SourceGoneError, Terminated, install_hint
 from gdsdata.format.lock import aside, deferred_signals, remove_dataset, remove_quietly, writer_lock
 from gdsdata.format.shards import open_regular
 from gdsdata.packing.detection import DetectionSource, open_detection
@@ -45,7 +45,7 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise GdsDataError("--ray needs Ray: pip install 'gdsdata[ray]'") from None
+        raise GdsDataError(f"--ray needs Ray: {install_hint('ray')}") from None
     return ray
 
 

@@ -36,7 +36,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from gdsdata.errors import BadImageError, SourceError, SourceGoneError
+from gdsdata.errors import BadImageError, SourceError, SourceGoneError, install_hint
 from gdsdata.format.layout import INDEX_NAME
 
 # The extensions torchvision's ImageFolder accepts; other files are ignored, not reported as bad.
@@ -608,8 +608,8 @@ def _filesystem(url):
     try:
         import fsspec
     except ImportError:
-        raise SourceError(f"{url}: a URL; reading it needs fsspec and its filesystem (pip install "
-                          f"'gdsdata[remote]', or s3fs / gcsfs / adlfs)") from None
+        raise SourceError(f"{url}: a URL; reading it needs fsspec and its filesystem ({install_hint('remote')}; "
+                          f"gcsfs, adlfs for other stores)") from None
     try:
         return fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as e:
