@@ -80,7 +80,7 @@ def install_hint(extra: str) -> str:
         major = (torch.version.cuda or "").split(".")[0]
         extra = f"cu{major}" if major in ("12", "13") else "cu13"
         said = f"gdsdata's [{extra}] extra, for " + (f"this CUDA {major} torch" if extra == f"cu{major}" else
-                                                       "a CUDA 13 torch; [cu12] for CUDA 12")
+                                                       "a CUDA 13 torch, or [cu12] for CUDA 12")
     else:
         said = f"gdsdata's [{extra}] extra"
     try:

@@ -487,4 +487,4 @@ def test_install_hints_name_the_extras_packages_which_pip_finds_from_a_checkout_
     rc, stdout, err = run("doctor")
     if "kvikio not installed" in stdout:  # (a CPU machine: what to install for the GPU path, as one line)
         line = next(line for line in stdout.splitlines() if "kvikio not installed" in line)
-        assert "; for a GPU: pip install 'kvikio-cu1" in line, line
+        assert ", for a GPU: pip install 'kvikio-cu1" in line, line

@@ -89,7 +89,7 @@ def _gpu_packages() -> str:
                 pass
         found.append(", ".join(versions) if versions else f"{name} not installed")
     missing = any("not installed" in line for line in found)
-    return "; ".join(found) + (f"; for a GPU: {install_hint('gpu')}" if missing else "")
+    return "; ".join(found) + (f", for a GPU: {install_hint('gpu')}" if missing else "")
 
 
 def _nvjpeg_block():
