@@ -72,6 +72,7 @@ def install_hint(extra: str) -> str:
     """``pip install ...`` for one of gdsdata's extras, as its packages (gdsdata's own metadata's
     list): ``pip install 'gdsdata[cu13]'`` finds nothing where gdsdata came from a checkout. For
     ``gpu``, the CUDA extra of torch's major (cu13 where torch has none of 12 and 13)."""
+    import re
     from importlib import metadata
 
     if extra == "gpu":
@@ -84,7 +85,8 @@ def install_hint(extra: str) -> str:
     else:
         said = f"gdsdata's [{extra}] extra"
     try:
-        wanted = [r.split(";")[0].strip() for r in metadata.requires("gdsdata") or () if f'extra == "{extra}"' in r]
+        wanted = [r.split(";")[0].strip() for r in metadata.requires("gdsdata") or ()
+                  if re.search(rf"""extra\s*==\s*["']{extra}["']""", r)]
     except metadata.PackageNotFoundError:  # (gdsdata imported from a tree that pip did not install)
         wanted = []
     if not wanted:
