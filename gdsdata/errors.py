@@ -80,15 +80,15 @@ def install_hint(extra: str) -> str:
 
         major = (torch.version.cuda or "").split(".")[0]
         extra = f"cu{major}" if major in ("12", "13") else "cu13"
-        said = f"gdsdata's [{extra}] extra, for " + (f"this CUDA {major} torch" if extra == f"cu{major}" else
-                                                       "a CUDA 13 torch, or [cu12] for CUDA 12")
+        said = f"[{extra}] extra, for " + (f"this CUDA {major} torch" if extra == f"cu{major}" else
+                                             "a CUDA 13 torch, or [cu12] for CUDA 12")
     else:
-        said = f"gdsdata's [{extra}] extra"
+        said = f"[{extra}] extra"
     try:
         wanted = [r.split(";")[0].strip() for r in metadata.requires("gdsdata") or ()
                   if re.search(rf"""extra\s*==\s*["']{extra}["']""", r)]
     except metadata.PackageNotFoundError:  # (gdsdata imported from a tree that pip did not install)
         wanted = []
-    if not wanted:
-        return f"pip install 'gdsdata[{extra}]'"
-    return "pip install " + " ".join(f"'{w}'" for w in wanted) + f" ({said})"
+    if not wanted:  # (a source tree: its pyproject.toml names them)
+        return f"pip install -e '.[{extra}]' in gdsdata's source tree (its {said})"
+    return "pip install " + " ".join(f"'{w}'" for w in wanted) + f" (gdsdata's {said})"

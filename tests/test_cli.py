@@ -478,13 +478,12 @@ def test_install_hints_name_the_extras_packages_which_pip_finds_from_a_checkout_
     try:
         metadata.requires("gdsdata")
     except metadata.PackageNotFoundError:  # (imported from a tree pip did not install: the extra's name)
-        assert install_hint("ray") == "pip install 'gdsdata[ray]'"
+        assert install_hint("ray") == "pip install -e '.[ray]' in gdsdata's source tree (its [ray] extra)"
         return
     assert install_hint("ray") == "pip install 'ray[client]>=2.40' (gdsdata's [ray] extra)"
     assert install_hint("remote") == "pip install 'fsspec>=2023.1' 's3fs>=2023.1' (gdsdata's [remote] extra)"
     assert install_hint("cu12").startswith("pip install 'kvikio-cu12>=26.10' 'cupy-cuda12x>=13' 'nvidia-nvjpeg-cu12")
     assert install_hint("gpu").startswith("pip install 'kvikio-cu1")
-    rc, stdout, err = run("doctor")
-    if "kvikio not installed" in stdout:  # (a CPU machine: what to install for the GPU path, as one line)
-        line = next(line for line in stdout.splitlines() if "kvikio not installed" in line)
-        assert ", for a GPU: pip install 'kvikio-cu1" in line, line
+    packages = json.loads(run("doctor", "--json")[1]).get("gpu packages", "")  # (a CPU machine's line)
+    if "not installed" in packages:  # what to install for the GPU path, after the list
+        assert ", for a GPU: pip install 'kvikio-cu1" in packages, packages
