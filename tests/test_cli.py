@@ -255,6 +255,13 @@ def test_parts_merge_append_and_resume_from_the_command_line(small_src, tmp_path
     rc, stdout, err = run("-q", "merge", *parts, str(tmp_path / "quiet"), "--copy")  # -q before the command too
     assert rc == 0 and "merged 2 dataset(s)" in stdout and err == "", err
     assert run("inspect", merged, "-v")[0] == 0  # and -v after it
+    from gdsdata.cli import build_parser
+
+    for argv in (["-v", "-q", "verify", merged], ["verify", merged, "-q", "-v"], ["-q", "info", merged, "-v"]):
+        parsed = build_parser().parse_args(argv)
+        assert parsed.verbose and parsed.quiet, argv
+    parsed = build_parser().parse_args(["verify", merged])
+    assert not parsed.verbose and not parsed.quiet
     assert "merged from 2 part(s)" in run("inspect", merged)[1]
     assert "part 1 of 2" in run("inspect", parts[1])[1]
     assert_one_line_error(*run("merge", *parts, merged)[::2], "--overwrite")
