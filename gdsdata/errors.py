@@ -79,9 +79,10 @@ def install_hint(extra: str) -> str:
         import torch
 
         major = (torch.version.cuda or "").split(".")[0]
-        extra = f"cu{major}" if major in ("12", "13") else "cu13"
-        said = f"[{extra}] extra, for " + (f"this CUDA {major} torch" if extra == f"cu{major}" else
-                                             "a CUDA 13 torch, or [cu12] for CUDA 12")
+        if major in ("12", "13"):
+            extra, said = f"cu{major}", f"[cu{major}] extra, for this CUDA {major} torch"
+        else:
+            extra, said = "cu13", "[cu13] extra, for a CUDA 13 torch, or [cu12] for CUDA 12"
     else:
         said = f"[{extra}] extra"
     try:
