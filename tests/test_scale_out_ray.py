@@ -134,14 +134,20 @@ def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, 
         f.write("0 0.95 0.5 0.2 0.2\n")
     with open(images[-1], "wb") as f:
         f.write(b"\xff\xd8\xff not a JPEG")
+    from PIL import Image  # images Ultralytics' training leaves out, which a Ray worker must leave out too:
+
+    Image.new("RGB", (6, 6), (90, 20, 200)).save(images[0], format="JPEG")  # under 10 pixels a side
+    Image.new("RGB", (64, 48), (20, 90, 200)).save(images[5], format="GIF")  # a GIF named .jpg
     single = pack(data, str(tmp_path / "single"), format="yolo", workers=1)
     summary = pack_on_ray(data, str(tmp_path / "ray"), num_parts=3, format="yolo")
     merged, single_index = load(summary["out"]), load(single.out)
-    assert merged.task == "detect" and len(merged) == len(single_index) == 12
+    assert merged.task == "detect" and len(merged) == len(single_index) == 10
     assert np.array_equal(merged.boxes, single_index.boxes) and \
         np.array_equal(merged.box_start, single_index.box_start)
     report = json.loads(pathlib.Path(summary["out"], "pack_report.json").read_text())
-    assert [entry["path"] for entry in report["skipped"]] == [os.path.relpath(images[-1], os.path.dirname(data))]
+    assert [entry["path"] for entry in report["skipped"]] == \
+        [os.path.relpath(images[k], os.path.dirname(data)) for k in (0, 5, -1)]
+    assert [entry["path"] for entry in report["skipped"]] == [entry["path"] for entry in single.skipped]
     assert report["labels"] == single.labels  # (not the clipped box of the image part 2 skipped, as one pack)
     assert all(entry["image"] != report["skipped"][0]["path"] for entry in report["labels"]["clipped"])
     from gdsdata.cli import main  # the command says what the labels got wrong, as a local pack does

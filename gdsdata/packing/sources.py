@@ -748,12 +748,15 @@ class Listing:
     """A listed folder source (local or remote), to hand to workers elsewhere (Ray tasks) without
     listing it again: its classes and items, read the way the source reads them."""
 
+    # what packing reads of a source beyond its classes and items, with the value where a source has none
+    # (YOLO's min_side and image_formats: the images Ultralytics' training leaves out, left out here too)
+    CARRIED = {"ignored": [], "task": "classify", "format": "", "report": None, "category_ids": None,
+               "unreadable": [], "special": [], "min_side": 0, "image_formats": None}
+
     def __init__(self, source):
         self.root, self.classes, self.items = source.root, source.classes, source.items
-        self.ignored = getattr(source, "ignored", [])
-        self.task, self.format = getattr(source, "task", "classify"), getattr(source, "format", "")
-        self.report, self.category_ids = getattr(source, "report", None), getattr(source, "category_ids", None)
-        self.unreadable, self.special = getattr(source, "unreadable", []), getattr(source, "special", [])
+        for name, default in self.CARRIED.items():
+            setattr(self, name, getattr(source, name, default))
 
     def read(self, item):
         return None
