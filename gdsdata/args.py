@@ -1,6 +1,7 @@
 """Checks of the arguments users pass (Loader, transforms, pack, dataset indices): one clear line
 for a wrong type or a value out of range, the same test everywhere."""
 
+import os
 import re
 from fractions import Fraction
 
@@ -29,6 +30,22 @@ def given_path(name: str, value):
     if isinstance(value, (str, bytes)) and not value:
         raise ValueError(f"{name} is an empty path (a variable left unset?); name the folder, \".\" for the current "
                          "one")
+    return value
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def output_path(name: str, value):
+    """``value`` as ``given_path`` takes it, and not a URL: a dataset is written to a local or
+    mounted filesystem, where its shards are read with cuFile (as a path, ``s3://bucket/ds`` would
+    become a folder ``s3:/bucket/ds`` under the current one)."""
+    value = given_path(name, value)
+    text = os.fsdecode(value) if isinstance(value, (str, bytes, os.PathLike)) else ""
+    if _SCHEME.match(text):
+        local = text[len("file://"):] if text.startswith("file:///") else ""
+        raise ValueError(f"{text}: {name} is a URL; a dataset is written to a local or mounted folder (cuFile "
+                         f"reads its shards there){f': give the path, {local}' if local else ''}")
     return value
 
 

@@ -157,6 +157,25 @@ def test_an_empty_path_is_a_usage_error_not_the_current_folder(small_src, tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+def test_an_out_given_as_a_url_is_refused_not_made_a_local_folder_named_after_it(small_src, tmp_path,
+                                                                                 monkeypatch):
+    """``gdsdata pack SRC s3://bucket/ds`` would otherwise write ``./s3:/bucket/ds`` and exit 0."""
+    monkeypatch.chdir(tmp_path)
+    said = "out is a URL; a dataset is written to a local or mounted folder (cuFile reads its shards there)"
+    for command, args in (("pack", (small_src, "s3://bucket/ds")), ("pack", (small_src, "memory://ds", "--append")),
+                          ("merge", (small_src, "gs://bucket/ds"))):
+        rc, out, err = run(command, *args, "-q")
+        assert (rc, out, err) == (1, "", f"gdsdata: error: {args[1]}: {said}\n")
+    local = str(tmp_path / "ds")
+    assert run("pack", small_src, f"file://{local}")[2] == \
+        f"gdsdata: error: file://{local}: {said}: give the path, {local}\n"
+    assert os.listdir(tmp_path) == []
+    for call in (lambda: gdsdata.pack(small_src, "s3://bucket/ds"), lambda: gdsdata.merge([small_src], "az://c/ds")):
+        with pytest.raises(ValueError, match="is a URL"):
+            call()
+    assert os.listdir(tmp_path) == []
+
+
 def test_verify_names_bad_samples(small_src, tmp_path):
     out = str(tmp_path / "ds")
     assert run("pack", small_src, out, "-q")[0] == 0

@@ -26,7 +26,7 @@ import numpy as np
 from gdsdata import __version__
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
-from gdsdata.args import given_path, skip_limit
+from gdsdata.args import given_path, output_path, skip_limit
 from gdsdata.errors import FormatError, SourceError
 from gdsdata.format.lock import (SHARDS_TAG, check_held, drop_if_empty, keep_if_lost, make_shard_folder, owned_target,
                                  reader_lock, remove_quietly, remove_shards, shard_folder, writer_lock)
@@ -227,7 +227,7 @@ def merge(parts: list, out, *, copy: bool = False, overwrite: bool = False, prog
         and ``report_path``: the ``pack_report.json`` joining the parts' reports, written for the
         parts of one pack that each have theirs (None otherwise).
     """
-    out = os.path.realpath(os.fspath(given_path("out", out)))
+    out = os.path.realpath(os.fspath(output_path("out", out)))
     parts = [given_path("a part", part) for part in parts]
     _given_once(parts, out)
     max_skipped = skip_limit(max_skipped)  # (a bad value said before anything is locked or read)

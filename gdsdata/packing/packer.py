@@ -38,7 +38,7 @@ from typing import Callable, Sequence  # noqa: F401 - in annotations
 import numpy as np
 
 from gdsdata import __version__, settings
-from gdsdata.args import given_path, is_integer, skip_limit, skips_allowed
+from gdsdata.args import given_path, is_integer, output_path, skip_limit, skips_allowed
 from gdsdata.format import layout as fmt
 from gdsdata.format import index as index_io
 from gdsdata.errors import (BadImageError, FormatError, GdsDataError, LockLost, OutputExistsError, SourceError,
@@ -647,7 +647,7 @@ def pack(src: "str | os.PathLike", out: "str | os.PathLike", *, options: PackOpt
     if not isinstance(src, Listing) and not is_url(src):
         src = os.path.abspath(os.fspath(src))
     # a link to a dataset: that dataset (its own folder is swapped)
-    out = os.path.realpath(os.fspath(given_path("out", out)))
+    out = os.path.realpath(os.fspath(output_path("out", out)))
     if shard_size < alignment * 2:
         raise ValueError(f"shard size must be at least twice the alignment ({alignment * 2} bytes)")
     if not 0 <= part < num_parts:

@@ -62,7 +62,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     call starts (or joins) is shut down when it returns or fails; one already running in the process
     is left as it is. ``max_skipped``: as ``pack``'s, of every part's files together, checked before
     the merge (nothing is written then)."""
-    from gdsdata.args import given_path, skip_limit
+    from gdsdata.args import given_path, output_path, skip_limit
     from gdsdata.packing.merge import JoinedReport, merge_checked
     from gdsdata.packing.packer import LEFT_OUT, check_output, dataset_owner, listed_in, shard_roots_of, within
 
@@ -72,7 +72,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     src = local_path(given_path("src", src))
     local = isinstance(src, str) and "://" not in src
     src = os.path.abspath(src) if local else src
-    out = os.path.realpath(os.fspath(given_path("out", out)))
+    out = os.path.realpath(os.fspath(output_path("out", out)))
     if local and os.path.isdir(src) and within(out, src):
         raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it")
     with writer_lock(out, f"pack --ray of {display(src)}"):
