@@ -470,7 +470,8 @@ def build_parser():
                        "and the images folder.")
     p.add_argument("paths", nargs="+", metavar="SRC OUT", type=_path,
                    help="an ImageFolder tree SRC/CLASS/IMAGE, an LMDB, or .tar shards (a path or an fsspec "
-                   "URL: s3://, gs://, az://, ...), and the dataset folder to create")
+                   "URL: s3://, gs://, az://, ...; detection sources: a path), and the dataset folder to create "
+                   "(a path)")
     p.add_argument("--format", choices=("folder", "yolo", "coco"), default="folder",
                    help="folder (classification, default), yolo or coco (detection: boxes packed with the images)")
     p.add_argument("--split", help="--format yolo: the split to pack (a data YAML's or a dataset folder's default: "

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -373,6 +374,10 @@ def test_a_file_url_packs_the_folder_it_names(tmp_path):
     assert all((ds[i][0] == ref[i][0]).all() for i in range(4))
     with pytest.raises(SourceError, match="a file:// URL of another host"):
         pack("file://elsewhere/data", str(tmp_path / "other"), workers=1)
+    missing = "file://" + urllib.parse.quote(str(tmp_path / "no src"))  # named as given, as other URLs are
+    with pytest.raises(SourceError, match=f"^{re.escape(missing)}: no such file or folder$"):
+        pack(missing, str(tmp_path / "other"), workers=1)
+    assert sorted(os.listdir(tmp_path)) == ["ds", "my src", "reference"]
 
 
 def test_a_dataset_given_as_the_source_is_refused_naming_merge(tmp_path):

@@ -537,7 +537,7 @@ class TarSource:
 
 def local_path(src):
     """``src`` with a ``file://`` URL turned into the path it names (fsspec's local files are read
-    as paths are); anything else as it is."""
+    as paths are; SourceError naming the URL where that path is missing); anything else as it is."""
     if not (isinstance(src, str) and src.startswith("file://")):
         return src
     from urllib.parse import unquote, urlparse
@@ -545,7 +545,10 @@ def local_path(src):
     url = urlparse(src)
     if url.netloc not in ("", "localhost"):
         raise SourceError(f"{src}: a file:// URL of another host ({url.netloc}); give a path this machine sees")
-    return unquote(url.path)
+    path = unquote(url.path)
+    if not os.path.lexists(path):
+        raise SourceError(f"{src}: no such file or folder")
+    return path
 
 
 def is_url(src) -> bool:
