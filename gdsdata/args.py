@@ -4,6 +4,7 @@ for a wrong type or a value out of range, the same test everywhere."""
 import os
 import re
 from fractions import Fraction
+from urllib.parse import unquote
 
 import numpy as np
 
@@ -43,7 +44,7 @@ def output_path(name: str, value):
     value = given_path(name, value)
     text = os.fsdecode(value) if isinstance(value, (str, bytes, os.PathLike)) else ""
     if _SCHEME.match(text):
-        local = text[len("file://"):] if text.startswith("file:///") else ""
+        local = unquote(text[len("file://"):]) if text.startswith("file:///") else ""
         raise ValueError(f"{text}: {name} is a URL; a dataset is written to a local or mounted folder (cuFile "
                          f"reads its shards there){f': give the path, {local}' if local else ''}")
     return value

@@ -23,6 +23,7 @@ Label conventions:
   huge id would otherwise make hundreds of millions of classes.
 """
 
+import copy
 import errno
 import functools
 import operator
@@ -759,7 +760,7 @@ class Listing:
     def __init__(self, source):
         self.root, self.classes, self.items = source.root, source.classes, source.items
         for name, default in self.CARRIED.items():
-            setattr(self, name, getattr(source, name, default))
+            setattr(self, name, getattr(source, name) if hasattr(source, name) else copy.copy(default))
 
     def read(self, item):
         return None
