@@ -190,10 +190,16 @@ def stalled(activities, timeout: float) -> StallError:
         return None
     epoch, number = stuck.batch
     call = native_call(stuck.thread) if stuck.thread is not None else None
-    where = f"stuck in {call[0]} for {call[1]:.0f} s" if call else "not inside a native call gdsdata knows"
+    where = f"stuck in {call[0]} for {as_seconds(call[1])} s" if call else "not inside a native call gdsdata knows"
     return StallError(f"gdsdata Loader: the {stage_name(stuck.stage)} made no progress for "
-                      f"{stuck.stuck_for(now):.0f} s on batch {number} of epoch {epoch} ({where}); "
+                      f"{as_seconds(stuck.stuck_for(now))} s on batch {number} of epoch {epoch} ({where}); "
                       f"the bound is the stall_timeout setting (GDSDATA_STALL_TIMEOUT={timeout:g} s)")
+
+
+def as_seconds(value: float) -> str:
+    """A time waited, as the messages give it: whole seconds from 10 s, tenths below (a bound under a
+    second would otherwise read as "0 s")."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
 
 
 def stage_name(stage: str) -> str:

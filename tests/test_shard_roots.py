@@ -116,6 +116,11 @@ def test_shards_go_round_the_roots_and_read_as_one_folder(src, tmp_path):
     where = info(spread)["shard_folders"]
     assert len(where["folders"]) == 3 and sum(where["folders"].values()) == result.shards
     assert gdsdata.verify(spread) == []
+    os.rename(drives[1], drives[1] + "-away")  # a drive not mounted: the error says where the link points
+    target = os.readlink(os.path.join(spread, shard_files(spread)[1]))
+    with pytest.raises(gdsdata.FormatError, match=re.escape(f"shard-00001.gds: shard file missing: a link to {target}, "
+                                                            "which is not there (its drive not mounted?)")):
+        gdsdata.GDSDataset(spread)
 
 
 def test_a_failed_pack_removes_its_shards_from_every_root(tmp_path):

@@ -46,6 +46,7 @@ def test_a_stuck_decode_raises_naming_stage_batch_and_call(photos_dataset):
         assert got == 2
         assert "decode thread" in message and "batch 2 of epoch 0" in message
         assert "fakeDecodeThatNeverReturns" in message and "GDSDATA_STALL_TIMEOUT" in message
+        assert re.search(r"made no progress for [1-9]\.[0-9] s on batch", message), message  # tenths, under 10 s
         assert isinstance(caught.value, gdsdata.GdsDataError)
         assert waited < 1.5 + 5  # the bound, plus the poll and the bounded close
     finally:
