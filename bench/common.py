@@ -33,8 +33,30 @@ def system_block() -> dict:
     info = report()
     info["commit"] = os.environ.get("GDSDATA_COMMIT") or _commit()
     info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
+    info["cpu model"] = cpu_model()
     info["host speed"] = host_speed()
     return info
+
+
+def cpu_model() -> str:
+    """The host's CPU (``model name`` of /proc/cpuinfo) and its sockets, to tell the hosts of runs on
+    the same kind of GPU apart; "unknown" where /proc/cpuinfo says neither."""
+    models, sockets = {}, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "model name":
+                    models[value] = models.get(value, 0) + 1
+                elif key == "physical id":
+                    sockets.add(value)
+    except OSError:
+        return "unknown"
+    if not models:
+        return "unknown"
+    name = max(models, key=models.get)
+    return f"{name}, {len(sockets)} socket(s)" if sockets else name
 
 
 def host_cpu_times():

@@ -132,6 +132,12 @@ def test_the_system_block_says_how_fast_the_host_runs():
         assert common.host_cpu_times() is None
     assert common.steal_pct((10, 1000), (13, 1200)) == 1.5
     assert common.steal_pct(None, (13, 1200)) is None and common.steal_pct((1, 5), (1, 5)) is None
+    model = common.cpu_model()  # and on which CPU: the model /proc/cpuinfo names most, and its sockets
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        assert not names or model.startswith(max(set(names), key=names.count)), model
+    assert model and "\n" not in model
 
 
 def test_gpu_clocks_give_medians_and_the_shares_held_down():
