@@ -39,8 +39,8 @@ def system_block() -> dict:
 
 
 def cpu_model() -> str:
-    """The host's CPU (``model name`` of /proc/cpuinfo) and its sockets, to tell the hosts of runs on
-    the same kind of GPU apart; "unknown" where /proc/cpuinfo says neither."""
+    """The host's CPU (``model name`` of /proc/cpuinfo, else lscpu's) and its sockets, to tell the
+    hosts of runs on the same kind of GPU apart; "unknown" where neither names it."""
     models, sockets = {}, set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -53,6 +53,12 @@ def cpu_model() -> str:
                     sockets.add(value)
     except OSError:
         return "unknown"
+    if not models:  # (arm64: /proc/cpuinfo names no model; lscpu does)
+        try:
+            said = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            said = ""
+        models = {line.split(":", 1)[1].strip(): 1 for line in said.splitlines() if line.startswith("Model name:")}
     if not models:
         return "unknown"
     name = max(models, key=models.get)

@@ -4,7 +4,7 @@ for a wrong type or a value out of range, the same test everywhere."""
 import os
 import re
 from fractions import Fraction
-from urllib.parse import unquote
+from urllib.parse import unquote, urlparse
 
 import numpy as np
 
@@ -35,6 +35,7 @@ def given_path(name: str, value):
 
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_FOLDED = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/")  # a URL made a pathlib path: "s3:/bucket/ds" (not "C:/")
 
 
 def output_path(name: str, value):
@@ -43,8 +44,9 @@ def output_path(name: str, value):
     become a folder ``s3:/bucket/ds`` under the current one)."""
     value = given_path(name, value)
     text = os.fsdecode(value) if isinstance(value, (str, bytes, os.PathLike)) else ""
-    if _SCHEME.match(text):
-        local = unquote(text[len("file://"):]) if text.startswith("file:///") else ""
+    if _SCHEME.match(text) or (isinstance(value, os.PathLike) and _FOLDED.match(text)):
+        url = urlparse(text)
+        local = unquote(url.path) if url.scheme == "file" and url.netloc in ("", "localhost") and url.path else ""
         raise ValueError(f"{text}: {name} is a URL; a dataset is written to a local or mounted folder (cuFile "
                          f"reads its shards there){f': give the path, {local}' if local else ''}")
     return value

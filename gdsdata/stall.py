@@ -199,7 +199,7 @@ def stalled(activities, timeout: float) -> StallError:
 def as_seconds(value: float) -> str:
     """A time waited, as the messages give it: whole seconds from 10 s, tenths below (a bound under a
     second would otherwise read as "0 s")."""
-    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+    return f"{value:.0f}" if round(value, 1) >= 10 else f"{value:.1f}"
 
 
 def stage_name(stage: str) -> str:

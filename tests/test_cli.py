@@ -170,7 +170,11 @@ def test_an_out_given_as_a_url_is_refused_not_made_a_local_folder_named_after_it
     assert run("pack", small_src, f"file://{local}")[2] == \
         f"gdsdata: error: file://{local}: {said}: give the path, {local}\n"
     assert os.listdir(tmp_path) == []
-    for call in (lambda: gdsdata.pack(small_src, "s3://bucket/ds"), lambda: gdsdata.merge([small_src], "az://c/ds")):
+    rc, _, err = run("pack", small_src, "ds", "--shard-root", "s3://bucket/roots", "-q")  # (nor a shard root)
+    assert (rc, err) == (1, "gdsdata: error: s3://bucket/roots: a shard root is a URL; a dataset is written to a "
+                            "local or mounted folder (cuFile reads its shards there)\n")
+    for call in (lambda: gdsdata.pack(small_src, "s3://bucket/ds"), lambda: gdsdata.merge([small_src], "az://c/ds"),
+                 lambda: gdsdata.pack(small_src, pathlib.Path("s3://bucket/ds"))):  # (a Path keeps "s3:/bucket")
         with pytest.raises(ValueError, match="is a URL"):
             call()
     assert os.listdir(tmp_path) == []

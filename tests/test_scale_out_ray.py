@@ -150,6 +150,13 @@ def test_a_detection_source_packs_on_ray_with_its_boxes(local_ray, kill_marker, 
     assert [entry["path"] for entry in report["skipped"]] == [entry["path"] for entry in single.skipped]
     assert report["labels"] == single.labels  # (not the clipped box of the image part 2 skipped, as one pack)
     assert all(entry["image"] != report["skipped"][0]["path"] for entry in report["labels"]["clipped"])
+    coco = tmp_path / "src" / "coco"  # COCO from file:// URLs, its annotations' too, as a local pack takes them
+    annotations = coco / "annotations" / "instances_train.json"
+    local_coco = pack(str(coco / "train"), str(tmp_path / "coco-local"), format="coco", annotations=str(annotations),
+                      workers=1)
+    ray_coco = pack_on_ray(f"file://{coco / 'train'}", str(tmp_path / "coco-ray"), num_parts=2, format="coco",
+                           annotations=f"file://{annotations}")
+    assert np.array_equal(load(ray_coco["out"]).boxes, load(local_coco.out).boxes) and local_coco.packed == 13
     from gdsdata.cli import main  # the command says what the labels got wrong, as a local pack does
 
     assert main(["pack", "--format", "yolo", data, str(tmp_path / "cli"), "--ray", "--num-parts", "3", "-q"]) == 0

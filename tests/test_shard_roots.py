@@ -116,11 +116,16 @@ def test_shards_go_round_the_roots_and_read_as_one_folder(src, tmp_path):
     where = info(spread)["shard_folders"]
     assert len(where["folders"]) == 3 and sum(where["folders"].values()) == result.shards
     assert gdsdata.verify(spread) == []
+    opened = gdsdata.GDSDataset(spread)
+    on_drive_1 = next(i for i in range(len(opened)) if opened.index.samples["shard"][i] == 1)
     os.rename(drives[1], drives[1] + "-away")  # a drive not mounted: the error says where the link points
     target = os.readlink(os.path.join(spread, shard_files(spread)[1]))
-    with pytest.raises(gdsdata.FormatError, match=re.escape(f"shard-00001.gds: shard file missing: a link to {target}, "
-                                                            "which is not there (its drive not mounted?)")):
+    said = re.escape(f"a link to {target}, which is not there (its drive not mounted?)")
+    with pytest.raises(gdsdata.FormatError, match=f"shard-00001.gds: shard file missing: {said}"):
         gdsdata.GDSDataset(spread)
+    with pytest.raises(gdsdata.FormatError, match=f"shard-00001.gds: missing, gone since the dataset was opened: "
+                                                  f"{said}"):
+        opened[on_drive_1]
 
 
 def test_a_failed_pack_removes_its_shards_from_every_root(tmp_path):

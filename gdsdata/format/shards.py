@@ -235,7 +235,7 @@ def cannot_read(what, error: Exception) -> str:
     return f"{what}: cannot be read ({getattr(error, 'strerror', None) or error})"
 
 
-def _dangling(path) -> str:
+def dangling(path) -> str:
     """Where a missing shard is a link (a pack onto several drives): where it points, which is not there."""
     try:
         return f": a link to {os.readlink(path)}, which is not there (its drive not mounted?)"
@@ -249,7 +249,7 @@ def read_header(path, expected_index: int, dataset_id: bytes, alignment: int, nu
     try:
         raw = _read_head(path, fmt.SHARD_HEADER.itemsize)
     except FileNotFoundError as e:
-        raise FormatError(f"{path}: shard file missing{_dangling(path)} (the dataset is incomplete)") from e
+        raise FormatError(f"{path}: shard file missing{dangling(path)} (the dataset is incomplete)") from e
     except OSError as e:  # (EACCES, EIO...)
         raise FormatError(cannot_read(path, e)) from e
     if len(raw) < fmt.SHARD_HEADER.itemsize:

@@ -14,7 +14,7 @@ import numpy as np
 from gdsdata import settings
 from gdsdata import stall
 from gdsdata.errors import FormatError, GdsDataError
-from gdsdata.format.shards import cannot_read, check_opened, open_regular
+from gdsdata.format.shards import cannot_read, check_opened, dangling, open_regular
 from gdsdata.io.plan import Plan, max_gap, plan_reads
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,8 @@ def shard_gone(error: FileNotFoundError, path):
     """Raise a ``FormatError`` for a shard file gone since the index was loaded (the dataset was
     replaced with fewer shards, or the file removed), chained to ``error``, instead of a bare
     ``FileNotFoundError``."""
-    raise FormatError(f"{path}: missing, gone since the dataset was opened (if it was packed again, open it "
-                      f"again; if the file was removed, the dataset is incomplete)") from error
+    raise FormatError(f"{path}: missing, gone since the dataset was opened{dangling(path)} (if it was packed again, "
+                      f"open it again; if the file was removed, the dataset is incomplete)") from error
 
 
 class OpenShards:

@@ -972,7 +972,7 @@ def within(path, folder) -> bool:
 def shard_roots_of(shard_roots, out, src=None) -> list:
     """``pack``'s shard_roots as absolute paths, each a folder (made if missing) outside ``out`` and
     outside the source folder ``src`` (links followed)."""
-    roots = [os.path.abspath(os.fspath(given_path("a shard root", r))) for r in (shard_roots or ())]
+    roots = [os.path.abspath(os.fspath(output_path("a shard root", r))) for r in (shard_roots or ())]
     real = [os.path.realpath(r) for r in roots]
     if len(set(real)) != len(roots):
         twice = next(r for k, r in enumerate(roots) if real[k] in real[:k])

@@ -27,7 +27,7 @@ from gdsdata.format.shards import open_regular
 from gdsdata.packing.detection import DetectionSource, open_detection
 from gdsdata.packing.packer import saved_report
 from gdsdata.progress import bar as progress_bar
-from gdsdata.stall import timeout_or_none
+from gdsdata.stall import as_seconds, timeout_or_none
 from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, local_path, open_source
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     ray = _import_ray()
     started = time.perf_counter()
     src = local_path(given_path("src", src))
+    annotations = local_path(given_path("annotations", annotations))
     local = isinstance(src, str) and "://" not in src
     src = os.path.abspath(src) if local else src
     out = os.path.realpath(os.fspath(output_path("out", out)))
@@ -395,8 +396,8 @@ class _Watch:
             if quiet is None or quiet <= limit:
                 continue
             if k in self.isolated:
-                raise GdsDataError(f"part {k} of {self.parts} made no progress for {quiet:.0f} s packing each image "
-                                   f"in a worker process: the node rather than the images? (the stall_timeout "
+                raise GdsDataError(f"part {k} of {self.parts} made no progress for {as_seconds(quiet)} s packing each "
+                                   f"image in a worker process: the node rather than the images? (the stall_timeout "
                                    f"setting, GDSDATA_STALL_TIMEOUT, is {self.bound:g} s an image)")
             log.warning("part %d of %d made no progress for %g s (the stall_timeout setting); packing it again from "
                         "the shards it finished, each image in a worker process under the bound", k, self.parts,
@@ -404,8 +405,9 @@ class _Watch:
             self.ray.cancel(ref, force=True)
             gone, _ = self.ray.wait([ref], timeout=timeout_or_none(self.answer))  # (its writer lock goes with it)
             if not gone:
-                raise GdsDataError(f"part {k} of {self.parts} made no progress for {quiet:.0f} s, and its worker could "
-                                   f"not be ended (stuck in the kernel: a read of a storage that does not answer?)")
+                raise GdsDataError(f"part {k} of {self.parts} made no progress for {as_seconds(quiet)} s, and its "
+                                   f"worker could not be ended (stuck in the kernel: a read of a storage that does not "
+                                   f"answer?)")
             self.restart(k)
             self.isolated.add(k)
             ended.append((ref, k))
