@@ -377,6 +377,11 @@ def test_a_file_url_packs_the_folder_it_names(tmp_path):
     missing = "file://" + urllib.parse.quote(str(tmp_path / "no src"))  # named as given, as other URLs are
     with pytest.raises(SourceError, match=f"^{re.escape(missing)}: no such file or folder$"):
         pack(missing, str(tmp_path / "other"), workers=1)
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    with pytest.raises(SourceError, match=re.escape(f"file://{tmp_path}/link: no such file or folder (a link to "
+                                                    f"{tmp_path}/gone, which is not there)")):
+        pack(f"file://{tmp_path}/link", str(tmp_path / "other"), workers=1)
+    os.remove(tmp_path / "link")
     assert sorted(os.listdir(tmp_path)) == ["ds", "my src", "reference"]
 
 

@@ -547,8 +547,9 @@ def local_path(src):
     if url.netloc not in ("", "localhost"):
         raise SourceError(f"{src}: a file:// URL of another host ({url.netloc}); give a path this machine sees")
     path = unquote(url.path)
-    if not os.path.lexists(path):
-        raise SourceError(f"{src}: no such file or folder")
+    if not os.path.exists(path):
+        link = f" (a link to {os.readlink(path)}, which is not there)" if os.path.islink(path) else ""
+        raise SourceError(f"{src}: no such file or folder{link}")
     return path
 
 
