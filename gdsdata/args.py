@@ -38,6 +38,13 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _FOLDED = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/")  # a URL made a pathlib path: "s3:/bucket/ds" (not "C:/")
 
 
+def file_url_path(text: str) -> "str | None":
+    """The path a ``file://`` URL of this machine names (``file:///x``, ``file://localhost/x``,
+    unquoted); None for any other text."""
+    url = urlparse(text)
+    return unquote(url.path) if url.scheme == "file" and url.netloc in ("", "localhost") else None
+
+
 def output_path(name: str, value):
     """``value`` as ``given_path`` takes it, and not a URL: a dataset is written to a local or
     mounted filesystem, where its shards are read with cuFile (as a path, ``s3://bucket/ds`` would
@@ -45,8 +52,7 @@ def output_path(name: str, value):
     value = given_path(name, value)
     text = os.fsdecode(value) if isinstance(value, (str, bytes, os.PathLike)) else ""
     if _SCHEME.match(text) or (isinstance(value, os.PathLike) and _FOLDED.match(text)):
-        url = urlparse(text)
-        local = unquote(url.path) if url.scheme == "file" and url.netloc in ("", "localhost") and url.path else ""
+        local = file_url_path(text)
         raise ValueError(f"{text}: {name} is a URL; a dataset is written to a local or mounted folder (cuFile "
                          f"reads its shards there){f': give the path, {local}' if local else ''}")
     return value

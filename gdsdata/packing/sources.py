@@ -37,6 +37,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from gdsdata.args import file_url_path
 from gdsdata.errors import BadImageError, SourceError, SourceGoneError, install_hint
 from gdsdata.format.layout import INDEX_NAME
 
@@ -541,12 +542,12 @@ def local_path(src):
     as paths are; SourceError naming the URL where that path is missing); anything else as it is."""
     if not (isinstance(src, str) and src.startswith("file://")):
         return src
-    from urllib.parse import unquote, urlparse
+    path = file_url_path(src)
+    if path is None:
+        from urllib.parse import urlparse
 
-    url = urlparse(src)
-    if url.netloc not in ("", "localhost"):
-        raise SourceError(f"{src}: a file:// URL of another host ({url.netloc}); give a path this machine sees")
-    path = unquote(url.path)
+        raise SourceError(f"{src}: a file:// URL of another host ({urlparse(src).netloc}); give a path this machine "
+                          f"sees")
     if not os.path.exists(path):
         link = f" (a link to {os.readlink(path)}, which is not there)" if os.path.islink(path) else ""
         raise SourceError(f"{src}: no such file or folder{link}")
