@@ -2,8 +2,8 @@
 
 ``concurrent.futures.ThreadPoolExecutor`` joins its workers when the interpreter shuts down, so a
 worker stuck in a system call (a read from a dead drive) would hang the exit of a script that has
-already been told about the stall. The Loader's read-ahead and the streaming reads use this pool
-instead.
+already been told about the stall. The Loader's read-ahead, the streaming reads and the CPU pool
+(CPU decoding and resampling) use this pool instead.
 """
 
 import queue
@@ -45,7 +45,7 @@ class DaemonPool:
         future = Future()
         with self._lock:
             if self._shut:  # (its workers are ending: the call would never run)
-                raise RuntimeError(f"{self._name}: submit after shutdown")
+                raise RuntimeError(f"cannot schedule new futures after shutdown ({self._name})")  # (as concurrent.futures says it)
             if self._idle <= self._jobs.qsize() and len(self._threads) < self._count:
                 thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
                 self._threads.append(thread)

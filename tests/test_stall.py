@@ -297,6 +297,42 @@ threading.Thread(target=train).start()
     assert done.returncode == 0 and "done True" in done.stdout, (done.returncode, done.stderr[-2000:])
 
 
+def test_a_script_exits_after_a_stall_in_the_cpu_pool(photos_dataset, tmp_path):
+    """A CPU decode that never returns (on the pool that CPU decoding and resampling share) is a
+    StallError, and the script that caught it still exits: the pool's threads never keep the
+    interpreter from exiting (concurrent.futures' did: its exit joined them for good)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stuck.py"
+    script.write_text(f"""
+import threading, gdsdata
+import gdsdata.backends.cpu as backend
+real, stuck = backend.decode, threading.Event()
+def decode(*args, **kwargs):
+    if stuck.is_set() and threading.current_thread().name.startswith("gdsdata-cpu"):
+        threading.Event().wait()  # a libjpeg-turbo call that never returns
+    return real(*args, **kwargs)
+backend.decode = decode
+ds = gdsdata.GDSDataset({photos_dataset[2]!r})
+loader = gdsdata.Loader(ds, 16, shuffle=None, transform=gdsdata.CenterCrop(32, dtype="float32"))
+try:
+    with gdsdata.settings.set(stall_timeout=1.5):
+        for k, _ in enumerate(loader):
+            if k == 1:
+                stuck.set()
+except gdsdata.StallError as e:
+    print("stalled:", e, flush=True)
+loader.close()
+ds.close()
+print("done", flush=True)
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env=child_env())
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "stalled:" in done.stdout and "CPU decode" in done.stdout and "done" in done.stdout, done.stdout
+
+
 def test_exit_does_not_wait_forever_for_a_decoder_a_stuck_decode_holds():
     """At exit the idle nvJPEG decoders are destroyed, each only if its lock comes within the bound:
     a decode stuck in nvJPEG (its thread left behind by close) holds that lock for good."""

@@ -6,7 +6,7 @@ identical pixels (docs/design.md).
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 
 import numpy as np
 import simplejpeg
@@ -14,29 +14,32 @@ import simplejpeg
 from gdsdata.format import layout as fmt
 from gdsdata import settings
 from gdsdata.errors import CorruptSampleError
+from gdsdata.threads import DaemonPool
 
 _pool = {"executor": None, "pid": None, "size": None}
 _pool_lock = threading.Lock()
 _PREFIX = "gdsdata-cpu"
 
 
-def cpu_pool() -> ThreadPoolExecutor:
+def cpu_pool() -> DaemonPool:
     """The process's CPU worker threads (the cpu_threads setting), shared by CPU decoding and CPU
     resampling, so that the two stages of a Loader share the cores; made again in a forked child
-    or when the setting changes."""
+    or when the setting changes. Daemon threads: a decode stuck in libjpeg-turbo, which the Loader
+    reports as a stall, never keeps the interpreter from exiting."""
     size = settings.get("cpu_threads")
     with _pool_lock:
         if _pool["executor"] is None or _pool["pid"] != os.getpid() or _pool["size"] != size:
-            _pool.update(executor=ThreadPoolExecutor(size, thread_name_prefix=_PREFIX), pid=os.getpid(),
-                         size=size)
+            if _pool["executor"] is not None and _pool["pid"] == os.getpid():
+                _pool["executor"].shutdown()  # (its threads end once the work given them is done)
+            _pool.update(executor=DaemonPool(size, _PREFIX), pid=os.getpid(), size=size)
         return _pool["executor"]
 
 
 def _refused_at_shutdown(error: RuntimeError) -> bool:
-    """Whether ``ThreadPoolExecutor.submit`` refused the work, queuing nothing, because the pool or
-    the interpreter shuts down: concurrent.futures says so only in its message ("cannot schedule new
-    futures after [interpreter] shutdown"); its other errors (a broken pool, a thread that could not
-    start after the work was queued) are not that."""
+    """Whether ``submit`` refused the work, queuing nothing, because the pool or the interpreter
+    shuts down: concurrent.futures (and ``DaemonPool`` after it) says so only in its message
+    ("cannot schedule new futures after [interpreter] shutdown"); its other errors (a broken pool, a
+    thread that could not start after the work was queued) are not that."""
     return type(error) is RuntimeError and str(error).startswith("cannot schedule new futures after")
 
 
