@@ -1382,6 +1382,19 @@ def test_a_lock_file_that_is_not_a_file_is_named(tmp_path):
     os.mkfifo(lock)
     with pytest.raises(OSError, match=f"{lock}, the lock file of ds, is not a regular file: remove it"):
         pack(str(src), out, workers=1)
+    os.makedirs(out)  # opening a folder without an index asks the lock who writes it: never waiting on the FIFO
+    opened = []
+
+    def open_it():
+        with pytest.raises(FormatError, match="no index") as caught:
+            gdsdata.GDSDataset(out)
+        opened.append(caught.value)
+
+    opener = threading.Thread(target=open_it, daemon=True)
+    opener.start()
+    opener.join(30)
+    assert opened, "opening the dataset waited on the FIFO"
+    os.rmdir(out)
     os.unlink(lock)
     os.mkdir(lock)
     with pytest.raises(OSError, match=f"{lock}, the lock file of ds, cannot be opened: Is a directory"):

@@ -234,11 +234,18 @@ def writing(out) -> str | None:
     ...)"), or None: a writer of this host other than this process whose process runs and is the one
     that signed the lock (not a later process given a killed writer's pid), or one of another host
     (which cannot be checked). Takes no lock, so a writer starting meanwhile is never turned away."""
+    try:  # (not blocking: a FIFO put where the lock file belongs would wait for a writer for good)
+        fd = os.open(_lock_path(os.fspath(out)), os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
     try:
-        with open(_lock_path(os.fspath(out)), "rb") as f:
-            info = json.loads(f.read(4096).decode() or "{}")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
     if not isinstance(info, dict) or not info or info.get("reading"):
         return None  # (a merge reading a finished dataset writes nothing there)
     pid, host = info.get("pid"), info.get("host")
