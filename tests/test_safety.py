@@ -598,6 +598,42 @@ def test_a_worker_killed_mid_pack_becomes_one_skipped_file(tmp_path):
     assert verify(out) == []
 
 
+def test_a_pool_that_breaks_between_waits_loses_no_chunk_and_keeps_the_order(monkeypatch):
+    """A worker killed while the pack reads the next items (a tar source, say) breaks the pool before
+    the next ``submit``, which then raises: that chunk is redone like those the broken pool held, in
+    source order (it had ended the pack with a traceback)."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    import gdsdata.packing.packer as packer
+
+    monkeypatch.setattr(packer, "_prepare_chunk", lambda batch: [(job, "pool", None, None) for job in batch])
+    monkeypatch.setattr(packer, "_isolated", lambda job, context, bound: (job, "alone", None, None))
+
+    class Pool:
+        def __init__(self, breaks_at):
+            self.calls, self.breaks_at = 0, breaks_at
+
+        def submit(self, call, batch):
+            self.calls += 1
+            if self.calls > self.breaks_at:
+                raise BrokenProcessPool("A child process terminated abruptly")
+            future = Future()
+            if self.calls == self.breaks_at:  # the chunk whose worker died
+                future.set_exception(BrokenProcessPool("A child process terminated abruptly"))
+            else:
+                future.set_result(call(batch))
+            return future
+
+        def shutdown(self, wait=True, cancel_futures=False):
+            pass
+
+    pools = iter([Pool(breaks_at=2), Pool(breaks_at=10**9)])
+    got = list(packer._ordered(lambda: next(pools), range(40), window=32, context=None, bound=1, chunk=8))
+    assert [job for job, *_ in got] == list(range(40))
+    assert [job for job, how, *_ in got if how == "alone"] == list(range(8, 16))  # the dead worker's chunk
+
+
 def _pack_with_stuck_items(tmp_path, stuck: str, timeout="2", prelude=""):
     """``pack(workers=2)`` in a child whose workers hang for good on the items ``stuck`` (a Python
     expression of ``job``) names, ``stall_timeout`` at ``timeout`` seconds; ``prelude``: code the

@@ -29,7 +29,7 @@ import sys
 import time
 import zlib
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout  # (not yet the builtin before Python 3.11)
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
@@ -304,7 +304,12 @@ def _ordered(pool_factory, jobs, window, context, bound, chunk=8):
         while True:
             batch = redo.popleft() if redo else list(itertools.islice(jobs, chunk))
             if batch:
-                pending.append((pool.submit(_prepare_chunk, batch), batch))
+                try:
+                    future = pool.submit(_prepare_chunk, batch)
+                except BrokenProcessPool as e:  # (the pool broke since the last wait: its turn comes below)
+                    future = Future()
+                    future.set_exception(e)
+                pending.append((future, batch))
             if pending and (not batch or len(pending) * chunk >= window):
                 future, done = pending.popleft()
                 try:
