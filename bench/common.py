@@ -1,9 +1,11 @@
 """Helpers every benchmark shares: the system block, timing with warm-up and medians, CPU cost."""
 
+import glob
 import json
 import math
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -370,12 +372,20 @@ def chart(results, path, title):
 
 def image_set(folder, count, classes, **options) -> str:
     """``folder`` holding ``count`` generated photographic JPEGs in ``classes`` class folders
-    (``tools/make_images.py``), made once; returns ``folder``."""
+    (``tools/make_images.py``; ``options``: its ``noise``, ``quality``, ``scale``, ``progress``), made
+    once: a marker beside the folder (not in it, where packing would list it) says it is whole, and a
+    folder without one is made again from empty. Returns ``folder``."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
     from make_images import generate
 
-    marker = os.path.join(folder, f".complete-{count}")
+    folder = os.path.normpath(folder)
+    parent, name = os.path.split(folder)
+    marker = os.path.join(parent, f".{name}.complete-{count}")
     if not os.path.exists(marker):
+        for old in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.complete-*")):
+            os.remove(old)  # (another count's)
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"generating {count} photographic test images in {folder}", flush=True)
         t0 = time.perf_counter()
         total = generate(folder, count, classes=classes, **options)
         open(marker, "w").close()

@@ -24,14 +24,11 @@ sys.path.insert(0, HERE)
 
 
 def prepare(args):
-    from make_images import generate
+    from common import image_set
 
     import gdsdata
 
-    src = os.path.join(args.dir, "images")
-    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
-        generate(src, args.count, classes=100)
-        open(os.path.join(src, f".complete-{args.count}"), "w").close()
+    src = image_set(os.path.join(args.dir, "images"), args.count, classes=100)
     result = gdsdata.pack(src, os.path.join(args.dir, "jpeg.gds"), overwrite=True)
     print(f"packed {result.packed} images into {args.dir}/jpeg.gds")
 

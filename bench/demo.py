@@ -8,7 +8,6 @@ using all cores. Numbers from this demo are indicative; bench/ has the controlle
 
 import argparse
 import os
-import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -16,8 +15,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from common import measure, print_system_block, print_table, system_block  # noqa: E402
-from make_images import generate  # noqa: E402
+from common import image_set, measure, print_system_block, print_table, system_block  # noqa: E402
 
 import gdsdata  # noqa: E402
 
@@ -78,13 +76,8 @@ def main(argv=None):
 
     src, out = os.path.join(args.dir, "images"), os.path.join(args.dir, "packed")
     print_system_block(system_block())
-    marker = os.path.join(src, f".complete-{args.count}")
-    if not os.path.exists(marker):
-        shutil.rmtree(src, ignore_errors=True)
-        print(f"\n== generating {args.count} photographic test images in {src} ==")
-        total = generate(src, args.count, classes=10, progress=sys.stderr.isatty())
-        print(f"{args.count} images, mean {total / args.count / 1e3:.0f} KB")
-        open(marker, "w").close()
+    print("\n== test images ==")
+    image_set(src, args.count, classes=10, progress=sys.stderr.isatty())
     print(f"\n== packing into {out} ==")
     result = gdsdata.pack(src, out, overwrite=True, progress=sys.stderr.isatty())
     print(f"packed {result.packed} images into {result.shards} shard(s) in {result.seconds:.1f} s")

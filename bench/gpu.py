@@ -30,9 +30,8 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import peers  # noqa: E402
-from common import (drop_caches, kvikio_pread_epoch, loader_epoch, measure, print_system_block, print_table,  # noqa: E402
-                    shard_paths, system_block, warm, write_json)
-from make_images import generate  # noqa: E402
+from common import (drop_caches, image_set, kvikio_pread_epoch, loader_epoch, measure, print_system_block,  # noqa: E402
+                    print_table, shard_paths, system_block, warm, write_json)
 
 import gdsdata  # noqa: E402
 from gdsdata import settings  # noqa: E402
@@ -145,15 +144,10 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     system = system_block()
     print_system_block(system)
-    image_set = f"n{args.noise:g}-q{args.quality}-s{args.scale:g}"
-    src = os.path.join(args.dir, f"images-{image_set}")
-    if not os.path.exists(os.path.join(src, f".complete-{args.count}")):
-        t0 = time.perf_counter()
-        total = generate(src, args.count, classes=100, noise=args.noise, quality=args.quality, scale=args.scale)
-        open(os.path.join(src, f".complete-{args.count}"), "w").close()
-        print(f"generated {args.count} images, mean {total / args.count / 1e3:.0f} KB, "
-              f"in {time.perf_counter() - t0:.0f} s")
-    jpeg_dir, raw_dir = os.path.join(args.dir, f"jpeg-{image_set}.gds"), os.path.join(args.dir, "raw.gds")
+    variant = f"n{args.noise:g}-q{args.quality}-s{args.scale:g}"
+    src = image_set(os.path.join(args.dir, f"images-{variant}"), args.count, classes=100, noise=args.noise,
+                    quality=args.quality, scale=args.scale)
+    jpeg_dir, raw_dir = os.path.join(args.dir, f"jpeg-{variant}.gds"), os.path.join(args.dir, "raw.gds")
     packed = gdsdata.pack(src, jpeg_dir, overwrite=True)
     print(f"packed JPEG: {packed.packed} images, {packed.bytes / 1e9:.2f} GB, {packed.seconds:.1f} s "
           f"({packed.packed / packed.seconds:.0f} images/s, {os.cpu_count()} workers)")

@@ -27,8 +27,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from common import chart, measure, print_system_block, print_table, system_block, write_json  # noqa: E402
-from make_images import generate  # noqa: E402
+from common import chart, image_set, measure, print_system_block, print_table, system_block, write_json  # noqa: E402
 
 import gdsdata  # noqa: E402
 from gdsdata import settings  # noqa: E402
@@ -92,10 +91,7 @@ def main(argv=None):
     device = torch.device("cuda" if cuda else "cpu")
 
     work = os.path.join(args.dir, args.size)
-    src = os.path.join(work, "images")
-    if not os.path.exists(os.path.join(src, f".complete-{count}")):
-        generate(src, count, classes=classes)
-        open(os.path.join(src, f".complete-{count}"), "w").close()
+    src = image_set(os.path.join(work, "images"), count, classes=classes)
     gdsdata.pack(src, os.path.join(work, "jpeg.gds"), overwrite=True)
     payload = int(gdsdata.GDSDataset(os.path.join(work, "jpeg.gds")).index.samples["length"].sum())  # no padding
     files = sorted(os.path.join(root, f) for root, _, names in os.walk(src) for f in names if f.endswith(".jpg"))

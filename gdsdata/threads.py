@@ -44,8 +44,8 @@ class DaemonPool:
     def submit(self, call, *args) -> Future:
         future = Future()
         with self._lock:
-            if self._shut:  # (its workers are ending: the call would never run)
-                raise RuntimeError(f"cannot schedule new futures after shutdown ({self._name})")  # (as concurrent.futures says it)
+            if self._shut:  # (its workers are ending: the call would never run; in concurrent.futures' words)
+                raise RuntimeError(f"cannot schedule new futures after shutdown ({self._name})")
             if self._idle <= self._jobs.qsize() and len(self._threads) < self._count:
                 thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
                 self._threads.append(thread)

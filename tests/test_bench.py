@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+import gdsdata
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
@@ -43,6 +45,24 @@ def _bench_common():
     import common
 
     return common
+
+
+def test_an_image_set_is_made_once_whole_and_holds_only_images(tmp_path):
+    """The benchmarks' generated image set: made once (a marker beside the folder, where packing does
+    not list it), made again from empty for another count (no images of the last one left over)."""
+    common = _bench_common()
+    folder = str(tmp_path / "images")
+    assert common.image_set(folder, 6, classes=2) == folder
+    files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+    assert len(files) == 6 and all(f.endswith(".jpg") for f in files)
+    stamp = os.path.getmtime(os.path.join(folder, files[0]))
+    common.image_set(folder, 6, classes=2)  # made once
+    assert os.path.getmtime(os.path.join(folder, files[0])) == stamp
+    common.image_set(folder, 4, classes=2)
+    assert sum(len(fs) for _, _, fs in os.walk(folder)) == 4
+    assert sorted(os.listdir(tmp_path)) == [".images.complete-4", "images"]
+    result = gdsdata.pack(folder, str(tmp_path / "ds"), workers=1)
+    assert result.packed == 4 and not result.ignored
 
 
 def test_timed_runs_repeat_short_epochs_to_fill_min_seconds():
