@@ -1139,6 +1139,9 @@ def _close_at_exit():
             active.close(grace=_EXIT_GRACE_S)
         except Exception:  # noqa: BLE001 - at exit, nothing more to do
             pass
+    cpu = sys.modules.get("gdsdata.decode.cpu")  # the CPU work those passes gave the shared pool
+    if cpu is not None:
+        cpu.drain(_EXIT_GRACE_S)
     decoders = sys.modules.get("gdsdata.decode.gpu")  # then the GPU decoders no dataset uses
     if decoders is not None:
         decoders.close_idle()

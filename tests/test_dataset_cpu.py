@@ -3,6 +3,7 @@
 import os
 import pathlib
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -571,30 +572,107 @@ def test_the_cpu_pool_runs_each_item_once_waits_for_all_and_raises_a_failure():
         assert sorted(nested) == [(k, j) for k in range(8) for j in range(3)]
 
 
-def test_the_cpu_pool_runs_the_rest_in_place_at_shutdown_and_raises_any_other_refusal(monkeypatch):
-    """A pool shut down (as at the interpreter's exit, under a non-daemon thread's work) takes no
-    work: what it refuses runs in place, each k once. Any other refusal of ``submit`` is raised (a
-    thread that could not start leaves its run queued: running it in place too would run it twice)."""
-    import concurrent.futures
+def test_the_cpu_pool_runs_in_place_what_it_refuses_and_waits_for_what_it_took(monkeypatch, caplog):
+    """What the pool refuses (shut down, or no thread could be started) it never queued: that runs
+    in place, each k once, after which the runs it took are waited for. A thread that could not
+    start leaves the pool whole: the next thread starts when it can."""
+    import threading
 
     from gdsdata.decode import cpu
+    from gdsdata.threads import DaemonPool
 
-    seen = []
-    closed = concurrent.futures.ThreadPoolExecutor(2)
+    seen, lock = [], threading.Lock()
+
+    def note(k):
+        with lock:
+            seen.append(k)
+
+    closed = DaemonPool(2, "gdsdata-cpu-test")
     closed.shutdown()
     monkeypatch.setattr(cpu, "cpu_pool", lambda: closed)
-    cpu.run_parallel(seen.append, 20)
+    cpu.run_parallel(note, 20)
     assert sorted(seen) == list(range(20))
+    assert "could be started" not in caplog.text  # (a pool shut down is no failure to report)
 
-    class Refusing(concurrent.futures.ThreadPoolExecutor):
-        def submit(self, *args, **kwargs):
+    pool, real_start, starts = DaemonPool(2, "gdsdata-cpu-test"), threading.Thread.start, []
+
+    def start(thread):
+        starts.append(thread.name)
+        if len(starts) > 1:  # (the first starts, no other)
             raise RuntimeError("can't start new thread")
+        real_start(thread)
 
-    refusing = Refusing(1)
-    monkeypatch.setattr(cpu, "cpu_pool", lambda: refusing)
-    with pytest.raises(RuntimeError, match="can't start new thread"):
-        cpu.run_parallel(seen.append, 20)
-    refusing.shutdown()
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(cpu, "cpu_pool", lambda: pool)
+    seen.clear()
+    cpu.run_parallel(note, 40)
+    assert sorted(seen) == list(range(40))  # (run by the one thread that started)
+    assert len(pool._threads) == 1
+    fresh = DaemonPool(2, "gdsdata-cpu-test")  # none starts: refused, run in place
+    monkeypatch.setattr(threading.Thread, "start", lambda thread: (_ for _ in ()).throw(RuntimeError("no")))
+    monkeypatch.setattr(cpu, "cpu_pool", lambda: fresh)
+    seen.clear()
+    cpu.run_parallel(note, 40)
+    assert sorted(seen) == list(range(40)) and "no CPU worker thread could be started (no)" in caplog.text
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    seen.clear()
+    pool.shutdown(5)
+    fresh.submit(note, 1).result(5)  # the next thread starts when it can
+    assert seen == [1] and len(fresh._threads) == 1
+    fresh.shutdown(5)
+
+
+def test_the_cpu_pool_replaced_mid_work_strands_nothing():
+    """The cpu_threads setting changed while other threads run work on the pool: the old pool is
+    shut down, and every call given it still runs (a shutdown between a submit's check and its
+    queuing had stranded the call behind the workers' ends, and run_parallel waited for good)."""
+    import sys
+    import threading
+
+    from gdsdata.decode.cpu import run_parallel
+
+    done, stop = [], threading.Event()
+
+    def worker():
+        while not stop.is_set():
+            run_parallel(lambda k: None, 64)
+        done.append(1)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(3)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switched as often as can be: the race's window comes up)
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 4
+        size = 1
+        while time.monotonic() < deadline:
+            size = size % 3 + 2
+            with settings.set(cpu_threads=size):
+                time.sleep(0.001)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(done) == 3, "a run_parallel waited for good on a call a replaced pool stranded"
+
+
+def test_the_pool_drains_within_its_bound():
+    """``DaemonPool.drain``: True once every call submitted has ended, False at its bound while one
+    still runs (what the exit waits for, at most a few seconds, before the interpreter finalises)."""
+    import threading
+
+    from gdsdata.threads import DaemonPool
+
+    pool, release = DaemonPool(2, "gdsdata-drain-test"), threading.Event()
+    assert pool.drain(0)
+    futures = [pool.submit(release.wait, 30), pool.submit(time.sleep, 0.01)]
+    t0 = time.monotonic()
+    assert not pool.drain(0.3) and 0.25 < time.monotonic() - t0 < 5
+    release.set()
+    assert pool.drain(10) and all(f.done() for f in futures)
+    pool.shutdown(5)
 
 
 def test_a_shard_header_with_another_sample_count_is_named(photos_dataset, tmp_path):

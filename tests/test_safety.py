@@ -601,7 +601,8 @@ def test_a_worker_killed_mid_pack_becomes_one_skipped_file(tmp_path):
 def test_a_pool_that_breaks_between_waits_loses_no_chunk_and_keeps_the_order(monkeypatch):
     """A worker killed while the pack reads the next items (a tar source, say) breaks the pool before
     the next ``submit``, which then raises: that chunk is redone like those the broken pool held, in
-    source order (it had ended the pack with a traceback)."""
+    source order (it had ended the pack with a traceback). A worker process that cannot start is one
+    line."""
     from concurrent.futures import Future
     from concurrent.futures.process import BrokenProcessPool
 
@@ -632,6 +633,14 @@ def test_a_pool_that_breaks_between_waits_loses_no_chunk_and_keeps_the_order(mon
     got = list(packer._ordered(lambda: next(pools), range(40), window=32, context=None, bound=1, chunk=8))
     assert [job for job, *_ in got] == list(range(40))
     assert [job for job, how, *_ in got if how == "alone"] == list(range(8, 16))  # the dead worker's chunk
+
+    class NoProcesses(Pool):  # (a worker process could not start: out of memory, or of processes)
+        def submit(self, call, batch):
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    with pytest.raises(GdsDataError, match=r"^cannot start a packing worker process: Resource temporarily "
+                                           r"unavailable \(fewer --workers, or free memory\)$"):
+        list(packer._ordered(lambda: NoProcesses(0), range(40), window=32, context=None, bound=1, chunk=8))
 
 
 def _pack_with_stuck_items(tmp_path, stuck: str, timeout="2", prelude=""):

@@ -316,21 +316,22 @@ def decode(*args, **kwargs):
 backend.decode = decode
 ds = gdsdata.GDSDataset({photos_dataset[2]!r})
 loader = gdsdata.Loader(ds, 16, shuffle=None, transform=gdsdata.CenterCrop(32, dtype="float32"))
-try:
-    with gdsdata.settings.set(stall_timeout=1.5):
-        for k, _ in enumerate(loader):
-            if k == 1:
-                stuck.set()
-except gdsdata.StallError as e:
-    print("stalled:", e, flush=True)
-loader.close()
+stuck.set()
+with gdsdata.settings.set(stall_timeout=1.5):
+    try:
+        for _ in loader:
+            print("a batch", flush=True)
+    except gdsdata.StallError as e:
+        print("stalled:", e, flush=True)
+    loader.close()
 ds.close()
 print("done", flush=True)
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                           env=child_env())
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert "stalled:" in done.stdout and "CPU decode" in done.stdout and "done" in done.stdout, done.stdout
+    assert "a batch" not in done.stdout and "stalled:" in done.stdout and "CPU decode" in done.stdout, done.stdout
+    assert done.stdout.endswith("done\n"), done.stdout
 
 
 def test_exit_does_not_wait_forever_for_a_decoder_a_stuck_decode_holds():

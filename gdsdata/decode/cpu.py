@@ -4,6 +4,7 @@ JPEGs are decoded with simplejpeg (libjpeg-turbo, releases the GIL): faster than
 identical pixels (docs/design.md).
 """
 
+import logging
 import os
 import threading
 from concurrent.futures import wait
@@ -16,6 +17,7 @@ from gdsdata import settings
 from gdsdata.errors import CorruptSampleError
 from gdsdata.threads import DaemonPool
 
+log = logging.getLogger(__name__)
 _pool = {"executor": None, "pid": None, "size": None}
 _pool_lock = threading.Lock()
 _PREFIX = "gdsdata-cpu"
@@ -35,12 +37,11 @@ def cpu_pool() -> DaemonPool:
         return _pool["executor"]
 
 
-def _refused_at_shutdown(error: RuntimeError) -> bool:
-    """Whether ``submit`` refused the work, queuing nothing, because the pool or the interpreter
-    shuts down: concurrent.futures (and ``DaemonPool`` after it) says so only in its message
-    ("cannot schedule new futures after [interpreter] shutdown"); its other errors (a broken pool, a
-    thread that could not start after the work was queued) are not that."""
-    return type(error) is RuntimeError and str(error).startswith("cannot schedule new futures after")
+def drain(wait_s: float) -> bool:
+    """Wait at most ``wait_s`` seconds for the work given the CPU pool to end (at exit, before the
+    interpreter finalises: a daemon thread inside a torch call then makes torch abort); True if it did."""
+    pool = _pool["executor"]
+    return pool is None or _pool["pid"] != os.getpid() or pool.drain(wait_s)
 
 
 def run_parallel(work, count: int):
@@ -64,11 +65,10 @@ def run_parallel(work, count: int):
     for r in range(runs):
         try:
             futures.append(cpu_pool().submit(run, r))
-        except RuntimeError as e:
-            if not _refused_at_shutdown(e):  # (e.g. a thread that could not start: its run is queued already)
-                raise
-            break  # the pool or the interpreter is shutting down (a non-daemon thread's work after the main thread
-            # ended): the pool takes no more work, the rest runs in place
+        except RuntimeError as e:  # nothing queued: the rest runs in place
+            if not str(e).startswith("cannot schedule new futures after"):  # (not a pool being replaced)
+                log.warning("no CPU worker thread could be started (%s): the CPU work runs in the calling thread", e)
+            break
     failure = None
     for r in range(len(futures), runs):
         try:

@@ -309,6 +309,9 @@ def _ordered(pool_factory, jobs, window, context, bound, chunk=8):
                 except BrokenProcessPool as e:  # (the pool broke since the last wait: its turn comes below)
                     future = Future()
                     future.set_exception(e)
+                except OSError as e:  # (its worker processes start as work comes: no memory, no process left)
+                    raise GdsDataError(f"cannot start a packing worker process: {e.strerror or e} (fewer --workers, "
+                                       f"or free memory)") from None
                 pending.append((future, batch))
             if pending and (not batch or len(pending) * chunk >= window):
                 future, done = pending.popleft()
