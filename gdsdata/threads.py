@@ -43,6 +43,10 @@ class DaemonPool:
                     else:
                         future.set_result(result)
             finally:
+                # what the call held (a dataset and its open shards, say) is not kept alive while
+                # this thread waits for the next one
+                del job, future, call, args
+                result = None
                 with self._lock:
                     self._outstanding -= 1
                     if not self._outstanding:
