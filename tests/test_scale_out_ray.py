@@ -102,12 +102,14 @@ def test_a_local_ray_packs_in_parts_and_survives_a_killed_worker(source, local_r
 
 def test_a_local_ray_packs_onto_shard_roots_and_the_dataset_owns_them(source, local_ray, tmp_path):
     """``--ray --shard-root``: each part writes its shards on the drives, the merge moves them into the
-    dataset's own folders there (no part's folder is left on a drive), and an overwrite removes them."""
+    dataset's own folders there (no part's folder is left on a drive), and an overwrite removes them.
+    SRC and OUT as pathlib paths, as ``pack`` takes them (SRC's had failed with an AttributeError)."""
     from gdsdata.packing.ray import pack_on_ray
 
     src, reference = source
     out, drives = str(tmp_path / "ds"), [str(tmp_path / "drive0"), str(tmp_path / "drive1")]
-    summary = pack_on_ray(src, out, num_parts=3, shard_size=64 * 1024, shard_roots=drives)
+    summary = pack_on_ray(pathlib.Path(src), pathlib.Path(out), num_parts=3, shard_size=64 * 1024,
+                          shard_roots=drives)
     assert summary["shards_placed"] == ["moved on its drive"]
     same_dataset(out, reference)
     assert verify(out) == []

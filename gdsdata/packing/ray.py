@@ -28,7 +28,8 @@ from gdsdata.packing.detection import DetectionSource, open_detection
 from gdsdata.packing.packer import saved_report
 from gdsdata.progress import bar as progress_bar
 from gdsdata.stall import as_seconds, timeout_or_none
-from gdsdata.packing.sources import Listing, FolderSource, RemoteFolderSource, display, local_path, open_source
+from gdsdata.packing.sources import (Listing, FolderSource, RemoteFolderSource, display, is_url, local_path,
+                                     open_source)
 
 log = logging.getLogger(__name__)
 _IMAGES_PER_PART = 500  # below this a part's fixed costs (a task, a process, its shards) dominate
@@ -71,8 +72,8 @@ def pack_on_ray(src, out, *, address=None, num_parts=0, options=None, shard_size
     started = time.perf_counter()
     src = local_path(given_path("src", src))
     annotations = local_path(given_path("annotations", annotations))
-    local = isinstance(src, str) and "://" not in src
-    src = os.path.abspath(src) if local else src
+    local = not is_url(src)
+    src = os.path.abspath(os.fspath(src)) if local else src  # (a pathlib.Path too, as pack takes it)
     out = os.path.realpath(os.fspath(output_path("out", out)))
     if local and os.path.isdir(src) and within(out, src):
         raise SourceError(f"{out}: inside the source folder {src}; pack into a folder outside it")
