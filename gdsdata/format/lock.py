@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 
-from gdsdata.errors import BusyError, GdsDataError, LockLost
+from gdsdata.errors import BusyError, FormatError, GdsDataError, LockLost
 from gdsdata.format.layout import JOURNAL_SUFFIX, TMP_SUFFIX, short_ident
 
 log = logging.getLogger(__name__)
@@ -234,18 +234,13 @@ def writing(out) -> str | None:
     ...)"), or None: a writer of this host other than this process whose process runs and is the one
     that signed the lock (not a later process given a killed writer's pid), or one of another host
     (which cannot be checked). Takes no lock, so a writer starting meanwhile is never turned away."""
-    try:  # (not blocking: a FIFO put where the lock file belongs would wait for a writer for good)
-        fd = os.open(_lock_path(os.fspath(out)), os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
+    from gdsdata.format.shards import open_regular  # (which imports this module)
+
+    try:  # (a FIFO where the lock file belongs is refused, never waited on for a writer)
+        with open(open_regular(_lock_path(os.fspath(out)), what="a lock file"), "rb") as f:
+            info = json.loads(f.read(4096).decode() or "{}")
+    except (OSError, ValueError, FormatError):
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
     if not isinstance(info, dict) or not info or info.get("reading"):
         return None  # (a merge reading a finished dataset writes nothing there)
     pid, host = info.get("pid"), info.get("host")
@@ -661,7 +656,6 @@ def dataset_owner(folder) -> "bytes | None":
     owner = _index_id(folder)
     if owner is not None:
         return owner
-    from gdsdata.errors import FormatError
     from gdsdata.format.shards import open_regular  # (which imports this module)
 
     try:
